@@ -1,0 +1,281 @@
+"""MtpConfig: the shape and routing hyper-parameters of a GLM-5 MTP layer.
+
+Field names follow the Hugging Face ``config.json`` of GLM-5 (``model_type: glm_moe_dsa``), so a
+real checkpoint's config reads straight into this dataclass (``MtpConfig.from_hf_config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# The MTP layer of a checkpoint sits after the decoder layers: model.layers.{num_hidden_layers}.*
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """Hyper-parameters of one GLM-5 MTP layer (and of the small targets built from it).
+
+    Args:
+        hidden_size: width H of the residual stream.
+        vocab_size: rows of ``embed_tokens`` and ``lm_head``.
+        q_lora_rank: rank of the low-rank query (``q_a_proj`` output).
+        kv_lora_rank: width of the compressed KV latent cached per row.
+        qk_nope_head_dim: per-head query/key dims without RoPE.
+        qk_rope_head_dim: per-head query/key dims with RoPE (one shared rope key per row).
+        v_head_dim: per-head value dims.
+        num_attention_heads: MLA heads.
+        n_routed_experts: routed experts E of the MoE.
+        num_experts_per_tok: experts chosen per row.
+        n_shared_experts: shared experts, fused into one SwiGLU of ``n * moe_intermediate_size``.
+        moe_intermediate_size: intermediate width of one expert.
+        n_group: expert groups for group-limited routing (1 = no limiting).
+        topk_group: groups that compete for the experts when ``n_group > 1``.
+        routed_scaling_factor: multiplier on the (normalised) routing weights.
+        norm_topk_prob: normalise the chosen experts' weights to sum 1.
+        index_n_heads: lightning-indexer heads.
+        index_head_dim: lightning-indexer head width (its first ``qk_rope_head_dim`` dims rotate).
+        index_topk: rows each query attends to after the indexer's selection.
+        rope_theta: RoPE base.
+        rope_interleave: MLA RoPE rotates adjacent pairs (True) or halves (False).
+        indexer_rope_interleave: the same for the indexer.
+        rms_norm_eps: epsilon of every RMSNorm.
+        max_position_embeddings: the model's max DSA context; caps a drafter's ``max_seq_len``.
+        num_hidden_layers: decoder layers of the target; the MTP layer is the one after them.
+        first_k_dense_replace: leading target layers with a dense MLP instead of the MoE.
+        intermediate_size: width of that dense MLP.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_theta: float
+    rope_interleave: bool = True
+    indexer_rope_interleave: bool = True
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    num_hidden_layers: int = 1
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_row_width(self) -> int:
+        """Width of one cached KV row: the normalised latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mtp_layer_index(self) -> int:
+        return self.num_hidden_layers
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field that is missing, out of range or inconsistent."""
+        positive = [
+            "hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "n_routed_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
+            "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+            "num_hidden_layers",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MtpConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("n_shared_experts", "first_k_dense_replace", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MtpConfig.{name} must be a non-negative integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MtpConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(
+                f"MtpConfig.index_head_dim ({self.index_head_dim}) must hold the "
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) rotated dims"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"MtpConfig.n_group ({self.n_group}) must divide n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(f"MtpConfig.topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(
+                "MtpConfig.n_group: group-limited routing scores a group by its two best experts, "
+                f"so every group needs >= 2 experts (n_routed_experts={self.n_routed_experts}, n_group={self.n_group})"
+            )
+        eligible = self.topk_group * (self.n_routed_experts // self.n_group)
+        if self.num_experts_per_tok > eligible:
+            raise ValueError(
+                f"MtpConfig.num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {eligible} experts "
+                f"of the topk_group={self.topk_group} groups that may be chosen"
+            )
+        if self.first_k_dense_replace > 0 and self.intermediate_size < 1:
+            raise ValueError("MtpConfig.intermediate_size must be positive when first_k_dense_replace > 0")
+        if not self.rope_theta > 0:
+            raise ValueError(f"MtpConfig.rope_theta must be positive, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"MtpConfig.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"MtpConfig.routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
+
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> "MtpConfig":
+        """``tiny`` (tests), ``small`` (experiments), ``glm5`` (GLM-5's real values), ``glm5_shape``
+        (GLM-5's widths with 16 routed experts, so one layer fits a CPU's memory)."""
+        try:
+            return cls(**PRESETS[name])
+        except KeyError:
+            raise ValueError(f"unknown MtpConfig preset {name!r}; known: {sorted(PRESETS)}") from None
+
+    def replace(self, **changes: Any) -> "MtpConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A GLM-5 style ``config.json`` body for this config (the inverse of ``from_hf_config``)."""
+        d = dataclasses.asdict(self)
+        d.update(
+            model_type="glm_moe_dsa",
+            architectures=["GlmMoeDsaForCausalLM"],
+            num_nextn_predict_layers=1,
+            qk_head_dim=self.qk_head_dim,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            hidden_act="silu",
+        )
+        return d
+
+    @classmethod
+    def from_hf_config(cls, path: str | os.PathLike[str] | dict[str, Any]) -> "MtpConfig":
+        """Read a GLM-5 (``glm_moe_dsa``) or DeepSeek-V3.2 style ``config.json``.
+
+        ``path`` is the file, its directory, or the already-parsed dict. Fields the drafter does
+        not use are ignored; a missing required field or a contradictory value raises
+        ``ValueError`` naming the field.
+        """
+        if isinstance(path, dict):
+            raw = dict(path)
+            where = "config"
+        else:
+            file = os.fspath(path)
+            if os.path.isdir(file):
+                file = os.path.join(file, "config.json")
+            with open(file) as f:
+                raw = json.load(f)
+            where = file
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{where}: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        for name, want in (("scoring_func", "sigmoid"), ("hidden_act", "silu")):
+            if name in raw and raw[name] != want:
+                raise ValueError(f"{where}: {name} must be {want!r} for this drafter, got {raw[name]!r}")
+        rope_scaling = raw.get("rope_scaling")
+        rope_params = raw.get("rope_parameters") or {}
+        rope_type = (rope_scaling or {}).get("type") or (rope_scaling or {}).get("rope_type") or rope_params.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"{where}: rope_scaling / rope_parameters.rope_type {rope_type!r} is not supported (default RoPE only)")
+
+        required = [
+            "hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "n_routed_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim",
+            "index_topk", "num_hidden_layers",
+        ]
+        kwargs: dict[str, Any] = {}
+        for name in required:
+            if raw.get(name) is None:
+                raise ValueError(f"{where}: required field {name!r} is missing")
+            kwargs[name] = raw[name]
+        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta"))
+        if rope_theta is None:
+            raise ValueError(f"{where}: required field 'rope_theta' is missing (also not in rope_parameters)")
+        optional = {
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "rope_interleave": True,
+            "indexer_rope_interleave": True,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "first_k_dense_replace": 0,
+            "intermediate_size": 0,
+        }
+        for name, default in optional.items():
+            value = raw.get(name)
+            kwargs[name] = default if value is None else value
+        kwargs["rope_theta"] = float(rope_theta)
+        kwargs["routed_scaling_factor"] = float(kwargs["routed_scaling_factor"])
+        kwargs["rms_norm_eps"] = float(kwargs["rms_norm_eps"])
+        if "qk_head_dim" in raw and raw["qk_head_dim"] != kwargs["qk_nope_head_dim"] + kwargs["qk_rope_head_dim"]:
+            raise ValueError(
+                f"{where}: qk_head_dim ({raw['qk_head_dim']}) must equal qk_nope_head_dim + qk_rope_head_dim "
+                f"({kwargs['qk_nope_head_dim']} + {kwargs['qk_rope_head_dim']})"
+            )
+        if raw.get("num_nextn_predict_layers", 1) < 1:
+            raise ValueError(f"{where}: num_nextn_predict_layers must be >= 1: this checkpoint has no MTP layer")
+        return cls(**kwargs)
+
+
+_TINY = dict(
+    hidden_size=64, vocab_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, num_attention_heads=4,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=2, index_head_dim=16, index_topk=6,
+    rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=512,
+    num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=128,
+)
+_SMALL = dict(
+    hidden_size=256, vocab_size=2048, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+    qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=8,
+    n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=128,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=4, index_head_dim=32, index_topk=32,
+    rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+    num_hidden_layers=4, first_k_dense_replace=1, intermediate_size=512,
+)
+_GLM5 = dict(
+    hidden_size=6144, vocab_size=154880, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+    qk_rope_head_dim=64, v_head_dim=256, num_attention_heads=64,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=32, index_head_dim=128, index_topk=2048,
+    rope_theta=1e6, rope_interleave=True, indexer_rope_interleave=True, rms_norm_eps=1e-5,
+    max_position_embeddings=202752, num_hidden_layers=78, first_k_dense_replace=3,
+    intermediate_size=12288,
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _TINY,
+    "small": _SMALL,
+    "glm5": _GLM5,
+    "glm5_shape": {**_GLM5, "n_routed_experts": 16},
+}

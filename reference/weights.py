@@ -1,0 +1,372 @@
+"""MtpWeights: the MTP layer's tensors, named as in a GLM-5 checkpoint, and how they load.
+
+One table (``layer_tensor_shapes``) lists every tensor a decoder layer holds under its checkpoint
+name; random init, loading, saving and the error messages all read it, so the names live in one
+place. Routed experts are stored stacked ``(E, ...)`` so a row's experts are one gather away.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .config import MtpConfig
+
+# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
+# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
+IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+@dataclass
+class MlpWeights:
+    """A SwiGLU MLP: a dense layer's MLP or the MoE's shared expert."""
+
+    gate_proj: Tensor  # (I, H)
+    up_proj: Tensor  # (I, H)
+    down_proj: Tensor  # (H, I)
+
+
+@dataclass
+class MoeWeights:
+    """Sigmoid-routed experts plus the shared expert."""
+
+    router: Tensor  # (E, H)   checkpoint: mlp.gate.weight
+    e_score_correction_bias: Tensor  # (E,) float32, used for selection only
+    experts_gate: Tensor  # (E, I, H)
+    experts_up: Tensor  # (E, I, H)
+    experts_down: Tensor  # (E, H, I)
+    shared: MlpWeights | None
+
+
+@dataclass
+class IndexerWeights:
+    """The lightning indexer of DSA attention."""
+
+    wq_b: Tensor  # (n_heads * head_dim, q_lora_rank)
+    wk: Tensor  # (head_dim, H)
+    k_norm_weight: Tensor  # (head_dim,)
+    k_norm_bias: Tensor  # (head_dim,)
+    weights_proj: Tensor  # (n_heads, H)
+
+
+@dataclass
+class AttentionWeights:
+    """MLA attention (low-rank q, compressed kv) with its indexer."""
+
+    q_a_proj: Tensor  # (q_lora_rank, H)
+    q_a_layernorm: Tensor  # (q_lora_rank,)
+    q_b_proj: Tensor  # (n_heads * qk_head_dim, q_lora_rank)
+    kv_a_proj_with_mqa: Tensor  # (kv_lora_rank + rope_dim, H)
+    kv_a_layernorm: Tensor  # (kv_lora_rank,)
+    kv_b_proj: Tensor  # (n_heads * (nope_dim + v_dim), kv_lora_rank)
+    o_proj: Tensor  # (H, n_heads * v_dim)
+    indexer: IndexerWeights
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One GLM-5 decoder layer: DSA attention and an MoE (or, in a dense layer, an MLP)."""
+
+    input_layernorm: Tensor  # (H,)
+    post_attention_layernorm: Tensor  # (H,)
+    attn: AttentionWeights
+    mlp: MoeWeights | MlpWeights
+
+
+# ------------------------------------------------------------------------------------------------
+# The name table.
+
+
+def layer_tensor_shapes(cfg: MtpConfig, sparse: bool = True) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name (relative to ``model.layers.{i}.``) -> shape, for one decoder layer."""
+    H, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    nh = cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H),
+        "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+        "self_attn.q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_row_width, H),
+        "self_attn.kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim),
+        "self_attn.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+        "self_attn.indexer.wk.weight": (cfg.index_head_dim, H),
+        "self_attn.indexer.k_norm.weight": (cfg.index_head_dim,),
+        "self_attn.indexer.k_norm.bias": (cfg.index_head_dim,),
+        "self_attn.indexer.weights_proj.weight": (cfg.index_n_heads, H),
+    }
+    if not sparse:
+        Id = cfg.intermediate_size
+        shapes.update({"mlp.gate_proj.weight": (Id, H), "mlp.up_proj.weight": (Id, H), "mlp.down_proj.weight": (H, Id)})
+        return shapes
+    shapes["mlp.gate.weight"] = (E, H)
+    shapes["mlp.gate.e_score_correction_bias"] = (E,)
+    for e in range(E):
+        shapes[f"mlp.experts.{e}.gate_proj.weight"] = (I, H)
+        shapes[f"mlp.experts.{e}.up_proj.weight"] = (I, H)
+        shapes[f"mlp.experts.{e}.down_proj.weight"] = (H, I)
+    if cfg.n_shared_experts:
+        Is = I * cfg.n_shared_experts
+        shapes["mlp.shared_experts.gate_proj.weight"] = (Is, H)
+        shapes["mlp.shared_experts.up_proj.weight"] = (Is, H)
+        shapes["mlp.shared_experts.down_proj.weight"] = (H, Is)
+    return shapes
+
+
+def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name (relative to ``model.layers.{num_hidden_layers}.``) -> shape, MTP layer."""
+    H = cfg.hidden_size
+    return {
+        "enorm.weight": (H,),
+        "hnorm.weight": (H,),
+        "eh_proj.weight": (H, 2 * H),
+        "shared_head.norm.weight": (H,),
+        **layer_tensor_shapes(cfg, sparse=True),
+    }
+
+
+def target_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """Absolute checkpoint name -> shape for the tensors an MTP drafter reads outside its layer."""
+    return {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+
+
+def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: bool = True) -> DecoderLayerWeights:
+    """Build a layer from tensors keyed by their layer-relative checkpoint names."""
+    attn = AttentionWeights(
+        q_a_proj=t["self_attn.q_a_proj.weight"],
+        q_a_layernorm=t["self_attn.q_a_layernorm.weight"],
+        q_b_proj=t["self_attn.q_b_proj.weight"],
+        kv_a_proj_with_mqa=t["self_attn.kv_a_proj_with_mqa.weight"],
+        kv_a_layernorm=t["self_attn.kv_a_layernorm.weight"],
+        kv_b_proj=t["self_attn.kv_b_proj.weight"],
+        o_proj=t["self_attn.o_proj.weight"],
+        indexer=IndexerWeights(
+            wq_b=t["self_attn.indexer.wq_b.weight"],
+            wk=t["self_attn.indexer.wk.weight"],
+            k_norm_weight=t["self_attn.indexer.k_norm.weight"],
+            k_norm_bias=t["self_attn.indexer.k_norm.bias"],
+            weights_proj=t["self_attn.indexer.weights_proj.weight"],
+        ),
+    )
+    mlp: MoeWeights | MlpWeights
+    if sparse:
+        E = cfg.n_routed_experts
+        shared = None
+        if cfg.n_shared_experts:
+            shared = MlpWeights(
+                t["mlp.shared_experts.gate_proj.weight"], t["mlp.shared_experts.up_proj.weight"], t["mlp.shared_experts.down_proj.weight"]
+            )
+        mlp = MoeWeights(
+            router=t["mlp.gate.weight"],
+            e_score_correction_bias=t["mlp.gate.e_score_correction_bias"].float(),
+            experts_gate=torch.stack([t[f"mlp.experts.{e}.gate_proj.weight"] for e in range(E)]),
+            experts_up=torch.stack([t[f"mlp.experts.{e}.up_proj.weight"] for e in range(E)]),
+            experts_down=torch.stack([t[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)]),
+            shared=shared,
+        )
+    else:
+        mlp = MlpWeights(t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"], t["mlp.down_proj.weight"])
+    return DecoderLayerWeights(t["input_layernorm.weight"], t["post_attention_layernorm.weight"], attn, mlp)
+
+
+def decoder_layer_to_tensors(layer: DecoderLayerWeights) -> dict[str, Tensor]:
+    """The inverse of ``decoder_layer_from_tensors``: layer-relative checkpoint name -> tensor."""
+    a, ix = layer.attn, layer.attn.indexer
+    out = {
+        "input_layernorm.weight": layer.input_layernorm,
+        "post_attention_layernorm.weight": layer.post_attention_layernorm,
+        "self_attn.q_a_proj.weight": a.q_a_proj,
+        "self_attn.q_a_layernorm.weight": a.q_a_layernorm,
+        "self_attn.q_b_proj.weight": a.q_b_proj,
+        "self_attn.kv_a_proj_with_mqa.weight": a.kv_a_proj_with_mqa,
+        "self_attn.kv_a_layernorm.weight": a.kv_a_layernorm,
+        "self_attn.kv_b_proj.weight": a.kv_b_proj,
+        "self_attn.o_proj.weight": a.o_proj,
+        "self_attn.indexer.wq_b.weight": ix.wq_b,
+        "self_attn.indexer.wk.weight": ix.wk,
+        "self_attn.indexer.k_norm.weight": ix.k_norm_weight,
+        "self_attn.indexer.k_norm.bias": ix.k_norm_bias,
+        "self_attn.indexer.weights_proj.weight": ix.weights_proj,
+    }
+    m = layer.mlp
+    if isinstance(m, MlpWeights):
+        out.update({"mlp.gate_proj.weight": m.gate_proj, "mlp.up_proj.weight": m.up_proj, "mlp.down_proj.weight": m.down_proj})
+        return out
+    out["mlp.gate.weight"] = m.router
+    out["mlp.gate.e_score_correction_bias"] = m.e_score_correction_bias
+    for e in range(m.experts_gate.shape[0]):
+        out[f"mlp.experts.{e}.gate_proj.weight"] = m.experts_gate[e]
+        out[f"mlp.experts.{e}.up_proj.weight"] = m.experts_up[e]
+        out[f"mlp.experts.{e}.down_proj.weight"] = m.experts_down[e]
+    if m.shared is not None:
+        out["mlp.shared_experts.gate_proj.weight"] = m.shared.gate_proj
+        out["mlp.shared_experts.up_proj.weight"] = m.shared.up_proj
+        out["mlp.shared_experts.down_proj.weight"] = m.shared.down_proj
+    return out
+
+
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+    """A float32 init for a tensor by its name: norms near 1, biases small, matrices ~ 1/sqrt(fan_in)."""
+    if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=gen)
+    if len(shape) == 1:  # norm weights
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MtpWeights:
+    """Everything an MTP drafter reads: its layer plus the target's embedding and head.
+
+    Args:
+        config: the layer's hyper-parameters.
+        embed_tokens: the target's ``model.embed_tokens.weight`` (V, H).
+        lm_head: the target's ``lm_head.weight`` (V, H), read by ``shared_head``.
+        enorm / hnorm: RMSNorm weights (H,) for the embedding and the target hidden.
+        eh_proj: (H, 2H), applied to ``cat([enorm(e), hnorm(h)])``, embedding first.
+        layer: the decoder layer (DSA attention + MoE).
+        shared_head_norm: the RMSNorm (H,) before the head; its output is the fed-back ``x``.
+    """
+
+    config: MtpConfig
+    embed_tokens: Tensor
+    lm_head: Tensor
+    enorm: Tensor
+    hnorm: Tensor
+    eh_proj: Tensor
+    layer: DecoderLayerWeights
+    shared_head_norm: Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.eh_proj.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.eh_proj.device
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_tensors(cls, cfg: MtpConfig, mtp: dict[str, Tensor], embed_tokens: Tensor, lm_head: Tensor) -> "MtpWeights":
+        """From MTP-layer tensors keyed by layer-relative names plus the target's embedding and head."""
+        return cls(
+            config=cfg,
+            embed_tokens=embed_tokens,
+            lm_head=lm_head,
+            enorm=mtp["enorm.weight"],
+            hnorm=mtp["hnorm.weight"],
+            eh_proj=mtp["eh_proj.weight"],
+            layer=decoder_layer_from_tensors(cfg, mtp, sparse=True),
+            shared_head_norm=mtp["shared_head.norm.weight"],
+        )
+
+    @classmethod
+    def random(
+        cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    ) -> "MtpWeights":
+        """Random weights of a sensible scale, the same for the same seed on every machine."""
+        gen = torch.Generator().manual_seed(seed)
+        made = {n: random_tensor(n, s, gen) for n, s in {**target_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items()}
+        cast = {n: (t if n.endswith("e_score_correction_bias") else t.to(dtype)).to(device) for n, t in made.items()}
+        embed, head = cast.pop("model.embed_tokens.weight"), cast.pop("lm_head.weight")
+        return cls.from_tensors(cfg, cast, embed, head)
+
+    def mtp_tensors(self) -> dict[str, Tensor]:
+        """Layer-relative checkpoint name -> tensor for the MTP layer."""
+        return {
+            "enorm.weight": self.enorm,
+            "hnorm.weight": self.hnorm,
+            "eh_proj.weight": self.eh_proj,
+            "shared_head.norm.weight": self.shared_head_norm,
+            **decoder_layer_to_tensors(self.layer),
+        }
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Absolute checkpoint names, as a GLM-5 checkpoint stores them."""
+        prefix = f"model.layers.{self.config.mtp_layer_index}."
+        out = {"model.embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}
+        out.update({prefix + n: t for n, t in self.mtp_tensors().items()})
+        return out
+
+    def tensors(self) -> Iterator[Tensor]:
+        yield from self.state_dict().values()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MtpWeights":
+        """A copy on another device and/or in another dtype (the routing bias stays float32)."""
+        mtp = {
+            n: t.to(device=device) if n.endswith("e_score_correction_bias") else t.to(device=device, dtype=dtype)
+            for n, t in self.mtp_tensors().items()
+        }
+        return MtpWeights.from_tensors(
+            self.config, mtp, self.embed_tokens.to(device=device, dtype=dtype), self.lm_head.to(device=device, dtype=dtype)
+        )
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike[str], shard_size: int | None = None, extra: dict[str, Tensor] | None = None) -> None:
+        """Write ``config.json`` and safetensors in GLM-5 naming (sharded with an index when
+        ``shard_size`` tensors-per-file is given). ``extra`` adds tensors, e.g. a target's layers."""
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(directory, self.config.to_hf_dict(), {**(extra or {}), **self.state_dict()}, shard_size)
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    ) -> "MtpWeights":
+        """Load the MTP layer (``model.layers.{num_hidden_layers}.*``) with the target's
+        ``model.embed_tokens.weight`` and ``lm_head.weight`` from a GLM-5 checkpoint directory,
+        reading no other layer's tensors. Errors name the tensor and the expected shape."""
+        from .checkpoint import load_mtp_tensors
+
+        cfg = MtpConfig.from_hf_config(directory)
+        mtp, embed, head = load_mtp_tensors(directory, cfg)
+
+        def place(name: str, t: Tensor) -> Tensor:
+            if name.endswith("e_score_correction_bias"):
+                return t.to(device=device, dtype=torch.float32)
+            return t.to(device=device, dtype=dtype or t.dtype)
+
+        mtp = {n: place(n, t) for n, t in mtp.items()}
+        return cls.from_tensors(cfg, mtp, place("embed", embed), place("head", head))
+
+
+def same_bytes(a: Tensor, b: Tensor) -> bool:
+    """Byte equality of two tensors (shape and dtype too): -0.0 != 0.0, NaN == the same NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def weights_equal(a: MtpWeights, b: MtpWeights) -> bool:
+    """Byte equality of every tensor and equal configs."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return a.config == b.config and sa.keys() == sb.keys() and all(same_bytes(sa[k], sb[k].to(sa[k].device)) for k in sa)
+
+
+__all__ = [
+    "MtpWeights",
+    "DecoderLayerWeights",
+    "AttentionWeights",
+    "IndexerWeights",
+    "MoeWeights",
+    "MlpWeights",
+    "layer_tensor_shapes",
+    "mtp_tensor_shapes",
+    "target_tensor_shapes",
+    "decoder_layer_from_tensors",
+    "decoder_layer_to_tensors",
+    "random_tensor",
+    "same_bytes",
+    "weights_equal",
+]
