@@ -33,14 +33,15 @@ LATENT_NORM_EPS = 1e-6
 
 @dataclass
 class Rope:
-    """The RoPE table of one row space: ``cos``/``sin`` (capacity, qk_rope_head_dim // 2), float32."""
+    """The RoPE table of one row space: ``cos``/``sin`` (capacity, qk_rope_head_dim // 2) in the
+    acc dtype of the weights (float32, or float64 for float64 weights)."""
 
     cos: Tensor
     sin: Tensor
 
     @classmethod
-    def build(cls, cfg: MtpConfig, capacity: int, device: torch.device | str) -> "Rope":
-        return cls(*rope_table(capacity, cfg.qk_rope_head_dim, cfg.rope_theta, device))
+    def build(cls, cfg: MtpConfig, capacity: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Rope":
+        return cls(*rope_table(capacity, cfg.qk_rope_head_dim, cfg.rope_theta, device, acc_dtype(dtype)))
 
     def at(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The angles of rows at ``slots`` (T,): a row's RoPE position is its slot."""

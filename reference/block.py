@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,17 +21,27 @@ from .config import MtpConfig
 from .layers import rms_norm, swiglu
 from .moe import moe_block
 from .state import LayerCache
-from .weights import DecoderLayerWeights, MlpWeights, MtpWeights
+from .weights import DecoderLayerWeights, MlpWeights, MoeWeights, MtpWeights
+
+# How a layer's MoE turns its normed input into its output: (weights, config, m (T, H)) -> (T, H).
+MoeFn = Callable[[MoeWeights, MtpConfig, Tensor], Tensor]
 
 
-def decoder_layer(layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope) -> Tensor:
-    """One GLM-5 decoder layer on new rows ``h`` (T, H) at ``slots`` (T,); writes their cache rows."""
+def decoder_layer(
+    layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope, moe: MoeFn = moe_block
+) -> Tensor:
+    """One GLM-5 decoder layer on new rows ``h`` (T, H) at ``slots`` (T,); writes their cache rows.
+
+    ``moe`` computes the MoE; the default is the reference's ``moe_block``. Training swaps in a
+    batched dispatch of the same routing (glm_mtp.experiments.target.grouped_moe), since the
+    reference runs each row's experts on that row alone.
+    """
     a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
     h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope)
     m = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, MlpWeights):
         return h + swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-    return h + moe_block(layer.mlp, cfg, m)
+    return h + moe(layer.mlp, cfg, m)
 
 
 @dataclass

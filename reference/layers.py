@@ -38,14 +38,16 @@ def swiglu(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> 
 
 # ------------------------------------------------------------------------------------------------
 # RoPE. One table of cos/sin per (position, frequency), computed once per drafter in float64 and
-# stored in float32, so every backend reads the same values instead of calling sin/cos itself.
+# stored in the acc dtype, so every backend reads the same values instead of calling sin/cos itself.
 
 
-def rope_table(capacity: int, rope_dim: int, theta: float, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """``(cos, sin)``, each ``(capacity, rope_dim // 2)`` float32: angle ``pos * theta^(-2i/rope_dim)``."""
+def rope_table(
+    capacity: int, rope_dim: int, theta: float, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)``, each ``(capacity, rope_dim // 2)``: angle ``pos * theta^(-2i/rope_dim)``."""
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)  # (R/2,)
     angles = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (C, R/2)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:

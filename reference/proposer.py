@@ -115,7 +115,7 @@ class ReferenceProposer:
     # ---- lifetime -----------------------------------------------------------------------
     def rope(self, device: torch.device) -> Rope:
         if device not in self._rope:
-            self._rope[device] = Rope.build(self.config, self.capacity, device)
+            self._rope[device] = Rope.build(self.config, self.capacity, device, self.weights.dtype)
         return self._rope[device]
 
     def alloc_state(self, device: torch.device | str) -> DrafterState:

@@ -345,7 +345,7 @@ def same_bytes(a: Tensor, b: Tensor) -> bool:
     """Byte equality of two tensors (shape and dtype too): -0.0 != 0.0, NaN == the same NaN."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 def weights_equal(a: MtpWeights, b: MtpWeights) -> bool:
