@@ -1,0 +1,20 @@
+"""Triton kernels of the optimized drafter, each beside the torch code it replaces.
+
+Every kernel here is exact by construction (DESIGN.md §5): gathers, scatters, cache writes and
+float32 elementwise chains in the reference's operation order, compiled without FMA contraction
+(``enable_fp_fusion=False``), casts rounded to nearest even. Each ``*_triton`` function has a
+``*_torch`` twin made of the reference's own ops; tests/optimized/test_kernels.py proves the
+pair byte-equal on fresh random inputs through Triton's CPU interpreter. At run time the
+proposer calls the kernel on CUDA and, by default, the twin on CPU (the interpreter is slow).
+"""
+
+from .embed import embed_rows_torch, embed_rows_triton
+from .rope_cache import KERNEL_DTYPES, rope_cache_write_torch, rope_cache_write_triton
+
+__all__ = [
+    "embed_rows_torch",
+    "embed_rows_triton",
+    "rope_cache_write_torch",
+    "rope_cache_write_triton",
+    "KERNEL_DTYPES",
+]
