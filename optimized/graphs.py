@@ -1,0 +1,46 @@
+"""CUDA-graph capture and replay of a state's static program (the k draft steps).
+
+A program reads only the state's static buffers and writes only into them, and running it twice
+on the same inputs gives the same bytes (each step rewrites the rows it later reads). So the
+first use runs it once eagerly on a side stream (the warm-up, which also compiles the Triton
+kernels and initialises cuBLAS on that stream), captures it, and keeps the graph; later uses
+replay the graph. Without CUDA (or with graphs switched off) the program simply runs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .state import OptimizedState
+
+
+def run_program(state: OptimizedState, key: int, program: Callable[[], None], capture: bool) -> None:
+    """Run ``program`` on ``state``'s buffers: replay its graph under ``key`` if captured, else
+    (with ``capture`` on a CUDA state) warm it up, capture it for next time; else run it eagerly."""
+    if not capture or state.device.type != "cuda":
+        program()
+        return
+    graph = state.graphs.get(key)
+    if graph is not None:
+        graph.replay()
+        return
+    # Warm-up: the eager run is this call's work (the capture below does not execute).
+    side = torch.cuda.Stream(device=state.device)
+    side.wait_stream(torch.cuda.current_stream(state.device))
+    with torch.cuda.stream(side):
+        program()
+    torch.cuda.current_stream(state.device).wait_stream(side)
+    if state.graph_pool is None:
+        # One pool per state: its graphs replay one at a time and keep nothing alive between replays.
+        state.graph_pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=state.graph_pool):
+            program()
+    except Exception as e:  # a host sync or an uncapturable op in the program
+        raise RuntimeError(
+            f"capturing the {key}-draft propose failed ({e}); OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
+        ) from e
+    state.graphs[key] = graph

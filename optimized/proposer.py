@@ -1,0 +1,370 @@
+"""``OptimizedProposer``: the reference drafter with static buffers, a CUDA-graph-captured k-draft
+propose and exact fused kernels, equal to ``ReferenceProposer`` bit for bit (DESIGN.md §4-§5).
+
+What differs from the reference is scheduling only:
+
+- every buffer is allocated in ``alloc_state``: the paged pools, the static propose inputs
+  (token, hidden, position), the device row count, the read-back buffer;
+- the k draft steps read the position from the device and pass each draft from its argmax to
+  the next embedding lookup on the device; on CUDA they are one captured graph per
+  ``num_drafts``, replayed; the drafts come back in one read at the end (``propose``), or stay on
+  the device (``propose_device``);
+- the input checks that need the data (a finite ``target_hidden``, a token tensor in range) run
+  on the device as a flag ``ok`` that gates every state write, and are read back with the drafts:
+  a refused propose leaves the state byte-identical, as in the reference, without an extra sync.
+
+Prefill and catch-up take the reference's host-side checks (one sync, as there) and run the same
+fused block, eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.block import draft_logits
+from glm_mtp.reference.layers import greedy_token
+from glm_mtp.reference.proposer import FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, hidden_fingerprint
+from glm_mtp.reference.state import DrafterState
+from glm_mtp.reference.weights import MtpWeights
+
+from .block import Fused, KernelMode, block_rows
+from .graphs import run_program
+from .state import OptimizedState, Unsettled
+
+logger = logging.getLogger(__name__)
+
+# Bits of the device-side check code (out[0]); all set means the propose's inputs were good.
+HIDDEN_FINITE, TOKEN_IN_RANGE = 1, 2
+CHECK_OK = HIDDEN_FINITE | TOKEN_IN_RANGE
+
+
+def read_back(t: Tensor) -> list[int]:
+    """The one device-to-host read of a propose: ``t`` (n,) int64 as Python ints."""
+    return t.tolist()
+
+
+class OptimizedProposer:
+    """The GLM-5 MTP drafter for production: ``ReferenceProposer``'s constructor, contract and
+    bytes, with static buffers, CUDA-graph replay and fused kernels.
+
+    Args:
+        weights: the MTP layer with the target's embedding and head; states live on its device.
+        max_seq_len: the longest sequence a state serves (capped at the model's DSA context);
+            a state holds ``16 * (max_seq_len // 16 + 2)`` rows.
+        feed_hidden: what draft i > 1 consumes: ``post_norm`` (default) or ``pre_norm``.
+        kernels: ``auto`` (Triton kernels on CUDA, their proven-equal torch twins on CPU),
+            ``triton`` (kernels everywhere; on CPU needs ``TRITON_INTERPRET=1`` before triton is
+            imported) or ``torch`` (twins everywhere).
+        cuda_graphs: capture and replay the k-draft propose on CUDA (the default); off runs the
+            same program eagerly.
+    """
+
+    def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm", *,
+                 kernels: KernelMode = "auto", cuda_graphs: bool = True) -> None:
+        # The reference validates the arguments, caps max_seq_len and owns the RoPE table; this
+        # drafter reads the same table (one object per device), never a recomputed one.
+        self._ref = ReferenceProposer(weights, max_seq_len, feed_hidden)
+        if kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+        self.weights = weights
+        self.config = weights.config
+        self.max_seq_len = self._ref.max_seq_len
+        self.blocks = self._ref.blocks
+        self.capacity = self._ref.capacity
+        self.feed_hidden: FeedHidden = feed_hidden
+        self.fused = Fused(kernels)
+        self.cuda_graphs = bool(cuda_graphs)
+
+    # ---- the contract's simple queries ------------------------------------------------------
+    def prefill_hidden_rows(self, max_seq_len: int) -> int:
+        """How many hidden rows the target must capture at prefill."""
+        return min(max_seq_len, self.max_seq_len)
+
+    def needs_comm(self) -> bool:
+        """False: this drafter runs on one device."""
+        return False
+
+    def prefill_uses_shared_buffers(self) -> bool:
+        """True: context rows use the caller's workspace (``x`` is left as it is)."""
+        return True
+
+    def drafter_rows(self, state: DrafterState) -> int:
+        """Rows held (``seq_len``)."""
+        st = self._state(state)
+        self._settle(st)
+        return st.seq_len
+
+    def last_pair_key(self, state: DrafterState) -> int | None:
+        """The newest row's slot, ``seq_len - 1``, or ``None`` without rows."""
+        n = self.drafter_rows(state)
+        return n - 1 if n > 0 else None
+
+    def rope(self, device: torch.device) -> Rope:
+        """The RoPE table of ``device`` (the reference's, shared)."""
+        return self._ref.rope(device)
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def alloc_state(self, device: torch.device | str) -> OptimizedState:
+        """A fresh state (``seq_len = 0``) with every buffer a propose will touch."""
+        device = torch.empty(0, device=device).device
+        if device != self.weights.device:
+            raise ValueError(f"device must be the weights' device {self.weights.device}, got {device} (move them with MtpWeights.to)")
+        self.rope(device)
+        return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device)
+
+    def free_state(self, state: DrafterState) -> None:
+        """Release every buffer and captured graph; a second call is a no-op."""
+        st = self._state(state)
+        if not st.released:
+            st.release()
+
+    def export_state(self, state: DrafterState) -> dict[str, Tensor]:
+        """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
+        st = self._state(state)
+        self._settle(st)
+        cfg, dt, dev = self.config, self.weights.dtype, st.device
+        scalars = {
+            "seq_len": torch.tensor(st.seq_len, dtype=torch.int64, device=dev),
+            "last_drafted": torch.tensor(st.last_drafted, dtype=torch.int64, device=dev),
+            "pending": torch.tensor(st.pending, dtype=torch.bool, device=dev),
+        }
+        if st.released:
+            return {
+                "kv_rows": torch.zeros(0, cfg.kv_row_width, dtype=dt, device=dev),
+                "index_rows": torch.zeros(0, cfg.index_head_dim, dtype=dt, device=dev),
+                "x": torch.zeros(cfg.hidden_size, dtype=dt, device=dev),
+                **scalars,
+                "block_table": torch.zeros(0, dtype=torch.int32, device=dev),
+            }
+        n = st.seq_len
+        return {
+            "kv_rows": st.cache.kv_rows()[:n].clone(),
+            "index_rows": st.cache.index_rows()[:n].clone(),
+            "x": st.x.clone(),
+            **scalars,
+            "block_table": st.cache.block_table.clone(),
+        }
+
+    # ---- validation ---------------------------------------------------------------------
+    @staticmethod
+    def _state(state: DrafterState) -> OptimizedState:
+        if not isinstance(state, OptimizedState):
+            raise TypeError(f"state must come from OptimizedProposer.alloc_state, got {type(state).__name__}")
+        return state
+
+    def _settle(self, st: OptimizedState) -> None:
+        """Confirm an outstanding ``propose_device`` (one read of its check code). If its inputs
+        were bad, restore the counters it replaced (the device state never changed) and keep the
+        error for the next mutating call."""
+        if st.unsettled is None or st.released:
+            return
+        u, st.unsettled = st.unsettled, None
+        code = read_back(st.out[:1])[0]
+        if code != CHECK_OK:
+            st.seq_len, st.pending, st.last_drafted = u.seq_len, False, 0
+            st.deferred_error = (
+                f"propose_device: {self._check_message(code, st)}; that propose of {u.num_drafts} drafts was "
+                "discarded and left the state unchanged"
+            )
+
+    def _check_live(self, st: OptimizedState, call: str) -> None:
+        """The reference's lifecycle checks, after settling and raising a deferred error."""
+        self._settle(st)
+        if st.released:
+            raise RuntimeError(f"{call}: the state was freed (free_state); allocate a new one")
+        if st.deferred_error is not None:
+            message, st.deferred_error = st.deferred_error, None
+            raise ValueError(message)
+        if st.pending:
+            raise RuntimeError(f"{call}: a propose of {st.last_drafted} drafts is pending; call after_verify first")
+
+    @staticmethod
+    def _check_message(code: int, st: OptimizedState) -> str:
+        if not code & TOKEN_IN_RANGE:
+            return "last_token: token id is outside [0, vocab_size)"
+        return "target_hidden holds NaN or inf"
+
+    def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
+                        position: int, num_drafts: int) -> tuple[int, int]:
+        """The reference's propose checks, in its order, minus the two that read the data (a
+        token tensor's range, the hidden's finiteness): those run on the device. Fills the
+        static inputs. Returns ``(position, num_drafts)``."""
+        self._check_live(st, call)
+        position = check_int("position", position)
+        if st.seq_len < position:
+            raise RuntimeError(f"{call}: the drafter holds {st.seq_len} rows, behind position {position}; catch up first")
+        V = self.config.vocab_size
+        if isinstance(last_token, Tensor):
+            token = last_token.reshape(1)
+            if token.dtype.is_floating_point or token.dtype.is_complex or token.dtype == torch.bool:
+                raise ValueError(f"last_token must hold integer token ids, got dtype {token.dtype}")
+        else:
+            if isinstance(last_token, bool) or not isinstance(last_token, int):
+                raise ValueError(f"last_token must hold integer token ids, got {type(last_token).__name__}")
+            if not 0 <= last_token < V:
+                raise ValueError(f"last_token: token id {last_token} is outside [0, vocab_size={V})")
+            token = None
+        hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
+        H = self.config.hidden_size
+        if not isinstance(hidden, Tensor):
+            raise ValueError(f"target_hidden must be a tensor, got {type(hidden).__name__}")
+        if tuple(hidden.shape) != (1, H):
+            raise ValueError(f"target_hidden must have shape (1, {H}), got {tuple(hidden.shape)}")
+        if hidden.dtype != self.weights.dtype:
+            raise ValueError(f"target_hidden must have the weights' dtype {self.weights.dtype}, got {hidden.dtype}")
+        if hidden.device != st.device:
+            raise ValueError(f"target_hidden must be on the state's device {st.device}, got {hidden.device}")
+        num_drafts = check_int("num_drafts", num_drafts)
+        if position + num_drafts > self.capacity:
+            raise ValueError(f"{call}: rows up to {position + num_drafts} would run past the state's capacity of {self.capacity} rows")
+
+        if os.environ.get(FINGERPRINT_ENV) == "1":  # a debugging aid; it syncs
+            tok = int(token[0]) if token is not None else last_token
+            logger.info("GLM_MTP_DBG propose position=%d drafter_rows=%d tok=%d fp_target=%s",
+                        position, st.seq_len, tok, hidden_fingerprint(hidden))
+        # Static inputs: copies and fills enqueue on the device, nothing comes back.
+        if token is None:
+            st.tok_in.fill_(last_token)
+        else:
+            st.tok_in.copy_(token)
+        st.hid_in.copy_(hidden)
+        st.pos.fill_(position)
+        return position, num_drafts
+
+    # ---- drafting ----------------------------------------------------------------------
+    def _program(self, st: OptimizedState, k: int) -> None:
+        """The k draft steps on the state's static buffers: no host reads, so it is captured as is.
+
+        Draft 1 writes slot ``pos`` from ``(tok_in, hid_in)``; draft i > 1 slot ``pos + i - 1``
+        from the previous draft (straight from its argmax) and the drafter's own hidden. Every
+        write (rows, ``x``, the device row count) is gated by the input check ``ok``."""
+        V = self.config.vocab_size
+        tok_ok = (st.tok_in >= 0) & (st.tok_in < V)  # (1,)
+        finite = torch.isfinite(st.hid_in).all().reshape(1)  # (1,)
+        st.ok.copy_(finite & tok_ok)
+        st.out[:1].copy_(finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE)
+        token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
+        hidden = st.hid_in
+        rope = self.rope(st.device)
+        x = None
+        for i in range(k):
+            slot = st.pos + i  # (1,)
+            x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
+            token = greedy_token(draft_logits(self.weights, x))  # (1,), stays on the device
+            st.out[1 + i : 2 + i].copy_(token)
+            hidden = x if self.feed_hidden == "post_norm" else pre_norm
+        if x is not None:
+            st.x.copy_(torch.where(st.ok, x[0], st.x))
+            st.out[1 : k + 1].copy_(torch.where(st.ok, st.out[1 : k + 1], -1))
+        st.seq_dev.copy_(torch.where(st.ok, st.pos + k, st.seq_dev))
+
+    def _run(self, st: OptimizedState, k: int) -> None:
+        # num_drafts = 0 only rewinds: a handful of tiny ops, not worth a graph.
+        run_program(st, k, lambda: self._program(st, k), capture=self.cuda_graphs and k > 0)
+
+    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
+        """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
+        the k steps run without a host sync and the drafts come back in one read at the end.
+
+        Raises what the reference raises for the same input, leaving the state byte-identical."""
+        st = self._state(state)
+        position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts)
+        self._run(st, k)
+        values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
+        if values[0] != CHECK_OK:
+            if not values[0] & TOKEN_IN_RANGE:
+                bad = read_back(st.tok_in)[0]
+                raise ValueError(f"last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
+            raise ValueError("target_hidden holds NaN or inf")
+        st.seq_len, st.pending, st.last_drafted = position + k, True, k
+        return values[1:]
+
+    def propose_device(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                       state: DrafterState) -> Tensor:
+        """``propose`` without any host sync: returns the drafts as a ``(num_drafts,)`` int64
+        tensor on the state's device, a view of a static buffer that the state's next propose
+        overwrites (copy it to keep it).
+
+        The checks that read data (``target_hidden`` finite, a token tensor in range) run on the
+        device. If one fails, nothing on the device changes, the returned drafts are all -1,
+        and the host learns it at the next call on the state: queries (``drafter_rows``,
+        ``export_state``, ...) then show the state as before this call, and the next mutating
+        call (``after_verify``, ``propose``, ``catchup_drafter``, ...) raises ``ValueError``
+        naming the input, without changing anything. Every other check (lifecycle, shapes,
+        dtypes, Python-int ranges, capacity) raises here, as in ``propose``."""
+        st = self._state(state)
+        before = st.seq_len
+        position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
+        self._run(st, k)
+        st.seq_len, st.pending, st.last_drafted = position + k, True, k
+        st.unsettled = Unsettled(seq_len=before, num_drafts=k)
+        return st.out[1 : k + 1]
+
+    def after_verify(self, num_accepted: int, state: DrafterState) -> None:
+        """Keep the first ``num_accepted + 1`` rows of the pending propose (at least one) and
+        trim the rest: counters only, nothing is copied."""
+        st = self._state(state)
+        self._settle(st)
+        if st.released:
+            raise RuntimeError("after_verify: the state was freed (free_state); allocate a new one")
+        if st.deferred_error is not None:
+            message, st.deferred_error = st.deferred_error, None
+            raise ValueError(message)
+        if not st.pending:
+            raise RuntimeError("after_verify: no propose is pending (a second after_verify would trim the kept first row)")
+        num_accepted = check_int("num_accepted", num_accepted)
+        if num_accepted > st.last_drafted:
+            raise ValueError(f"num_accepted must be in [0, {st.last_drafted}] (the drafts proposed), got {num_accepted}")
+        keep = min(st.last_drafted, num_accepted + 1)
+        st.seq_len -= st.last_drafted - keep
+        st.pending = False
+        st.last_drafted = 0
+        st.seq_dev.fill_(st.seq_len)
+
+    # ---- context rows ------------------------------------------------------------------
+    def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
+        """Rows ``row_base + i`` from ``(tokens[i], hiddens[i])``: the reference's batch, one call."""
+        slots = st.slots[row_base : row_base + tokens.shape[0]]  # (T,), a view: no allocation
+        block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
+        st.seq_len = row_base + tokens.shape[0]
+        st.seq_dev.fill_(st.seq_len)
+
+    def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
+        """Write rows ``[0, n-1)`` from prompt ``t_0..t_{n-1}`` and hiddens ``h_0..h_{n-1}``
+        (see ``ReferenceProposer.prefill_drafter``); checks as there, on the host."""
+        st = self._state(state)
+        self._check_live(st, "prefill_drafter")
+        tokens = self._ref._tokens("prompt_tokens", prompt_tokens, st.device)
+        n = tokens.shape[0]
+        if n > self.max_seq_len:
+            raise ValueError(f"prompt_tokens: a prompt of {n} tokens is longer than max_seq_len={self.max_seq_len}")
+        self._ref._hiddens("hiddens", hiddens, n, st)
+        if st.seq_len > 0 or n < 2:
+            return 0
+        t0 = time.perf_counter()
+        self._write_rows(tokens[1:], hiddens[:-1], 0, st)
+        rows = n - 1
+        logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n, (time.perf_counter() - t0) * 1e3)
+        return rows
+
+    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
+        """Write rows ``row_base + i`` from ``tokens[i] = t_{row_base+i+1}`` and ``hiddens[i] =
+        h_{row_base+i}`` (see ``ReferenceProposer.catchup_drafter``); ``pos_base`` is ignored."""
+        st = self._state(state)
+        self._check_live(st, "catchup_drafter")
+        ids = self._ref._tokens("tokens", tokens, st.device)
+        row_base = check_int("row_base", row_base)
+        check_int("pos_base", pos_base)
+        self._ref._hiddens("hiddens", hiddens, ids.shape[0], st)
+        self._ref._check_capacity("catchup_drafter", row_base + ids.shape[0])
+        if row_base != st.seq_len or ids.shape[0] == 0:
+            return 0
+        self._write_rows(ids, hiddens, row_base, st)
+        return ids.shape[0]

@@ -1,0 +1,106 @@
+"""The optimized drafter's per-sequence state: the reference's rows plus every static buffer a
+propose reads or writes, all allocated once in ``alloc_state`` and released in ``free_state``.
+
+The host keeps the same counters as the reference (``seq_len``, ``pending``, ``last_drafted``);
+the device keeps its own copies of the position and row count, so the k draft steps run (and a
+CUDA graph replays them) without reading anything back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.state import DrafterState, LayerCache
+
+
+@dataclass
+class Unsettled:
+    """A ``propose_device`` whose device-side input check the host has not read yet: the counters
+    it replaced, restored if the check failed."""
+
+    seq_len: int
+    num_drafts: int
+
+
+@dataclass
+class OptimizedState(DrafterState):
+    """``DrafterState`` (cache, x, counters) plus the static buffers of the optimized drafter.
+
+    Args (beyond ``DrafterState``'s):
+        tok_in: (1,) int64, the propose's ``last_token``.
+        hid_in: (1, H), the propose's ``target_hidden``.
+        pos: (1,) int64, the propose's ``position`` (draft i writes slot ``pos + i``).
+        seq_dev: (1,) int64, the device's copy of ``seq_len``.
+        ok: (1,) bool, this propose's device-side input check; gates every state write.
+        always: (1,) bool, constant true: the gate of context rows, checked on the host.
+        out: (capacity + 1,) int64, the read-back: ``out[0]`` the check's code (bit 0: hidden
+            finite, bit 1: token in range), ``out[1:k+1]`` the drafts (-1 when the check failed).
+        slots: (capacity,) int64, ``arange(capacity)``: context rows take slices of it.
+        graphs: captured CUDA graphs, one per ``num_drafts``.
+        graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
+        unsettled: a ``propose_device`` the host has not yet confirmed.
+        deferred_error: the message of a discarded ``propose_device``, raised by the next
+            mutating call.
+    """
+
+    tok_in: Tensor | None = None
+    hid_in: Tensor | None = None
+    pos: Tensor | None = None
+    seq_dev: Tensor | None = None
+    ok: Tensor | None = None
+    always: Tensor | None = None
+    out: Tensor | None = None
+    slots: Tensor | None = None
+    graphs: dict[int, Any] = field(default_factory=dict)
+    graph_pool: Any = None
+    unsettled: Unsettled | None = None
+    deferred_error: str | None = None
+
+    @classmethod
+    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device) -> "OptimizedState":
+        """Every buffer of one sequence, zeroed (``x`` starts at zero, as in the reference)."""
+        cache = LayerCache.allocate(cfg, blocks, dtype, device)
+        capacity = cache.capacity
+        return cls(
+            cache=cache,
+            x=torch.zeros(cfg.hidden_size, dtype=dtype, device=device),
+            device=device,
+            tok_in=torch.zeros(1, dtype=torch.int64, device=device),
+            hid_in=torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device),
+            pos=torch.zeros(1, dtype=torch.int64, device=device),
+            seq_dev=torch.zeros(1, dtype=torch.int64, device=device),
+            ok=torch.zeros(1, dtype=torch.bool, device=device),
+            always=torch.ones(1, dtype=torch.bool, device=device),
+            out=torch.zeros(capacity + 1, dtype=torch.int64, device=device),
+            slots=torch.arange(capacity, dtype=torch.int64, device=device),
+        )
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the state holds (empty once freed)."""
+        if self.released:
+            return []
+        found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x]
+        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots]
+        return [t for t in found if t is not None]
+
+    def release(self) -> None:
+        """Drop every buffer and captured graph; counters back to a freed state's."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.graph_pool = None
+        self.cache = None  # type: ignore[assignment]
+        self.x = None  # type: ignore[assignment]
+        self.tok_in = self.hid_in = self.pos = self.seq_dev = None
+        self.ok = self.always = self.out = self.slots = None
+        self.unsettled = None
+        self.deferred_error = None
+        self.released = True
+        self.seq_len = 0
+        self.pending = False
+        self.last_drafted = 0
