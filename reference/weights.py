@@ -211,15 +211,16 @@ def decoder_layer_to_tensors(layer: DecoderLayerWeights) -> dict[str, Tensor]:
     return out
 
 
-def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device | str = "cpu") -> Tensor:
     """A float32 init for a tensor by its name: norms near 1, biases small, matrices ~ 1/sqrt(fan_in)."""
+    t = torch.randn(shape, generator=gen, device=device)
     if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
-        return 0.1 * torch.randn(shape, generator=gen)
+        return t.mul_(0.1)
     if len(shape) == 1:  # norm weights
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        return t.mul_(0.1).add_(1.0)
     if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen)
-    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        return t
+    return t.mul_(shape[-1] ** -0.5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -275,12 +276,17 @@ class MtpWeights:
     def random(
         cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
     ) -> "MtpWeights":
-        """Random weights of a sensible scale, the same for the same seed on every machine."""
-        gen = torch.Generator().manual_seed(seed)
-        made = {n: random_tensor(n, s, gen) for n, s in {**target_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items()}
-        cast = {n: (t if n.endswith("e_score_correction_bias") else t.to(dtype)).to(device) for n, t in made.items()}
-        embed, head = cast.pop("model.embed_tokens.weight"), cast.pop("lm_head.weight")
-        return cls.from_tensors(cfg, cast, embed, head)
+        """Random weights of a sensible scale, the same for the same seed on every device of a
+        type. Drawn tensor by tensor on ``device`` and cast at once, so the peak memory is the
+        model in ``dtype`` plus one float32 tensor (GLM-5's real widths fit)."""
+        device = torch.device(device)
+        gen = torch.Generator(device).manual_seed(seed)
+        made = {}
+        for name, shape in {**target_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items():
+            t = random_tensor(name, shape, gen, device)
+            made[name] = t if name.endswith("e_score_correction_bias") else t.to(dtype)
+        embed, head = made.pop("model.embed_tokens.weight"), made.pop("lm_head.weight")
+        return cls.from_tensors(cfg, made, embed, head)
 
     def mtp_tensors(self) -> dict[str, Tensor]:
         """Layer-relative checkpoint name -> tensor for the MTP layer."""
