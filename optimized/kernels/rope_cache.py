@@ -13,8 +13,10 @@ and adds one thing the reference does not need: every store is conditional on a 
 Exact by construction: RoPE is ``y1 = x1 * cos - x2 * sin``, ``y2 = x2 * cos + x1 * sin`` in
 float32, each product and sum rounded on its own (``enable_fp_fusion=False``: no FMA), from the
 same float32 table, then one cast to the cache dtype. The cast to bfloat16 rounds to nearest even
-on the bits, because Triton's CPU interpreter truncates; NaN becomes the canonical NaN of the
-device's torch (0x7FC0 on CPU, 0x7FFF on CUDA). Only float32 and bfloat16 caches take the kernel;
+on the bits, because Triton's CPU interpreter truncates. NaN payloads are not pinned: torch
+itself writes 0xFFFF (CPU, vectorised), 0x7FC0 (CPU, scalar tail) or 0x7FFF (CUDA) for a NaN;
+the kernel writes 0xFFFF on CPU and 0x7FFF on CUDA. (A NaN key can only come from an overflow:
+the proposer refuses non-finite hiddens.) Only float32 and bfloat16 caches take the kernel;
 other dtypes stay on the torch code.
 """
 
@@ -202,7 +204,7 @@ def rope_cache_write_triton(
         BLOCK_R2=triton.next_power_of_2(max(R // 2, 1)),
         BLOCK_D=triton.next_power_of_2(D),
         TO_BF16=dtype == torch.bfloat16,
-        NAN_BITS=0x7FFF if kv_pool.is_cuda else 0x7FC0,
+        NAN_BITS=0x7FFF if kv_pool.is_cuda else 0xFFFF,
         ROWS_PER_BLOCK=BLOCK_ROWS,
         enable_fp_fusion=False,
     )
