@@ -1,0 +1,1 @@
+"""Hydra configs of the experiments (package data: the entry points use ``pkg://glm_mtp.conf``)."""

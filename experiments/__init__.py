@@ -1,0 +1,10 @@
+"""Acceptance-rate experiments for the GLM-5 MTP drafter.
+
+- ``target``: a small target of the GLM-5 architecture, built from the drafter's own layer code;
+- ``speculative``: the speculative-decoding loop of DESIGN.md §4 (greedy and rejection-sampling
+  verification, rollback policies, acceptance metrics) over any ``DraftProposer`` backend;
+- ``corpus`` / ``bpe``: the offline corpus (the Python standard library) and its BPE tokenizer;
+- ``train``, ``acceptance``, ``report``: Hydra entry points (``python -m glm_mtp.experiments.X``).
+
+Importing this package imports neither Hydra nor W&B; the entry points do.
+"""

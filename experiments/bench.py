@@ -1,0 +1,373 @@
+"""Propose latency and memory, reference vs optimized, against the memory-bandwidth floor.
+
+    python -m glm_mtp.experiments.bench                       # CPU: tiny, small, glm5_shape; k = 1..5
+    python -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5
+
+For each backend, preset and k it measures the propose latency per draft token (median and
+spread over repeated runs after warm-up; CUDA events on a GPU), the catch-up latency of one row,
+host synchronisations and dispatched operators per propose, the memory one state holds, and the
+bytes one draft step must read (the active weights, the head, the rows attended). The floor is
+those bytes over the device's copy bandwidth, measured in the same run. Backends are timed
+alternately, round by round, so their ratio holds on a noisy machine.
+
+Writes ``bench.json`` (one record per measurement), ``bench.md`` and ``bench.png`` into ``--out``.
+Needs only torch (+ triton for the optimized backend): no Hydra, no W&B, so it runs on a bare GPU
+machine (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# aten ops that make the host wait for the device.
+SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
+
+
+def backend_factory(name: str) -> Callable[[MtpWeights, int], Any]:
+    if name == "reference":
+        return ReferenceProposer
+    if name == "optimized":
+        from glm_mtp.optimized import OptimizedProposer
+
+        return OptimizedProposer
+    raise ValueError(f"unknown backend {name!r}; known: reference, optimized")
+
+
+# ------------------------------------------------------------------------------------------------
+# What a draft step must read, and how fast this device moves bytes.
+
+
+def draft_step_bytes(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int) -> int:
+    """Bytes one draft step reads at the least: every weight of the layer except the routed
+    experts not chosen, one embedding row, the whole head, the indexer keys of every visible row
+    and the KV rows the indexer selects."""
+    H, nh, Lq, Lkv, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    D, I = cfg.index_head_dim, cfg.moe_intermediate_size
+    params = (
+        H  # one embedding row
+        + 3 * H + 2 * H * H  # enorm, hnorm, shared_head.norm; eh_proj
+        + 2 * H  # input / post-attention norms
+        + Lq * H + Lq + nh * cfg.qk_head_dim * Lq  # q_a_proj, q_a_layernorm, q_b_proj
+        + (Lkv + R) * H + Lkv + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * Lkv  # kv_a, norm, kv_b
+        + H * nh * cfg.v_head_dim  # o_proj
+        + cfg.index_n_heads * D * Lq + D * H + 2 * D + cfg.index_n_heads * H  # indexer
+        + cfg.n_routed_experts * H  # router
+        + cfg.num_experts_per_tok * 3 * I * H  # the chosen experts
+        + cfg.n_shared_experts * 3 * I * H  # the shared expert
+        + cfg.vocab_size * H  # the head
+    )
+    rows = visible_rows * D + min(visible_rows, cfg.index_topk) * (Lkv + R)
+    return (params + rows) * torch.empty(0, dtype=dtype).element_size() + cfg.n_routed_experts * 4  # + fp32 bias
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 9) -> float:
+    """Bytes per second of a device-to-device copy, counting the bytes read and written (as
+    STREAM's copy does); the median of ``repeats`` copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = [timed(lambda: dst.copy_(src), device) for _ in range(repeats + 1)][1:]
+    return 2 * nbytes / statistics.median(times)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call takes: CUDA events on a GPU, the wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten operators dispatched, and those among them that synchronise with the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        if name.startswith(SYNC_OPS):
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from a state's attributes."""
+    seen: set[int] = set()
+    total = 0
+
+    def visit(obj: Any, depth: int) -> None:
+        nonlocal total
+        if depth > 4:
+            return
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            if st.data_ptr() not in seen and st.nbytes():
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name), depth + 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+            for v in vars(obj).values():
+                visit(v, depth + 1)
+
+    visit(state, 0)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to measure.
+
+    Args:
+        presets: MtpConfig presets (``glm5`` needs a GPU's memory).
+        backends: ``reference`` and/or ``optimized``.
+        drafts: the k values.
+        device / dtype: where and in what the drafter runs.
+        context: rows held before each propose (the drafts attend to them).
+        max_seq_len: the states' capacity (rounded up to blocks).
+        repeats / warmup: timed proposes per (backend, k), after warm-up ones.
+        copy_mib: size of the buffer the copy bandwidth is measured with.
+        seed: weights and inputs.
+        out: output folder.
+    """
+
+    presets: list[str]
+    backends: list[str]
+    drafts: list[int]
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    context: int = 64
+    max_seq_len: int = 256
+    repeats: int = 7
+    warmup: int = 2
+    copy_mib: int = 256
+    seed: int = 0
+    out: str = "outputs/bench"
+
+
+def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) -> list[dict[str, Any]]:
+    device, dtype = torch.device(bc.device), DTYPES[bc.dtype]
+    cfg = MtpConfig.preset(preset)
+    weights = MtpWeights.random(cfg, seed=bc.seed, dtype=dtype, device=device)
+    gen = torch.Generator(device).manual_seed(bc.seed + 1)
+    P = bc.context
+    prompt = torch.randint(cfg.vocab_size, (P + 1,), generator=gen, device=device)
+    hiddens = torch.randn(P + 1, cfg.hidden_size, generator=gen, device=device).to(dtype)
+    token, hidden = int(prompt[-1]), hiddens[-1]
+
+    props, states, mem = {}, {}, {}
+    for name in bc.backends:
+        props[name] = backend_factory(name)(weights, bc.max_seq_len)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        states[name] = props[name].alloc_state(device)
+        mem[name] = (torch.cuda.memory_allocated(device) - before) if device.type == "cuda" else state_nbytes(states[name])
+        props[name].prefill_drafter(prompt, hiddens, states[name])  # rows [0, P)
+
+    def propose(name: str, k: int) -> Callable[[], Any]:
+        return lambda: props[name].propose(token, hidden, P, k, states[name])
+
+    records = []
+    for k in bc.drafts:
+        times: dict[str, list[float]] = {n: [] for n in bc.backends}
+        for name in bc.backends:
+            for _ in range(bc.warmup):
+                propose(name, k)()
+                props[name].after_verify(k, states[name])
+        for r in range(bc.repeats):
+            order = bc.backends if r % 2 == 0 else bc.backends[::-1]
+            for name in order:
+                times[name].append(timed(propose(name, k), device))
+                props[name].after_verify(k, states[name])
+            progress.update(1)
+        for name in bc.backends:
+            prop, state = props[name], states[name]
+            counter = OpCounter()
+            with counter:
+                propose(name, k)()
+            prop.after_verify(0, state)  # rows [0, P] held: the catch-up below appends row P + 1
+            catch = []
+            for _ in range(max(3, bc.repeats // 2)):
+                catch.append(timed(lambda: prop.catchup_drafter([token], hidden[None], P + 1, P + 1, state), device))
+                prop.propose(token, hidden, P + 1, 0, state)  # rewind to P + 1
+                prop.after_verify(0, state)
+            per_draft = sorted(t / k for t in times[name])
+            median = statistics.median(per_draft)
+            step_bytes = draft_step_bytes(cfg, dtype, P + (k + 1) // 2)
+            floor = step_bytes / bandwidth
+            records.append(
+                dict(
+                    backend=name, preset=preset, device=str(device), dtype=bc.dtype, num_drafts=k,
+                    context_rows=P,
+                    latency_per_draft_ms_median=median * 1e3,
+                    latency_per_draft_ms_p25=per_draft[len(per_draft) // 4] * 1e3,
+                    latency_per_draft_ms_p75=per_draft[(3 * len(per_draft)) // 4] * 1e3,
+                    propose_ms_median=statistics.median(times[name]) * 1e3,
+                    catchup_row_ms_median=statistics.median(catch) * 1e3,
+                    host_syncs_per_propose=counter.syncs,
+                    ops_per_propose=counter.ops,
+                    state_bytes=mem[name],
+                    bytes_per_draft_step=step_bytes,
+                    floor_ms_per_draft=floor * 1e3,
+                    floor_ratio=median / floor,
+                    repeats=bc.repeats,
+                )
+            )
+        if "reference" in times:
+            ref = statistics.median(times["reference"])
+            for rec in records[-len(bc.backends):]:
+                rec["speedup_vs_reference"] = ref / statistics.median(times[rec["backend"]])
+    for name in bc.backends:
+        props[name].free_state(states[name])
+    return records
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    head = "| preset | backend | k | ms/draft (median) | p25-p75 | speedup vs ref | floor ms/draft | x floor | syncs | ops | catch-up ms | state MiB |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        lines.append(
+            f"| {r['preset']} | {r['backend']} | {r['num_drafts']} | {r['latency_per_draft_ms_median']:.3f} | "
+            f"{r['latency_per_draft_ms_p25']:.3f}-{r['latency_per_draft_ms_p75']:.3f} | {r.get('speedup_vs_reference', float('nan')):.2f} | "
+            f"{r['floor_ms_per_draft']:.4f} | {r['floor_ratio']:.1f} | {r['host_syncs_per_propose']} | {r['ops_per_propose']} | "
+            f"{r['catchup_row_ms_median']:.3f} | {r['state_bytes'] / 2**20:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in records))
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.5 * len(presets), 3.6), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        rows = [r for r in records if r["preset"] == preset]
+        for backend in dict.fromkeys(r["backend"] for r in rows):
+            rs = [r for r in rows if r["backend"] == backend]
+            ks = [r["num_drafts"] for r in rs]
+            ax.errorbar(
+                ks, [r["latency_per_draft_ms_median"] for r in rs],
+                yerr=[[r["latency_per_draft_ms_median"] - r["latency_per_draft_ms_p25"] for r in rs],
+                      [r["latency_per_draft_ms_p75"] - r["latency_per_draft_ms_median"] for r in rs]],
+                marker="o", capsize=3, label=backend,
+            )
+        floor = [r for r in rows if r["backend"] == rows[0]["backend"]]
+        ax.plot([r["num_drafts"] for r in floor], [r["floor_ms_per_draft"] for r in floor], "k--", label="bandwidth floor")
+        ax.set_yscale("log")
+        ax.set_title(f"{preset} ({rows[0]['device']}, {rows[0]['dtype']})")
+        ax.set_xlabel("drafts per propose (k)")
+        ax.set_ylabel("ms per draft token")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(bc: BenchConfig) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    device = torch.device(bc.device)
+    torch.manual_seed(bc.seed)
+    bandwidth = copy_bandwidth(device, bc.copy_mib * 2**20)
+    records: list[dict[str, Any]] = []
+    with tqdm(total=len(bc.presets) * len(bc.drafts) * bc.repeats, desc="bench", unit="round") as progress:
+        for preset in bc.presets:
+            progress.set_postfix(preset=preset)
+            records += bench_preset(bc, preset, bandwidth, progress)
+    out = Path(bc.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(), torch=torch.__version__, copy_bandwidth_gb_s=bandwidth / 1e9,
+        config=dataclasses.asdict(bc),
+    )
+    (out / "bench.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    (out / "bench.md").write_text(
+        f"Device: {meta['device']} ({bc.device}, {bc.dtype}); copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s; "
+        f"{bc.context} context rows; median of {bc.repeats} runs.\n\n" + markdown_table(records)
+    )
+    plot(records, out / "bench.png")
+    return records
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    p = argparse.ArgumentParser(description="Propose latency and memory, reference vs optimized, against the bandwidth floor.")
+    p.add_argument("--presets", nargs="+", default=None, help="default: tiny small glm5_shape (+ glm5 on cuda)")
+    p.add_argument("--backends", nargs="+", default=["reference", "optimized"], choices=["reference", "optimized"])
+    p.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 3, 4, 5])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=None, help="default: 7 on cpu, 30 on cuda")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--copy-mib", type=int, default=None, help="default: 256 on cpu, 2048 on cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
+    a = p.parse_args(argv)
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda, but CUDA is not available")
+    if any(k < 1 for k in a.drafts):
+        p.error("--drafts must be >= 1")
+    presets = a.presets or (["tiny", "small", "glm5_shape", "glm5"] if cuda else ["tiny", "small", "glm5_shape"])
+    for name in presets:
+        try:
+            MtpConfig.preset(name)
+        except ValueError as e:
+            p.error(str(e))
+    if a.context + max(a.drafts) + 2 > a.max_seq_len:
+        p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
+    return BenchConfig(
+        presets=presets, backends=a.backends, drafts=a.drafts, device=a.device, dtype=a.dtype, context=a.context,
+        max_seq_len=a.max_seq_len, repeats=a.repeats or (30 if cuda else 7), warmup=a.warmup,
+        copy_mib=a.copy_mib or (2048 if cuda else 256), seed=a.seed,
+        out=a.out or os.path.join("outputs", "bench", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}"),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    bc = parse_args(argv)
+    records = run(bc)
+    print(markdown_table(records))
+    print(f"wrote {bc.out}/bench.json, bench.md, bench.png")
+
+
+if __name__ == "__main__":
+    main()

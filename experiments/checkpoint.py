@@ -1,0 +1,71 @@
+"""Finding and loading the shipped checkpoint (or any directory the training wrote)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glm_mtp.reference.weights import MtpWeights
+
+from .bpe import BpeTokenizer
+from .target import TargetWeights
+
+SHIPPED = "glm5-mtp-stdlib"
+
+
+def shipped_checkpoint() -> Path:
+    """The checkpoint shipped with the package: ``glm_mtp.checkpoints`` package data when
+    installed, else ``checkpoints/`` beside the package folders (a source tree or editable install)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("glm_mtp.checkpoints") / SHIPPED))
+        if (p / "config.json").exists():
+            return p
+    except ModuleNotFoundError:
+        pass
+    p = Path(__file__).resolve().parent.parent / "checkpoints" / SHIPPED
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"the shipped checkpoint is not at {p}; train one with `python -m glm_mtp.experiments.train out={p}`")
+    return p
+
+
+@dataclass
+class LoadedModel:
+    """A target, its MTP layer (sharing the embedding and head tensors) and, for a trained
+    checkpoint, its tokenizer and held-out item names."""
+
+    target: TargetWeights
+    mtp: MtpWeights
+    tokenizer: BpeTokenizer | None
+    heldout: list[str]
+    path: str | None
+
+
+def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a checkpoint directory (default: the shipped one) in ``dtype``."""
+    path = Path(path) if path else shipped_checkpoint()
+    target = TargetWeights.from_pretrained(path, dtype=dtype)
+    mtp = MtpWeights.from_pretrained(path, dtype=dtype)
+    mtp.embed_tokens, mtp.lm_head = target.embed_tokens, target.lm_head  # one copy, as engines read them
+    tok = BpeTokenizer.load(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
+    heldout = []
+    if (path / "corpus.json").exists():
+        with open(path / "corpus.json") as f:
+            heldout = json.load(f)["heldout"]
+    return LoadedModel(target, mtp, tok, heldout, str(path))
+
+
+def random_model(preset: str, seed: int, dtype: torch.dtype) -> LoadedModel:
+    """A random target and MTP layer of an ``MtpConfig`` preset, sharing embedding and head."""
+    from glm_mtp.reference.config import MtpConfig
+
+    cfg = MtpConfig.preset(preset)
+    target = TargetWeights.random(cfg, seed=seed, dtype=dtype)
+    mtp = MtpWeights.random(cfg, seed=seed + 1, dtype=dtype)
+    mtp.embed_tokens, mtp.lm_head = target.embed_tokens, target.lm_head
+    return LoadedModel(target, mtp, None, [], None)

@@ -1,0 +1,287 @@
+"""Speculative decoding with an MTP drafter: the loop of DESIGN.md §4, its rollback policies and
+its acceptance metrics.
+
+With ``t_m`` the newest committed token (not yet fed to the target) and ``h_{m-1}`` the target's
+hidden at the position before it, one step is
+
+    drafts = propose(t_m, h_{m-1}, m - 1, k)             rows [m-1, m-1+k) of the drafter
+    logits, h_m..h_{m+k} = target([t_m, d_1..d_k])        one verification forward
+    a, b   = verify(logits, drafts)                       a drafts accepted, bonus token b
+    commit d_1..d_a, b;  target keeps positions < m+a+1;  drafter per the policy;  m += a + 1
+
+Rollback policies (what the drafter keeps of the rows its propose wrote):
+
+- ``first_row_kept`` (the seed's, default): ``after_verify(a)`` keeps rows [m-1, m-1+min(k, a+1));
+  kept rows past the first hold the drafter's own ``x`` instead of the target's hidden; when all
+  k were accepted the drafter is one row behind and catches up ``(d_k, h_{m+k-1})``.
+- ``refeed``: ``after_verify(0)`` keeps only the first row, then a catch-up re-writes rows
+  [m, m+a) from the accepted drafts and the target's own hiddens ``h_m..h_{m+a-1}``.
+- ``trim_all``: every row of the propose goes, the first too (a zero-draft propose rewinds to
+  m-1), and one catch-up rebuilds [m-1, m+a) from the target's hiddens: ``refeed`` with the first
+  row recomputed in a batch, so equal to it up to rounding.
+
+Verification:
+
+- greedy (``temperature == 0``): accept while the draft equals the target's argmax; the bonus is
+  the target's argmax after the last accepted draft. The output is the target's greedy decode.
+- stochastic (``temperature > 0``), speculative sampling by rejection (Leviathan et al. 2023;
+  Chen et al. 2023): with target probabilities ``p = softmax(logits / T)`` and draft distribution
+  ``q``, draft ``d`` is accepted with probability ``min(1, p(d) / q(d))``; on rejection the token is
+  drawn from ``normalise(max(0, p - q))``; after k acceptances the bonus is drawn from ``p``. The
+  MTP drafter drafts greedily (its argmax, as production engines do), so ``q`` is one-hot at the
+  draft: accept with probability ``p(d)``, and on rejection draw from ``p`` with ``d`` removed. The
+  emitted tokens are distributed exactly as sampling from the target alone.
+
+Metrics: ``alpha_i`` = P(draft i accepted | drafts 1..i-1 accepted), per position;
+``tau`` = tokens committed per verification forward (accepted drafts + the bonus), the mean
+accepted length; and the time spent in the drafter and in the target's verification forwards.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from glm_mtp.reference.proposer import DraftProposer
+from glm_mtp.reference.weights import MtpWeights
+
+Policy = Literal["first_row_kept", "refeed", "trim_all"]
+POLICIES = ("first_row_kept", "refeed", "trim_all")
+BACKENDS = {"reference": ("glm_mtp.reference", "ReferenceProposer"), "optimized": ("glm_mtp.optimized", "OptimizedProposer")}
+
+
+class TargetModel(Protocol):
+    """What the loop needs of a target (``glm_mtp.experiments.target.Target`` is one)."""
+
+    def alloc_state(self) -> object: ...
+    def forward(self, tokens: Tensor, state: object) -> object: ...  # .logits (T, V), .hidden (T, H)
+    def rewind(self, state: object, length: int) -> None: ...
+
+
+def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm") -> DraftProposer:
+    """A drafter of the named backend (``reference`` or ``optimized``), imported only when asked for."""
+    import importlib
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    module, name = BACKENDS[backend]
+    cls = getattr(importlib.import_module(module), name)
+    params = inspect.signature(cls).parameters
+    if "feed_hidden" in params:
+        return cls(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
+    if feed_hidden != "post_norm":
+        raise ValueError(f"backend {backend!r} has no feed_hidden option; it drafts post_norm only")
+    return cls(weights, max_seq_len=max_seq_len)
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification
+
+
+def greedy_verify(logits: Tensor, drafts: list[int]) -> tuple[int, int]:
+    """``logits`` (k+1, V) at positions m..m+k. Returns (drafts accepted, bonus token)."""
+    best = torch.argmax(logits, dim=-1).tolist()  # ties to the lower id, as the drafter's
+    a = 0
+    while a < len(drafts) and drafts[a] == best[a]:
+        a += 1
+    return a, best[a]
+
+
+def target_probs(logits: Tensor, temperature: float) -> Tensor:
+    """``softmax(logits / temperature)`` in float64, so acceptance tests do not round."""
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def stochastic_verify(logits: Tensor, drafts: list[int], temperature: float, gen: torch.Generator) -> tuple[int, int]:
+    """Rejection sampling against one-hot drafts (see the module docstring)."""
+    p = target_probs(logits, temperature)  # (k+1, V)
+    for i, d in enumerate(drafts):
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if u < float(p[i, d]):
+            continue
+        residual = p[i].clone()
+        residual[d] = 0.0
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=gen))
+
+
+def pick(logits: Tensor, temperature: float, gen: torch.Generator) -> int:
+    """The target's own next token: argmax, or a sample at ``temperature``."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(target_probs(logits, temperature), 1, generator=gen))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecStats:
+    """Counters of one or more generations (``merge`` adds them up).
+
+    Args:
+        num_drafts: k.
+        reached: per draft position, how often it was verified with every draft before it accepted.
+        accepted: per draft position, how often it was accepted.
+        steps: verification forwards; committed: tokens they committed (accepted + bonus).
+        draft_s / verify_s / prefill_s: seconds in the drafter, in verification forwards and in
+            the prompt's target forward.
+    """
+
+    num_drafts: int
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    steps: int = 0
+    committed: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reached = self.reached or [0] * self.num_drafts
+        self.accepted = self.accepted or [0] * self.num_drafts
+
+    def record(self, a: int) -> None:
+        """One verification that accepted ``a`` drafts."""
+        for i in range(min(a + 1, self.num_drafts)):
+            self.reached[i] += 1
+        for i in range(a):
+            self.accepted[i] += 1
+        self.steps += 1
+        self.committed += a + 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.reached = [x + y for x, y in zip(self.reached, other.reached)]
+        self.accepted = [x + y for x, y in zip(self.accepted, other.accepted)]
+        for name in ("steps", "committed", "draft_s", "verify_s", "prefill_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def alpha(self) -> list[float]:
+        """Per position: accepted / reached (NaN where never reached)."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def alpha_cumulative(self) -> list[float]:
+        """Per position: share of steps whose first i drafts were all accepted."""
+        return [a / self.steps if self.steps else float("nan") for a in self.accepted]
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per verification forward (the mean accepted length, bonus included)."""
+        return self.committed / self.steps if self.steps else float("nan")
+
+    @property
+    def draft_share(self) -> float:
+        """Share of the loop's time spent in the drafter (the rest verifies)."""
+        total = self.draft_s + self.verify_s
+        return self.draft_s / total if total else float("nan")
+
+
+@dataclass
+class SpecResult:
+    """``tokens``: the generated tokens (prompt excluded, cut to ``max_new_tokens``)."""
+
+    tokens: list[int]
+    stats: SpecStats
+
+
+class SpeculativeDecoder:
+    """Drives a target and a ``DraftProposer`` through the loop of DESIGN.md §4.
+
+    Args:
+        target: the target model (``Target``); its hiddens must be the drafter's dtype and device.
+        proposer: any ``DraftProposer`` backend.
+        num_drafts: k >= 1 drafts per step.
+        policy: ``first_row_kept`` | ``refeed`` | ``trim_all`` (module docstring).
+        temperature: 0 for greedy verification, > 0 for rejection sampling at that temperature.
+        seed: the sampling generator's seed.
+    """
+
+    def __init__(self, target: TargetModel, proposer: DraftProposer, num_drafts: int, policy: Policy = "first_row_kept",
+                 temperature: float = 0.0, seed: int = 0) -> None:
+        if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
+            raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        self.target, self.proposer = target, proposer
+        self.k, self.policy, self.temperature = num_drafts, policy, float(temperature)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def _verify(self, logits: Tensor, drafts: list[int]) -> tuple[int, int]:
+        if self.temperature == 0:
+            return greedy_verify(logits, drafts)
+        return stochastic_verify(logits, drafts, self.temperature, self.gen)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu") -> SpecResult:
+        """Generate at least ``max_new_tokens`` tokens after ``prompt`` (>= 1 token); returns the
+        first ``max_new_tokens`` and the step statistics."""
+        if len(prompt) < 1:
+            raise ValueError("prompt must hold at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        tg, prop, k = self.target, self.proposer, self.k
+        stats = SpecStats(k)
+        clock = time.perf_counter
+
+        t0 = clock()
+        tstate = tg.alloc_state()
+        out = tg.forward(torch.tensor(prompt), tstate)  # h_0..h_{n-1}
+        tokens = list(prompt) + [pick(out.logits[-1], self.temperature, self.gen)]
+        stats.prefill_s += clock() - t0
+        t0 = clock()
+        dstate = prop.alloc_state(device)
+        prop.prefill_drafter(prompt, out.hidden, dstate)  # rows [0, n-1)
+        stats.draft_s += clock() - t0
+        m, h_prev = len(prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
+
+        while len(tokens) - len(prompt) < max_new_tokens:
+            t0 = clock()
+            drafts = prop.propose(tokens[m], h_prev, m - 1, k, dstate)
+            t1 = clock()
+            out = tg.forward(torch.tensor([tokens[m], *drafts]), tstate)  # positions m..m+k
+            a, bonus = self._verify(out.logits, drafts)
+            tg.rewind(tstate, m + a + 1)
+            t2 = clock()
+            if self.policy == "first_row_kept":
+                prop.after_verify(a, dstate)
+                if a == k:  # the drafter is one row behind: (d_k, h_{m+k-1}) at row m+k-1
+                    prop.catchup_drafter(drafts[-1:], out.hidden[k - 1 : k], m + k - 1, m + k - 1, dstate)
+            elif self.policy == "refeed":
+                prop.after_verify(0, dstate)
+                if a:
+                    prop.catchup_drafter(drafts[:a], out.hidden[:a], m, m, dstate)
+            else:  # trim_all
+                prop.after_verify(0, dstate)
+                prop.propose(tokens[m], h_prev, m - 1, 0, dstate)  # only rewinds, to m-1
+                prop.after_verify(0, dstate)
+                prop.catchup_drafter([tokens[m], *drafts[:a]], torch.cat((h_prev, out.hidden[:a])), m - 1, m - 1, dstate)
+            t3 = clock()
+            stats.draft_s += (t1 - t0) + (t3 - t2)
+            stats.verify_s += t2 - t1
+            stats.record(a)
+            tokens += [*drafts[:a], bonus]
+            h_prev = out.hidden[a : a + 1]  # h_{m+a}
+            m += a + 1
+        prop.free_state(dstate)
+        return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats)
+
+
+def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+                  gen: torch.Generator | None = None) -> list[int]:
+    """The target alone, one token per forward: the reference speculative decoding must match."""
+    gen = gen or torch.Generator().manual_seed(0)
+    state = target.alloc_state()
+    out = target.forward(torch.tensor(prompt), state)
+    tokens = [pick(out.logits[-1], temperature, gen)]
+    while len(tokens) < max_new_tokens:
+        out = target.forward(torch.tensor(tokens[-1:]), state)
+        tokens.append(pick(out.logits[-1], temperature, gen))
+    return tokens

@@ -1,0 +1,245 @@
+"""A small target model of the GLM-5 architecture, built from the drafter's own layer code.
+
+    h      = embed_tokens[tokens]
+    h      = decoder_layer_i(h)      i < first_k_dense_replace: dense SwiGLU MLP, else MoE
+    hidden = norm(h)                 the final-normed hidden: what lm_head and the drafter read
+    logits = lm_head(hidden)
+
+Every layer is ``glm_mtp.reference.block.decoder_layer`` with the reference weights, caches
+(``LayerCache``) and RoPE table, so the target and the drafter share one implementation. Rows are
+the target's positions: position p lives in slot p and rotates at p. Rolling back is lowering
+``length``: a row past it is overwritten before any query can see it.
+
+Training uses the same function with ``moe=grouped_moe``: the reference MoE runs each row's
+experts on that row alone (exact, batch-independent, slow); ``grouped_moe`` routes identically
+(``reference.moe.route``) and runs each expert once on all the rows it received.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.block import MoeFn, decoder_layer
+from glm_mtp.reference.checkpoint import checkpoint_weight_map, read_tensors
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.layers import acc_dtype, rms_norm, swiglu
+from glm_mtp.reference.moe import moe_block, route
+from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
+from glm_mtp.reference.weights import (
+    DecoderLayerWeights,
+    MoeWeights,
+    decoder_layer_from_tensors,
+    decoder_layer_to_tensors,
+    layer_tensor_shapes,
+    random_tensor,
+)
+
+
+def is_dense(cfg: MtpConfig, i: int) -> bool:
+    """Layer ``i`` of the target has a dense MLP (GLM-5's first ``first_k_dense_replace`` layers)."""
+    return i < cfg.first_k_dense_replace
+
+
+@dataclass
+class TargetWeights:
+    """The target's tensors.
+
+    Args:
+        config: shapes; ``num_hidden_layers`` decoder layers, the first ``first_k_dense_replace`` dense.
+        embed_tokens: ``model.embed_tokens.weight`` (V, H), shared with the drafter.
+        layers: the decoder layers, ``model.layers.{i}.*``.
+        norm: ``model.norm.weight`` (H,), the final RMSNorm.
+        lm_head: ``lm_head.weight`` (V, H), shared with the drafter's ``shared_head``.
+    """
+
+    config: MtpConfig
+    embed_tokens: Tensor
+    layers: list[DecoderLayerWeights]
+    norm: Tensor
+    lm_head: Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    @classmethod
+    def random(cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "TargetWeights":
+        """Random weights of a sensible scale (``reference.weights.random_tensor``), by seed."""
+        gen = torch.Generator().manual_seed(seed)
+        t = {n: random_tensor(n, s, gen) for n, s in target_tensor_shapes(cfg).items()}
+        return cls.from_tensors(cfg, t, dtype, device)
+
+    @classmethod
+    def from_tensors(cls, cfg: MtpConfig, t: dict[str, Tensor], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> "TargetWeights":
+        """From tensors keyed by absolute checkpoint names (the routing bias stays float32)."""
+
+        def place(n: str, x: Tensor) -> Tensor:
+            if n.endswith("e_score_correction_bias"):
+                return x.to(device=device, dtype=torch.float32)
+            return x.to(device=device, dtype=dtype or x.dtype)
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            prefix = f"model.layers.{i}."
+            rel = {n[len(prefix):]: place(n, x) for n, x in t.items() if n.startswith(prefix)}
+            layers.append(decoder_layer_from_tensors(cfg, rel, sparse=not is_dense(cfg, i)))
+        return cls(
+            config=cfg,
+            embed_tokens=place("e", t["model.embed_tokens.weight"]),
+            layers=layers,
+            norm=place("n", t["model.norm.weight"]),
+            lm_head=place("h", t["lm_head.weight"]),
+        )
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> "TargetWeights":
+        """The target's layers ``model.layers.{0..L-1}``, norm, embedding and head from a GLM-5
+        style checkpoint directory (the MTP layer ``model.layers.{L}`` is not read)."""
+        cfg = MtpConfig.from_hf_config(directory)
+        wmap = checkpoint_weight_map(directory)
+        shapes = target_tensor_shapes(cfg)
+        missing = [n for n in shapes if n not in wmap]
+        if missing:
+            raise ValueError(f"{os.fspath(directory)}: missing target tensor {missing[0]!r} ({len(missing)} missing)")
+        t = read_tensors(directory, list(shapes), wmap)
+        for n, s in shapes.items():
+            if tuple(t[n].shape) != s:
+                raise ValueError(f"tensor {n!r} has shape {tuple(t[n].shape)}, expected {s}")
+        return cls.from_tensors(cfg, t, dtype, device)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Absolute GLM-5 checkpoint names -> tensors (experts unstacked, as checkpoints hold them)."""
+        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            out.update({f"model.layers.{i}.{n}": x for n, x in decoder_layer_to_tensors(layer).items()})
+        return out
+
+
+def target_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """Absolute checkpoint name -> shape for every tensor of the target (not the MTP layer)."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for i in range(cfg.num_hidden_layers):
+        out.update({f"model.layers.{i}.{n}": s for n, s in layer_tensor_shapes(cfg, sparse=not is_dense(cfg, i)).items()})
+    out["model.norm.weight"] = (H,)
+    out["lm_head.weight"] = (V, H)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetState:
+    """One sequence's target caches: ``length`` positions held, one ``LayerCache`` per layer."""
+
+    caches: list[LayerCache]
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.caches[0].capacity
+
+
+@dataclass
+class TargetOutput:
+    """Per new position: ``logits`` (T, V) in acc dtype, ``hidden`` (T, H) the final-normed hidden."""
+
+    logits: Tensor
+    hidden: Tensor
+
+
+class Target:
+    """The target model for inference: prefill, verify, roll back.
+
+    Args:
+        weights: the target's tensors.
+        max_seq_len: the longest sequence a state serves; a state holds
+            ``16 * (max_seq_len // 16 + 2)`` positions, like the drafter's pool.
+        moe: the MoE computation (the reference ``moe_block`` by default).
+    """
+
+    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block) -> None:
+        self.weights = weights
+        self.config = weights.config
+        self.blocks = num_blocks(max_seq_len)
+        self.capacity = BLOCK_ROWS * self.blocks
+        self.rope = Rope.build(self.config, self.capacity, weights.device)
+        self.moe = moe
+
+    def alloc_state(self) -> TargetState:
+        """Fresh caches (zeros), ``length = 0``."""
+        w = self.weights
+        return TargetState([LayerCache.allocate(self.config, self.blocks, w.dtype, w.device) for _ in w.layers])
+
+    def forward(self, tokens: Tensor, state: TargetState) -> TargetOutput:
+        """Run ``tokens`` (T,) at positions ``[length, length + T)``, write their rows, advance ``length``."""
+        w, cfg = self.weights, self.config
+        T = tokens.shape[0]
+        if state.length + T > self.capacity:
+            raise ValueError(f"tokens: positions up to {state.length + T} run past the target's capacity of {self.capacity}")
+        slots = torch.arange(state.length, state.length + T, device=w.device)
+        h = F.embedding(tokens.to(w.device), w.embed_tokens)  # (T, H)
+        for layer, cache in zip(w.layers, state.caches):
+            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe)
+        hidden = rms_norm(h, w.norm, cfg.rms_norm_eps)  # (T, H)
+        state.length += T
+        return TargetOutput(logits=F.linear(hidden, w.lm_head).to(acc_dtype(hidden.dtype)), hidden=hidden)
+
+    def rewind(self, state: TargetState, length: int) -> None:
+        """Forget positions ``>= length`` (nothing is copied: later writes overwrite them)."""
+        if not 0 <= length <= state.length:
+            raise ValueError(f"length must be in [0, {state.length}], got {length}")
+        state.length = length
+
+
+# ------------------------------------------------------------------------------------------------
+# The training-time MoE dispatch.
+
+
+@dataclass
+class ExpertLoad:
+    """Rows routed to each expert since the last reset, keyed by the MoE's router tensor id."""
+
+    counts: dict[int, Tensor] = field(default_factory=dict)
+
+    def add(self, moe: MoeWeights, experts: Tensor) -> None:
+        c = torch.bincount(experts.flatten(), minlength=moe.router.shape[0])
+        key = id(moe.router)
+        self.counts[key] = self.counts.get(key, 0) + c
+
+
+def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, load: ExpertLoad | None = None) -> Tensor:
+    """The MoE of ``reference.moe.moe_block`` for rows ``m`` (T, H), with each expert run once on
+    the rows routed to it (index_select in, weighted index_add out). Same routing and weights;
+    the sums may round differently, so it is for training (it is differentiable), not for the
+    bit-exact paths. ``load`` collects expert counts for the bias update."""
+    acc = acc_dtype(m.dtype)
+    experts, weights = route(moe, cfg, m)  # (T, k), (T, k)
+    if load is not None:
+        load.add(moe, experts.detach())
+    T, k = experts.shape
+    flat_e = experts.flatten()
+    flat_t = torch.arange(T, device=m.device).repeat_interleave(k)
+    flat_w = weights.flatten()
+    out = torch.zeros(T, m.shape[1], dtype=acc, device=m.device)
+    for e in range(moe.router.shape[0]):
+        sel = (flat_e == e).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        rows = flat_t[sel]
+        y = swiglu(m[rows], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])  # (n, H)
+        out = out.index_add(0, rows, y.to(acc) * flat_w[sel, None])
+    if moe.shared is not None:
+        out = out + swiglu(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj).to(acc)
+    return out.to(m.dtype)

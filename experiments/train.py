@@ -1,0 +1,400 @@
+"""Train a small GLM-5-architecture target and its MTP head jointly on the Python stdlib.
+
+    python -m glm_mtp.experiments.train                         # defaults: conf/train.yaml
+    python -m glm_mtp.experiments.train out=checkpoints/NAME    # also write the shipped checkpoint
+
+Loss = CE(target) + mtp_loss_weight * mean_k CE(MTP depth k), k = 1..mtp_depth, the MTP layer
+unrolled with shared weights (DeepSeek-V3 / GLM-5): depth k's row r pairs token ``t_{r+k}`` with
+the previous depth's output at row r (the target's final-normed hidden for k = 1) and predicts
+``t_{r+k+1}``. Gradients of the MTP loss reach the target, as in those models. Experts are kept
+balanced without an auxiliary loss: after each step every routing bias moves by
+``bias_update_rate`` toward under-loaded experts (DeepSeek-V3's aux-loss-free balancing).
+
+Not trained: the lightning indexer. Training windows (``seq_len``) are no longer than
+``index_topk``, so DSA attends to every visible row and the indexer's top-k never bites; the
+shipped model's experiments stay within that context too (DeepSeek-V3.2's indexer warm-up with a
+KL loss against the attention distribution is the missing stage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.block import MoeFn, decoder_layer
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.layers import rms_norm
+from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
+from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
+
+from .bpe import BpeTokenizer
+from .corpus import Split, corpus_split, read_item
+from .target import ExpertLoad, Target, TargetWeights, grouped_moe
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def trainable(weights: Any, skip: tuple[str, ...] = ("e_score_correction_bias",)) -> list[Tensor]:
+    """Make every tensor of a weights dataclass (recursively, lists too) a leaf that requires
+    grad, except fields named in ``skip``; returns them (each once)."""
+    params: dict[int, Tensor] = {}
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, list):
+            return [walk(x) for x in obj]
+        if not hasattr(obj, "__dataclass_fields__"):
+            return obj
+        for name in obj.__dataclass_fields__:
+            v = getattr(obj, name)
+            if isinstance(v, Tensor):
+                if name in skip:
+                    continue
+                if id(v) not in params:
+                    params[id(v)] = v.detach().clone().requires_grad_(True)
+                setattr(obj, name, params[id(v)])
+            else:
+                walk(v)
+        return obj
+
+    walk(weights)
+    return list(params.values())
+
+
+def build_models(cfg: MtpConfig, seed: int) -> tuple[TargetWeights, MtpWeights, list[Tensor]]:
+    """Random float32 target and MTP layer sharing one embedding and one head; their parameters."""
+    target = TargetWeights.random(cfg, seed=seed, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    mtp_t = {n: random_tensor(n, s, gen) for n, s in mtp_tensor_shapes(cfg).items()}
+    mtp = MtpWeights.from_tensors(cfg, mtp_t, target.embed_tokens, target.lm_head)
+    # One leaf per tensor: the MTP layer reads the target's embedding and head objects.
+    params = trainable([target, mtp])
+    mtp.embed_tokens, mtp.lm_head = target.embed_tokens, target.lm_head
+    return target, mtp, params
+
+
+def moe_layers(target: TargetWeights, mtp: MtpWeights) -> list[MoeWeights]:
+    return [l.mlp for l in [*target.layers, mtp.layer] if isinstance(l.mlp, MoeWeights)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward passes
+
+
+def mtp_forward(w: MtpWeights, tokens: Tensor, hiddens: Tensor, zero_first: bool, moe: MoeFn) -> tuple[Tensor, Tensor]:
+    """``reference.block.mtp_rows`` on a fresh cache with rows at slots ``[0, T)``, with an
+    injectable MoE: returns ``(x, logits)``. ``zero_first`` zeroes row 0's embedding, as the
+    block does at position 0 (depth 1 only; deeper rows of the unroll start later in the text)."""
+    cfg = w.config
+    T = tokens.shape[0]
+    blocks = num_blocks(T)
+    cache = LayerCache.allocate(cfg, blocks, hiddens.dtype, hiddens.device)
+    rope = Rope.build(cfg, BLOCK_ROWS * blocks, hiddens.device)
+    slots = torch.arange(T)
+    e = F.embedding(tokens, w.embed_tokens)  # (T, H)
+    if zero_first:
+        e = e.masked_fill((slots == 0)[:, None], 0.0)
+    u = F.linear(torch.cat((rms_norm(e, w.enorm, cfg.rms_norm_eps), rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)), dim=-1), w.eh_proj)
+    out = decoder_layer(w.layer, cfg, u, slots, cache, rope, moe=moe)
+    x = rms_norm(out, w.shared_head_norm, cfg.rms_norm_eps)
+    return x, F.linear(x, w.lm_head)
+
+
+@dataclass
+class Losses:
+    target: Tensor
+    mtp: list[Tensor]  # per depth
+    mtp_acc: list[float]  # top-1 accuracy per depth (against the text)
+
+
+def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, depth: int, moe: MoeFn) -> Losses:
+    """Losses of one window ``t_0..t_T`` (T + 1 tokens)."""
+    T = window.shape[0] - 1
+    tg = Target(target, max_seq_len=T, moe=moe)
+    out = tg.forward(window[:-1], tg.alloc_state())
+    loss_t = F.cross_entropy(out.logits, window[1:])
+    hidden, mtp_losses, accs = out.hidden, [], []
+    for k in range(1, depth + 1):
+        n = T - k  # rows r = 0..T-k-1: token t_{r+k}, previous depth's row r, predicts t_{r+k+1}
+        x, logits = mtp_forward(mtp, window[k : k + n], hidden[:n], zero_first=(k == 1), moe=moe)
+        labels = window[k + 1 : k + 1 + n]
+        mtp_losses.append(F.cross_entropy(logits, labels))
+        accs.append(float((logits.argmax(-1) == labels).float().mean()))
+        hidden = x
+    return Losses(loss_t, mtp_losses, accs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass
+class Corpus:
+    """Token streams of the two splits and the tokenizer."""
+
+    split: Split
+    tokenizer: BpeTokenizer
+    train: Tensor  # (N,) int64
+    heldout: Tensor  # (M,) int64
+
+
+def build_corpus(vocab_size: int, sample_every: int) -> Corpus:
+    """Split, train the BPE on every ``sample_every``-th training item, tokenize both splits
+    (items joined by a blank line)."""
+    split = corpus_split()
+    train_texts = [read_item(n) for n in split.train]
+    tok = BpeTokenizer.train(train_texts[::sample_every], vocab_size)
+    enc = lambda texts: torch.tensor(tok.encode("\n\n".join(texts)), dtype=torch.int64)  # noqa: E731
+    return Corpus(split, tok, enc(train_texts), enc([read_item(n) for n in split.heldout]))
+
+
+def sample_windows(stream: Tensor, n: int, length: int, gen: torch.Generator) -> Tensor:
+    """``n`` random windows of ``length`` tokens: (n, length)."""
+    starts = torch.randint(0, stream.shape[0] - length, (n,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr`` at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
+
+
+@torch.no_grad()
+def evaluate(target: TargetWeights, mtp: MtpWeights, windows: Tensor, depth: int) -> dict[str, float]:
+    """Mean held-out losses and MTP accuracies over ``windows`` (fixed, so curves compare)."""
+    tot: dict[str, float] = {}
+    for w in windows:
+        ls = sequence_losses(target, mtp, w, depth, grouped_moe)
+        vals = {"target_loss": float(ls.target), **{f"mtp{k + 1}_loss": float(l) for k, l in enumerate(ls.mtp)},
+                **{f"mtp{k + 1}_acc": a for k, a in enumerate(ls.mtp_acc)}}
+        for k, v in vals.items():
+            tot[k] = tot.get(k, 0.0) + v / len(windows)
+    return tot
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(directory: str, target: TargetWeights, mtp: MtpWeights, corpus: Corpus, card: str, extra_files: dict[str, Any]) -> None:
+    """Safetensors in GLM-5 naming (the MTP layer at ``model.layers.{L}``), config.json, the
+    tokenizer, the corpus split, and the model card."""
+    mtp_d = MtpWeights.from_tensors(mtp.config, {n: t.detach() for n, t in mtp.mtp_tensors().items()},
+                                    mtp.embed_tokens.detach(), mtp.lm_head.detach())
+    # Clones: safetensors refuses tensors that share storage (stacked experts are views).
+    extra = {n: t.detach().clone() for n, t in target.state_dict().items()}
+    os.makedirs(directory, exist_ok=True)
+    mtp_d.save_pretrained(directory, extra=extra)
+    corpus.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "corpus.json"), "w") as f:
+        json.dump({"sha256": corpus.split.digest(), "train": corpus.split.train, "heldout": corpus.split.heldout}, f, indent=0)
+    for name, obj in extra_files.items():
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump(obj, f, indent=1)
+    with open(os.path.join(directory, "README.md"), "w") as f:
+        f.write(card)
+
+
+def plot_curves(history: list[dict[str, float]], evals: list[dict[str, float]], path: str) -> None:
+    """Train and held-out losses against steps, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["target_loss"] for h in history], label="target (train)", alpha=0.6)
+    ax.plot(steps, [h["mtp1_loss"] for h in history], label="MTP depth 1 (train)", alpha=0.6)
+    if evals:
+        es = [e["step"] for e in evals]
+        ax.plot(es, [e["target_loss"] for e in evals], "o-", label="target (held-out)")
+        ax.plot(es, [e["mtp1_loss"] for e in evals], "s-", label="MTP depth 1 (held-out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float], minutes: float, steps: int, command: str) -> str:
+    """The checkpoint's README."""
+    n_params = sum(math.prod(s) for s in __import__("glm_mtp.experiments.target", fromlist=["x"]).target_tensor_shapes(mcfg).values())
+    n_mtp = sum(math.prod(s) for s in mtp_tensor_shapes(mcfg).values())
+    t = cfg.train
+    return f"""# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer
+
+Trained by this package on the Python standard library, so acceptance-rate numbers can be
+re-derived on any machine. Architecture: GLM-5 (`glm_moe_dsa`) at toy scale: {mcfg.num_hidden_layers} decoder
+layers (the first {mcfg.first_k_dense_replace} dense), DSA attention (MLA + lightning indexer), sigmoid-routed MoE
+({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared), and one MTP layer at `model.layers.{mcfg.num_hidden_layers}`.
+Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP layer {n_mtp / 1e6:.2f} M. float32.
+
+## Command
+
+```
+{command}
+```
+
+({steps} steps of {t.batch_size} x {t.seq_len} tokens, {minutes:.1f} minutes with {t.threads} CPU threads;
+MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared weights.)
+
+## Data
+
+- Corpus: the `.py` files of the Python {".".join(map(str, __import__("sys").version_info[:3]))} standard library (tests, idlelib, turtledemo,
+  lib2to3, ensurepip, site-packages excluded) and the `pydoc_data.topics` texts.
+- Held-out: the items whose blake2b path hash falls in the {__import__("glm_mtp.experiments.corpus", fromlist=["x"]).HELDOUT_PERCENT}% bucket, listed in `corpus.json`
+  ({len(corpus.split.heldout)} held out, {len(corpus.split.train)} for training).
+- Corpus file-list sha256: `{corpus.split.digest()}`
+- Tokenizer: byte-level BPE, {corpus.tokenizer.vocab_size} tokens, trained on the training split (`tokenizer.json`,
+  `glm_mtp.experiments.bpe.BpeTokenizer.load`). Training stream {corpus.train.numel()} tokens, held-out {corpus.heldout.numel()}.
+
+## Final losses (nats; held-out over {t.eval_windows} fixed windows of {t.seq_len} tokens)
+
+| | target | MTP depth 1 | MTP depth 1 top-1 acc |{' MTP depth 2 |' if t.mtp_depth >= 2 else ''}
+|---|---|---|---|{'---|' if t.mtp_depth >= 2 else ''}
+| held-out | {final['target_loss']:.4f} | {final['mtp1_loss']:.4f} | {final['mtp1_acc']:.4f} |{f" {final['mtp2_loss']:.4f} |" if t.mtp_depth >= 2 else ''}
+| train (last {t.log_every} steps) | {final['train_target_loss']:.4f} | {final['train_mtp1_loss']:.4f} | | |
+
+The loss curves are in `loss_curve.png`, every logged step in `training_log.json`.
+
+## Load
+
+```python
+from glm_mtp.reference import MtpWeights
+from glm_mtp.experiments.target import TargetWeights
+mtp = MtpWeights.from_pretrained(dir)        # the MTP layer + embedding + head
+target = TargetWeights.from_pretrained(dir)  # the target's layers
+```
+
+The lightning indexer is not trained (training windows fit in `index_topk` = {mcfg.index_topk} rows, so DSA
+attends to every visible row); keep contexts within {mcfg.index_topk} rows.
+"""
+
+
+def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.train") -> dict[str, float]:
+    """Train per ``cfg`` (conf/train.yaml), log to ``run_dir``; returns the final metrics.
+    ``command`` is recorded in the model card."""
+    from omegaconf import OmegaConf
+    from tqdm import tqdm
+
+    from .wandb_log import make_logger
+
+    t = cfg.train
+    torch.set_num_threads(t.threads)
+    torch.manual_seed(t.seed)
+    t0 = time.perf_counter()
+    corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every)
+    mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
+    if t.seq_len > mcfg.index_topk:
+        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained")
+    target, mtp, params = build_models(mcfg, t.seed)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=t.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(t.seed)
+    eval_windows = sample_windows(corpus.heldout, t.eval_windows, t.seq_len + 1, torch.Generator().manual_seed(t.seed + 7))
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
+    setup_s = time.perf_counter() - t0
+    print(f"corpus: {corpus.train.numel()} train / {corpus.heldout.numel()} held-out tokens, vocab {corpus.tokenizer.vocab_size}, "
+          f"setup {setup_s:.0f}s, {sum(p.numel() for p in params) / 1e6:.2f}M parameters")
+
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+    load = ExpertLoad()
+    moe = partial(grouped_moe, load=load)
+    deadline = t0 + 60 * t.max_minutes
+    bar = tqdm(range(t.steps), desc="train", dynamic_ncols=True, mininterval=5)
+    step = 0
+    for step in bar:
+        lr = lr_at(step, t.steps, t.lr, t.min_lr, t.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = sample_windows(corpus.train, t.batch_size, t.seq_len + 1, gen)
+        tot_t, tot_m, accs = 0.0, [0.0] * t.mtp_depth, [0.0] * t.mtp_depth
+        opt.zero_grad(set_to_none=True)
+        for window in batch:
+            ls = sequence_losses(target, mtp, window, t.mtp_depth, moe)
+            loss = (ls.target + t.mtp_loss_weight * torch.stack(ls.mtp).mean()) / t.batch_size
+            loss.backward()
+            tot_t += float(ls.target.detach()) / t.batch_size
+            for k in range(t.mtp_depth):
+                tot_m[k] += float(ls.mtp[k].detach()) / t.batch_size
+                accs[k] += ls.mtp_acc[k] / t.batch_size
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+        opt.step()
+        with torch.no_grad():  # aux-loss-free balancing: nudge biases toward under-loaded experts
+            for m in moe_layers(target, mtp):
+                c = load.counts.get(id(m.router))
+                if c is not None:
+                    m.e_score_correction_bias += t.bias_update_rate * torch.sign(c.float().mean() - c.float())
+        load.counts.clear()
+        rec = {"step": step, "lr": lr, "grad_norm": gnorm, "target_loss": tot_t,
+               **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)}, **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
+        history.append(rec)
+        bar.set_postfix(loss=f"{tot_t:.3f}", mtp1=f"{tot_m[0]:.3f}", acc1=f"{accs[0]:.2f}")
+        if step % t.log_every == 0:
+            log.log({f"train/{k}": v for k, v in rec.items() if k != "step"}, step=step)
+        last = step == t.steps - 1 or time.perf_counter() > deadline
+        if step % t.eval_every == 0 or last:
+            ev = {"step": step, **evaluate(target, mtp, eval_windows, t.mtp_depth)}
+            evals.append(ev)
+            log.log({f"heldout/{k}": v for k, v in ev.items() if k != "step"}, step=step)
+            tqdm.write(f"step {step}: held-out target {ev['target_loss']:.3f} mtp1 {ev['mtp1_loss']:.3f} acc1 {ev['mtp1_acc']:.3f}")
+        if last:
+            if step < t.steps - 1:
+                tqdm.write(f"stopping at step {step}: train.max_minutes={t.max_minutes} reached")
+            break
+    bar.close()
+    minutes = (time.perf_counter() - t0) / 60
+    recent = history[-t.log_every:]
+    final = {**evals[-1], "train_target_loss": sum(h["target_loss"] for h in recent) / len(recent),
+             "train_mtp1_loss": sum(h["mtp1_loss"] for h in recent) / len(recent), "minutes": minutes, "steps": step + 1}
+    png = os.path.join(run_dir, "loss_curve.png")
+    plot_curves(history, evals, png)
+    log.log_image("loss_curve", png)
+    log.summary({f"final/{k}": v for k, v in final.items()})
+    log.finish()
+    with open(os.path.join(run_dir, "final.json"), "w") as f:
+        json.dump(final, f, indent=1)
+    print(json.dumps(final, indent=1))
+    if cfg.out:
+        card = model_card(cfg, mcfg, corpus, final, minutes, step + 1, command)
+        save_checkpoint(cfg.out, target, mtp, corpus, card, {"training_log.json": {"history": history, "evals": evals, "final": final}})
+        import shutil
+
+        shutil.copy(png, os.path.join(cfg.out, "loss_curve.png"))
+        print(f"checkpoint written to {cfg.out}")
+    return final
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="train")
+    def _main(cfg: Any) -> None:
+        hc = HydraConfig.get()
+        run(cfg, hc.runtime.output_dir, " ".join(["python -m glm_mtp.experiments.train", *hc.overrides.task]))
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()
