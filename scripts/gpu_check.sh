@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One script for a GPU machine that has torch, triton, einops, safetensors, hypothesis and pytest
+# but no package registry: the conformance suite on CUDA (tiny and small, bf16 and fp32), the
+# gpu-marked tests, then the benchmark. Everything lands under $OUT (or outputs/gpu_check);
+# a short table is printed last. Budget: about 6 minutes on an H100/H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+# Import glm_mtp from this checkout without installing it: the card's folders, linked under one
+# namespace (pip would need the registry for the build backend).
+PKG=$(mktemp -d)
+mkdir -p "$PKG/glm_mtp"
+cp glm_mtp/__init__.py "$PKG/glm_mtp/"
+for sub in reference optimized conformance experiments conf; do ln -s "$PWD/$sub" "$PKG/glm_mtp/$sub"; done
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+
+$PY - <<'PYEOF' | tee "$OUT/device.txt"
+import torch, triton
+print(f"torch {torch.__version__}, triton {triton.__version__}, cuda {torch.version.cuda}")
+print(torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
+PYEOF
+
+status=0
+summary="$OUT/summary.txt"
+: > "$summary"
+for preset in tiny small; do
+  for dtype in bfloat16 float32; do
+    scen=$([ "$preset" = tiny ] && echo 200 || echo 60)
+    log="$OUT/conformance-$preset-$dtype.log"
+    timeout 150 $PY -m glm_mtp.conformance --candidate optimized --baseline reference --device cuda \
+      --dtype "$dtype" --preset "$preset" --scenarios "$scen" --seed 0 \
+      --json "$OUT/conformance-$preset-$dtype.json" >"$log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    echo "conformance optimized vs reference, cuda $preset $dtype, $scen scenarios: exit $rc" | tee -a "$summary"
+    tail -n 3 "$log"
+  done
+done
+
+timeout 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest-gpu.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+echo "pytest -m gpu: exit $rc ($(tail -n 1 "$OUT/pytest-gpu.log"))" | tee -a "$summary"
+
+timeout 200 $PY -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5 \
+  --drafts 1 2 3 4 5 --repeats 30 --out "$OUT/bench" >"$OUT/bench.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+echo "bench: exit $rc" | tee -a "$summary"
+
+echo
+cat "$summary"
+[ -f "$OUT/bench/bench.md" ] && cat "$OUT/bench/bench.md"
+exit $status

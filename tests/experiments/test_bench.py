@@ -1,0 +1,58 @@
+"""The benchmark's bookkeeping (not its timings): records, files, the byte count, the counters."""
+
+import json
+
+import pytest
+import torch
+
+from glm_mtp.experiments import bench
+from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+
+
+def test_draft_step_bytes_glm5():
+    cfg = MtpConfig.preset("glm5")
+    b = bench.draft_step_bytes(cfg, torch.bfloat16, visible_rows=1000)
+    experts = 8 * 3 * 2048 * 6144 * 2  # the chosen experts dominate with the head
+    head = 154880 * 6144 * 2
+    assert experts + head < b < experts + head + 1.2e9
+    # Attending more rows reads more, and only the top-k KV rows count.
+    assert bench.draft_step_bytes(cfg, torch.bfloat16, 5000) - b == 4000 * 128 * 2 + (2048 - 1000) * 576 * 2
+
+
+def test_op_counter_sees_the_reference_syncs():
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
+    prop = ReferenceProposer(w, 64)
+    state = prop.alloc_state("cpu")
+    prop.prefill_drafter(torch.randint(96, (9,)), torch.randn(9, 64), state)
+    with bench.OpCounter() as c:
+        prop.propose(3, torch.randn(64), 8, 3, state)
+    assert c.syncs >= 3 and c.ops > 100  # one read-back per draft at least
+    assert bench.state_nbytes(state) == sum(t.numel() * t.element_size() for t in (state.cache.kv_pool, state.cache.index_pool, state.cache.block_table, state.x))
+
+
+def test_bench_writes_records_table_and_plot(tmp_path):
+    backends = ["reference"]
+    try:
+        import glm_mtp.optimized  # noqa: F401
+
+        backends.append("optimized")
+    except ImportError:
+        pass
+    bench.main(["--presets", "tiny", "--backends", *backends, "--drafts", "1", "2", "--repeats", "2", "--warmup", "1",
+                "--context", "16", "--max-seq-len", "64", "--copy-mib", "8", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench.json").read_text())
+    recs = data["records"]
+    assert len(recs) == 2 * len(backends) and data["meta"]["copy_bandwidth_gb_s"] > 0
+    for r in recs:
+        for key in ("backend", "preset", "device", "dtype", "num_drafts", "latency_per_draft_ms_median",
+                    "host_syncs_per_propose", "bytes_per_draft_step", "floor_ratio", "speedup_vs_reference"):
+            assert key in r, key
+        assert r["latency_per_draft_ms_median"] > 0 and r["floor_ratio"] > 0
+    assert (tmp_path / "bench.md").read_text().count("| tiny |") == len(recs)
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_bad_arguments_exit_2():
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--presets", "huge"])
+    assert e.value.code == 2
