@@ -35,15 +35,17 @@ def state_bytes(prop, state) -> dict[str, tuple]:
 class Lockstep:
     """One reference and one optimized drafter on the same weights, driven call by call."""
 
-    def __init__(self, weights: MtpWeights, max_seq_len: int = 64, device: str = "cpu", **opt_kwargs: Any) -> None:
-        self.ref = ReferenceProposer(weights, max_seq_len)
-        self.opt = OptimizedProposer(weights, max_seq_len, **opt_kwargs)
+    def __init__(self, weights: MtpWeights, max_seq_len: int = 64, device: str = "cpu", feed_hidden: str = "post_norm",
+                 **opt_kwargs: Any) -> None:
+        self.ref = ReferenceProposer(weights, max_seq_len, feed_hidden)
+        self.opt = OptimizedProposer(weights, max_seq_len, feed_hidden, **opt_kwargs)
         self.rs, self.os = self.ref.alloc_state(device), self.opt.alloc_state(device)
         self.calls = 0
 
     def call(self, name: str, *args: Any) -> Any:
         """``getattr(prop, name)(*args, state)`` on both; same result or same exception type, and
         byte-identical exported states afterwards. Returns the result (or the exception)."""
+        before = state_bytes(self.opt, self.os)
         outcomes = []
         for prop, state in ((self.ref, self.rs), (self.opt, self.os)):
             try:
@@ -54,6 +56,7 @@ class Lockstep:
         assert kr == ko, f"{name}{args!r}: reference {kr} {vr!r}, optimized {ko} {vo!r}"
         if kr == "raised":
             assert type(vr) is type(vo), f"{name}: reference raised {vr!r}, optimized {vo!r}"
+            assert state_bytes(self.opt, self.os) == before, f"{name}: a refused call changed the optimized state"
         else:
             assert vr == vo, f"{name}: reference returned {vr!r}, optimized {vo!r}"
         self.check()

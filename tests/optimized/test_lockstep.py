@@ -1,0 +1,144 @@
+"""The optimized drafter against the reference, call by call: random spec-decode loops with
+misuse mixed in, bf16 and fp32, tiny preset. After every call both give the same result (or the
+same exception type) and export byte-identical states; a refused call changes nothing."""
+
+import pytest
+import torch
+
+# A misuse: (name, needs a pending propose?, call(prop-free spec) -> (method, args)).
+# ``p`` is the next position, ``s`` the rows held, ``k`` the pending draft count, ``i`` inputs.
+MISUSE = [
+    ("propose_while_pending", True, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), s, 1))),
+    ("prefill_while_pending", True, lambda i, p, s, k: ("prefill_drafter", (i.tokens(3), i.hiddens(3)))),
+    ("verify_too_many", True, lambda i, p, s, k: ("after_verify", (k + 1,))),
+    ("verify_negative", True, lambda i, p, s, k: ("after_verify", (-1,))),
+    ("verify_none_pending", False, lambda i, p, s, k: ("after_verify", (0,))),
+    ("propose_behind", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), s + 1, 2))),
+    ("hidden_nan", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1).index_fill(1, torch.tensor([5]), float("nan")), p, 3))),
+    ("hidden_inf_1d", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1)[0].index_fill(0, torch.tensor([0]), float("-inf")), p, 2))),
+    ("token_out_of_range", False, lambda i, p, s, k: ("propose", (i.cfg.vocab_size, i.hiddens(1), p, 2))),
+    ("token_tensor_out_of_range", False, lambda i, p, s, k: ("propose", (torch.tensor([-3]), i.hiddens(1), p, 2))),
+    ("token_tensor_bad_and_nan", False, lambda i, p, s, k: ("propose", (torch.tensor(i.cfg.vocab_size + 1), torch.full((i.cfg.hidden_size,), float("nan")).to(i.dtype), p, 1))),
+    ("token_float", False, lambda i, p, s, k: ("propose", (2.0, i.hiddens(1), p, 2))),
+    ("token_tensor_float", False, lambda i, p, s, k: ("propose", (torch.tensor([2.0]), i.hiddens(1), p, 2))),
+    ("token_tensor_two", False, lambda i, p, s, k: ("propose", (torch.tensor([1, 2]), i.hiddens(1), p, 2))),
+    ("hidden_dtype", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1).double(), p, 2))),
+    ("hidden_shape", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(2), p, 2))),
+    ("hidden_list", False, lambda i, p, s, k: ("propose", (i.token(), [0.5] * i.cfg.hidden_size, p, 2))),
+    ("drafts_negative", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), p, -1))),
+    ("past_capacity", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), p, 200))),
+    ("position_negative", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), -1, 1))),
+    ("catchup_misaligned", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(2), s + 3, 0))),
+    ("catchup_misaligned_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(1), torch.full((1, i.cfg.hidden_size), float("nan")).to(i.dtype), s + 3, 0))),
+    ("catchup_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(2).index_fill(0, torch.tensor([1]), float("inf")), s, s))),
+    ("catchup_past_capacity", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(3), i.hiddens(3), 95, 0))),
+    ("catchup_len_mismatch", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(3), s, s))),
+    ("prefill_again", False, lambda i, p, s, k: ("prefill_drafter", (i.tokens(4), i.hiddens(4)))),
+    ("prefill_too_long", False, lambda i, p, s, k: ("prefill_drafter", (i.tokens(65), i.hiddens(65)))),
+]
+
+
+def spec_decode(ls, inp, steps: int, k_max: int, misuse_every: int = 3) -> dict[str, int]:
+    """A random spec-decode loop on ``ls`` (a Lockstep); returns how often each path ran."""
+    seen: dict[str, int] = {}
+    cap = ls.opt.capacity
+
+    def note(key: str) -> None:
+        seen[key] = seen.get(key, 0) + 1
+
+    def misuse(pending: bool, p: int, k: int) -> None:
+        options = [m for m in MISUSE if m[1] == pending]
+        name, _, make = options[inp.randint(0, len(options) - 1)]
+        method, args = make(inp, p, ls.opt.drafter_rows(ls.os), k)
+        result = ls.call(method, *args)
+        note("misuse:" + name)
+        if name not in ("catchup_misaligned", "prefill_again"):
+            assert isinstance(result, Exception), f"{name} was not refused: {result!r}"
+
+    n = inp.randint(2, 20)
+    assert ls.call("prefill_drafter", inp.tokens(n), inp.hiddens(n)) == n - 1
+    pos = n - 1  # the next propose's position: rows [0, pos) are held
+    for step in range(steps):
+        k = inp.randint(0, k_max)
+        if pos + k > cap - 2:
+            break
+        if step % misuse_every == 1:
+            misuse(False, pos, 0)
+        # Sometimes propose behind the rows held (the drafter rewinds), sometimes as a tensor.
+        at = pos - inp.randint(1, 3) if step % 5 == 4 and pos > 4 else pos
+        tok = inp.token()
+        token = torch.tensor(tok) if step % 2 else tok
+        hidden = inp.hiddens(1)[0] if step % 3 else inp.hiddens(1)
+        drafts = ls.call("propose", token, hidden, at, k)
+        assert len(drafts) == k
+        note("rewind" if at < pos else "propose")
+        pos = at
+        if step % misuse_every == 2:
+            misuse(True, pos, k)
+        a = inp.randint(0, k)
+        if step % 4 == 3 and a > 0:  # refeed: keep one row, rewrite the accepted ones with target hiddens
+            ls.call("after_verify", 0)
+            assert ls.call("catchup_drafter", inp.tokens(a), inp.hiddens(a), pos + 1, pos + 1) == a
+            note("refeed")
+        else:
+            ls.call("after_verify", a)
+            if a == k:  # all accepted (or nothing drafted): the drafter is one row behind
+                last = drafts[-1] if k else tok
+                assert ls.call("catchup_drafter", [last], inp.hiddens(1), pos + k, pos + k) == 1
+                note("catchup")
+        pos = pos + a + 1
+    return seen
+
+
+@pytest.mark.parametrize("feed_hidden", ["post_norm", "pre_norm"])
+def test_lockstep_spec_decode(weights, lockstep, inputs, feed_hidden):
+    ls = lockstep(weights, max_seq_len=64, feed_hidden=feed_hidden)
+    seen = spec_decode(ls, inputs, steps=24 if feed_hidden == "post_norm" else 10, k_max=4)
+    assert seen.get("propose", 0) >= 5 and seen.get("catchup", 0) + seen.get("refeed", 0) >= 1, seen
+    assert sum(v for key, v in seen.items() if key.startswith("misuse:")) >= 5, seen
+    # Freed: every call but the queries refuses; export shows the empty state in both.
+    ls.call("free_state")
+    ls.call("free_state")
+    for method, args in [("propose", (1, inputs.hiddens(1), 0, 1)), ("after_verify", (0,)),
+                         ("catchup_drafter", (inputs.tokens(1), inputs.hiddens(1), 0, 0)),
+                         ("prefill_drafter", (inputs.tokens(3), inputs.hiddens(3)))]:
+        assert isinstance(ls.call(method, *args), RuntimeError)
+
+
+def test_lockstep_with_interpreted_kernels(weights, lockstep, inputs):
+    """The same loop with the Triton kernels in the orchestration (through the interpreter)."""
+    ls = lockstep(weights, max_seq_len=32, kernels="triton")
+    seen = spec_decode(ls, inputs, steps=4, k_max=3, misuse_every=2)
+    assert seen.get("propose", 0) >= 2, seen
+
+
+def test_k_steps_from_zero_rows(weights, lockstep, inputs):
+    """Proposing from an empty state (row 0: the zeroed embedding) and the num_drafts = 0 rewind."""
+    ls = lockstep(weights, max_seq_len=32)
+    ls.call("propose", inputs.token(), inputs.hiddens(1), 0, 5)
+    ls.call("after_verify", 2)
+    ls.call("propose", inputs.token(), inputs.hiddens(1), 1, 0)
+    ls.call("after_verify", 0)
+    ls.call("propose", inputs.token(), inputs.hiddens(1), 1, 31 + 2 * 16)  # up to the last row of capacity
+    ls.call("after_verify", 63)
+
+
+def test_every_misuse(weights, lockstep, inputs):
+    """Each misuse of the table once, in the state it needs: same exception type (or the same
+    no-op result) from both, and nothing changes."""
+    ls = lockstep(weights, max_seq_len=64)
+    ls.call("prefill_drafter", inputs.tokens(11), inputs.hiddens(11))
+    pos = 10
+    for name, pending, make in MISUSE:
+        k = 3
+        if pending:
+            ls.call("propose", inputs.token(), inputs.hiddens(1), pos, k)
+        method, args = make(inputs, pos, ls.opt.drafter_rows(ls.os), k)
+        result = ls.call(method, *args)
+        if name not in ("catchup_misaligned", "prefill_again"):
+            assert isinstance(result, Exception), f"{name} was not refused: {result!r}"
+        else:
+            assert result == 0
+        if pending:
+            ls.call("after_verify", 1)
+            pos = ls.opt.drafter_rows(ls.os)
