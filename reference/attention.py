@@ -48,26 +48,25 @@ class Rope:
         return self.cos[slots], self.sin[slots]
 
 
-def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope) -> Tensor:
-    """Attention for new rows ``a`` (T, H) at ``slots`` (T,): writes their rows into ``cache``,
-    then attends over every visible, selected row. Returns ``(T, H)``."""
-    nh, nope, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    acc = acc_dtype(a.dtype)
-    cos, sin = rope.at(slots)  # (T, R/2)
-
-    # Queries: low-rank, normalised, split nope-first.
+def latent_query(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The queries of new rows ``a`` (T, H): ``q_latent`` (T, Lq), the normed low-rank query the
+    indexer shares; ``q_nope`` (T, nh, nope) and the rotated ``q_pe`` (T, nh, R), split nope-first."""
     q_latent = rms_norm(F.linear(a, attn.q_a_proj), attn.q_a_layernorm, LATENT_NORM_EPS)  # (T, Lq)
-    q = rearrange(F.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=nh)  # (T, nh, nope + R)
-    q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
+    q = rearrange(F.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=cfg.num_attention_heads)  # (T, nh, nope + R)
+    nope = cfg.qk_nope_head_dim
+    return q_latent, q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
 
-    # This call's rows: compressed latent + one rope key shared by the heads, and the indexer key.
-    kv = F.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
-    latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
-    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
-    cache.write(slots, torch.cat((latent, k_pe), dim=-1), index_keys(attn.indexer, cfg, a, cos, sin))
 
+def attend(
+    attn: AttentionWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, q_nope: Tensor, q_pe: Tensor,
+    cos: Tensor, sin: Tensor, slots: Tensor, cache: LayerCache,
+) -> Tensor:
+    """Attention of new rows (their cache rows already written) over every visible row the
+    indexer selects, through ``o_proj``: ``(T, H)``."""
+    nh, nope, Lkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    acc = acc_dtype(a.dtype)
     rows = cache.kv_rows().to(acc)  # (C, Lkv + R)
-    c_all, k_pe_all = rows[:, : cfg.kv_lora_rank], rows[:, cfg.kv_lora_rank :]
+    c_all, k_pe_all = rows[:, :Lkv], rows[:, Lkv:]
     chosen = select_rows(index_scores(attn.indexer, cfg, a, q_latent, cos, sin, cache.index_rows()), slots, cfg.index_topk)
 
     w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=nh).to(acc)  # (nh, nope + v, Lkv)
@@ -78,4 +77,30 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
     probs = torch.softmax(scores, dim=-1)
     out_latent = torch.einsum("ths,sc->thc", probs, c_all)  # (T, nh, Lkv)
     out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # (T, nh, v)
-    return F.linear(rearrange(out, "t h v -> t (h v)").to(a.dtype), attn.o_proj)
+    return output_projection(attn, cfg, rearrange(out, "t h v -> t (h v)").to(a.dtype))
+
+
+def output_projection(attn: AttentionWeights, cfg: MtpConfig, out: Tensor) -> Tensor:
+    """``o_proj`` on the heads' outputs ``out`` (T, nh * v). Row-parallel (``attn.shard`` set),
+    each rank multiplies its heads' columns and the float32 partial sums are all-reduced: a
+    split reduction, so not bit-equal to the single GEMM (see reference/distributed.py)."""
+    if attn.shard is None:
+        return F.linear(out, attn.o_proj)
+    cols = attn.shard.head_columns(cfg.num_attention_heads, cfg.v_head_dim)
+    partial = F.linear(out[:, cols], attn.o_proj).to(acc_dtype(out.dtype))  # (T, H)
+    return attn.shard.all_reduce_sum(partial).to(out.dtype)
+
+
+def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope) -> Tensor:
+    """Attention for new rows ``a`` (T, H) at ``slots`` (T,): writes their rows into ``cache``,
+    then attends over every visible, selected row. Returns ``(T, H)``."""
+    cos, sin = rope.at(slots)  # (T, R/2)
+    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
+
+    # This call's rows: compressed latent + one rope key shared by the heads, and the indexer key.
+    kv = F.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
+    latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
+    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
+    cache.write(slots, torch.cat((latent, k_pe), dim=-1), index_keys(attn.indexer, cfg, a, cos, sin))
+
+    return attend(attn, cfg, a, q_latent, q_nope, q_pe, cos, sin, slots, cache)

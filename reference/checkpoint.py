@@ -53,8 +53,11 @@ def check_shape(name: str, tensor: Tensor, expected: tuple[int, ...]) -> None:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
 
 
-def load_mtp_tensors(directory: str | os.PathLike[str], cfg: MtpConfig) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """The MTP layer's tensors (layer-relative names), the embedding and the head.
+def load_mtp_tensors(
+    directory: str | os.PathLike[str], cfg: MtpConfig, experts: range | None = None
+) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """The MTP layer's tensors (layer-relative names), the embedding and the head; of the routed
+    experts only those in ``experts`` when given (an expert-parallel rank's block) are read.
 
     Raises ``CheckpointError`` naming the tensor for a missing tensor, an unexpected tensor
     inside the MTP layer, or a wrong shape.
@@ -82,6 +85,9 @@ def load_mtp_tensors(directory: str | os.PathLike[str], cfg: MtpConfig) -> tuple
         outer.remove("lm_head.weight")
     if "model.embed_tokens.weight" not in wmap:
         raise CheckpointError(f"missing tensor 'model.embed_tokens.weight' (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
+    if experts is not None:
+        skipped = {f"mlp.experts.{e}." for e in range(cfg.n_routed_experts) if e not in experts}
+        expected = {n: s for n, s in expected.items() if not any(n.startswith(p) for p in skipped)}
     tensors = read_tensors(directory, [prefix + n for n in expected] + outer, wmap)
     mtp = {n: tensors[prefix + n] for n in expected}
     for name, shape in expected.items():

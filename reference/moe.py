@@ -45,8 +45,9 @@ def route(moe: MoeWeights, cfg: MtpConfig, m: Tensor) -> tuple[Tensor, Tensor]:
     return experts, weights * cfg.routed_scaling_factor
 
 
-def routed_experts(moe: MoeWeights, m: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
-    """``sum_j weights[t, j] * expert_{experts[t, j]}(m[t])`` for every row: (T, H), acc dtype."""
+def expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor) -> Tensor:
+    """``expert_{experts[t, j]}(m[t])`` for every row and slot: (T, k, H), acc dtype. ``experts``
+    index the experts this ``moe`` holds. Each row runs alone on its k gathered experts."""
     acc = acc_dtype(m.dtype)
     out = []
     for t in range(m.shape[0]):
@@ -55,12 +56,30 @@ def routed_experts(moe: MoeWeights, m: Tensor, experts: Tensor, weights: Tensor)
         up = torch.index_select(moe.experts_up, 0, ids)  # (k, I, H)
         down = torch.index_select(moe.experts_down, 0, ids)  # (k, H, I)
         h = F.silu(torch.einsum("h,kih->ki", m[t], gate)) * torch.einsum("h,kih->ki", m[t], up)  # (k, I)
-        y = torch.einsum("ki,khi->kh", h, down).to(acc)  # (k, H)
-        total = torch.zeros_like(y[0])
-        for j in range(y.shape[0]):  # a fixed order: ascending expert id
-            total = total + weights[t, j] * y[j]
-        out.append(total)
+        out.append(torch.einsum("ki,khi->kh", h, down).to(acc))  # (k, H)
     return torch.stack(out)
+
+
+def sharded_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor) -> Tensor:
+    """``expert_outputs`` over expert-parallel ranks: each rank runs the slots whose expert it
+    holds (the others on a clamped local expert, discarded), then every rank takes each slot's
+    output from its owner's all-gathered copy: bytes moved, not re-added, so the result equals
+    the single-rank one exactly."""
+    assert moe.shard is not None
+    per_rank = moe.experts_gate.shape[0]
+    local = (experts - moe.shard.rank * per_rank).clamp(0, per_rank - 1)
+    gathered = moe.shard.all_gather(expert_outputs(moe, m, local))  # (W, T, k, H)
+    owner = rearrange(experts // per_rank, "t k -> 1 t k 1").expand(1, *gathered.shape[1:])
+    return gathered.gather(0, owner)[0]  # (T, k, H)
+
+
+def routed_experts(moe: MoeWeights, m: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(m[t])`` for every row: (T, H), acc dtype."""
+    y = expert_outputs(moe, m, experts) if moe.shard is None else sharded_expert_outputs(moe, m, experts)
+    total = torch.zeros_like(y[:, 0])
+    for j in range(y.shape[1]):  # a fixed order: ascending expert id
+        total = total + weights[:, j : j + 1] * y[:, j]
+    return total
 
 
 def moe_block(moe: MoeWeights, cfg: MtpConfig, m: Tensor) -> Tensor:

@@ -101,7 +101,10 @@ class ReferenceProposer:
         return min(max_seq_len, self.max_seq_len)
 
     def needs_comm(self) -> bool:
-        return False
+        """True when the weights are sharded over ranks (``MtpWeights.shard``): every propose
+        then runs collectives. ``GLM_MTP_NO_EP_PROPOSE=1`` keeps weights replicated at sharding
+        time, so such a drafter needs no communicator."""
+        return self.weights.shard_spec is not None
 
     def prefill_uses_shared_buffers(self) -> bool:
         return True

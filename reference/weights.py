@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .config import MtpConfig
+from .distributed import ShardSpec, ep_propose_enabled
 
 # Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
 # Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
@@ -32,14 +33,16 @@ class MlpWeights:
 
 @dataclass
 class MoeWeights:
-    """Sigmoid-routed experts plus the shared expert."""
+    """Sigmoid-routed experts plus the shared expert. Sharded (``shard`` set), the experts
+    tensors hold this rank's block of ``E / world`` experts only."""
 
     router: Tensor  # (E, H)   checkpoint: mlp.gate.weight
     e_score_correction_bias: Tensor  # (E,) float32, used for selection only
-    experts_gate: Tensor  # (E, I, H)
-    experts_up: Tensor  # (E, I, H)
-    experts_down: Tensor  # (E, H, I)
+    experts_gate: Tensor  # (E_local, I, H)
+    experts_up: Tensor  # (E_local, I, H)
+    experts_down: Tensor  # (E_local, H, I)
     shared: MlpWeights | None
+    shard: ShardSpec | None = None
 
 
 @dataclass
@@ -55,7 +58,8 @@ class IndexerWeights:
 
 @dataclass
 class AttentionWeights:
-    """MLA attention (low-rank q, compressed kv) with its indexer."""
+    """MLA attention (low-rank q, compressed kv) with its indexer. With a row-parallel
+    ``shard``, ``o_proj`` holds this rank's heads' input columns only."""
 
     q_a_proj: Tensor  # (q_lora_rank, H)
     q_a_layernorm: Tensor  # (q_lora_rank,)
@@ -65,6 +69,7 @@ class AttentionWeights:
     kv_b_proj: Tensor  # (n_heads * (nope_dim + v_dim), kv_lora_rank)
     o_proj: Tensor  # (H, n_heads * v_dim)
     indexer: IndexerWeights
+    shard: ShardSpec | None = None
 
 
 @dataclass
@@ -136,8 +141,9 @@ def target_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     return {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
 
 
-def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: bool = True) -> DecoderLayerWeights:
-    """Build a layer from tensors keyed by their layer-relative checkpoint names."""
+def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: bool = True, experts: range | None = None) -> DecoderLayerWeights:
+    """Build a layer from tensors keyed by their layer-relative checkpoint names (of the routed
+    experts, only those in ``experts`` when given: a shard's block)."""
     attn = AttentionWeights(
         q_a_proj=t["self_attn.q_a_proj.weight"],
         q_a_layernorm=t["self_attn.q_a_layernorm.weight"],
@@ -156,7 +162,7 @@ def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: boo
     )
     mlp: MoeWeights | MlpWeights
     if sparse:
-        E = cfg.n_routed_experts
+        held = experts if experts is not None else range(cfg.n_routed_experts)
         shared = None
         if cfg.n_shared_experts:
             shared = MlpWeights(
@@ -165,9 +171,9 @@ def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: boo
         mlp = MoeWeights(
             router=t["mlp.gate.weight"],
             e_score_correction_bias=t["mlp.gate.e_score_correction_bias"].float(),
-            experts_gate=torch.stack([t[f"mlp.experts.{e}.gate_proj.weight"] for e in range(E)]),
-            experts_up=torch.stack([t[f"mlp.experts.{e}.up_proj.weight"] for e in range(E)]),
-            experts_down=torch.stack([t[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)]),
+            experts_gate=torch.stack([t[f"mlp.experts.{e}.gate_proj.weight"] for e in held]),
+            experts_up=torch.stack([t[f"mlp.experts.{e}.up_proj.weight"] for e in held]),
+            experts_down=torch.stack([t[f"mlp.experts.{e}.down_proj.weight"] for e in held]),
             shared=shared,
         )
     else:
@@ -195,6 +201,8 @@ def decoder_layer_to_tensors(layer: DecoderLayerWeights) -> dict[str, Tensor]:
         "self_attn.indexer.weights_proj.weight": ix.weights_proj,
     }
     m = layer.mlp
+    if (isinstance(m, MoeWeights) and m.shard is not None) or layer.attn.shard is not None:
+        raise ValueError("a sharded layer holds part of the tensors; save the unsharded weights instead")
     if isinstance(m, MlpWeights):
         out.update({"mlp.gate_proj.weight": m.gate_proj, "mlp.up_proj.weight": m.up_proj, "mlp.down_proj.weight": m.down_proj})
         return out
@@ -259,8 +267,20 @@ class MtpWeights:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def from_tensors(cls, cfg: MtpConfig, mtp: dict[str, Tensor], embed_tokens: Tensor, lm_head: Tensor) -> "MtpWeights":
-        """From MTP-layer tensors keyed by layer-relative names plus the target's embedding and head."""
+    def from_tensors(
+        cls, cfg: MtpConfig, mtp: dict[str, Tensor], embed_tokens: Tensor, lm_head: Tensor, shard: ShardSpec | None = None
+    ) -> "MtpWeights":
+        """From MTP-layer tensors keyed by layer-relative names plus the target's embedding and
+        head. With ``shard``, keep this rank's experts (the others may be absent from ``mtp``)
+        and, when row-parallel, its heads' ``o_proj`` columns."""
+        experts = shard.expert_range(cfg.n_routed_experts) if shard else None
+        layer = decoder_layer_from_tensors(cfg, mtp, sparse=True, experts=experts)
+        if shard is not None:
+            layer.mlp.shard = shard  # type: ignore[union-attr]
+            if shard.row_parallel_o_proj:
+                cols = shard.head_columns(cfg.num_attention_heads, cfg.v_head_dim)
+                layer.attn.o_proj = layer.attn.o_proj[:, cols].contiguous()
+                layer.attn.shard = shard
         return cls(
             config=cfg,
             embed_tokens=embed_tokens,
@@ -268,9 +288,24 @@ class MtpWeights:
             enorm=mtp["enorm.weight"],
             hnorm=mtp["hnorm.weight"],
             eh_proj=mtp["eh_proj.weight"],
-            layer=decoder_layer_from_tensors(cfg, mtp, sparse=True),
+            layer=layer,
             shared_head_norm=mtp["shared_head.norm.weight"],
         )
+
+    @property
+    def shard_spec(self) -> ShardSpec | None:
+        """How these weights are split over ranks, or None when every rank holds them all."""
+        mlp = self.layer.mlp
+        return mlp.shard if isinstance(mlp, MoeWeights) else None
+
+    def shard(self, rank: int, world: int, group: object = None, row_parallel_o_proj: bool = True) -> "MtpWeights":
+        """This rank's share: experts ``[rank E/W, (rank+1) E/W)`` and, when
+        ``row_parallel_o_proj``, its heads' ``o_proj`` columns; everything else replicated.
+        Unchanged (every weight on every rank) when ``world == 1`` or ``GLM_MTP_NO_EP_PROPOSE=1``."""
+        if world == 1 or not ep_propose_enabled():
+            return self
+        spec = ShardSpec(rank, world, group, row_parallel_o_proj)
+        return MtpWeights.from_tensors(self.config, self.mtp_tensors(), self.embed_tokens, self.lm_head, spec)
 
     @classmethod
     def random(
@@ -328,15 +363,27 @@ class MtpWeights:
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+        cls,
+        directory: str | os.PathLike[str],
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        ep_rank: int = 0,
+        ep_world: int = 1,
+        group: object = None,
+        row_parallel_o_proj: bool = True,
     ) -> "MtpWeights":
         """Load the MTP layer (``model.layers.{num_hidden_layers}.*``) with the target's
         ``model.embed_tokens.weight`` and ``lm_head.weight`` from a GLM-5 checkpoint directory,
-        reading no other layer's tensors. Errors name the tensor and the expected shape."""
+        reading no other layer's tensors. Errors name the tensor and the expected shape.
+
+        With ``ep_world > 1`` (and expert-parallel propose not disabled by
+        ``GLM_MTP_NO_EP_PROPOSE=1``), rank ``ep_rank`` reads only its own routed experts and
+        returns its shard (see ``shard``)."""
         from .checkpoint import load_mtp_tensors
 
         cfg = MtpConfig.from_hf_config(directory)
-        mtp, embed, head = load_mtp_tensors(directory, cfg)
+        spec = ShardSpec(ep_rank, ep_world, group, row_parallel_o_proj) if ep_world > 1 and ep_propose_enabled() else None
+        mtp, embed, head = load_mtp_tensors(directory, cfg, experts=spec.expert_range(cfg.n_routed_experts) if spec else None)
 
         def place(name: str, t: Tensor) -> Tensor:
             if name.endswith("e_score_correction_bias"):
@@ -344,7 +391,7 @@ class MtpWeights:
             return t.to(device=device, dtype=dtype or t.dtype)
 
         mtp = {n: place(n, t) for n, t in mtp.items()}
-        return cls.from_tensors(cfg, mtp, place("embed", embed), place("head", head))
+        return cls.from_tensors(cfg, mtp, place("embed", embed), place("head", head), spec)
 
 
 def same_bytes(a: Tensor, b: Tensor) -> bool:

@@ -1,0 +1,133 @@
+"""Expert-parallel and row-parallel drafting over torch.distributed.
+
+GLM-5's MTP layer holds 256 routed experts; engines split them over expert-parallel ranks and
+split the attention's ``o_proj`` row-wise (its input dims, i.e. whole heads, per rank). A sharded
+``MtpWeights`` (``MtpWeights.shard`` or ``from_pretrained(..., ep_rank=, ep_world=)``) carries a
+``ShardSpec``; the reference's MoE and attention then combine rank-local results with
+collectives, so both backends, which run those functions, shard the same way.
+
+Numerics:
+- MoE: each rank runs the row's k chosen experts that it holds (slots it does not hold run on a
+  clamped local expert and are discarded), every rank all-gathers the per-slot outputs and takes
+  each slot from its owner, then sums in the reference's order (ascending expert id). A gather
+  copies bytes, so the sharded MoE equals the single-rank one bit for bit.
+- ``o_proj`` row-parallel: each rank multiplies its heads' columns, the float32 partial sums are
+  all-reduced. A split reduction rounds differently from the single GEMM, so this mode is NOT
+  bit-exact; ``row_parallel_o_proj=False`` keeps ``o_proj`` whole on every rank and the whole
+  drafter bit-exact. The difference is measured in tests/reference/test_distributed.py.
+
+``GLM_MTP_NO_EP_PROPOSE=1`` disables expert-parallel propose: sharding then keeps every weight on
+every rank and ``needs_comm()`` is false.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+NO_EP_ENV = "GLM_MTP_NO_EP_PROPOSE"
+
+
+def ep_propose_enabled() -> bool:
+    """False when ``GLM_MTP_NO_EP_PROPOSE=1``: every rank then holds every weight."""
+    return os.environ.get(NO_EP_ENV, "0") != "1"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """This rank's share of a sharded MTP layer.
+
+    Args:
+        rank / world: position in, and size of, the expert-parallel group.
+        group: the torch.distributed process group (None: the default group).
+        row_parallel_o_proj: split ``o_proj`` by heads (not bit-exact) or keep it whole.
+    """
+
+    rank: int
+    world: int
+    group: Any = None
+    row_parallel_o_proj: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank must be in [0, world={self.world}), got {self.rank}")
+
+    def expert_range(self, n_routed_experts: int) -> range:
+        """The experts this rank holds: a contiguous block of ``n_routed_experts / world``."""
+        if n_routed_experts % self.world:
+            raise ValueError(f"n_routed_experts ({n_routed_experts}) must divide evenly over world={self.world} ranks")
+        per = n_routed_experts // self.world
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def head_columns(self, num_heads: int, v_head_dim: int) -> slice:
+        """The ``o_proj`` input columns (whole heads) this rank holds when row-parallel."""
+        if num_heads % self.world:
+            raise ValueError(f"num_attention_heads ({num_heads}) must divide evenly over world={self.world} ranks")
+        per = num_heads // self.world * v_head_dim
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        """``(world, *t.shape)``: every rank's ``t``, in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        t = t.contiguous().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+# ------------------------------------------------------------------------------------------------
+# Launching ranks as processes on one machine (tests, CPU experiments).
+
+
+def _rank_main(rank: int, world: int, init_file: str, backend: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes joined in one process group.
+
+    Raises ``RuntimeError`` with the failing rank's traceback if a rank raises or dies, and
+    ``TimeoutError`` if the ranks have not finished after ``timeout_s`` (a stalled collective
+    raises inside the ranks after ``collective_timeout_s``). Never hangs: leftover ranks are
+    killed before it returns or raises.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.start_processes(
+            _rank_main, args=(world, init_file, backend, collective_timeout_s, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise TimeoutError(f"ranks {alive} of {world} still running after {timeout_s:.0f} s; killed")
+        except mp.ProcessRaisedException as e:
+            raise RuntimeError(f"a rank raised:\n{e}") from None
+        except mp.ProcessExitedException as e:
+            raise RuntimeError(f"rank {e.error_index} died (exit code {e.exit_code}); the others were stopped") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
