@@ -1,0 +1,88 @@
+"""``python -m glm_mtp.conformance``: run the lockstep suite from the command line.
+
+    python -m glm_mtp.conformance --candidate optimized --baseline reference \\
+        --device cpu --dtype bfloat16 --preset tiny --scenarios 200 --seed 0
+
+Prints a summary table and writes a JSON report. Exit status: 0 when every step is equal byte
+for byte, 1 on any difference, 2 on bad arguments (an unknown backend, preset or dtype, a device
+that is not there, a backend that cannot be imported). ``--scenario-index I`` replays one
+scenario, as the failure report's replay line does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance", description="Lockstep conformance of two drafter backends, byte for byte.")
+    p.add_argument("--candidate", default="optimized", help="reference | optimized | mutant:<name> | package.module:factory (default optimized)")
+    p.add_argument("--baseline", default="reference", help="the backend the candidate must equal (default reference)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16 | float64 (default bfloat16)")
+    p.add_argument("--preset", default="tiny", help="MtpConfig preset: tiny | small | glm5_shape | glm5 (default tiny)")
+    p.add_argument("--max-seq-len", type=int, default=64, help="the proposers' max_seq_len (default 64)")
+    p.add_argument("--scenarios", type=int, default=100, help="scenarios to run (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed; scenario i depends only on (seed, i)")
+    p.add_argument("--scenario-index", type=int, default=None, help="replay this scenario alone")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--generators", default="realistic,adversarial", help="comma-separated generators that take turns")
+    p.add_argument("--max-drafts", type=int, default=4, help="largest num_drafts of a valid propose (default 4)")
+    p.add_argument("--json", default="conformance-report.json", help="where to write the JSON report ('' for nowhere)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: tiny shapes gain nothing from more, and an oversubscribed "
+                        "machine stalls OpenMP; 0 leaves torch's default)")
+    p.add_argument("--list-mutants", action="store_true", help="list the mutants and the rule each breaks, then exit")
+    args = p.parse_args(argv)
+    for name in ("scenarios", "max_seq_len", "max_drafts"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.scenario_index is not None and args.scenario_index < 0:
+        p.error("--scenario-index must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cpu"):
+        # Triton kernels run in its interpreter on the CPU; the variable must be set before
+        # triton is imported (by the optimized backend).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    import torch
+
+    from .mutants import MUTANTS
+    from .runner import run
+
+    if args.list_mutants:
+        for name, cls in MUTANTS.items():
+            print(f"mutant:{name:24s} {cls.rule}")
+        return 0
+    torch.use_deterministic_algorithms(True)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        report = run(
+            args.candidate, args.baseline, scenarios=args.scenarios, seed=args.seed, device=args.device,
+            dtype=args.dtype, preset=args.preset, max_seq_len=args.max_seq_len, scenario_index=args.scenario_index,
+            generators=[g for g in args.generators.split(",") if g], weights_seed=args.weights_seed,
+            max_drafts=args.max_drafts,
+        )
+    except (ValueError, RuntimeError) as e:  # bad names, an unavailable device, a backend that does not import
+        if isinstance(e, RuntimeError) and "cuda" not in str(e).lower() and "device" not in str(e).lower():
+            raise
+        print(f"python -m glm_mtp.conformance: error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    if args.json:
+        report.write_json(args.json)
+        print(f"report: {args.json}")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The adversarial generator as a hypothesis ``RuleBasedStateMachine``.
+
+Each rule of ``scenarios.RULES`` (alloc, free, prefill, catch-up, propose, verify, a well-formed
+round, a long prompt) becomes a machine rule whose choices hypothesis draws, so hypothesis
+explores misuse and odd orders and, on a difference, shrinks the call sequence to a short one.
+Every op runs in lockstep on both backends at once, with the same checks as ``run``.
+
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+    from glm_mtp.conformance.machine import lockstep_machine
+    run_state_machine_as_test(lockstep_machine("optimized", "reference"), settings=settings(max_examples=50, deadline=None))
+
+The seeded walk in ``scenarios.adversarial`` uses the same rules; it is what ``run`` and the CLI
+replay by (seed, index).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from .runner import Factory, Harness
+from .scenarios import MAX_DRAFTS, RULES, Chooser, Model, Op
+
+T = TypeVar("T")
+
+
+class HypothesisChooser:
+    """Choices drawn from hypothesis data; they shrink toward the first option, the low end and
+    "no" (so toward valid, simple calls)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.data.draw(st.integers(lo, hi))
+
+    def choice(self, options: Sequence[T]) -> T:
+        return self.data.draw(st.sampled_from(list(options)))
+
+    def chance(self, p: float) -> bool:
+        return self.data.draw(st.integers(0, 999)) >= 1000 - round(p * 1000)
+
+    def seed(self) -> int:
+        return self.data.draw(st.integers(0, 2**31 - 1))
+
+
+def lockstep_machine(
+    candidate: str | Factory = "reference",
+    baseline: str | Factory = "reference",
+    preset: str = "tiny",
+    dtype: torch.dtype | str = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    max_seq_len: int = 64,
+    weights_seed: int = 0,
+    max_drafts: int = MAX_DRAFTS,
+) -> type[RuleBasedStateMachine]:
+    """A machine class that plays hypothesis-chosen rules on ``candidate`` and ``baseline``.
+
+    Args:
+        candidate, baseline: backend specs (see ``runner.resolve_backend``).
+        preset, dtype, device, max_seq_len, weights_seed: as in ``run``; the weights are built
+            once for every example the machine runs.
+        max_drafts: the largest ``num_drafts`` of a valid propose.
+    """
+    harness = Harness(candidate, baseline, preset, dtype, device, max_seq_len, weights_seed)
+
+    def __init__(self: Any) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.lockstep = harness.lockstep()
+        self.model = Model(harness.config, max_seq_len)
+        self.ops: list[Op] = []
+        self.play([self.model.info(), self.model.alloc()])
+
+    def play(self: Any, ops: list[Op]) -> None:
+        for op in ops:
+            self.ops.append(op)
+            finding = self.lockstep.step(op)
+            if finding is not None:
+                calls = "\n".join(f"  {i:3d}  {o.call()}  [spec: {o.expect}]" for i, o in enumerate(self.ops))
+                raise AssertionError(
+                    f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: {op.call()}\n"
+                    f"  {finding.what}" + (f"[{finding.tensor}]" if finding.tensor else "")
+                    + (f" of state {finding.state}" if finding.state is not None else "")
+                    + (f", row {finding.row}" if finding.row is not None else "")
+                    + (f", element {finding.element}" if finding.element is not None else "")
+                    + f": {finding.detail}\n  candidate: {finding.candidate}\n  baseline:  {finding.baseline}\n"
+                    f"calls so far:\n{calls}"
+                )
+
+    def make_rule(fn: Callable[[Chooser, Model, int], list[Op]]) -> Callable[..., None]:
+        def step(self: Any, data: Any) -> None:
+            self.play(fn(HypothesisChooser(data), self.model, max_drafts))
+
+        step.__name__ = fn.__name__
+        return rule(data=st.data())(step)
+
+    body: dict[str, Any] = {"__init__": __init__, "play": play}
+    body.update({name: make_rule(fn) for name, (fn, _) in RULES.items()})
+    return type("LockstepMachine", (RuleBasedStateMachine,), body)

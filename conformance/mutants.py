@@ -1,0 +1,323 @@
+"""Mutants: reference drafters that each break one rule, to prove the suite can fail.
+
+Each mutant subclasses ``ReferenceProposer`` and breaks exactly one rule of DESIGN.md, by
+overriding a method (a copy of the reference's with the one change) or, where the rule lives in
+a plain function deep in the block, by swapping that function in for the duration of the
+mutant's own calls only (``swapped``): the swap is undone before the call returns, under a lock,
+so a reference running beside a mutant in the same process never sees it.
+
+To add one: subclass ``Mutant`` (or ``SwappingMutant`` and return the swaps from ``swaps``),
+set ``name`` and ``rule``, and add the class to ``MUTANTS``. The test in
+``tests/conformance/test_mutants.py`` then demands the suite catch it. Add a mutant whenever a
+rule is added to the spec.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+from torch import Tensor
+
+from glm_mtp.reference import attention as _attention
+from glm_mtp.reference import indexer as _indexer
+from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.block import mtp_rows
+from glm_mtp.reference.proposer import ReferenceProposer, check_int, logger
+from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
+
+_SWAP_LOCK = threading.RLock()
+
+
+@contextmanager
+def swapped(module: ModuleType, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """``module.name`` is ``replacement`` inside the block and the original again after it."""
+    with _SWAP_LOCK:
+        original = getattr(module, name)
+        setattr(module, name, replacement)
+        try:
+            yield
+        finally:
+            setattr(module, name, original)
+
+
+class Mutant(ReferenceProposer):
+    """A reference drafter that breaks one rule.
+
+    Class attributes:
+        name: the registry key (``mutant:<name>`` on the command line).
+        rule: the rule it breaks, one line.
+    """
+
+    name: ClassVar[str]
+    rule: ClassVar[str]
+
+
+class SwappingMutant(Mutant):
+    """A mutant whose bug is a swapped reference function, active only during its own calls."""
+
+    def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+        raise NotImplementedError
+
+    def _swapped(self, state: DrafterState, call: Callable[[], Any]) -> Any:
+        with ExitStack() as stack:
+            if isinstance(state, DrafterState) and not state.released:
+                for module, name, fn in self.swaps(state):
+                    stack.enter_context(swapped(module, name, fn))
+            return call()
+
+    def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
+        return self._swapped(state, lambda: super(SwappingMutant, self).prefill_drafter(prompt_tokens, hiddens, state))
+
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+        return self._swapped(state, lambda: super(SwappingMutant, self).catchup_drafter(tokens, hiddens, row_base, pos_base, state))
+
+    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+        return self._swapped(state, lambda: super(SwappingMutant, self).propose(last_token, target_hidden, position, num_drafts, state))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+class TrimFirstRow(Mutant):
+    name = "trim_first_row"
+    rule = "after_verify keeps min(last_drafted, num_accepted + 1) rows: the first row of a propose is never trimmed"
+
+    def after_verify(self, num_accepted: int, state: DrafterState) -> None:
+        if state.released:
+            raise RuntimeError("after_verify: the state was freed (free_state); allocate a new one")
+        if not state.pending:
+            raise RuntimeError("after_verify: no propose is pending")
+        num_accepted = check_int("num_accepted", num_accepted)
+        if num_accepted > state.last_drafted:
+            raise ValueError(f"num_accepted must be in [0, {state.last_drafted}], got {num_accepted}")
+        keep = min(state.last_drafted, num_accepted)  # MUTATION: was num_accepted + 1
+        state.seq_len -= state.last_drafted - keep
+        state.pending = False
+        state.last_drafted = 0
+
+
+@dataclass
+class _ShiftedRope(Rope):
+    shift: int = 0
+
+    def at(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        pos = (slots + self.shift) % self.cos.shape[0]
+        return self.cos[pos], self.sin[pos]
+
+
+class PosBaseRope(Mutant):
+    name = "pos_base_rope"
+    rule = "a row's RoPE position is its slot; catch-up's pos_base is ignored"
+
+    _shift = 0
+
+    def rope(self, device: torch.device) -> Rope:
+        r = super().rope(device)
+        return _ShiftedRope(r.cos, r.sin, self._shift) if self._shift else r
+
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (row_base, pos_base))
+        self._shift = pos_base - row_base if ints else 0  # MUTATION: rotate at pos_base + i
+        try:
+            return super().catchup_drafter(tokens, hiddens, row_base, pos_base, state)
+        finally:
+            self._shift = 0
+
+
+class PairShift(Mutant):
+    name = "pair_shift"
+    rule = "row r pairs token t_{r+1} with hidden h_r (prefill uses hiddens[:-1])"
+
+    def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
+        self._check_live(state, "prefill_drafter")
+        tokens = self._tokens("prompt_tokens", prompt_tokens, state.device)
+        n = tokens.shape[0]
+        if n > self.max_seq_len:
+            raise ValueError(f"prompt_tokens: a prompt of {n} tokens is longer than max_seq_len={self.max_seq_len}")
+        self._hiddens("hiddens", hiddens, n, state)
+        if state.seq_len > 0 or n < 2:
+            return 0
+        self._write_rows(tokens[1:], hiddens[1:], 0, state)  # MUTATION: was hiddens[:-1]
+        return n - 1
+
+
+class NoRewindWhenAhead(Mutant):
+    name = "no_rewind_when_ahead"
+    rule = "propose first rewinds a drafter that is ahead of position to position"
+
+    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+        self._check_live(state, "propose")
+        position = check_int("position", position)
+        if state.seq_len < position:
+            raise RuntimeError(f"propose: the drafter holds {state.seq_len} rows, behind position {position}")
+        token = self._tokens("last_token", [last_token] if not isinstance(last_token, Tensor) else last_token.reshape(1), state.device)
+        hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
+        self._hiddens("target_hidden", hidden, 1, state)
+        num_drafts = check_int("num_drafts", num_drafts)
+        self._check_capacity("propose", position + num_drafts)
+        # MUTATION: no `state.seq_len = min(state.seq_len, position)`, and rows only ever grow.
+        drafts: list[int] = []
+        rope = self.rope(state.device)
+        from glm_mtp.reference.block import draft_logits
+        from glm_mtp.reference.layers import greedy_token
+
+        for i in range(num_drafts):
+            out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache, rope)
+            token = greedy_token(draft_logits(self.weights, out.x))
+            drafts.append(int(token[0]))
+            state.x = out.x[0].clone()
+            hidden = out.x
+            state.seq_len = max(state.seq_len, position + i + 1)
+        state.pending = True
+        state.last_drafted = num_drafts
+        return drafts
+
+
+class StaleIndexerView(SwappingMutant):
+    name = "stale_indexer_view"
+    rule = "a rewind makes rows >= seq_len unreachable: the indexer and attention never read them"
+
+    def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+        seen = getattr(state, "_mutant_high_water", 0)
+        original = _attention.select_rows
+
+        def select_rows(scores: Tensor, slots: Tensor, topk: int) -> Tensor:
+            # MUTATION: rows up to the most ever held stay visible after a rewind.
+            C = scores.shape[-1]
+            col = torch.arange(C, device=scores.device)[None, :]
+            visible = (col <= slots[:, None]) | (col < seen)
+            best = _indexer.topk_indices(scores.masked_fill(~visible, float("-inf")), min(topk, C))
+            return torch.zeros_like(visible).scatter_(1, best, True) & visible
+
+        assert original is not None
+        return [(_attention, "select_rows", select_rows)]
+
+    def _track(self, state: DrafterState, result: Any) -> Any:
+        if not state.released:
+            state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), state.seq_len)  # type: ignore[attr-defined]
+        return result
+
+    def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
+        return self._track(state, super().prefill_drafter(prompt_tokens, hiddens, state))
+
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+        return self._track(state, super().catchup_drafter(tokens, hiddens, row_base, pos_base, state))
+
+    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+        before = state.seq_len
+        out = super().propose(last_token, target_hidden, position, num_drafts, state)
+        state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), before, state.seq_len)  # type: ignore[attr-defined]
+        return out
+
+
+class PreNormFeed(Mutant):
+    name = "pre_norm_feed"
+    rule = "draft i > 1 is fed the post-norm x of draft i - 1, not the pre-norm block output"
+
+    def __init__(self, weights, max_seq_len, feed_hidden="post_norm"):  # type: ignore[no-untyped-def]
+        super().__init__(weights, max_seq_len, feed_hidden="pre_norm")  # MUTATION
+
+
+def _topk_ties_high(scores: Tensor, k: int) -> Tensor:
+    # MUTATION: equal scores go to the higher index (sort the reversed row, map indices back).
+    C = scores.shape[-1]
+    return (C - 1) - torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class TopkTiesHigh(SwappingMutant):
+    name = "topk_ties_high"
+    rule = "the indexer's top-k breaks ties toward the lower row"
+
+    def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+        return [(_indexer, "topk_indices", _topk_ties_high)]
+
+
+class SecondVerify(Mutant):
+    name = "second_verify"
+    rule = "after_verify with no propose pending raises RuntimeError (the seed trims again)"
+
+    def after_verify(self, num_accepted: int, state: DrafterState) -> None:
+        if not state.released and not state.pending:
+            # MUTATION: the seed's behaviour: trim again with the previous propose's count.
+            ld = getattr(state, "_mutant_last", 0)
+            keep = min(ld, check_int("num_accepted", num_accepted) + 1)
+            state.seq_len = max(0, state.seq_len - (ld - keep))
+            return
+        ld = state.last_drafted
+        super().after_verify(num_accepted, state)
+        state._mutant_last = ld  # type: ignore[attr-defined]
+
+
+class MisalignedCatchup(Mutant):
+    name = "misaligned_catchup"
+    rule = "a catch-up whose row_base != drafter_rows writes nothing and returns 0"
+
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+        self._check_live(state, "catchup_drafter")
+        ids = self._tokens("tokens", tokens, state.device)
+        row_base = check_int("row_base", row_base)
+        check_int("pos_base", pos_base)
+        self._hiddens("hiddens", hiddens, ids.shape[0], state)
+        self._check_capacity("catchup_drafter", row_base + ids.shape[0])
+        if ids.shape[0] == 0:  # MUTATION: was `row_base != state.seq_len or ...`
+            return 0
+        self._write_rows(ids, hiddens, row_base, state)
+        return ids.shape[0]
+
+
+class BlockTableOffByOne(Mutant):
+    name = "block_table_off_by_one"
+    rule = "a state claims max_seq_len // 16 + 2 blocks"
+
+    def __init__(self, weights, max_seq_len, feed_hidden="post_norm"):  # type: ignore[no-untyped-def]
+        super().__init__(weights, max_seq_len, feed_hidden)
+        self.blocks = self.max_seq_len // BLOCK_ROWS + 1  # MUTATION: was + 2
+        self.capacity = BLOCK_ROWS * self.blocks
+
+
+class RewindBeforeValidate(Mutant):
+    name = "rewind_before_validate"
+    rule = "a refused call leaves the state byte-identical (propose validates before it rewinds)"
+
+    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+        self._check_live(state, "propose")
+        if isinstance(position, int) and not isinstance(position, bool) and 0 <= position <= state.seq_len:
+            state.seq_len = position  # MUTATION: rewinds before the arguments are checked
+        return super().propose(last_token, target_hidden, position, num_drafts, state)
+
+
+class CatchupWritesX(Mutant):
+    name = "catchup_writes_x"
+    rule = "prefill, catch-up, rewind and trim leave the scratch x as it is; only propose writes it"
+
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+        self._in_catchup = True
+        try:
+            return super().catchup_drafter(tokens, hiddens, row_base, pos_base, state)
+        finally:
+            self._in_catchup = False
+
+    def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, state: DrafterState) -> None:
+        slots = torch.arange(row_base, row_base + tokens.shape[0], device=state.device)
+        out = mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device))
+        state.seq_len = row_base + tokens.shape[0]
+        if getattr(self, "_in_catchup", False):
+            state.x = out.x[-1].clone()  # MUTATION
+
+
+# The registry: name -> class. Every entry must be caught by the suite (tests/conformance).
+MUTANTS: dict[str, type[Mutant]] = {
+    cls.name: cls
+    for cls in (
+        TrimFirstRow, PosBaseRope, PairShift, NoRewindWhenAhead, StaleIndexerView, PreNormFeed,
+        TopkTiesHigh, SecondVerify, MisalignedCatchup, BlockTableOffByOne, RewindBeforeValidate, CatchupWritesX,
+    )
+}
+
+__all__ = ["Mutant", "SwappingMutant", "MUTANTS", "swapped"] + [c.__name__ for c in MUTANTS.values()]
