@@ -189,6 +189,8 @@ class SpecResult:
 
     tokens: list[int]
     stats: SpecStats
+    committed: list[int] = field(default_factory=list)  # prompt + every committed token (uncut)
+    drafter_state: object | None = None  # the drafter's state, when generate(free_state=False)
 
 
 class SpeculativeDecoder:
@@ -220,9 +222,10 @@ class SpeculativeDecoder:
             return greedy_verify(logits, drafts)
         return stochastic_verify(logits, drafts, self.temperature, self.gen)
 
-    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu") -> SpecResult:
+    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu", free_state: bool = True) -> SpecResult:
         """Generate at least ``max_new_tokens`` tokens after ``prompt`` (>= 1 token); returns the
-        first ``max_new_tokens`` and the step statistics."""
+        first ``max_new_tokens`` and the step statistics (and the drafter's state, not freed, when
+        ``free_state`` is false)."""
         if len(prompt) < 1:
             raise ValueError("prompt must hold at least one token")
         if max_new_tokens < 1:
@@ -270,8 +273,9 @@ class SpeculativeDecoder:
             tokens += [*drafts[:a], bonus]
             h_prev = out.hidden[a : a + 1]  # h_{m+a}
             m += a + 1
-        prop.free_state(dstate)
-        return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats)
+        if free_state:
+            prop.free_state(dstate)
+        return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats, tokens, None if free_state else dstate)
 
 
 def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,

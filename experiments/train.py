@@ -149,10 +149,12 @@ class Corpus:
     heldout: Tensor  # (M,) int64
 
 
-def build_corpus(vocab_size: int, sample_every: int) -> Corpus:
+def build_corpus(vocab_size: int, sample_every: int, limit_items: int | None = None) -> Corpus:
     """Split, train the BPE on every ``sample_every``-th training item, tokenize both splits
-    (items joined by a blank line)."""
+    (items joined by a blank line). ``limit_items`` keeps the first items of each split (tests)."""
     split = corpus_split()
+    if limit_items:
+        split = Split(split.train[:limit_items], split.heldout[:limit_items])
     train_texts = [read_item(n) for n in split.train]
     tok = BpeTokenizer.train(train_texts[::sample_every], vocab_size)
     enc = lambda texts: torch.tensor(tok.encode("\n\n".join(texts)), dtype=torch.int64)  # noqa: E731
@@ -165,11 +167,13 @@ def sample_windows(stream: Tensor, n: int, length: int, gen: torch.Generator) ->
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr`` at ``steps``."""
+def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int, time_frac: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr``, driven by whichever is further along:
+    the step count or the share ``time_frac`` of the time budget already spent (so a slow or
+    shared machine still anneals before the deadline instead of stopping at a high rate)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+    frac = min(1.0, max((step - warmup) / max(1, steps - warmup), time_frac))
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
@@ -296,10 +300,11 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     from .wandb_log import make_logger
 
     t = cfg.train
+    os.makedirs(run_dir, exist_ok=True)
     torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     t0 = time.perf_counter()
-    corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every)
+    corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
     mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
     if t.seq_len > mcfg.index_topk:
         raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained")
@@ -319,11 +324,14 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     evals: list[dict[str, float]] = []
     load = ExpertLoad()
     moe = partial(grouped_moe, load=load)
-    deadline = t0 + 60 * t.max_minutes
+    # The budget covers the whole run: stop training a minute early for the last eval and saving.
+    train_start = time.perf_counter()
+    deadline = t0 + 60 * (t.max_minutes - 1)
     bar = tqdm(range(t.steps), desc="train", dynamic_ncols=True, mininterval=5)
     step = 0
     for step in bar:
-        lr = lr_at(step, t.steps, t.lr, t.min_lr, t.warmup)
+        time_frac = (time.perf_counter() - train_start) / max(1e-9, deadline - train_start)
+        lr = lr_at(step, t.steps, t.lr, t.min_lr, t.warmup, time_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = sample_windows(corpus.train, t.batch_size, t.seq_len + 1, gen)
@@ -351,7 +359,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
         bar.set_postfix(loss=f"{tot_t:.3f}", mtp1=f"{tot_m[0]:.3f}", acc1=f"{accs[0]:.2f}")
         if step % t.log_every == 0:
             log.log({f"train/{k}": v for k, v in rec.items() if k != "step"}, step=step)
-        last = step == t.steps - 1 or time.perf_counter() > deadline
+        last = step == t.steps - 1 or time.perf_counter() >= deadline
         if step % t.eval_every == 0 or last:
             ev = {"step": step, **evaluate(target, mtp, eval_windows, t.mtp_depth)}
             evals.append(ev)
@@ -359,7 +367,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
             tqdm.write(f"step {step}: held-out target {ev['target_loss']:.3f} mtp1 {ev['mtp1_loss']:.3f} acc1 {ev['mtp1_acc']:.3f}")
         if last:
             if step < t.steps - 1:
-                tqdm.write(f"stopping at step {step}: train.max_minutes={t.max_minutes} reached")
+                tqdm.write(f"stopping at step {step}: the train.max_minutes={t.max_minutes} budget is spent")
             break
     bar.close()
     minutes = (time.perf_counter() - t0) / 60

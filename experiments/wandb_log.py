@@ -78,3 +78,71 @@ def make_logger(cfg: Any, run_dir: str, config: dict[str, Any], job_type: str, n
     if cfg.name != "wandb":
         raise ValueError(f"logger.name must be 'wandb' or 'none', got {cfg.name!r}")
     return WandbLogger(cfg.mode, cfg.project, run_dir, config, name=name, job_type=job_type, group=group)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading an offline run back. W&B writes an offline run's records to ``run-<id>.wandb``: a
+# LevelDB-style log (a 7-byte file header, then 32 KiB blocks of chunks, each with a 7-byte header
+# of crc32, length and type FULL/FIRST/MIDDLE/LAST) of ``wandb_internal_pb2.Record`` protobufs.
+
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(path: str) -> list[bytes]:
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a W&B run file")
+    out, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == _FULL:
+            out.append(chunk)
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            out.append(pending + chunk)
+            pending = b""
+        else:  # zero padding at the end of a block
+            pos += left - 7 - length if left - 7 - length > 0 else 0
+    return out
+
+
+def read_offline_run(run_dir: str) -> dict[str, Any]:
+    """``{"config", "summary", "history"}`` of the newest offline W&B run under ``run_dir`` (the
+    folder given to ``wandb.init(dir=...)``), decoded from its ``.wandb`` file."""
+    import glob
+    import json
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    files = sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")))
+    if not files:
+        raise FileNotFoundError(f"no offline W&B run under {run_dir}/wandb")
+    config: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
+    history: list[dict[str, Any]] = []
+    key = lambda it: it.key or "/".join(it.nested_key)  # noqa: E731
+    for raw in _records(files[-1]):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            config.update({key(it): json.loads(it.value_json) for it in rec.run.config.update})
+        elif kind == "config":
+            config.update({key(it): json.loads(it.value_json) for it in rec.config.update})
+        elif kind == "summary":
+            summary.update({key(it): json.loads(it.value_json) for it in rec.summary.update})
+        elif kind == "history":
+            history.append({key(it): json.loads(it.value_json) for it in rec.history.item})
+    return {"config": config, "summary": summary, "history": history}

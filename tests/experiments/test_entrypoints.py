@@ -1,0 +1,84 @@
+"""The Hydra entry points end to end on tiny models: acceptance (W&B offline), a sweep and its
+report, a few training steps writing a loadable checkpoint, and a smoke run of the shipped model."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from glm_mtp.reference import MtpWeights
+from glm_mtp.experiments import acceptance, report, train
+from glm_mtp.experiments.checkpoint import shipped_checkpoint
+from glm_mtp.experiments.target import TargetWeights
+from glm_mtp.experiments.wandb_log import read_offline_run
+
+
+def config(name, overrides):
+    with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = config("config", ["model=tiny_random", "experiment=smoke", "num_drafts=2", "policy=refeed"])
+    assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"  # the default
+    summary = acceptance.run(cfg, str(tmp_path))
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("acceptance_per_position", "mean_accepted_length", "num_drafts", "policy", "backend", "temperature",
+                "prompts", "generated_tokens"):
+        assert key in on_disk
+    assert on_disk["lossless_greedy"] is True and on_disk["generated_tokens"] == 2 * 16
+    assert (tmp_path / "acceptance.png").stat().st_size > 0
+    run = read_offline_run(str(tmp_path))
+    assert run["summary"]["mean_accepted_length"] == pytest.approx(summary["mean_accepted_length"])
+    assert run["summary"]["tau"] == pytest.approx(summary["mean_accepted_length"])
+    assert run["summary"]["alpha_1"] == pytest.approx(summary["acceptance_per_position"][0])
+    assert "time/draft_share" in run["summary"] and "acceptance_table/_type" in run["summary"]
+    assert run["config"]["policy"] == "refeed" and run["config"]["num_drafts"] == 2
+
+
+def test_sweep_and_report(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "glm_mtp.experiments.acceptance", "-m", "model=tiny_random", "experiment=smoke",
+           "logger=none", "num_drafts=1,2", "policy=first_row_kept,trim_all", f"hydra.sweep.dir={sweep}"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    table = report.main([str(sweep)])
+    rows = [l for l in table.splitlines() if l.startswith("| reference")]
+    assert len(rows) == 4 and any("trim_all" in r for r in rows)
+    assert (sweep / "report.md").exists() and (sweep / "report.png").stat().st_size > 0
+
+
+def test_train_writes_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "ckpt"
+    cfg = config("train", [
+        "logger=none", f"out={out}", "tokenizer.limit_items=12", "tokenizer.vocab_size=300", "tokenizer.sample_every=1",
+        "arch.hidden_size=32", "arch.q_lora_rank=16", "arch.kv_lora_rank=16", "arch.num_attention_heads=2",
+        "arch.moe_intermediate_size=16", "arch.intermediate_size=32", "arch.num_hidden_layers=2", "arch.index_topk=32",
+        "train.steps=3", "train.batch_size=2", "train.seq_len=24", "train.eval_every=2", "train.eval_windows=2",
+        "train.log_every=1", "train.mtp_depth=3",
+    ])
+    final = train.run(cfg, str(tmp_path / "run"))
+    assert final["steps"] == 3 and math.isfinite(final["target_loss"]) and "mtp3_loss" in final
+    mtp, target = MtpWeights.from_pretrained(out), TargetWeights.from_pretrained(out)
+    assert mtp.config.vocab_size == 300 and len(target.layers) == 2
+    assert torch.equal(mtp.embed_tokens, target.embed_tokens)
+    card = (out / "README.md").read_text()
+    corpus = json.loads((out / "corpus.json").read_text())
+    assert corpus["sha256"] in card and "python -m glm_mtp.experiments.train" in card
+    assert (tmp_path / "run" / "loss_curve.png").exists() and (out / "tokenizer.json").exists()
+    # The acceptance experiment runs on it, prompts from its recorded held-out items.
+    acfg = config("config", ["logger=none", "experiment=smoke", f"model.path={out}"])
+    s = acceptance.run(acfg, str(tmp_path / "acc"))
+    assert s["lossless_greedy"] is True and s["checkpoint"] == str(out)
+
+
+def test_shipped_checkpoint_smoke(tmp_path):
+    path = shipped_checkpoint()
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
+    s = acceptance.run(config("config", ["logger=none", "experiment=smoke"]), str(tmp_path))
+    assert s["lossless_greedy"] is True
+    assert s["checkpoint"] == str(path) and s["samples"]

@@ -1,0 +1,196 @@
+import math
+import random
+
+import pytest
+import torch
+
+from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.experiments import speculative
+from glm_mtp.experiments.speculative import (
+    POLICIES, SpecStats, SpeculativeDecoder, make_proposer, stochastic_verify, target_decode, target_probs,
+)
+from glm_mtp.experiments.target import Target
+
+
+class OracleProposer(ReferenceProposer):
+    """The reference drafter's state machine with drafts taken from a known greedy continuation
+    (each wrong with probability ``p_wrong``): exercises every accept count, a == k included."""
+
+    def __init__(self, weights, max_seq_len, sequence, p_wrong, seed, **kw):
+        super().__init__(weights, max_seq_len, **kw)
+        self.sequence, self.p_wrong, self.rng = sequence, p_wrong, random.Random(seed)
+
+    def propose(self, last_token, target_hidden, position, num_drafts, state):
+        super().propose(last_token, target_hidden, position, num_drafts, state)
+        out = []
+        for i in range(num_drafts):
+            tok = self.sequence[position + 2 + i]  # draft i+1 guesses t_{m+1+i}, m = position + 1
+            out.append((tok + 1) % self.config.vocab_size if self.rng.random() < self.p_wrong else tok)
+        return out
+
+
+def oracle(tiny64, target64, prompt, n, p_wrong, seed=0, **kw):
+    greedy = prompt + target_decode(target64, prompt, n + 8)
+    return OracleProposer(tiny64.mtp, 128, greedy, p_wrong, seed, **kw), greedy
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_output_is_the_target_greedy_decode(tiny64, target64, random_prompt, policy, k):
+    prompt = random_prompt(96, 9, k)
+    prop, greedy = oracle(tiny64, target64, prompt, 30, p_wrong=0.3, seed=k)
+    res = SpeculativeDecoder(target64, prop, k, policy).generate(prompt, 30)
+    assert res.tokens == greedy[len(prompt) : len(prompt) + 30]
+    if k > 1:  # the oracle's mix of right and wrong drafts reached every accept count
+        assert 0 < res.stats.accepted[k - 1] < res.stats.steps
+
+
+@pytest.mark.parametrize("feed", ["post_norm", "pre_norm"])
+def test_greedy_with_the_real_drafter(tiny64, target64, random_prompt, feed):
+    prompt = random_prompt(96, 12, 5)
+    res = SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128, feed_hidden=feed), 3).generate(prompt, 25)
+    assert res.tokens == target_decode(target64, prompt, 25)
+
+
+def test_metrics_perfect_and_accounting(tiny64, target64, random_prompt):
+    prompt = random_prompt(96, 8, 6)
+    prop, _ = oracle(tiny64, target64, prompt, 24, p_wrong=0.0)
+    st = SpeculativeDecoder(target64, prop, 3).generate(prompt, 24).stats
+    assert st.alpha == [1.0, 1.0, 1.0] and st.tau == 4.0 and st.committed == 4 * st.steps
+    prop, _ = oracle(tiny64, target64, prompt, 40, p_wrong=0.4, seed=1)
+    st = SpeculativeDecoder(target64, prop, 3).generate(prompt, 40).stats
+    assert st.committed == st.steps + sum(st.accepted) and st.reached[0] == st.steps
+    assert st.alpha[0] == st.accepted[0] / st.steps and st.alpha[1] == st.accepted[1] / st.accepted[0]
+    assert 0 < st.draft_share < 1 and st.draft_s > 0 and st.verify_s > 0
+
+
+def drafter_rows_from_target(tiny64, target64, committed, rows):
+    """What a drafter holds after a prefill of the committed tokens with the target's hiddens."""
+    st = target64.alloc_state()
+    hid = target64.forward(torch.tensor(committed[: rows + 1]), st).hidden
+    prop = ReferenceProposer(tiny64.mtp, 128)
+    ds = prop.alloc_state("cpu")
+    prop.prefill_drafter(committed[: rows + 1], hid, ds)
+    return prop.export_state(ds)["kv_rows"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_decide_which_hiddens_the_kept_rows_hold(tiny64, target64, random_prompt, policy):
+    prompt = random_prompt(96, 10, 7)
+    prop, _ = oracle(tiny64, target64, prompt, 30, p_wrong=0.3, seed=2)
+    res = SpeculativeDecoder(target64, prop, 3, policy).generate(prompt, 30, free_state=False)
+    snap = prop.export_state(res.drafter_state)
+    rows = int(snap["seq_len"])
+    assert rows == len(res.committed) - 2  # rows pair t_{r+1} with h_r up to the newest committed token
+    want = drafter_rows_from_target(tiny64, target64, res.committed, rows)
+    close = torch.allclose(snap["kv_rows"], want, rtol=0, atol=1e-9)
+    # refeed / trim_all rebuild accepted rows from the target's hiddens; first_row_kept keeps the
+    # drafter's own x in them, so its rows differ.
+    assert close == (policy != "first_row_kept")
+
+
+# ------------------------------------------------------------------------------------------------
+# Stochastic verification: the output is distributed as the target's own samples.
+
+
+class BigramTarget:
+    """A target whose next-token distribution depends on the last token only: ``P[last]``."""
+
+    def __init__(self, logp, emb):
+        self.logp, self.emb = logp, emb
+
+    def alloc_state(self):
+        return {"length": 0}
+
+    def forward(self, tokens, state):
+        state["length"] += len(tokens)
+        return type("Out", (), {"logits": self.logp[tokens], "hidden": self.emb[tokens]})
+
+    def rewind(self, state, length):
+        state["length"] = length
+
+
+def chi_square_p(seqs, probs):
+    """p-value of the bigram counts of ``seqs`` against transition probabilities ``probs``."""
+    V = probs.shape[0]
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    for s in seqs:
+        for a, b in zip(s, s[1:]):
+            counts[a, b] += 1
+    n = counts.sum(1, keepdim=True)
+    expected = n * probs
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = int((n[:, 0] > 0).sum()) * (V - 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    V = 8
+    cfg = MtpConfig.preset("tiny").replace(vocab_size=V)
+    g = torch.Generator().manual_seed(11)
+    logp = torch.log_softmax(1.5 * torch.randn(V, V, generator=g, dtype=torch.float64), -1)
+    emb = torch.randn(V, cfg.hidden_size, generator=g, dtype=torch.float64)
+    return BigramTarget(logp, emb), MtpWeights.random(cfg, seed=12, dtype=torch.float64)
+
+
+def sample_sequences(bigram, temperature, n_seqs=50, length=40, k=3):
+    target, mw = bigram
+    prop = ReferenceProposer(mw, 64)
+    dec = SpeculativeDecoder(target, prop, k, temperature=temperature, seed=123)
+    seqs, stats = [], SpecStats(k)
+    for i in range(n_seqs):
+        prompt = [i % 8]
+        res = dec.generate(prompt, length)
+        seqs.append(prompt + res.tokens)
+        stats.merge(res.stats)
+    return seqs, stats
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_rejection_sampling_reproduces_the_target_distribution(bigram, temperature):
+    seqs, stats = sample_sequences(bigram, temperature)
+    assert 0.05 < stats.alpha[0] < 0.95  # drafts are accepted and rejected
+    p = chi_square_p(seqs, target_probs(bigram[0].logp, temperature))
+    assert p > 1e-3, p
+
+
+def test_chi_square_catches_a_lossy_verifier(bigram, monkeypatch):
+    def accept_all(logits, drafts, temperature, gen):
+        return len(drafts), int(torch.multinomial(target_probs(logits[-1], temperature), 1, generator=gen))
+
+    monkeypatch.setattr(speculative, "stochastic_verify", accept_all)
+    seqs, _ = sample_sequences(bigram, 1.0, n_seqs=20)
+    assert chi_square_p(seqs, target_probs(bigram[0].logp, 1.0)) < 1e-6
+
+
+def test_single_step_acceptance_probability_is_p_of_the_draft():
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    p = target_probs(logits, 1.0)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    out = [stochastic_verify(logits, [1], 1.0, gen) for _ in range(n)]
+    accepted = sum(a for a, _ in out) / n
+    assert abs(accepted - float(p[0, 1])) < 4 * math.sqrt(p[0, 1] * (1 - p[0, 1]) / n)
+    # A rejected draft is never the replacement.
+    assert all(b != 1 for a, b in out if a == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_refused(tiny64, target64):
+    prop = ReferenceProposer(tiny64.mtp, 128)
+    for kw, msg in (({"num_drafts": 0}, "num_drafts"), ({"num_drafts": 2, "policy": "keep"}, "policy"),
+                    ({"num_drafts": 2, "temperature": -1.0}, "temperature")):
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeDecoder(target64, prop, **kw)
+    with pytest.raises(ValueError, match="prompt"):
+        SpeculativeDecoder(target64, prop, 2).generate([], 4)
+    with pytest.raises(ValueError, match="backend"):
+        make_proposer("fastest", tiny64.mtp, 64)
+
+
+def test_backends_resolve_by_name(tiny64):
+    prop = make_proposer("reference", tiny64.mtp, 64, feed_hidden="pre_norm")
+    assert isinstance(prop, ReferenceProposer) and prop.feed_hidden == "pre_norm"
