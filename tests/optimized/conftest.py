@@ -14,6 +14,17 @@ from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread per test here: on a shared 2-core machine torch's default of two
+    threads spin-waits against other processes and tiny GEMMs run ~100x slower. Both backends
+    run under the same setting, so byte comparisons are unaffected; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg() -> MtpConfig:
     return MtpConfig.preset("tiny")
