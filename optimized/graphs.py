@@ -15,6 +15,17 @@ import torch
 
 from .state import OptimizedState
 
+# One side stream per device for every warm-up and capture: cuBLAS keeps a workspace per stream
+# for the life of the process, so a fresh stream per state would grow memory with every state.
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream this module warms up and captures on, for ``device``."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
 
 def run_program(state: OptimizedState, key: int, program: Callable[[], None], capture: bool) -> None:
     """Run ``program`` on ``state``'s buffers: replay its graph under ``key`` if captured, else
@@ -27,7 +38,7 @@ def run_program(state: OptimizedState, key: int, program: Callable[[], None], ca
         graph.replay()
         return
     # Warm-up: the eager run is this call's work (the capture below does not execute).
-    side = torch.cuda.Stream(device=state.device)
+    side = side_stream(state.device)
     side.wait_stream(torch.cuda.current_stream(state.device))
     with torch.cuda.stream(side):
         program()
@@ -37,7 +48,7 @@ def run_program(state: OptimizedState, key: int, program: Callable[[], None], ca
         state.graph_pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=state.graph_pool):
+        with torch.cuda.graph(graph, pool=state.graph_pool, stream=side):
             program()
     except Exception as e:  # a host sync or an uncapturable op in the program
         raise RuntimeError(

@@ -125,6 +125,20 @@ class OptimizedProposer:
         if not st.released:
             st.release()
 
+    def reset_state(self, state: DrafterState) -> None:
+        """Make a live state fresh again (as ``alloc_state`` returns it) in place, keeping its
+        buffers and captured graphs: an engine that reuses states for new sequences skips the
+        allocation and the one-off graph capture of each ``num_drafts``."""
+        st = self._state(state)
+        if st.released:
+            raise RuntimeError("reset_state: the state was freed (free_state); allocate a new one")
+        st.unsettled, st.deferred_error = None, None
+        st.cache.kv_pool.zero_()
+        st.cache.index_pool.zero_()
+        st.x.zero_()
+        st.seq_dev.zero_()
+        st.seq_len, st.pending, st.last_drafted = 0, False, 0
+
     def export_state(self, state: DrafterState) -> dict[str, Tensor]:
         """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
         st = self._state(state)
