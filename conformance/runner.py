@@ -664,3 +664,39 @@ def run(
         weights_seed=weights_seed, generators=generators, scenario_index=scenario_index,
         seconds=time.perf_counter() - t0, by_generator=dict(by_gen), outcomes={k: dict(v) for k, v in outcomes.items()},
     )
+
+
+def record(
+    backend: str | Factory,
+    scenario_indices: Sequence[int],
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = torch.bfloat16,
+    preset: str = "tiny",
+    max_seq_len: int = 64,
+    weights_seed: int = 0,
+) -> tuple[list[str], dict[str, Tensor]]:
+    """Play scenarios on one backend alone and keep everything a lockstep would compare:
+    each step's outcome, and every state's ``export_state`` after it, keyed
+    ``"{scenario}/{step}/{state}/{key}"``. Two processes' records must agree byte for byte (the
+    determinism check); ``torch.save`` the pair to carry it across.
+
+    Args:
+        backend: the backend spec (see ``resolve_backend``).
+        scenario_indices: which scenarios of run ``seed``.
+        seed, device, dtype, preset, max_seq_len, weights_seed: as in ``run``.
+    """
+    h = Harness(backend, backend, preset, parse_dtype(dtype), device, max_seq_len, weights_seed)
+    outcomes: list[str] = []
+    tensors: dict[str, Tensor] = {}
+    for index in scenario_indices:
+        sc = scenario(seed, index, h.config, max_seq_len)
+        side = h.lockstep().candidate
+        for step, op in enumerate(sc.ops):
+            out, _ = side.call(op)
+            outcomes.append(f"{index}/{step}: {out.kind} {out.value!r}")
+            for i, v in enumerate(side.view()):
+                outcomes.append(f"{index}/{step}/{i}: rows {v.rows} key {v.pair_key} {v.error}")
+                for k, t in (v.export or {}).items():
+                    tensors[f"{index}/{step}/{i}/{k}"] = t.detach().cpu()
+    return outcomes, tensors

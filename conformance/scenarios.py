@@ -565,6 +565,27 @@ def rule_grow(ch: Chooser, m: Model, max_drafts: int) -> list[Op]:
     return ops + [m.prefill(len(m.seqs) - 1, Tokens(random_ids(ch, m.vocab, n)), hidden(ch, n))]
 
 
+def rule_edge(ch: Chooser, m: Model, max_drafts: int) -> list[Op]:
+    """A fresh state filled to a few rows short of its capacity, then a propose or a catch-up
+    that ends exactly on the last row, or one row past it."""
+    if len(m.seqs) >= 6:
+        return rule_round(ch, m, max_drafts)
+    ops = [m.alloc()]
+    i, n = len(m.seqs) - 1, m.max_seq_len
+    ops.append(m.prefill(i, Tokens(random_ids(ch, m.vocab, n)), hidden(ch, n)))
+    left = ch.int(0, max_drafts)
+    rows = m.seqs[i].seq_len
+    fill = m.capacity - rows - left
+    ops.append(m.catchup(i, Tokens(random_ids(ch, m.vocab, fill)), hidden(ch, fill), rows, rows))
+    over = int(ch.chance(0.5))
+    if ch.chance(0.5):
+        ops.append(m.propose(i, single_token(ch, m), hidden(ch, 1, single=True), m.capacity - left, left + over, note="capacity edge"))
+    else:
+        ops.append(m.catchup(i, token_list(ch, m, left + over), hidden(ch, left + over), m.capacity - left, m.capacity - left,
+                             note="capacity edge"))
+    return ops
+
+
 # name -> (rule, weight in the seeded walk)
 RULES: dict[str, tuple[Callable[[Chooser, Model, int], list[Op]], int]] = {
     "alloc": (rule_alloc, 1),
@@ -575,6 +596,7 @@ RULES: dict[str, tuple[Callable[[Chooser, Model, int], list[Op]], int]] = {
     "verify": (rule_verify, 4),
     "round": (rule_round, 6),
     "grow": (rule_grow, 1),
+    "edge": (rule_edge, 1),
 }
 
 
