@@ -8,7 +8,7 @@ alone.
 from glm_mtp.reference import DraftProposer, MtpConfig, MtpWeights
 
 from .block import Fused
-from .proposer import OptimizedProposer
+from .proposer import OptimizedProposer, with_triton_kernels
 from .state import OptimizedState
 
-__all__ = ["OptimizedProposer", "OptimizedState", "Fused", "DraftProposer", "MtpConfig", "MtpWeights"]
+__all__ = ["OptimizedProposer", "with_triton_kernels", "OptimizedState", "Fused", "DraftProposer", "MtpConfig", "MtpWeights"]

@@ -33,6 +33,11 @@ def run_program(state: OptimizedState, key: int, program: Callable[[], None], ca
     if not capture or state.device.type != "cuda":
         program()
         return
+    with torch.cuda.device(state.device):  # Triton launches and captures on the current device
+        _run_captured(state, key, program)
+
+
+def _run_captured(state: OptimizedState, key: int, program: Callable[[], None]) -> None:
     graph = state.graphs.get(key)
     if graph is not None:
         graph.replay()

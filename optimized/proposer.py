@@ -382,3 +382,10 @@ class OptimizedProposer:
             return 0
         self._write_rows(ids, hiddens, row_base, st)
         return ids.shape[0]
+
+
+def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
+    """An ``OptimizedProposer`` that runs its Triton kernels on every device (on CPU through the
+    interpreter: set ``TRITON_INTERPRET=1`` before triton is imported). A conformance backend:
+    ``--candidate glm_mtp.optimized:with_triton_kernels``."""
+    return OptimizedProposer(weights, max_seq_len, kernels="triton")

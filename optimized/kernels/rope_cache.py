@@ -91,7 +91,7 @@ def _rope_cache_write_kernel(
     block_table_ptr,  # (blocks,) int32
     kv_pool_ptr,  # (blocks, 16, Lkv + R)
     index_pool_ptr,  # (blocks, 16, D)
-    ok_ptr,  # (1,) bool: write only when set
+    ok_ptr,  # (1,) uint8 (the bool flag's byte): write only when nonzero
     latent_stride,
     kpe_stride,
     ikey_stride,
@@ -196,7 +196,8 @@ def rope_cache_write_triton(
         if t.stride(-1) != 1 or t.dtype != dtype:
             raise ValueError(f"rope_cache_write_triton: {name} must be {dtype} with a contiguous last dim")
     _rope_cache_write_kernel[(T,)](
-        latent, kpe_raw, ikey_raw, slots, cos_table, sin_table, block_table, kv_pool, index_pool, ok,
+        latent, kpe_raw, ikey_raw, slots, cos_table, sin_table, block_table, kv_pool, index_pool,
+        ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
         latent.stride(0), kpe_raw.stride(0), ikey_raw.stride(0), Lkv, R, D,
         KV_INTERLEAVE=cfg.rope_interleave,
         INDEX_INTERLEAVE=cfg.indexer_rope_interleave,

@@ -94,14 +94,21 @@ class Inputs:
     """Fresh random tokens and hiddens for a drafter (never zeros)."""
 
     def __init__(self, weights: MtpWeights, seed: int = 0):
-        self.cfg, self.dtype = weights.config, weights.dtype
+        self.cfg, self.dtype, self.device = weights.config, weights.dtype, weights.device
         self.gen = torch.Generator().manual_seed(seed)
 
     def tokens(self, n: int) -> torch.Tensor:
         return torch.randint(self.cfg.vocab_size, (n,), generator=self.gen)
 
     def hiddens(self, n: int) -> torch.Tensor:
-        return torch.randn(n, self.cfg.hidden_size, generator=self.gen).to(self.dtype)
+        """(n, H) on the weights' device, in their dtype."""
+        return torch.randn(n, self.cfg.hidden_size, generator=self.gen).to(device=self.device, dtype=self.dtype)
+
+    def bad_hiddens(self, n: int, row: int, col: int, value: float) -> torch.Tensor:
+        """``hiddens(n)`` with one entry set to ``value`` (NaN, inf)."""
+        h = torch.randn(n, self.cfg.hidden_size, generator=self.gen)
+        h[row, col] = value
+        return h.to(device=self.device, dtype=self.dtype)
 
     def token(self) -> int:
         return int(self.tokens(1)[0])

@@ -14,11 +14,11 @@ MISUSE = [
     ("verify_negative", True, lambda i, p, s, k: ("after_verify", (-1,))),
     ("verify_none_pending", False, lambda i, p, s, k: ("after_verify", (0,))),
     ("propose_behind", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), s + 1, 2))),
-    ("hidden_nan", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1).index_fill(1, torch.tensor([5]), float("nan")), p, 3))),
-    ("hidden_inf_1d", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1)[0].index_fill(0, torch.tensor([0]), float("-inf")), p, 2))),
+    ("hidden_nan", False, lambda i, p, s, k: ("propose", (i.token(), i.bad_hiddens(1, 0, 5, float("nan")), p, 3))),
+    ("hidden_inf_1d", False, lambda i, p, s, k: ("propose", (i.token(), i.bad_hiddens(1, 0, 0, float("-inf"))[0], p, 2))),
     ("token_out_of_range", False, lambda i, p, s, k: ("propose", (i.cfg.vocab_size, i.hiddens(1), p, 2))),
     ("token_tensor_out_of_range", False, lambda i, p, s, k: ("propose", (torch.tensor([-3]), i.hiddens(1), p, 2))),
-    ("token_tensor_bad_and_nan", False, lambda i, p, s, k: ("propose", (torch.tensor(i.cfg.vocab_size + 1), torch.full((i.cfg.hidden_size,), float("nan")).to(i.dtype), p, 1))),
+    ("token_tensor_bad_and_nan", False, lambda i, p, s, k: ("propose", (torch.tensor(i.cfg.vocab_size + 1), i.bad_hiddens(1, 0, 1, float("nan"))[0], p, 1))),
     ("token_float", False, lambda i, p, s, k: ("propose", (2.0, i.hiddens(1), p, 2))),
     ("token_tensor_float", False, lambda i, p, s, k: ("propose", (torch.tensor([2.0]), i.hiddens(1), p, 2))),
     ("token_tensor_two", False, lambda i, p, s, k: ("propose", (torch.tensor([1, 2]), i.hiddens(1), p, 2))),
@@ -29,8 +29,8 @@ MISUSE = [
     ("past_capacity", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), p, 200))),
     ("position_negative", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), -1, 1))),
     ("catchup_misaligned", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(2), s + 3, 0))),
-    ("catchup_misaligned_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(1), torch.full((1, i.cfg.hidden_size), float("nan")).to(i.dtype), s + 3, 0))),
-    ("catchup_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(2).index_fill(0, torch.tensor([1]), float("inf")), s, s))),
+    ("catchup_misaligned_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(1), i.bad_hiddens(1, 0, 2, float("nan")), s + 3, 0))),
+    ("catchup_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.bad_hiddens(2, 1, 3, float("inf")), s, s))),
     ("catchup_past_capacity", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(3), i.hiddens(3), 95, 0))),
     ("catchup_len_mismatch", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(3), s, s))),
     ("prefill_again", False, lambda i, p, s, k: ("prefill_drafter", (i.tokens(4), i.hiddens(4)))),
@@ -67,7 +67,7 @@ def spec_decode(ls, inp, steps: int, k_max: int, misuse_every: int = 3) -> dict[
         # Sometimes propose behind the rows held (the drafter rewinds), sometimes as a tensor.
         at = pos - inp.randint(1, 3) if step % 5 == 4 and pos > 4 else pos
         tok = inp.token()
-        token = torch.tensor(tok) if step % 2 else tok
+        token = torch.tensor(tok, device=inp.device) if step % 2 else tok
         hidden = inp.hiddens(1)[0] if step % 3 else inp.hiddens(1)
         drafts = ls.call("propose", token, hidden, at, k)
         assert len(drafts) == k
@@ -103,6 +103,20 @@ def test_lockstep_spec_decode(weights, lockstep, inputs, feed_hidden):
                          ("catchup_drafter", (inputs.tokens(1), inputs.hiddens(1), 0, 0)),
                          ("prefill_drafter", (inputs.tokens(3), inputs.hiddens(3)))]:
         assert isinstance(ls.call(method, *args), RuntimeError)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_lockstep_cuda(weights, lockstep, make_inputs, cuda_graphs):
+    """On CUDA: the Triton kernels, and the k steps captured once per num_drafts and replayed."""
+    w = weights.to("cuda")
+    ls = lockstep(w, max_seq_len=64, device="cuda", cuda_graphs=cuda_graphs)
+    seen = spec_decode(ls, make_inputs(w, seed=21), steps=24, k_max=4)
+    assert seen.get("propose", 0) >= 5, seen
+    if cuda_graphs:
+        assert 1 <= len(ls.os.graphs) <= 4 and all(k > 0 for k in ls.os.graphs)
+    else:
+        assert ls.os.graphs == {}
 
 
 def test_lockstep_with_interpreted_kernels(weights, lockstep, inputs):
