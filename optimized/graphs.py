@@ -52,11 +52,19 @@ def _run_captured(state: OptimizedState, key: int, program: Callable[[], None]) 
         # One pool per state: its graphs replay one at a time and keep nothing alive between replays.
         state.graph_pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=state.graph_pool, stream=side):
+    # capture_begin/end rather than ``torch.cuda.graph``: that context synchronises the device and
+    # empties the allocator's cache first, a cost every new state would pay for every num_drafts.
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=state.graph_pool)
+        try:
             program()
-    except Exception as e:  # a host sync or an uncapturable op in the program
-        raise RuntimeError(
-            f"capturing the {key}-draft propose failed ({e}); OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
-        ) from e
+        except Exception as e:  # a host sync or an uncapturable op in the program
+            try:
+                graph.capture_end()
+            except Exception:
+                pass
+            raise RuntimeError(
+                f"capturing the {key}-draft propose failed ({e}); OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
+            ) from e
+        graph.capture_end()
     state.graphs[key] = graph

@@ -21,8 +21,7 @@ def test_conformance_cpu_interpreted_kernels():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_conformance_cuda(preset):
-    report = run("optimized", "reference", scenarios=20, seed=6, device="cuda", dtype=torch.bfloat16, preset=preset,
-                 max_seq_len=64 if preset == "tiny" else 256)
+def test_conformance_cuda():
+    """A short CUDA run (scripts/gpu_check.sh runs the long ones through the CLI)."""
+    report = run("optimized", "reference", scenarios=10, seed=6, device="cuda", dtype=torch.bfloat16, preset="tiny")
     assert report.ok, report.first_difference
