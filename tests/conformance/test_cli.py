@@ -1,0 +1,59 @@
+"""``python -m glm_mtp.conformance``: exit 0 when equal, 1 on a difference, 2 on bad arguments."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glm_mtp.conformance.__main__ import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_equal_backends_exit_0_with_a_table_and_a_json_report(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "glm_mtp.conformance", "--candidate", "reference", "--baseline", "reference",
+         "--device", "cpu", "--dtype", "bfloat16", "--preset", "tiny", "--scenarios", "4", "--seed", "3", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: PASS" in proc.stdout and "propose" in proc.stdout
+    rep = json.loads(out.read_text())
+    assert rep["ok"] is True and rep["scenarios_run"] == 4 and rep["first_difference"] is None and rep["steps_run"] > 0
+
+
+def test_a_difference_exits_1(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["--candidate", "mutant:trim_first_row", "--scenarios", "10", "--json", str(out)]) == 1
+    rep = json.loads(out.read_text())
+    assert rep["ok"] is False and rep["first_difference"]["replay"].startswith("python -m glm_mtp.conformance")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--candidate", "fastest"],
+    ["--candidate", "mutant:nope"],
+    ["--preset", "huge"],
+    ["--dtype", "int8"],
+    ["--generators", "realistic,nope"],
+])
+def test_bad_names_exit_2(argv, capsys):
+    assert main(argv + ["--scenarios", "1", "--json", ""]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--scenarios", "0"], ["--seed", "x"], ["--no-such-flag"]])
+def test_bad_arguments_exit_2(argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+
+
+def test_cuda_where_there_is_none_exits_2():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["--candidate", "reference", "--device", "cuda", "--json", ""]) == 2

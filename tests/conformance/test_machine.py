@@ -1,0 +1,21 @@
+"""The hypothesis state machine: misuse and odd orders, in lockstep, and it can fail too."""
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from glm_mtp.conformance.machine import lockstep_machine
+
+SETTINGS = dict(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def test_machine_reference_vs_reference():
+    run_state_machine_as_test(lockstep_machine("reference", "reference"),
+                              settings=settings(max_examples=12, stateful_step_count=20, **SETTINGS))
+
+
+@pytest.mark.parametrize("mutant", ["second_verify", "trim_first_row"])
+def test_machine_catches_a_mutant(mutant):
+    with pytest.raises(AssertionError, match="differ at step"):
+        run_state_machine_as_test(lockstep_machine(f"mutant:{mutant}", "reference"),
+                                  settings=settings(max_examples=40, stateful_step_count=20, phases=[Phase.generate], **SETTINGS))
