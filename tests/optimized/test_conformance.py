@@ -4,7 +4,11 @@ realistic and adversarial scenarios equal to the reference byte for byte."""
 import pytest
 import torch
 
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
 from glm_mtp.conformance import run
+from glm_mtp.conformance.machine import lockstep_machine
 from glm_mtp.optimized import with_triton_kernels
 
 
@@ -12,6 +16,14 @@ from glm_mtp.optimized import with_triton_kernels
 def test_conformance_cpu(dtype):
     report = run("optimized", "reference", scenarios=16, seed=4, device="cpu", dtype=dtype, preset="tiny")
     assert report.ok, report.first_difference
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_conformance_hypothesis_machine(dtype):
+    """The suite's hypothesis state machine: misuse and odd call orders, shrunk on a difference."""
+    machine = lockstep_machine("optimized", "reference", dtype=dtype)
+    run_state_machine_as_test(machine, settings=settings(max_examples=25, deadline=None, stateful_step_count=25,
+                                                         suppress_health_check=list(HealthCheck), database=None))
 
 
 def test_conformance_cpu_interpreted_kernels():

@@ -156,3 +156,26 @@ def test_every_misuse(weights, lockstep, inputs):
         if pending:
             ls.call("after_verify", 1)
             pos = ls.opt.drafter_rows(ls.os)
+
+
+def test_lockstep_catches_broken_fusions(weights, lockstep, inputs, monkeypatch):
+    """The lockstep checks can fail: a fused piece that forgets the row-0 zeroing, or a cache
+    write that ignores the ok gate, is caught."""
+    from glm_mtp.optimized import block
+
+    tokens, hiddens = inputs.tokens(6), inputs.hiddens(6)
+    with monkeypatch.context() as m:
+        m.setattr(block, "embed_rows_torch", lambda embed, toks, slots: torch.nn.functional.embedding(toks, embed))
+        ls = lockstep(weights, max_seq_len=32)
+        with pytest.raises(AssertionError, match="differs"):
+            ls.call("prefill_drafter", tokens, hiddens)
+    with monkeypatch.context() as m:
+        real = block.rope_cache_write_torch
+        m.setattr(block, "rope_cache_write_torch", lambda *a: real(*a[:-1], torch.ones(1, dtype=torch.bool)))
+        ls = lockstep(weights, max_seq_len=32)
+        ls.call("prefill_drafter", tokens, hiddens)
+        # The NaN rows land past seq_len, outside export_state, but the next propose reads them
+        # (masked rows still enter the attention's reductions, as exact zeros only when finite).
+        assert isinstance(ls.call("propose", 3, inputs.bad_hiddens(1, 0, 4, float("nan")), 5, 2), ValueError)
+        with pytest.raises(AssertionError, match="differ"):
+            ls.call("propose", 3, inputs.hiddens(1), 5, 1)
