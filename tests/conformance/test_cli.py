@@ -57,3 +57,19 @@ def test_cuda_where_there_is_none_exits_2():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert main(["--candidate", "reference", "--device", "cuda", "--json", ""]) == 2
+
+
+IMPORT_CHECK = """
+import sys
+sys.modules["hydra"] = None   # as on a GPU machine without them: any import of these fails
+sys.modules["wandb"] = None
+import glm_mtp.conformance
+from glm_mtp.conformance.__main__ import main
+assert "hypothesis" not in sys.modules and "omegaconf" not in sys.modules
+sys.exit(main(["--candidate", "reference", "--scenarios", "1", "--json", ""]))
+"""
+
+
+def test_runs_without_hydra_or_wandb():
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
