@@ -637,6 +637,10 @@ def run(
     generators = tuple(generators)
     if not generators:
         raise ValueError("generators: name at least one of " + ", ".join(GENERATORS))
+    if scenario_index is None and (isinstance(scenarios, bool) or not isinstance(scenarios, int) or scenarios < 1):
+        raise ValueError(f"scenarios must be a positive integer, got {scenarios!r}")
+    if scenario_index is not None and (not isinstance(scenario_index, int) or scenario_index < 0):
+        raise ValueError(f"scenario_index must be a non-negative integer, got {scenario_index!r}")
     h = Harness(candidate, baseline, preset, parse_dtype(dtype), device, max_seq_len, weights_seed)
     indices = [scenario_index] if scenario_index is not None else range(scenarios)
     steps, ran, first = 0, 0, None

@@ -56,3 +56,16 @@ def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
     _, alone = record("reference", [0], seed=0)
     assert beside.keys() == alone.keys()
     assert all(same_bytes(beside[k], alone[k]) for k in alone)
+
+
+# Mutants whose bug is in the row bookkeeping: the spec model alone catches them, with no
+# reference beside them (the mutant is its own baseline), so the oracle is proven able to fail too.
+BOOKKEEPING = ["trim_first_row", "no_rewind_when_ahead", "second_verify", "misaligned_catchup",
+               "block_table_off_by_one", "rewind_before_validate"]
+
+
+@pytest.mark.parametrize("name", BOOKKEEPING)
+def test_the_spec_model_catches_bookkeeping_mutants_on_its_own(name):
+    r = run(f"mutant:{name}", f"mutant:{name}", scenarios=BUDGET, seed=0)
+    assert not r.ok and r.first_difference.what in ("contract", "refused call changed the state")
+    assert r.first_difference.side == "baseline"
