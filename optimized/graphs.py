@@ -1,4 +1,5 @@
-"""CUDA-graph capture and replay of a state's static program (the k draft steps).
+"""CUDA-graph capture and replay of a state's static programs (the k draft steps, the one-row
+catch-up).
 
 A program reads only the state's static buffers and writes only into them, and running it twice
 on the same inputs gives the same bytes (each step rewrites the rows it later reads). So the
@@ -64,7 +65,7 @@ def _run_captured(state: OptimizedState, key: int, program: Callable[[], None]) 
             except Exception:
                 pass
             raise RuntimeError(
-                f"capturing the {key}-draft propose failed ({e}); OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
+                f"capturing program {key} (num_drafts, or -1 for the catch-up) failed ({e}); OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
             ) from e
         graph.capture_end()
     state.graphs[key] = graph

@@ -13,8 +13,9 @@ What differs from the reference is scheduling only:
   on the device as a flag ``ok`` that gates every state write, and are read back with the drafts:
   a refused propose leaves the state byte-identical, as in the reference, without an extra sync.
 
-Prefill and catch-up take the reference's host-side checks (one sync, as there) and run the same
-fused block, eagerly.
+Prefill and catch-up take the reference's host-side checks (a sync, as there) and run the same
+fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
+loop, which runs from the static buffers as a captured program too.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 # Bits of the device-side check code (out[0]); all set means the propose's inputs were good.
 HIDDEN_FINITE, TOKEN_IN_RANGE = 1, 2
 CHECK_OK = HIDDEN_FINITE | TOKEN_IN_RANGE
+# The graph key of the one-row catch-up (propose graphs are keyed by num_drafts >= 1).
+CATCHUP_KEY = -1
 
 
 def read_back(t: Tensor) -> list[int]:
@@ -380,8 +383,20 @@ class OptimizedProposer:
         self._ref._check_capacity("catchup_drafter", row_base + ids.shape[0])
         if row_base != st.seq_len or ids.shape[0] == 0:
             return 0
+        if ids.shape[0] == 1:  # the loop's catch-up after a fully accepted propose: a captured program
+            st.tok_in.copy_(ids)
+            st.hid_in.copy_(hiddens)
+            st.pos.fill_(row_base)
+            run_program(st, CATCHUP_KEY, lambda: self._catchup_program(st), capture=self.cuda_graphs)
+            st.seq_len = row_base + 1
+            return 1
         self._write_rows(ids, hiddens, row_base, st)
         return ids.shape[0]
+
+    def _catchup_program(self, st: OptimizedState) -> None:
+        """One context row from the static inputs, already checked on the host: slot ``pos``."""
+        block_rows(self.weights, st.tok_in, st.hid_in, st.pos, st.cache, self.rope(st.device), st.always, self.fused)
+        st.seq_dev.copy_(st.pos + 1)
 
 
 def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:

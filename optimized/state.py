@@ -41,7 +41,7 @@ class OptimizedState(DrafterState):
         out: (capacity + 1,) int64, the read-back: ``out[0]`` the check's code (bit 0: hidden
             finite, bit 1: token in range), ``out[1:k+1]`` the drafts (-1 when the check failed).
         slots: (capacity,) int64, ``arange(capacity)``: context rows take slices of it.
-        graphs: captured CUDA graphs, one per ``num_drafts``.
+        graphs: captured CUDA graphs, one per ``num_drafts`` and one (key -1) for the one-row catch-up.
         graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
         unsettled: a ``propose_device`` the host has not yet confirmed.
         deferred_error: the message of a discarded ``propose_device``, raised by the next

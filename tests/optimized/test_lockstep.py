@@ -114,7 +114,7 @@ def test_lockstep_cuda(weights, lockstep, make_inputs, cuda_graphs):
     seen = spec_decode(ls, make_inputs(w, seed=21), steps=24, k_max=4)
     assert seen.get("propose", 0) >= 5, seen
     if cuda_graphs:
-        assert 1 <= len(ls.os.graphs) <= 4 and all(k > 0 for k in ls.os.graphs)
+        assert set(ls.os.graphs) <= {-1, 1, 2, 3, 4} and any(k > 0 for k in ls.os.graphs)  # -1: the catch-up
     else:
         assert ls.os.graphs == {}
 
