@@ -187,7 +187,7 @@ class OptimizedProposer:
         if code != CHECK_OK:
             st.seq_len, st.pending, st.last_drafted = u.seq_len, False, 0
             st.deferred_error = (
-                f"propose_device: {self._check_message(code, st)}; that propose of {u.num_drafts} drafts was "
+                f"propose_device: {self._check_message(code)}; that propose of {u.num_drafts} drafts was "
                 "discarded and left the state unchanged"
             )
 
@@ -203,7 +203,7 @@ class OptimizedProposer:
             raise RuntimeError(f"{call}: a propose of {st.last_drafted} drafts is pending; call after_verify first")
 
     @staticmethod
-    def _check_message(code: int, st: OptimizedState) -> str:
+    def _check_message(code: int) -> str:
         if not code & TOKEN_IN_RANGE:
             return "last_token: token id is outside [0, vocab_size)"
         return "target_hidden holds NaN or inf"
@@ -317,6 +317,7 @@ class OptimizedProposer:
         naming the input, without changing anything. Every other check (lifecycle, shapes,
         dtypes, Python-int ranges, capacity) raises here, as in ``propose``."""
         st = self._state(state)
+        self._settle(st)
         before = st.seq_len
         position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
         self._run(st, k)
