@@ -83,11 +83,7 @@ def lockstep_machine(
                 calls = "\n".join(f"  {i:3d}  {o.call()}  [spec: {o.expect}]" for i, o in enumerate(self.ops))
                 raise AssertionError(
                     f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: {op.call()}\n"
-                    f"  {finding.what}" + (f"[{finding.tensor}]" if finding.tensor else "")
-                    + (f" of state {finding.state}" if finding.state is not None else "")
-                    + (f", row {finding.row}" if finding.row is not None else "")
-                    + (f", element {finding.element}" if finding.element is not None else "")
-                    + f": {finding.detail}\n  candidate: {finding.candidate}\n  baseline:  {finding.baseline}\n"
+                    f"  {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n  baseline:  {finding.baseline}\n"
                     f"calls so far:\n{calls}"
                 )
 

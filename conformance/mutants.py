@@ -15,7 +15,6 @@ rule is added to the spec.
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,8 +26,9 @@ from torch import Tensor
 from glm_mtp.reference import attention as _attention
 from glm_mtp.reference import indexer as _indexer
 from glm_mtp.reference.attention import Rope
-from glm_mtp.reference.block import mtp_rows
-from glm_mtp.reference.proposer import ReferenceProposer, check_int, logger
+from glm_mtp.reference.block import draft_logits, mtp_rows
+from glm_mtp.reference.layers import greedy_token
+from glm_mtp.reference.proposer import ReferenceProposer, check_int
 from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
 
 _SWAP_LOCK = threading.RLock()
@@ -164,9 +164,6 @@ class NoRewindWhenAhead(Mutant):
         # MUTATION: no `state.seq_len = min(state.seq_len, position)`, and rows only ever grow.
         drafts: list[int] = []
         rope = self.rope(state.device)
-        from glm_mtp.reference.block import draft_logits
-        from glm_mtp.reference.layers import greedy_token
-
         for i in range(num_drafts):
             out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache, rope)
             token = greedy_token(draft_logits(self.weights, out.x))
@@ -185,7 +182,6 @@ class StaleIndexerView(SwappingMutant):
 
     def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
         seen = getattr(state, "_mutant_high_water", 0)
-        original = _attention.select_rows
 
         def select_rows(scores: Tensor, slots: Tensor, topk: int) -> Tensor:
             # MUTATION: rows up to the most ever held stay visible after a rewind.
@@ -195,7 +191,6 @@ class StaleIndexerView(SwappingMutant):
             best = _indexer.topk_indices(scores.masked_fill(~visible, float("-inf")), min(topk, C))
             return torch.zeros_like(visible).scatter_(1, best, True) & visible
 
-        assert original is not None
         return [(_attention, "select_rows", select_rows)]
 
     def _track(self, state: DrafterState, result: Any) -> Any:

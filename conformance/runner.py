@@ -264,6 +264,17 @@ class Finding:
     baseline: str = ""
     detail: str = ""
 
+    def where(self) -> str:
+        """``what[tensor] of state S, row R, element E``, leaving out what is not known."""
+        out = self.what + (f"[{self.tensor}]" if self.tensor else "")
+        if self.state is not None:
+            out += f" of state {self.state}"
+        if self.row is not None:
+            out += f", row {self.row}"
+        if self.element is not None:
+            out += f", element {self.element}"
+        return out
+
 
 @dataclass
 class Difference(Finding):
@@ -279,13 +290,7 @@ class Difference(Finding):
     replay: str = ""
 
     def __str__(self) -> str:
-        where = self.what + (f"[{self.tensor}]" if self.tensor else "")
-        if self.state is not None:
-            where += f" of state {self.state}"
-        if self.row is not None:
-            where += f", row {self.row}"
-        if self.element is not None:
-            where += f", element {self.element}"
+        where = self.where()
         lines = [
             f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}), step {self.step}: {self.op}"
             + (f"  [spec: {self.expect}]" if self.expect else ""),
@@ -396,16 +401,18 @@ class Lockstep:
         out_b, args_b = b.call(op)
         out_c, args_c = c.call(op)
 
+        state = op.state if op.state >= 0 else None
         if out_c.error is not out_b.error:
-            return Finding("outcome", candidate=str(out_c), baseline=str(out_b), detail="the calls ended differently")
+            return Finding("outcome", state=state, candidate=str(out_c), baseline=str(out_b), detail="the calls ended differently")
         if out_c.error is None and not _same_value(out_c.value, out_b.value):
-            f = Finding("return", candidate=repr(out_c.value), baseline=repr(out_b.value), detail="the calls returned different values")
+            f = Finding("return", state=state, candidate=repr(out_c.value), baseline=repr(out_b.value), detail="the calls returned different values")
             if isinstance(out_c.value, list) and isinstance(out_b.value, list):
+                f.tensor = "drafts"
                 f.element = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if x != y), min(len(out_c.value), len(out_b.value)))
                 f.detail = f"the drafts differ from draft {f.element + 1} on"
             also = self._compare(c.view(), b.view())
             if also is not None:  # where the rows went apart helps more than the token ids do
-                f.detail += f"; also {also.what}[{also.tensor}] of state {also.state} row {also.row} element {also.element}: {also.candidate} vs {also.baseline}"
+                f.detail += f"; also {also.where()}: {also.candidate} vs {also.baseline}"
             return f
 
         for side, args in ((c, args_c), (b, args_b)):

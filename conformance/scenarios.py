@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
-from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.state import num_blocks
