@@ -3,8 +3,10 @@
 Each mutant subclasses ``ReferenceProposer`` and breaks exactly one rule of DESIGN.md, by
 overriding a method (a copy of the reference's with the one change) or, where the rule lives in
 a plain function deep in the block, by swapping that function in for the duration of the
-mutant's own calls only (``swapped``): the swap is undone before the call returns, under a lock,
-so a reference running beside a mutant in the same process never sees it.
+mutant's own calls only (``swapped``): the swap is undone before the call returns. The lockstep
+runs its two sides one after the other, so a reference beside a mutant in the same process never
+runs while a swap is in place (the lock serialises mutants among themselves; a reference running
+in another thread at the same moment is not protected, so do not thread a mutant run).
 
 To add one: subclass ``Mutant`` (or ``SwappingMutant`` and return the swaps from ``swaps``),
 set ``name`` and ``rule``, and add the class to ``MUTANTS``. The test in
