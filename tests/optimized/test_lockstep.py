@@ -119,11 +119,26 @@ def test_lockstep_cuda(weights, lockstep, make_inputs, cuda_graphs):
         assert ls.os.graphs == {}
 
 
-def test_lockstep_with_interpreted_kernels(weights, lockstep, inputs):
+def test_lockstep_with_interpreted_kernels(weights, lockstep, inputs, monkeypatch):
     """The same loop with the Triton kernels in the orchestration (through the interpreter)."""
+    from glm_mtp.optimized import block
+
+    launches = {"embed": 0, "rope_cache_write": 0, "torch twins": 0}
+
+    def counted(key, fn):
+        def wrapper(*args, **kwargs):
+            launches[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(block, "embed_rows_triton", counted("embed", block.embed_rows_triton))
+    monkeypatch.setattr(block, "rope_cache_write_triton", counted("rope_cache_write", block.rope_cache_write_triton))
+    monkeypatch.setattr(block, "embed_rows_torch", counted("torch twins", block.embed_rows_torch))
+    monkeypatch.setattr(block, "rope_cache_write_torch", counted("torch twins", block.rope_cache_write_torch))
     ls = lockstep(weights, max_seq_len=32, kernels="triton")
     seen = spec_decode(ls, inputs, steps=4, k_max=3, misuse_every=2)
     assert seen.get("propose", 0) >= 2, seen
+    assert launches["embed"] >= 4 and launches["rope_cache_write"] == launches["embed"] and launches["torch twins"] == 0, launches
 
 
 def test_k_steps_from_zero_rows(weights, lockstep, inputs):
@@ -179,3 +194,19 @@ def test_lockstep_catches_broken_fusions(weights, lockstep, inputs, monkeypatch)
         assert isinstance(ls.call("propose", 3, inputs.bad_hiddens(1, 0, 4, float("nan")), 5, 2), ValueError)
         with pytest.raises(AssertionError, match="reference returned"):
             ls.call("propose", 3, inputs.hiddens(1), 5, 1)
+
+
+@pytest.mark.parametrize("variant", ["rope_halves", "mixed_rope_ungrouped"])
+def test_lockstep_config_variants(tiny_cfg, lockstep, make_inputs, variant):
+    """Other layouts through the interpreted kernels: RoPE on halves (not interleaved), and MLA
+    interleaved with the indexer on halves, ungrouped routing and a dense-wide index top-k."""
+    if variant == "rope_halves":
+        cfg = tiny_cfg.replace(rope_interleave=False, indexer_rope_interleave=False)
+    else:
+        cfg = tiny_cfg.replace(indexer_rope_interleave=False, n_group=1, topk_group=1, index_topk=64)
+    from glm_mtp.reference import MtpWeights
+
+    w = MtpWeights.random(cfg, seed=13, dtype=torch.bfloat16)
+    ls = lockstep(w, max_seq_len=32, kernels="triton")
+    seen = spec_decode(ls, make_inputs(w, seed=17), steps=4, k_max=3, misuse_every=10)
+    assert seen.get("propose", 0) >= 2, seen
