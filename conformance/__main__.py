@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenarios", type=int, default=100, help="scenarios to run (default 100)")
     p.add_argument("--seed", type=int, default=0, help="the run's seed; scenario i depends only on (seed, i)")
     p.add_argument("--scenario-index", type=int, default=None, help="replay this scenario alone")
+    p.add_argument("--scenario-file", default=None, help="replay the scenario saved in this JSON file (the hypothesis machine writes one)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--generators", default="realistic,adversarial", help="comma-separated generators that take turns")
     p.add_argument("--max-drafts", type=int, default=4, help="largest num_drafts of a valid propose (default 4)")
@@ -70,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             args.candidate, args.baseline, scenarios=args.scenarios, seed=args.seed, device=args.device,
             dtype=args.dtype, preset=args.preset, max_seq_len=args.max_seq_len, scenario_index=args.scenario_index,
             generators=[g for g in args.generators.split(",") if g], weights_seed=args.weights_seed,
-            max_drafts=args.max_drafts,
+            max_drafts=args.max_drafts, scenario_file=args.scenario_file,
         )
+    except OSError as e:  # --scenario-file that cannot be read
+        print(f"python -m glm_mtp.conformance: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError) as e:  # bad names, an unavailable device, a backend that does not import
         if isinstance(e, RuntimeError) and "cuda" not in str(e).lower() and "device" not in str(e).lower():
             raise

@@ -11,19 +11,24 @@ Every op runs in lockstep on both backends at once, with the same checks as ``ru
     run_state_machine_as_test(lockstep_machine("optimized", "reference"), settings=settings(max_examples=50, deadline=None))
 
 The seeded walk in ``scenarios.adversarial`` uses the same rules; it is what ``run`` and the CLI
-replay by (seed, index).
+replay by (seed, index). On a difference the machine saves the failing call sequence as JSON
+(under ``$GLM_MTP_CONFORMANCE_DIR``, else the temp dir) and its message ends with a
+``--scenario-file`` command that replays it.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from .runner import Factory, Harness
-from .scenarios import MAX_DRAFTS, RULES, Chooser, Model, Op
+from .runner import Factory, Harness, replay_command
+from .scenarios import GENERATORS, MAX_DRAFTS, RULES, Chooser, Model, Op, save_scenario
 
 T = TypeVar("T")
 
@@ -67,6 +72,8 @@ def lockstep_machine(
         max_drafts: the largest ``num_drafts`` of a valid propose.
     """
     harness = Harness(candidate, baseline, preset, dtype, device, max_seq_len, weights_seed)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{harness.candidate_name}-vs-{harness.baseline_name}")
+    path = os.path.join(os.environ.get("GLM_MTP_CONFORMANCE_DIR", tempfile.gettempdir()), f"glm-mtp-machine-{name}.json")
 
     def __init__(self: Any) -> None:
         RuleBasedStateMachine.__init__(self)
@@ -81,10 +88,13 @@ def lockstep_machine(
             finding = self.lockstep.step(op)
             if finding is not None:
                 calls = "\n".join(f"  {i:3d}  {o.call()}  [spec: {o.expect}]" for i, o in enumerate(self.ops))
+                # Hypothesis replays the shrunk example last, so the file ends up holding it.
+                save_scenario(path, self.ops, origin="glm_mtp.conformance.machine")
+                replay = replay_command(harness, 0, 0, GENERATORS, max_drafts, scenario_file=path)
                 raise AssertionError(
                     f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: {op.call()}\n"
                     f"  {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n  baseline:  {finding.baseline}\n"
-                    f"calls so far:\n{calls}"
+                    f"calls so far:\n{calls}\n  replay: {replay}"
                 )
 
     def make_rule(fn: Callable[[Chooser, Model, int], list[Op]]) -> Callable[..., None]:

@@ -34,7 +34,7 @@ from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.proposer import DraftProposer
 
 from .compare import EXPORT_KEYS, first_mismatch, snapshots_equal
-from .scenarios import GENERATORS, MAX_DRAFTS, Hidden, Op, Scenario, Tokens, other_device, scenario
+from .scenarios import GENERATORS, MAX_DRAFTS, Hidden, Op, Scenario, Tokens, load_scenario, other_device, scenario
 
 Factory = Callable[[MtpWeights, int], DraftProposer]
 
@@ -576,15 +576,17 @@ class Harness:
         )
 
 
-def replay_command(h: Harness, seed: int, index: int, generators: Sequence[str], max_drafts: int) -> str:
-    """The one-line CLI call that replays scenario ``index`` of run ``seed`` alone."""
+def replay_command(h: Harness, seed: int, index: int, generators: Sequence[str], max_drafts: int, scenario_file: str | None = None) -> str:
+    """The one-line CLI call that replays scenario ``index`` of run ``seed`` alone (or the
+    scenario saved in ``scenario_file``)."""
     args = [
         "python", "-m", "glm_mtp.conformance",
         "--candidate", h.candidate_name, "--baseline", h.baseline_name,
         "--device", str(h.device), "--dtype", dtype_name(h.dtype),
         "--preset", h.preset if isinstance(h.preset, str) else "<custom MtpConfig>",
-        "--max-seq-len", str(h.max_seq_len), "--seed", str(seed), "--scenario-index", str(index),
+        "--max-seq-len", str(h.max_seq_len),
     ]
+    args += ["--scenario-file", scenario_file] if scenario_file else ["--seed", str(seed), "--scenario-index", str(index)]
     if h.weights_seed:
         args += ["--weights-seed", str(h.weights_seed)]
     if tuple(generators) != GENERATORS:
@@ -618,6 +620,7 @@ def run(
     generators: Sequence[str] = GENERATORS,
     weights_seed: int = 0,
     max_drafts: int = MAX_DRAFTS,
+    scenario_file: str | None = None,
 ) -> Report:
     """Run ``scenarios`` scenarios (or only ``scenario_index``) on both backends in lockstep.
 
@@ -633,6 +636,8 @@ def run(
         generators: which generators take turns (``realistic``, ``adversarial``).
         weights_seed: seed of the random weights.
         max_drafts: the largest ``num_drafts`` a valid propose uses.
+        scenario_file: run the scenario saved in this JSON file alone (``save_scenario``; the
+            hypothesis machine writes one on a failure); ``seed`` and ``scenarios`` are ignored.
 
     Returns:
         A ``Report``; ``report.ok`` is False at the first difference, which it describes.
@@ -649,12 +654,12 @@ def run(
     if scenario_index is not None and (not isinstance(scenario_index, int) or scenario_index < 0):
         raise ValueError(f"scenario_index must be a non-negative integer, got {scenario_index!r}")
     h = Harness(candidate, baseline, preset, parse_dtype(dtype), device, max_seq_len, weights_seed)
-    indices = [scenario_index] if scenario_index is not None else range(scenarios)
+    indices = [0] if scenario_file else [scenario_index] if scenario_index is not None else range(scenarios)
     steps, ran, first = 0, 0, None
     by_gen: Counter[str] = Counter()
     outcomes: dict[str, Counter[str]] = defaultdict(Counter)
     for index in indices:
-        sc = scenario(seed, index, h.config, max_seq_len, generators, max_drafts)
+        sc = load_scenario(scenario_file) if scenario_file else scenario(seed, index, h.config, max_seq_len, generators, max_drafts)
         n, finding, at = run_scenario(h, sc)
         steps, ran = steps + n, ran + 1
         by_gen[sc.generator] += 1
@@ -665,7 +670,7 @@ def run(
             first = Difference(
                 **asdict(finding), scenario_index=index, scenario_seed=sc.scenario_seed, generator=sc.generator,
                 step=at, op=op.call(), op_args=op.to_dict()["args"], expect=op.expect + (f" ({op.note})" if op.note else ""),
-                replay=replay_command(h, seed, index, generators, max_drafts),
+                replay=replay_command(h, seed, index, generators, max_drafts, scenario_file),
             )
             break
     return Report(

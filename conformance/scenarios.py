@@ -25,6 +25,7 @@ nothing else, so ``--seed S --scenario-index I`` replays it exactly.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence, TypeVar
@@ -238,6 +239,19 @@ class Op:
         args = {k: (asdict(v) if isinstance(v, (Hidden, Tokens)) else v) for k, v in self.args.items()}
         return {"kind": self.kind, "state": self.state, "args": args, "expect": self.expect,
                 "returns": self.returns, "rows_after": self.rows_after, "note": self.note, "call": self.call()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Op":
+        """The inverse of ``to_dict`` (JSON turns tuples into lists; they come back as tuples)."""
+        def arg(v: Any) -> Any:
+            if isinstance(v, dict) and set(v) == {"seed", "rows", "flat", "fault"}:
+                return Hidden(**v)
+            if isinstance(v, dict) and set(v) == {"ids", "form"}:
+                return Tokens(tuple(v["ids"]), v["form"])
+            return v
+
+        return cls(d["kind"], d["state"], {k: arg(v) for k, v in d["args"].items()}, d["expect"],
+                   d.get("returns"), d.get("rows_after"), d.get("note", ""))
 
 
 @dataclass
@@ -621,6 +635,19 @@ class Scenario:
     generator: str
     scenario_seed: int
     ops: tuple[Op, ...]
+
+
+def save_scenario(path: str, ops: Sequence[Op], origin: str = "") -> None:
+    """Write ops to a JSON file that ``load_scenario`` (and ``--scenario-file``) reads back."""
+    with open(path, "w") as f:
+        json.dump({"origin": origin, "ops": [op.to_dict() for op in ops]}, f, indent=1)
+
+
+def load_scenario(path: str) -> Scenario:
+    """A scenario saved by ``save_scenario`` (e.g. by the hypothesis machine on a failure)."""
+    with open(path) as f:
+        raw = json.load(f)
+    return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=tuple(Op.from_dict(d) for d in raw["ops"]))
 
 
 def scenario_seed(seed: int, index: int) -> int:

@@ -38,6 +38,7 @@ def test_a_difference_exits_1(tmp_path):
     ["--preset", "huge"],
     ["--dtype", "int8"],
     ["--generators", "realistic,nope"],
+    ["--scenario-file", "/nonexistent/scenario.json"],
 ])
 def test_bad_names_exit_2(argv, capsys):
     assert main(argv + ["--scenarios", "1", "--json", ""]) == 2

@@ -4,7 +4,7 @@ from collections import Counter
 
 import torch
 
-from glm_mtp.conformance.scenarios import MAX_DRAFTS, Hidden, Model, Tokens, scenario
+from glm_mtp.conformance.scenarios import MAX_DRAFTS, Hidden, Model, Tokens, load_scenario, save_scenario, scenario
 from glm_mtp.reference import MtpConfig
 
 CFG = MtpConfig.preset("tiny")
@@ -18,6 +18,13 @@ def test_same_seed_and_index_same_scenario():
     assert scenario(3, 18, CFG, MAX_SEQ_LEN).ops != a.ops
     assert scenario(4, 17, CFG, MAX_SEQ_LEN).ops != a.ops
     assert {scenario(0, i, CFG, MAX_SEQ_LEN).generator for i in range(4)} == {"realistic", "adversarial"}
+
+
+def test_a_saved_scenario_loads_back_the_same(tmp_path):
+    for i in range(2):
+        ops = scenario(0, i, CFG, MAX_SEQ_LEN).ops
+        save_scenario(str(tmp_path / "s.json"), ops)
+        assert load_scenario(str(tmp_path / "s.json")).ops == ops
 
 
 def test_hidden_rows_are_fresh_random_and_never_zero():
