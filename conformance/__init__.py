@@ -12,10 +12,10 @@ the reference) is needed to import it; hypothesis only for ``machine.py``
 from .compare import EXPORT_KEYS, first_mismatch, snapshots_equal
 from .mutants import MUTANTS, Mutant
 from .runner import BackendError, Difference, Finding, Harness, Lockstep, Report, record, resolve_backend, run, run_scenario
-from .scenarios import GENERATORS, MAX_DRAFTS, Hidden, Model, Op, Scenario, Tokens, scenario
+from .scenarios import GENERATORS, MAX_DRAFTS, Hidden, Model, Op, Scenario, Tokens, load_scenario, save_scenario, scenario
 
 __all__ = [
     "run", "record", "Report", "Difference", "Finding", "BackendError", "resolve_backend", "Harness", "Lockstep", "run_scenario",
-    "scenario", "Scenario", "Op", "Model", "Hidden", "Tokens", "GENERATORS", "MAX_DRAFTS",
+    "scenario", "save_scenario", "load_scenario", "Scenario", "Op", "Model", "Hidden", "Tokens", "GENERATORS", "MAX_DRAFTS",
     "MUTANTS", "Mutant", "EXPORT_KEYS", "first_mismatch", "snapshots_equal",
 ]
