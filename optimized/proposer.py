@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Literal
 
 import torch
 from torch import Tensor
