@@ -210,3 +210,20 @@ def test_lockstep_config_variants(tiny_cfg, lockstep, make_inputs, variant):
     ls = lockstep(w, max_seq_len=32, kernels="triton")
     seen = spec_decode(ls, make_inputs(w, seed=17), steps=4, k_max=3, misuse_every=10)
     assert seen.get("propose", 0) >= 2, seen
+
+
+def test_strided_hiddens(weights, lockstep, inputs):
+    """Hiddens that are strided views (a column of a wider tensor): the reference normalises the
+    caller's tensor as it is, the optimized drafter a contiguous copy; the bytes agree."""
+    ls = lockstep(weights, max_seq_len=32)
+    H = weights.config.hidden_size
+    wide = inputs.hiddens(8 * 3).reshape(8, H, 3)  # fresh values; [:, :, 1] is strided
+    assert not wide[:, :, 1].is_contiguous()
+    ls.call("prefill_drafter", inputs.tokens(8), wide[:, :, 1])
+    for _ in range(3):
+        h = inputs.hiddens(3).reshape(H, 3)[:, 2]
+        ls.call("propose", inputs.token(), h, 7, 3)
+        ls.call("after_verify", 3)
+        ls.call("catchup_drafter", inputs.tokens(1), inputs.hiddens(3).reshape(1, H, 3)[:, :, 0], 10, 10)
+        ls.call("propose", inputs.token(), h, 7, 0)
+        ls.call("after_verify", 0)
