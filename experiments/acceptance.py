@@ -114,13 +114,15 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
                       name=f"k{cfg.num_drafts}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}")
 
     stats = SpecStats(cfg.num_drafts)
-    generated, lossless = 0, None
+    generated, lossless, grams, distinct = 0, None, 0, 0
     samples = []
     t0 = time.perf_counter()
     for p in prompts:
         res = decoder.generate(p, exp.max_new_tokens)
         stats.merge(res.stats)
         generated += len(res.tokens)
+        four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
+        grams, distinct = grams + len(four), distinct + len(set(four))
         if exp.check_lossless and cfg.temperature == 0:
             same = res.tokens == target_decode(target, p, exp.max_new_tokens)
             lossless = same if lossless is None else (lossless and same)
@@ -140,6 +142,9 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "prompts": len(prompts),
         "prompt_tokens": exp.prompt_tokens,
         "generated_tokens": generated,
+        # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
+        # a small model's greedy decoding falls into, which are easy to draft.
+        "distinct_4gram_ratio": distinct / grams if grams else float("nan"),
         "verify_forwards": stats.steps,
         "draft_seconds": stats.draft_s,
         "verify_seconds": stats.verify_s,

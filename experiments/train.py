@@ -118,8 +118,13 @@ class Losses:
     mtp_acc: list[float]  # top-1 accuracy per depth (against the text)
 
 
-def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, depth: int, moe: MoeFn) -> Losses:
-    """Losses of one window ``t_0..t_T`` (T + 1 tokens)."""
+def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, depth: int, moe: MoeFn, distill: float = 0.0) -> Losses:
+    """Losses of one window ``t_0..t_T`` (T + 1 tokens).
+
+    ``distill`` in [0, 1] mixes into each MTP loss a soft cross-entropy against the target's own
+    (detached) prediction of the same token: depth k's row r predicts ``t_{r+k+1}``, which the
+    target predicts at position ``r+k``. Acceptance asks the drafter to agree with the target,
+    not with the text, so this aims the head at what verification checks (self-distillation)."""
     T = window.shape[0] - 1
     tg = Target(target, max_seq_len=T, moe=moe)
     out = tg.forward(window[:-1], tg.alloc_state())
@@ -129,7 +134,11 @@ def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, dept
         n = T - k  # rows r = 0..T-k-1: token t_{r+k}, previous depth's row r, predicts t_{r+k+1}
         x, logits = mtp_forward(mtp, window[k : k + n], hidden[:n], zero_first=(k == 1), moe=moe)
         labels = window[k + 1 : k + 1 + n]
-        mtp_losses.append(F.cross_entropy(logits, labels))
+        loss = F.cross_entropy(logits, labels)
+        if distill > 0:
+            teacher = torch.softmax(out.logits[k : k + n].detach(), dim=-1)
+            loss = (1 - distill) * loss + distill * F.cross_entropy(logits, teacher)
+        mtp_losses.append(loss)
         accs.append(float((logits.argmax(-1) == labels).float().mean()))
         hidden = x
     return Losses(loss_t, mtp_losses, accs)
@@ -338,7 +347,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
         tot_t, tot_m, accs = 0.0, [0.0] * t.mtp_depth, [0.0] * t.mtp_depth
         opt.zero_grad(set_to_none=True)
         for window in batch:
-            ls = sequence_losses(target, mtp, window, t.mtp_depth, moe)
+            ls = sequence_losses(target, mtp, window, t.mtp_depth, moe, t.mtp_distill)
             loss = (ls.target + t.mtp_loss_weight * torch.stack(ls.mtp).mean()) / t.batch_size
             loss.backward()
             tot_t += float(ls.target.detach()) / t.batch_size

@@ -97,3 +97,16 @@ def test_trainable_makes_shared_tensors_one_leaf():
     params = trainable(tw)
     assert all(p.is_leaf and p.requires_grad for p in params)
     assert not tw.layers[-1].mlp.e_score_correction_bias.requires_grad
+
+
+def test_self_distillation_aims_the_mtp_loss_at_the_target(random_prompt):
+    cfg = MtpConfig.preset("tiny").replace(n_group=1, topk_group=1)
+    target, mtp, _ = build_models(cfg, seed=1)
+    window = torch.tensor(random_prompt(cfg.vocab_size, 25, 8))
+    text = sequence_losses(target, mtp, window, depth=2, moe=grouped_moe, distill=0.0)
+    soft = sequence_losses(target, mtp, window, depth=2, moe=grouped_moe, distill=1.0)
+    tg = Target(target, max_seq_len=24, moe=grouped_moe)
+    teacher = torch.softmax(tg.forward(window[:-1], tg.alloc_state()).logits[1:24], -1)  # predicts t_2..t_24
+    _, logits = mtp_forward(mtp, window[1:24], tg.forward(window[:-1], tg.alloc_state()).hidden[:23], True, grouped_moe)
+    torch.testing.assert_close(soft.mtp[0], torch.nn.functional.cross_entropy(logits, teacher))
+    assert not torch.allclose(soft.mtp[0], text.mtp[0]) and torch.equal(soft.target, text.target)
