@@ -265,7 +265,12 @@ Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP laye
 ```
 
 ({steps} steps of {t.batch_size} x {t.seq_len} tokens, {minutes:.1f} minutes with {t.threads} CPU threads;
-MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared weights.)
+MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared weights, self-distillation share {t.mtp_distill}.)
+
+The learning rate follows a cosine driven by whichever is further along, the step count or the
+share of the `train.max_minutes` budget spent, so the run ends annealed on a slow or shared
+machine. The rate actually used at every step is in `training_log.json`; a rerun on a machine of
+another speed follows another schedule, so it reproduces the recipe, not the bytes.
 
 ## Data
 

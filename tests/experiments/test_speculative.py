@@ -194,3 +194,12 @@ def test_bad_arguments_are_refused(tiny64, target64):
 def test_backends_resolve_by_name(tiny64):
     prop = make_proposer("reference", tiny64.mtp, 64, feed_hidden="pre_norm")
     assert isinstance(prop, ReferenceProposer) and prop.feed_hidden == "pre_norm"
+
+
+@pytest.mark.parametrize("policy", ["first_row_kept", "refeed"])
+def test_backends_draft_alike_through_the_loop(tiny64, target64, random_prompt, policy):
+    # The optimized drafter is equal to the reference bit for bit, so the loop sees the same drafts.
+    prompt = random_prompt(96, 10, 9)
+    runs = [SpeculativeDecoder(target64, make_proposer(b, tiny64.mtp, 128), 3, policy, temperature=1.0, seed=4).generate(prompt, 20)
+            for b in ("reference", "optimized")]
+    assert runs[0].tokens == runs[1].tokens and runs[0].stats.accepted == runs[1].stats.accepted
