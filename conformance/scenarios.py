@@ -550,7 +550,9 @@ def rule_propose(ch: Chooser, m: Model, max_drafts: int) -> list[Op]:
 
 
 def rule_verify(ch: Chooser, m: Model, max_drafts: int) -> list[Op]:
-    i = _pick(ch, m)
+    pending = [j for j, s in enumerate(m.seqs) if s.pending]
+    # Mostly a pending state, so bad counts meet the argument check, not only the lifecycle one.
+    i = ch.choice(pending) if pending and ch.chance(0.7) else _pick(ch, m)
     ld = m.seqs[i].last_drafted
     a = ch.choice((ch.int(0, ld), ch.int(0, ld), ld, ld + 1, -1, "0"))
     return [m.verify(i, a)]
