@@ -1,8 +1,8 @@
 """The MTP block for new rows, as the optimized drafter schedules it.
 
 The math is ``glm_mtp.reference.block.mtp_rows`` op for op: every reduction (GEMMs, norms, the
-index scores, top-k selection, softmax, the MoE) is the reference's own function or the same torch
-op on the same shapes. Two pieces differ, both exact by construction (DESIGN.md §5):
+index scores, top-k selection, softmax, the MoE) is the reference's own function (``latent_query``,
+``attend``, ``moe_block``, ``rms_norm``, ...) or the same torch op on the same shapes. Two pieces differ, both exact by construction (DESIGN.md §5):
 
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
   device, so a draft's argmax feeds the next lookup without a host round trip;
@@ -20,13 +20,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
-from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope
+from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope, attend, latent_query
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.indexer import K_NORM_EPS, index_scores, select_rows
-from glm_mtp.reference.layers import acc_dtype, apply_rope, layer_norm, rms_norm, swiglu
+from glm_mtp.reference.indexer import K_NORM_EPS
+from glm_mtp.reference.layers import layer_norm, rms_norm, swiglu
 from glm_mtp.reference.moe import moe_block
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import AttentionWeights, MlpWeights, MtpWeights
@@ -71,35 +70,21 @@ class Fused:
 def attention_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
                    ok: Tensor, fused: Fused) -> Tensor:
     """``glm_mtp.reference.attention.dsa_attention`` for new rows ``a`` (T, H) at ``slots`` (T,),
-    with the cache write fused and gated by ``ok`` (1,) bool. Returns ``(T, H)``."""
-    nh, nope, Lkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    acc = acc_dtype(a.dtype)
-    cos, sin = rope.at(slots)  # (T, R/2)
+    with the cache write fused and gated by ``ok`` (1,) bool. Returns ``(T, H)``.
 
-    q_latent = rms_norm(F.linear(a, attn.q_a_proj), attn.q_a_layernorm, LATENT_NORM_EPS)  # (T, Lq)
-    q = rearrange(F.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=nh)  # (T, nh, nope + R)
-    q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
+    The queries and the attention proper are the reference's own ``latent_query`` and ``attend``
+    (index scores, top-k selection, softmax, ``o_proj``); only the new rows' RoPE and cache
+    write in between are the fused kernel."""
+    cos, sin = rope.at(slots)  # (T, R/2)
+    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
 
     kv = F.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
-    latent = rms_norm(kv[:, :Lkv], attn.kv_a_layernorm, LATENT_NORM_EPS)
+    latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
     ix = attn.indexer
     k_raw = layer_norm(F.linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D), RoPE comes in the write
-    fused.rope_cache_write(cfg, latent, kv[:, Lkv:], k_raw, slots, rope, cache, ok)
+    fused.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_raw, slots, rope, cache, ok)
 
-    # From here on: the reference's reads and reductions, same ops, same shapes.
-    rows = cache.kv_rows().to(acc)  # (C, Lkv + R)
-    c_all, k_pe_all = rows[:, :Lkv], rows[:, Lkv:]
-    chosen = select_rows(index_scores(ix, cfg, a, q_latent, cos, sin, cache.index_rows()), slots, cfg.index_topk)
-
-    w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=nh).to(acc)  # (nh, nope + v, Lkv)
-    w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
-    q_absorbed = torch.einsum("thn,hnc->thc", q_nope.to(acc), w_uk)  # (T, nh, Lkv)
-    scores = torch.einsum("thc,sc->ths", q_absorbed, c_all) + torch.einsum("thr,sr->ths", q_pe.to(acc), k_pe_all)
-    scores = (scores * cfg.qk_head_dim**-0.5).masked_fill(~chosen[:, None, :], float("-inf"))  # (T, nh, C)
-    probs = torch.softmax(scores, dim=-1)
-    out_latent = torch.einsum("ths,sc->thc", probs, c_all)  # (T, nh, Lkv)
-    out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # (T, nh, v)
-    return F.linear(rearrange(out, "t h v -> t (h v)").to(a.dtype), attn.o_proj)
+    return attend(attn, cfg, a, q_latent, q_nope, q_pe, cos, sin, slots, cache)
 
 
 def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,

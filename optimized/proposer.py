@@ -90,8 +90,9 @@ class OptimizedProposer:
         return min(max_seq_len, self.max_seq_len)
 
     def needs_comm(self) -> bool:
-        """False: this drafter runs on one device."""
-        return False
+        """True when the weights are sharded over ranks (the reference's rule): every propose
+        then runs the reference's collectives, eagerly (a sharded drafter is never captured)."""
+        return self._ref.needs_comm()
 
     def prefill_uses_shared_buffers(self) -> bool:
         """True: context rows use the caller's workspace (``x`` is left as it is)."""
@@ -281,9 +282,15 @@ class OptimizedProposer:
             st.out[1 : k + 1].copy_(torch.where(st.ok, st.out[1 : k + 1], -1))
         st.seq_dev.copy_(torch.where(st.ok, st.pos + k, st.seq_dev))
 
+    @property
+    def captures(self) -> bool:
+        """Whether programs are captured on CUDA: graphs on, and no collectives in the block
+        (sharded weights all-gather / all-reduce, which this backend does not capture)."""
+        return self.cuda_graphs and self.weights.shard_spec is None
+
     def _run(self, st: OptimizedState, k: int) -> None:
         # num_drafts = 0 only rewinds: a handful of tiny ops, not worth a graph.
-        run_program(st, k, lambda: self._program(st, k), capture=self.cuda_graphs and k > 0)
+        run_program(st, k, lambda: self._program(st, k), capture=self.captures and k > 0)
 
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
@@ -387,7 +394,7 @@ class OptimizedProposer:
             st.tok_in.copy_(ids)
             st.hid_in.copy_(hiddens)
             st.pos.fill_(row_base)
-            run_program(st, CATCHUP_KEY, lambda: self._catchup_program(st), capture=self.cuda_graphs)
+            run_program(st, CATCHUP_KEY, lambda: self._catchup_program(st), capture=self.captures)
             st.seq_len = row_base + 1
             return 1
         self._write_rows(ids, hiddens, row_base, st)
