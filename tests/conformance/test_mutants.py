@@ -69,3 +69,33 @@ def test_the_spec_model_catches_bookkeeping_mutants_on_its_own(name):
     r = run(f"mutant:{name}", f"mutant:{name}", scenarios=BUDGET, seed=0)
     assert not r.ok and r.first_difference.what in ("contract", "refused call changed the state")
     assert r.first_difference.side == "baseline"
+
+
+def test_real_drafter_inputs_tie_at_the_top_k_boundary():
+    """Why ``topk_ties_high`` is catchable: relu makes a row's index score exactly 0 whenever
+    every head's dot product is negative, and when the head weights are negative those zeros are
+    the best scores, so exact ties straddle the top-k boundary on ordinary random inputs."""
+    from glm_mtp.conformance.mutants import swapped
+    from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+
+    cfg = MtpConfig.preset("tiny")
+    prop = ReferenceProposer(MtpWeights.random(cfg, seed=0, dtype=torch.bfloat16), 64)
+    seen = []
+    original = attention.index_scores
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out.detach().clone())
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    state = prop.alloc_state("cpu")
+    with swapped(attention, "index_scores", spy):
+        prop.prefill_drafter(torch.randint(cfg.vocab_size, (48,), generator=gen), torch.randn(48, cfg.hidden_size, generator=gen).bfloat16(), state)
+    scores = seen[0]  # (47 new rows, capacity)
+    k, ties = cfg.index_topk, 0
+    for t in range(k + 1, scores.shape[0]):  # rows that see more than k rows
+        best = scores[t, : t + 1].sort(descending=True).values
+        ties += bool(best[k - 1] == best[k])
+    assert attention.index_scores is original
+    assert ties > 0, "no exact tie at the top-k boundary: the tie mutant would be caught only by luck"
