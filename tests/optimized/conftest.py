@@ -4,11 +4,16 @@ same outcome (return value or exception type) and the same export_state bytes af
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any, Callable
 
 import pytest
 import torch
+
+# tests/conftest.py turns deterministic algorithms on; on CUDA cuBLAS then refuses to run unless
+# this is set before its first GEMM (no effect on CPU).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
