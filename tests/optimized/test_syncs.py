@@ -111,19 +111,39 @@ def test_the_counter_sees_syncs(weights, inputs):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_propose_has_no_sync(weights, inputs):
+def test_cuda_graph_propose_has_no_sync(weights, inputs, monkeypatch):
     """On CUDA, with torch's sync debug mode set to error: propose_device (after its first call
-    captured the graph) and the k steps of propose run without a synchronising call."""
+    captured the graph) runs without a synchronising call, and so does propose up to its one
+    read-back (the spy below turns the mode off just there)."""
     w = weights.to("cuda")
     opt = OptimizedProposer(w, 64)
     (st,) = _ready([opt], inputs, "cuda")
     opt.propose_device(inputs.token(), inputs.hiddens(1).cuda(), 11, 3, st)  # captures
     opt.after_verify(0, st)
+    token, hidden = inputs.token(), inputs.hiddens(1).cuda()  # the upload syncs: before the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        drafts = opt.propose_device(inputs.token(), inputs.hiddens(1).cuda(), 12, 3, st)
+        drafts = opt.propose_device(token, hidden, 12, 3, st)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert drafts.shape == (3,) and drafts.is_cuda
-    assert len(st.graphs) == 1
+    assert list(st.graphs) == [3]
+    expected = drafts.tolist()
+    opt.after_verify(0, st)
+
+    real = opt_proposer.read_back
+    reads: list[int] = []
+
+    def read_back_unchecked(t):
+        torch.cuda.set_sync_debug_mode(0)
+        reads.append(t.numel())
+        return real(t)
+
+    monkeypatch.setattr(opt_proposer, "read_back", read_back_unchecked)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = opt.propose(token, hidden, 12, 3, st)  # replays the captured graph
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert got == expected and reads == [4]
