@@ -4,7 +4,10 @@
 - ``speculative``: the speculative-decoding loop of DESIGN.md §4 (greedy and rejection-sampling
   verification, rollback policies, acceptance metrics) over any ``DraftProposer`` backend;
 - ``corpus`` / ``bpe``: the offline corpus (the Python standard library) and its BPE tokenizer;
-- ``train``, ``acceptance``, ``report``: Hydra entry points (``python -m glm_mtp.experiments.X``).
+- ``checkpoint``: finding and loading the shipped checkpoint; ``wandb_log``: W&B (offline by
+  default) or no logger, and a reader for offline runs;
+- ``train``, ``acceptance``: Hydra entry points (``python -m glm_mtp.experiments.X``); ``report``
+  aggregates a sweep (argparse). Results: ``RESULTS.md``.
 
 Importing this package imports neither Hydra nor W&B; the entry points do.
 """
