@@ -30,7 +30,7 @@ from torch import Tensor
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits
 from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.proposer import FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, hidden_fingerprint
+from glm_mtp.reference.proposer import FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, hidden_fingerprint, one_token
 from glm_mtp.reference.state import DrafterState
 from glm_mtp.reference.weights import MtpWeights
 
@@ -218,8 +218,9 @@ class OptimizedProposer:
         if st.seq_len < position:
             raise RuntimeError(f"{call}: the drafter holds {st.seq_len} rows, behind position {position}; catch up first")
         V = self.config.vocab_size
+        last_token = one_token(last_token)
         if isinstance(last_token, Tensor):
-            token = last_token.reshape(1)
+            token = last_token
             if token.dtype.is_floating_point or token.dtype.is_complex or token.dtype == torch.bool:
                 raise ValueError(f"last_token must hold integer token ids, got dtype {token.dtype}")
         else:

@@ -72,6 +72,17 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
     return value
 
 
+def one_token(last_token: int | Tensor) -> int | Tensor:
+    """``last_token`` as an int, or as a (1,) tensor when a tensor of one id was given (0-d or
+    (1,)); any other tensor shape is a ``ValueError`` naming the argument. The range is checked
+    by the caller (on the host, or on the device by the optimized backend)."""
+    if isinstance(last_token, Tensor):
+        if last_token.dim() > 1 or last_token.numel() != 1:
+            raise ValueError(f"last_token must be an int or a tensor of one token id (0-d or (1,)), got shape {tuple(last_token.shape)}")
+        return last_token.reshape(1)
+    return last_token
+
+
 class ReferenceProposer:
     """The eager GLM-5 MTP drafter.
 
@@ -257,7 +268,8 @@ class ReferenceProposer:
         position = check_int("position", position)
         if state.seq_len < position:
             raise RuntimeError(f"propose: the drafter holds {state.seq_len} rows, behind position {position}; catch up first")
-        token = self._tokens("last_token", [last_token] if not isinstance(last_token, Tensor) else last_token.reshape(1), state.device)
+        one = one_token(last_token)
+        token = self._tokens("last_token", one if isinstance(one, Tensor) else [one], state.device)
         hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
         self._hiddens("target_hidden", hidden, 1, state)
         num_drafts = check_int("num_drafts", num_drafts)

@@ -43,6 +43,8 @@ CASES = {
     # arguments
     "token_negative": ("live", lambda p, s, i: p.propose(-1, i.hiddens(1), 9, 1, s), ValueError, "last_token: token id -1"),
     "token_too_large": ("live", lambda p, s, i: p.propose(V(p), i.hiddens(1), 9, 1, s), ValueError, "vocab_size"),
+    "token_tensor_two_ids": ("live", lambda p, s, i: p.propose(torch.tensor([1, 2]), i.hiddens(1), 9, 1, s), ValueError, "last_token must be an int or a tensor of one token id"),
+    "token_tensor_2d": ("live", lambda p, s, i: p.propose(torch.tensor([[1]]), i.hiddens(1), 9, 1, s), ValueError, "got shape \\(1, 1\\)"),
     "token_float": ("live", lambda p, s, i: p.propose(1.0, i.hiddens(1), 9, 1, s), ValueError, "integer"),
     "prefill_token_out_of_range": ("live", lambda p, s, i: p.prefill_drafter(torch.tensor([1, V(p)]), i.hiddens(2), s), ValueError, "prompt_tokens"),
     "catchup_token_out_of_range": ("live", lambda p, s, i: p.catchup_drafter(torch.tensor([V(p) + 5]), i.hiddens(1), 9, 9, s), ValueError, "tokens"),
