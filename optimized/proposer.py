@@ -146,28 +146,7 @@ class OptimizedProposer:
         """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
         st = self._state(state)
         self._settle(st)
-        cfg, dt, dev = self.config, self.weights.dtype, st.device
-        scalars = {
-            "seq_len": torch.tensor(st.seq_len, dtype=torch.int64, device=dev),
-            "last_drafted": torch.tensor(st.last_drafted, dtype=torch.int64, device=dev),
-            "pending": torch.tensor(st.pending, dtype=torch.bool, device=dev),
-        }
-        if st.released:
-            return {
-                "kv_rows": torch.zeros(0, cfg.kv_row_width, dtype=dt, device=dev),
-                "index_rows": torch.zeros(0, cfg.index_head_dim, dtype=dt, device=dev),
-                "x": torch.zeros(cfg.hidden_size, dtype=dt, device=dev),
-                **scalars,
-                "block_table": torch.zeros(0, dtype=torch.int32, device=dev),
-            }
-        n = st.seq_len
-        return {
-            "kv_rows": st.cache.kv_rows()[:n].clone(),
-            "index_rows": st.cache.index_rows()[:n].clone(),
-            "x": st.x.clone(),
-            **scalars,
-            "block_table": st.cache.block_table.clone(),
-        }
+        return self._ref.export_state(st)  # once settled, the state's fields are the reference's
 
     # ---- validation ---------------------------------------------------------------------
     @staticmethod
