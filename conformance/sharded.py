@@ -125,6 +125,41 @@ def sharded_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
         json.dump(record, f)
 
 
+class SingleRankBaseline(ReferenceProposer):
+    """The single-rank reference as the baseline of a sharded run. ``needs_comm`` is the one
+    answer a sharded drafter gives differently by design; every byte must still agree."""
+
+    def needs_comm(self) -> bool:
+        return True
+
+
+def runner_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
+    """One rank of ``check_sharded_runner``: the conformance runner's realistic scenarios with a
+    sharded candidate against the single-rank reference; writes ``rank{rank}.json``."""
+    from .runner import run
+
+    torch.use_deterministic_algorithms(True)
+
+    def sharded(weights: MtpWeights, max_seq_len: int) -> Any:
+        return make_backend(opts["backend"], weights.shard(rank, world, row_parallel_o_proj=False), max_seq_len)
+
+    report = run(sharded, SingleRankBaseline, scenarios=opts["scenarios"], seed=opts["seed"], dtype=DTYPES[opts["dtype"]],
+                 preset=opts["preset"], generators=("realistic",))
+    with open(os.path.join(opts["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, ok=report.ok, scenarios_run=report.scenarios_run, steps_run=report.steps_run,
+                       first_difference=None if report.ok else report.summary()), f)
+
+
+def check_sharded_runner(world: int, backend: str = "reference", scenarios: int = 10, seed: int = 0,
+                         dtype: str = "bfloat16", preset: str = "tiny", timeout_s: float = 240.0) -> list[dict[str, Any]]:
+    """``glm_mtp.conformance.run`` on every rank of ``world`` gloo ranks: a sharded candidate
+    (expert-parallel, whole ``o_proj``) against the single-rank reference, byte for byte."""
+    with tempfile.TemporaryDirectory() as out:
+        opts = dict(backend=backend, scenarios=scenarios, seed=seed, dtype=dtype, preset=preset, out=out)
+        launch(runner_rank, world, opts, timeout_s=timeout_s)
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+
+
 def faulty_rank(rank: int, world: int, fault: str) -> None:
     """Fault injection for the launcher's tests: the last rank dies (``die``) or never joins a
     collective (``stall``) while the others all-reduce."""
