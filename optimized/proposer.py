@@ -316,20 +316,10 @@ class OptimizedProposer:
         trim the rest: counters only, nothing is copied."""
         st = self._state(state)
         self._settle(st)
-        if st.released:
-            raise RuntimeError("after_verify: the state was freed (free_state); allocate a new one")
-        if st.deferred_error is not None:
+        if not st.released and st.deferred_error is not None:
             message, st.deferred_error = st.deferred_error, None
             raise ValueError(message)
-        if not st.pending:
-            raise RuntimeError("after_verify: no propose is pending (a second after_verify would trim the kept first row)")
-        num_accepted = check_int("num_accepted", num_accepted)
-        if num_accepted > st.last_drafted:
-            raise ValueError(f"num_accepted must be in [0, {st.last_drafted}] (the drafts proposed), got {num_accepted}")
-        keep = min(st.last_drafted, num_accepted + 1)
-        st.seq_len -= st.last_drafted - keep
-        st.pending = False
-        st.last_drafted = 0
+        self._ref.after_verify(num_accepted, st)  # the reference's checks and counters
         st.seq_dev.fill_(st.seq_len)
 
     # ---- context rows ------------------------------------------------------------------

@@ -9,7 +9,6 @@ from glm_mtp.experiments import speculative
 from glm_mtp.experiments.speculative import (
     POLICIES, SpecStats, SpeculativeDecoder, make_proposer, stochastic_verify, target_decode, target_probs,
 )
-from glm_mtp.experiments.target import Target
 
 
 class OracleProposer(ReferenceProposer):
