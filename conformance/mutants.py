@@ -27,6 +27,7 @@ from torch import Tensor
 
 from glm_mtp.reference import attention as _attention
 from glm_mtp.reference import indexer as _indexer
+from glm_mtp.reference import proposer as _proposer
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
 from glm_mtp.reference.layers import greedy_token
@@ -235,6 +236,19 @@ class TopkTiesHigh(SwappingMutant):
         return [(_indexer, "topk_indices", _topk_ties_high)]
 
 
+def _reshape_any_token(last_token):  # type: ignore[no-untyped-def]
+    # MUTATION: the shape check dropped: any one-element tensor passes, a longer one hits reshape.
+    return last_token.reshape(1) if isinstance(last_token, torch.Tensor) else last_token
+
+
+class LastTokenShapeUnchecked(SwappingMutant):
+    name = "last_token_shape_unchecked"
+    rule = "a last_token tensor must be 0-d or (1,): others are a ValueError naming last_token"
+
+    def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+        return [(_proposer, "one_token", _reshape_any_token)]
+
+
 class SecondVerify(Mutant):
     name = "second_verify"
     rule = "after_verify with no propose pending raises RuntimeError (the seed trims again)"
@@ -314,6 +328,7 @@ MUTANTS: dict[str, type[Mutant]] = {
     for cls in (
         TrimFirstRow, PosBaseRope, PairShift, NoRewindWhenAhead, StaleIndexerView, PreNormFeed,
         TopkTiesHigh, SecondVerify, MisalignedCatchup, BlockTableOffByOne, RewindBeforeValidate, CatchupWritesX,
+        LastTokenShapeUnchecked,
     )
 }
 

@@ -140,7 +140,7 @@ class Tokens:
             state's device), ``cpu64`` (an int64 tensor on the CPU); bad: ``float`` (a float
             tensor), ``2d`` (shape (1, n)), ``floats`` (a list of Python floats). A propose's
             single token: ``int``, ``tensor`` (shape (1,)), ``scalar`` (0-dim); bad: ``float``,
-            ``pyfloat`` (a Python float), ``bool``.
+            ``pyfloat`` (a Python float), ``bool``, ``2d`` (shape (1, 1)), ``tensor`` of two ids.
     """
 
     ids: tuple[int | str, ...]
@@ -392,9 +392,11 @@ def token_list(ch: Chooser, m: Model, n: int, drafts: int = 0, fault_p: float = 
 def single_token(ch: Chooser, m: Model, drafts: int = 0, fault_p: float = 0.0) -> Tokens:
     tok: int | str = f"d{ch.int(1, drafts)}" if drafts and ch.chance(0.2) else ch.int(0, m.vocab - 1)
     if ch.chance(fault_p):
-        kind = ch.choice(("id", "id", "float", "pyfloat", "bool"))
+        kind = ch.choice(("id", "id", "float", "pyfloat", "bool", "2d", "pair", "pair"))
         if kind == "id":
             return Tokens((ch.choice((-1, m.vocab, 10 * m.vocab)),), ch.choice(Tokens.SINGLE_FORMS))
+        if kind == "pair":
+            return Tokens((tok, ch.int(0, m.vocab - 1)), "tensor")
         return Tokens((tok,), kind)
     return Tokens((tok,), ch.choice(Tokens.SINGLE_FORMS))
 
