@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 from torch import Tensor
@@ -335,40 +334,24 @@ class OptimizedProposer:
         (see ``ReferenceProposer.prefill_drafter``); checks as there, on the host."""
         st = self._state(state)
         self._check_live(st, "prefill_drafter")
-        tokens = self._ref._tokens("prompt_tokens", prompt_tokens, st.device)
-        n = tokens.shape[0]
-        if n > self.max_seq_len:
-            raise ValueError(f"prompt_tokens: a prompt of {n} tokens is longer than max_seq_len={self.max_seq_len}")
-        self._ref._hiddens("hiddens", hiddens, n, st)
-        if st.seq_len > 0 or n < 2:
-            return 0
-        t0 = time.perf_counter()
-        self._write_rows(tokens[1:], hiddens[:-1], 0, st)
-        rows = n - 1
-        logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n, (time.perf_counter() - t0) * 1e3)
-        return rows
+        return self._ref.write_prefill(prompt_tokens, hiddens, st, self._write_rows)
 
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
         """Write rows ``row_base + i`` from ``tokens[i] = t_{row_base+i+1}`` and ``hiddens[i] =
         h_{row_base+i}`` (see ``ReferenceProposer.catchup_drafter``); ``pos_base`` is ignored."""
         st = self._state(state)
         self._check_live(st, "catchup_drafter")
-        ids = self._ref._tokens("tokens", tokens, st.device)
-        row_base = check_int("row_base", row_base)
-        check_int("pos_base", pos_base)
-        self._ref._hiddens("hiddens", hiddens, ids.shape[0], st)
-        self._ref._check_capacity("catchup_drafter", row_base + ids.shape[0])
-        if row_base != st.seq_len or ids.shape[0] == 0:
-            return 0
+        return self._ref.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows)
+
+    def _write_catchup_rows(self, ids: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         if ids.shape[0] == 1:  # the loop's catch-up after a fully accepted propose: a captured program
             st.tok_in.copy_(ids)
             st.hid_in.copy_(hiddens)
             st.pos.fill_(row_base)
             run_program(st, CATCHUP_KEY, lambda: self._catchup_program(st), capture=self.captures)
             st.seq_len = row_base + 1
-            return 1
+            return
         self._write_rows(ids, hiddens, row_base, st)
-        return ids.shape[0]
 
     def _catchup_program(self, st: OptimizedState) -> None:
         """One context row from the static inputs, already checked on the host: slot ``pos``."""

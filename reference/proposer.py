@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Literal, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Literal, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -33,6 +33,8 @@ FINGERPRINT_ENV = "GLM_MTP_DEBUG_FINGERPRINT"
 
 Tokens = Union[Sequence[int], Tensor]
 FeedHidden = Literal["post_norm", "pre_norm"]
+# write_rows(tokens (T,), hiddens (T, H), row_base, state): store context rows, set seq_len.
+WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]
 
 
 @runtime_checkable
@@ -232,6 +234,12 @@ class ReferenceProposer:
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
         """Write rows ``[0, n-1)`` from prompt ``t_0..t_{n-1}`` and hiddens ``h_0..h_{n-1}``."""
         self._check_live(state, "prefill_drafter")
+        return self.write_prefill(prompt_tokens, hiddens, state, self._write_rows)
+
+    def write_prefill(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState, write_rows: WriteRows) -> int:
+        """``prefill_drafter`` after its lifecycle checks: the argument checks, the no-op rule,
+        the rows written through ``write_rows`` and the log. The optimized drafter shares it and
+        writes its own way."""
         tokens = self._tokens("prompt_tokens", prompt_tokens, state.device)
         n = tokens.shape[0]
         if n > self.max_seq_len:
@@ -240,7 +248,7 @@ class ReferenceProposer:
         if state.seq_len > 0 or n < 2:
             return 0
         t0 = time.perf_counter()
-        self._write_rows(tokens[1:], hiddens[:-1], 0, state)
+        write_rows(tokens[1:], hiddens[:-1], 0, state)
         rows = n - 1
         logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n, (time.perf_counter() - t0) * 1e3)
         return rows
@@ -249,6 +257,12 @@ class ReferenceProposer:
         """Write rows ``row_base + i`` pairing ``tokens[i] = t_{row_base+i+1}`` with
         ``hiddens[i] = h_{row_base+i}``. ``pos_base`` is ignored: a row's position is its slot."""
         self._check_live(state, "catchup_drafter")
+        return self.write_catchup(tokens, hiddens, row_base, pos_base, state, self._write_rows)
+
+    def write_catchup(
+        self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState, write_rows: WriteRows
+    ) -> int:
+        """``catchup_drafter`` after its lifecycle checks (shared like ``write_prefill``)."""
         ids = self._tokens("tokens", tokens, state.device)
         row_base = check_int("row_base", row_base)
         check_int("pos_base", pos_base)
@@ -256,7 +270,7 @@ class ReferenceProposer:
         self._check_capacity("catchup_drafter", row_base + ids.shape[0])
         if row_base != state.seq_len or ids.shape[0] == 0:
             return 0
-        self._write_rows(ids, hiddens, row_base, state)
+        write_rows(ids, hiddens, row_base, state)
         return ids.shape[0]
 
     # ---- drafting ----------------------------------------------------------------------
