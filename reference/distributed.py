@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -94,10 +95,15 @@ def _rank_main(rank: int, world: int, init_file: str, backend: str, timeout_s: f
     dist.init_process_group(
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world, *args)
+    # Leave together, then skip the interpreter's teardown: a rank whose gloo threads are still
+    # winding down while C++ destructors run can abort ("terminate called without an active
+    # exception", seen here) after its work succeeded.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0, backend: str = "gloo") -> None:
