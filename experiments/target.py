@@ -6,7 +6,8 @@
     logits = lm_head(hidden)
 
 Every layer is ``glm_mtp.reference.block.decoder_layer`` with the reference weights, caches
-(``LayerCache``) and RoPE table, so the target and the drafter share one implementation. Rows are
+(``LayerCache``) and RoPE table, so the target and the drafter share one implementation; the
+target computes with torch's kernels (``numerics.VENDOR``), the drafter with the pinned order. Rows are
 the target's positions: position p lives in slot p and rotates at p. Rolling back is lowering
 ``length``: a row past it is overwritten before any query can see it.
 
@@ -28,7 +29,7 @@ from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import MoeFn, decoder_layer
 from glm_mtp.reference.checkpoint import checkpoint_weight_map, read_tensors
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.layers import acc_dtype, rms_norm, swiglu
+from glm_mtp.reference.numerics import VENDOR, Numerics, acc_dtype
 from glm_mtp.reference.moe import moe_block, route
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import (
@@ -191,8 +192,8 @@ class Target:
         slots = torch.arange(state.length, state.length + T, device=w.device)
         h = F.embedding(tokens.to(w.device), w.embed_tokens)  # (T, H)
         for layer, cache in zip(w.layers, state.caches):
-            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe)
-        hidden = rms_norm(h, w.norm, cfg.rms_norm_eps)  # (T, H)
+            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe, ops=VENDOR)
+        hidden = VENDOR.rms_norm(h, w.norm, cfg.rms_norm_eps)  # (T, H)
         state.length += T
         return TargetOutput(logits=F.linear(hidden, w.lm_head).to(acc_dtype(hidden.dtype)), hidden=hidden)
 
@@ -219,13 +220,13 @@ class ExpertLoad:
         self.counts[key] = self.counts.get(key, 0) + c
 
 
-def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, load: ExpertLoad | None = None) -> Tensor:
+def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = VENDOR, load: ExpertLoad | None = None) -> Tensor:
     """The MoE of ``reference.moe.moe_block`` for rows ``m`` (T, H), with each expert run once on
     the rows routed to it (index_select in, weighted index_add out). Same routing and weights;
     the sums may round differently, so it is for training (it is differentiable), not for the
     bit-exact paths. ``load`` collects expert counts for the bias update."""
     acc = acc_dtype(m.dtype)
-    experts, weights = route(moe, cfg, m)  # (T, k), (T, k)
+    experts, weights = route(moe, cfg, m, ops)  # (T, k), (T, k)
     if load is not None:
         load.add(moe, experts.detach())
     T, k = experts.shape
@@ -238,8 +239,8 @@ def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, load: ExpertLoad | N
         if sel.numel() == 0:
             continue
         rows = flat_t[sel]
-        y = swiglu(m[rows], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])  # (n, H)
+        y = ops.swiglu(m[rows], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])  # (n, H)
         out = out.index_add(0, rows, y.to(acc) * flat_w[sel, None])
     if moe.shared is not None:
-        out = out + swiglu(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj).to(acc)
+        out = out + ops.swiglu(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj).to(acc)
     return out.to(m.dtype)

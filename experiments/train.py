@@ -33,7 +33,7 @@ from torch import Tensor
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import MoeFn, decoder_layer
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.layers import rms_norm
+from glm_mtp.reference.numerics import VENDOR
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
 
@@ -105,9 +105,9 @@ def mtp_forward(w: MtpWeights, tokens: Tensor, hiddens: Tensor, zero_first: bool
     e = F.embedding(tokens, w.embed_tokens)  # (T, H)
     if zero_first:
         e = e.masked_fill((slots == 0)[:, None], 0.0)
-    u = F.linear(torch.cat((rms_norm(e, w.enorm, cfg.rms_norm_eps), rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)), dim=-1), w.eh_proj)
-    out = decoder_layer(w.layer, cfg, u, slots, cache, rope, moe=moe)
-    x = rms_norm(out, w.shared_head_norm, cfg.rms_norm_eps)
+    u = F.linear(torch.cat((VENDOR.rms_norm(e, w.enorm, cfg.rms_norm_eps), VENDOR.rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)), dim=-1), w.eh_proj)
+    out = decoder_layer(w.layer, cfg, u, slots, cache, rope, moe=moe, ops=VENDOR)
+    x = VENDOR.rms_norm(out, w.shared_head_norm, cfg.rms_norm_eps)
     return x, F.linear(x, w.lm_head)
 
 

@@ -1,13 +1,16 @@
 """The MTP block for new rows, as the optimized drafter schedules it.
 
-The math is ``glm_mtp.reference.block.mtp_rows`` op for op: every reduction (GEMMs, norms, the
-index scores, top-k selection, softmax, the MoE) is the reference's own function (``latent_query``,
-``attend``, ``moe_block``, ``rms_norm``, ...) or the same torch op on the same shapes. Two pieces differ, both exact by construction (DESIGN.md §5):
+The math is ``glm_mtp.reference.block.mtp_rows``: every reduction follows the pinned order of
+DESIGN.md §5 through the reference's own functions (``latent_query``, ``sparse_mla``,
+``moe_block``, ``numerics.rms_norm``, ...), in static shapes (attention reads the whole capacity,
+which changes no result). Three pieces differ, all exact by construction:
 
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
   device, so a draft's argmax feeds the next lookup without a host round trip;
 - RoPE on the new keys fused with their paged cache write (``kernels.rope_cache_write``), every
-  store gated by a device flag ``ok`` so a propose can refuse a bad input without a host sync.
+  store gated by a device flag ``ok`` so a propose can refuse a bad input without a host sync;
+- the chosen experts' weights gathered on the device rather than read in place through host
+  ids (``gathered_expert_outputs``): copies of the same values.
 
 Nothing here reads a device value on the host: slots arrive as a device tensor, so the same code
 runs eagerly on CPU and under CUDA-graph capture.
@@ -19,16 +22,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope, attend, latent_query
+from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope, latent_query, output_projection, sparse_mla
+from glm_mtp.reference.block import block_input
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.indexer import K_NORM_EPS
-from glm_mtp.reference.layers import layer_norm, rms_norm, swiglu
+from glm_mtp.reference.indexer import K_NORM_EPS, index_queries, index_scores, select_rows
 from glm_mtp.reference.moe import moe_block
+from glm_mtp.reference.numerics import PINNED, Numerics, layer_norm, linear, rms_norm, swiglu
 from glm_mtp.reference.state import LayerCache
-from glm_mtp.reference.weights import AttentionWeights, MlpWeights, MtpWeights
+from glm_mtp.reference.weights import AttentionWeights, MlpWeights, MoeWeights, MtpWeights
 
 from .kernels import KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, rope_cache_write_torch, rope_cache_write_triton
 
@@ -72,19 +75,32 @@ def attention_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Ten
     """``glm_mtp.reference.attention.dsa_attention`` for new rows ``a`` (T, H) at ``slots`` (T,),
     with the cache write fused and gated by ``ok`` (1,) bool. Returns ``(T, H)``.
 
-    The queries and the attention proper are the reference's own ``latent_query`` and ``attend``
-    (index scores, top-k selection, softmax, ``o_proj``); only the new rows' RoPE and cache
-    write in between are the fused kernel."""
+    The queries, the indexer's choice and the sparse MLA are the reference's own functions, over
+    the whole capacity (a static shape: no result depends on the rows read); only the new rows'
+    RoPE and cache write in between are the fused kernel."""
     cos, sin = rope.at(slots)  # (T, R/2)
     q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
 
-    kv = F.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
+    kv = linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
     latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
     ix = attn.indexer
-    k_raw = layer_norm(F.linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D), RoPE comes in the write
+    k_raw = layer_norm(linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D), RoPE comes in the write
     fused.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_raw, slots, rope, cache, ok)
 
-    return attend(attn, cfg, a, q_latent, q_nope, q_pe, cos, sin, slots, cache)
+    q_idx, w_idx = index_queries(ix, cfg, a, q_latent, cos, sin)
+    rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows()), slots, cfg.index_topk)
+    return output_projection(attn, cfg, sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(), rows, count))
+
+
+def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """``glm_mtp.reference.moe.expert_outputs`` without a host read of the expert ids (so it can
+    be captured): each row's experts are gathered on the device (copies), then run alone."""
+    out = []
+    for t in range(m.shape[0]):
+        ids = experts[t]  # (k,)
+        gate, up, down = (torch.index_select(x, 0, ids) for x in (moe.experts_gate, moe.experts_up, moe.experts_down))
+        out.append(torch.stack([ops.swiglu(m[t], gate[j], up[j], down[j]) for j in range(ids.shape[0])]))  # (k, H)
+    return torch.stack(out)  # (T, k, H)
 
 
 def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
@@ -94,8 +110,7 @@ def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
 
     Returns ``(x, pre_norm)``, each (T, H): the post-norm output and the layer output."""
     cfg, eps = w.config, w.config.rms_norm_eps
-    e = fused.embed(w.embed_tokens, tokens, slots)  # (T, H)
-    u = F.linear(torch.cat((rms_norm(e, w.enorm, eps), rms_norm(hiddens, w.hnorm, eps)), dim=-1), w.eh_proj)
+    u = block_input(w, fused.embed(w.embed_tokens, tokens, slots), hiddens)  # (T, H)
     layer = w.layer
     a = rms_norm(u, layer.input_layernorm, eps)
     h = u + attention_rows(layer.attn, cfg, a, slots, cache, rope, ok, fused)
@@ -103,5 +118,5 @@ def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     if isinstance(layer.mlp, MlpWeights):
         out = h + swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
     else:
-        out = h + moe_block(layer.mlp, cfg, m)
+        out = h + moe_block(layer.mlp, cfg, m, outputs=gathered_expert_outputs)
     return rms_norm(out, w.shared_head_norm, eps), out

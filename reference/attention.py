@@ -1,15 +1,16 @@
-"""DSA attention: multi-head latent attention (MLA) over the rows the indexer selects.
+"""DSA attention: multi-head latent attention (MLA) over the rows the lightning indexer selects.
 
 The cache holds, per row, the normalised KV latent ``c`` and the rotated rope key ``k_pe``
 (``kv_rows``). Keys and values are never expanded: the query's no-RoPE part is absorbed into the
 latent space through ``kv_b_proj``'s key half, and the output leaves it through the value half,
 
-    score(t, s) = (q_nope W_uk . c_s  +  q_pe . k_pe_s) / sqrt(qk_head_dim)
-    out_t       = W_uv (sum_s softmax(score)_ts c_s),
+    q_abs[h]    = W_uk[h]^T q_nope[h]                               (A, per head)
+    score(t, s) = (dot(q_abs, c_s) + dot(q_pe, k_pe_s)) * qk_head_dim^-1/2
+    out_t[h]    = W_uv[h] (psum_s softmax(score)_s c_s)
 
-which is the same math as attending with expanded keys and values. Scores span the whole row
-capacity; rows the indexer did not choose (and rows not yet visible) get -inf, so they add exact
-zeros to the softmax.
+over row t's list of selected rows in ascending slot order (``indexer.select_rows``): the same
+math as attending with expanded keys and values, at a cost of O(index_topk) per row whatever the
+row capacity. Pinned (DESIGN.md §5): every sum is a ``psum`` in that order.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
 from .config import MtpConfig
-from .indexer import index_keys, index_scores, select_rows
-from .layers import acc_dtype, apply_rope, rms_norm, rope_table
+from .indexer import index_keys, index_queries, index_scores, select_rows, selection_mask
+from .layers import apply_rope, rope_table
+from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, psum, psum_prefix, up
 from .state import LayerCache
 from .weights import AttentionWeights
 
 # RMSNorm epsilon of q_a_layernorm and kv_a_layernorm, fixed by the architecture.
 LATENT_NORM_EPS = 1e-6
+# Bounds the (rows, heads, listed rows, latent) products the pinned attention holds at once.
+ATTENTION_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -48,59 +51,114 @@ class Rope:
         return self.cos[slots], self.sin[slots]
 
 
-def latent_query(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def latent_query(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor,
+                 ops: Numerics = PINNED) -> tuple[Tensor, Tensor, Tensor]:
     """The queries of new rows ``a`` (T, H): ``q_latent`` (T, Lq), the normed low-rank query the
     indexer shares; ``q_nope`` (T, nh, nope) and the rotated ``q_pe`` (T, nh, R), split nope-first."""
-    q_latent = rms_norm(F.linear(a, attn.q_a_proj), attn.q_a_layernorm, LATENT_NORM_EPS)  # (T, Lq)
-    q = rearrange(F.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=cfg.num_attention_heads)  # (T, nh, nope + R)
+    q_latent = ops.rms_norm(ops.linear(a, attn.q_a_proj), attn.q_a_layernorm, LATENT_NORM_EPS)  # (T, Lq)
+    q = rearrange(ops.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=cfg.num_attention_heads)  # (T, nh, nope + R)
     nope = cfg.qk_nope_head_dim
     return q_latent, q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
 
 
-def attend(
-    attn: AttentionWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, q_nope: Tensor, q_pe: Tensor,
-    cos: Tensor, sin: Tensor, slots: Tensor, cache: LayerCache,
-) -> Tensor:
-    """Attention of new rows (their cache rows already written) over every visible row the
-    indexer selects, through ``o_proj``: ``(T, H)``."""
-    nh, nope, Lkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    acc = acc_dtype(a.dtype)
-    rows = cache.kv_rows().to(acc)  # (C, Lkv + R)
-    c_all, k_pe_all = rows[:, :Lkv], rows[:, Lkv:]
-    chosen = select_rows(index_scores(attn.indexer, cfg, a, q_latent, cos, sin, cache.index_rows()), slots, cfg.index_topk)
+def new_cache_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor,
+                   ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """What new rows ``a`` (T, H) store: the KV row (T, Lkv + R), the normalised latent then the
+    rotated rope key shared by the heads, and the indexer key (T, D)."""
+    kv = ops.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
+    latent = ops.rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
+    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
+    return torch.cat((latent, k_pe), dim=-1), index_keys(attn.indexer, cfg, a, cos, sin, ops)
 
-    w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=nh).to(acc)  # (nh, nope + v, Lkv)
+
+def split_kv_b(attn: AttentionWeights, cfg: MtpConfig) -> tuple[Tensor, Tensor]:
+    """Views of ``kv_b_proj`` per head: the key half ``W_uk`` (nh, nope, Lkv) and the value half
+    ``W_uv`` (nh, v, Lkv)."""
+    w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=cfg.num_attention_heads)  # (nh, nope + v, Lkv)
+    return w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
+
+
+def sparse_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor,
+               rows: Tensor, count: Tensor) -> Tensor:
+    """Pinned MLA of new rows over their lists: ``q_nope`` (T, nh, nope), ``q_pe`` (T, nh, R),
+    the cache's ``kv_rows`` (S, Lkv + R), the lists ``rows`` (T, K) and their lengths ``count``
+    (T,) from ``select_rows``. Returns the heads' outputs ``(T, nh * v)`` in S."""
+    Lkv = cfg.kv_lora_rank
+    T, nh = q_nope.shape[:2]
+    K = rows.shape[1]
+    w_uk, w_uv = split_kv_b(attn, cfg)
+    scale = cfg.qk_head_dim**-0.5
+    per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * K * Lkv))
+    outs = []
+    for t0 in range(0, T, per_chunk):  # rows are independent: chunks bound the products held
+        t = slice(t0, t0 + per_chunk)
+        q_abs = dot(q_nope[t, :, None, :], rearrange(w_uk, "h n c -> h c n"))  # (t, nh, Lkv), A
+        listed = kv_rows[rows[t]]  # (t, K, Lkv + R), ascending slots
+        c, k_pe = listed[..., :Lkv], listed[..., Lkv:]
+        scores = (dot(q_abs[:, :, None, :], c[:, None]) + dot(q_pe[t, :, None, :], k_pe[:, None])) * scale  # (t, nh, K)
+        n = count[t, None]  # (t, 1): every head of a row has that row's list
+        scores = scores.masked_fill(torch.arange(K, device=rows.device) >= n[..., None], float("-inf"))
+        p = list_softmax(scores, n)  # (t, nh, K), +0.0 past the list
+        out_latent = psum_prefix(p[:, :, None, :] * rearrange(up(c), "t k c -> t 1 c k"), n[..., None])  # (t, nh, Lkv)
+        outs.append(dot(out_latent[:, :, None, :], w_uv))  # (t, nh, v)
+    return rearrange(torch.cat(outs), "t h v -> t (h v)").to(q_nope.dtype)
+
+
+def dense_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor, chosen: Tensor) -> Tensor:
+    """MLA with torch's kernels (training, the experiments' target): the same math as
+    ``sparse_mla`` as one masked softmax over every row read, ``chosen`` (T, S) bool."""
+    nope, Lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    acc = acc_dtype(q_nope.dtype)
+    rows = kv_rows.to(acc)
+    c_all, k_pe_all = rows[:, :Lkv], rows[:, Lkv:]
+    w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=cfg.num_attention_heads).to(acc)  # (nh, nope + v, Lkv)
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     q_absorbed = torch.einsum("thn,hnc->thc", q_nope.to(acc), w_uk)  # (T, nh, Lkv)
     scores = torch.einsum("thc,sc->ths", q_absorbed, c_all) + torch.einsum("thr,sr->ths", q_pe.to(acc), k_pe_all)
-    scores = (scores * cfg.qk_head_dim**-0.5).masked_fill(~chosen[:, None, :], float("-inf"))  # (T, nh, C)
+    scores = (scores * cfg.qk_head_dim**-0.5).masked_fill(~chosen[:, None, :], float("-inf"))  # (T, nh, S)
     probs = torch.softmax(scores, dim=-1)
     out_latent = torch.einsum("ths,sc->thc", probs, c_all)  # (T, nh, Lkv)
     out = torch.einsum("thc,hvc->thv", out_latent, w_uv)  # (T, nh, v)
-    return output_projection(attn, cfg, rearrange(out, "t h v -> t (h v)").to(a.dtype))
+    return rearrange(out, "t h v -> t (h v)").to(q_nope.dtype)
 
 
-def output_projection(attn: AttentionWeights, cfg: MtpConfig, out: Tensor) -> Tensor:
-    """``o_proj`` on the heads' outputs ``out`` (T, nh * v). Row-parallel (``attn.shard`` set),
-    each rank multiplies its heads' columns and the float32 partial sums are all-reduced: a
-    split reduction, so not bit-equal to the single GEMM (see reference/distributed.py)."""
+def output_projection(attn: AttentionWeights, cfg: MtpConfig, out: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """``o_proj`` on the heads' outputs ``out`` (T, nh * v).
+
+    Row-parallel (``attn.shard`` set; pinned numerics, a power-of-two world), rank r holds the
+    input columns of the r-th aligned subtree of the ``psum`` over ``nh * v``
+    (``ShardSpec.o_proj_columns``): it sums its slice as that subtree, the ranks' partials are
+    gathered and summed in tree order, so the result is the single-rank one bit for bit."""
     if attn.shard is None:
-        return F.linear(out, attn.o_proj)
-    cols = attn.shard.head_columns(cfg.num_attention_heads, cfg.v_head_dim)
-    partial = F.linear(out[:, cols], attn.o_proj).to(acc_dtype(out.dtype))  # (T, H)
-    return attn.shard.all_reduce_sum(partial).to(out.dtype)
+        return ops.linear(out, attn.o_proj)
+    K = out.shape[-1]
+    cols, subtree = attn.shard.o_proj_columns(K), attn.shard.o_proj_subtree(K)
+    partial = linear_acc(out[:, cols], attn.o_proj)  # (T, H), A: the slice's own tree
+    if next_pow2(cols.stop - cols.start) < subtree:
+        partial = partial + 0.0  # the subtree's +0.0 padding levels (they turn -0.0 into +0.0)
+    parts = attn.shard.all_gather(partial)  # (world, T, H), rank order = tree order
+    return psum(rearrange(parts, "w t h -> t h w")).to(out.dtype)
 
 
-def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope) -> Tensor:
+def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
+                  rows_read: int | None = None, ops: Numerics = PINNED) -> Tensor:
     """Attention for new rows ``a`` (T, H) at ``slots`` (T,): writes their rows into ``cache``,
-    then attends over every visible, selected row. Returns ``(T, H)``."""
+    then each attends over the rows the indexer selects for it. Returns ``(T, H)``.
+
+    ``rows_read``: the cache rows ``[0, rows_read)`` read, at least ``max(slots) + 1`` (the
+    default: the whole capacity). No result depends on it; the indexer's cost does."""
     cos, sin = rope.at(slots)  # (T, R/2)
-    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
+    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin, ops)
+    cache.write(slots, *new_cache_rows(attn, cfg, a, cos, sin, ops))
 
-    # This call's rows: compressed latent + one rope key shared by the heads, and the indexer key.
-    kv = F.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
-    latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
-    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
-    cache.write(slots, torch.cat((latent, k_pe), dim=-1), index_keys(attn.indexer, cfg, a, cos, sin))
+    # 1. The indexer: each new row scores the rows it can see and keeps its index_topk best.
+    S = cache.capacity if rows_read is None else rows_read
+    q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
+    rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)
 
-    return attend(attn, cfg, a, q_latent, q_nope, q_pe, cos, sin, slots, cache)
+    # 2. MLA over the selected rows, then o_proj.
+    if ops.pinned:
+        out = sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(S), rows, count)
+    else:
+        out = dense_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(S), selection_mask(rows, count, S))
+    return output_projection(attn, cfg, out, ops)

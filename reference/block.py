@@ -18,30 +18,34 @@ from torch import Tensor
 
 from .attention import Rope, dsa_attention
 from .config import MtpConfig
-from .layers import rms_norm, swiglu
 from .moe import moe_block
+from .numerics import PINNED, Numerics, linear, rms_norm
 from .state import LayerCache
 from .weights import DecoderLayerWeights, MlpWeights, MoeWeights, MtpWeights
 
-# How a layer's MoE turns its normed input into its output: (weights, config, m (T, H)) -> (T, H).
-MoeFn = Callable[[MoeWeights, MtpConfig, Tensor], Tensor]
+# How a layer's MoE turns its normed input into its output: (weights, config, m (T, H), ops) -> (T, H).
+MoeFn = Callable[[MoeWeights, MtpConfig, Tensor, Numerics], Tensor]
 
 
 def decoder_layer(
-    layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope, moe: MoeFn = moe_block
+    layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
+    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED,
 ) -> Tensor:
     """One GLM-5 decoder layer on new rows ``h`` (T, H) at ``slots`` (T,); writes their cache rows.
 
-    ``moe`` computes the MoE; the default is the reference's ``moe_block``. Training swaps in a
-    batched dispatch of the same routing (glm_mtp.experiments.target.grouped_moe), since the
-    reference runs each row's experts on that row alone.
+    Args:
+        moe: computes the MoE; the default is the reference's ``moe_block``. Training swaps in a
+            batched dispatch of the same routing (glm_mtp.experiments.target.grouped_moe).
+        rows_read: cache rows the attention reads, ``[0, rows_read)`` (default: the capacity);
+            at least ``max(slots) + 1``. No result depends on it.
+        ops: the primitives: ``PINNED`` (the drafter) or ``VENDOR`` (training, the target).
     """
-    a = rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
-    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope)
-    m = rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
+    a = ops.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
+    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops)
+    m = ops.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, MlpWeights):
-        return h + swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-    return h + moe(layer.mlp, cfg, m)
+        return h + ops.swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+    return h + moe(layer.mlp, cfg, m, ops)
 
 
 @dataclass
@@ -52,16 +56,26 @@ class BlockOutput:
     pre_norm: Tensor  # (T, H)
 
 
-def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope) -> BlockOutput:
-    """Run the block on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at ``slots`` (T,)."""
-    cfg = w.config
-    e = F.embedding(tokens, w.embed_tokens)  # (T, H)
-    e = e.masked_fill((slots == 0)[:, None], 0.0)
-    u = F.linear(torch.cat((rms_norm(e, w.enorm, cfg.rms_norm_eps), rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)), dim=-1), w.eh_proj)
-    out = decoder_layer(w.layer, cfg, u, slots, cache, rope)
-    return BlockOutput(x=rms_norm(out, w.shared_head_norm, cfg.rms_norm_eps), pre_norm=out)
+def embed_rows(w: MtpWeights, tokens: Tensor, slots: Tensor) -> Tensor:
+    """``embed_tokens[tokens]`` (T, H), zeroed in row 0 (whose token has no predecessor)."""
+    return F.embedding(tokens, w.embed_tokens).masked_fill((slots == 0)[:, None], 0.0)
+
+
+def block_input(w: MtpWeights, e: Tensor, hiddens: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """``eh_proj(cat[enorm(e), hnorm(h)])``: embedding first, hidden second (T, 2H) -> (T, H)."""
+    eps = w.config.rms_norm_eps
+    return ops.linear(torch.cat((ops.rms_norm(e, w.enorm, eps), ops.rms_norm(hiddens, w.hnorm, eps)), dim=-1), w.eh_proj)
+
+
+def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
+             rows_read: int | None = None) -> BlockOutput:
+    """Run the block on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at ``slots`` (T,),
+    with the pinned numerics; ``rows_read`` as in ``decoder_layer``."""
+    u = block_input(w, embed_rows(w, tokens, slots), hiddens)
+    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, rows_read=rows_read)
+    return BlockOutput(x=rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
 
 
 def draft_logits(w: MtpWeights, x: Tensor) -> Tensor:
-    """``shared_head.head``: the target's ``lm_head`` on the post-norm rows ``x`` (T, H) -> (T, V)."""
-    return F.linear(x, w.lm_head)
+    """``shared_head.head``: the target's ``lm_head`` on the post-norm rows ``x`` (T, H) -> (T, V), in S."""
+    return linear(x, w.lm_head)

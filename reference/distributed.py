@@ -11,10 +11,10 @@ Numerics:
   clamped local expert and are discarded), every rank all-gathers the per-slot outputs and takes
   each slot from its owner, then sums in the reference's order (ascending expert id). A gather
   copies bytes, so the sharded MoE equals the single-rank one bit for bit.
-- ``o_proj`` row-parallel: each rank multiplies its heads' columns, the float32 partial sums are
-  all-reduced. A split reduction rounds differently from the single GEMM, so this mode is NOT
-  bit-exact; ``row_parallel_o_proj=False`` keeps ``o_proj`` whole on every rank and the whole
-  drafter bit-exact. The difference is measured in tests/reference/test_distributed.py.
+- ``o_proj`` row-parallel (a power-of-two world): rank r holds the input columns of the r-th
+  aligned subtree of the pinned ``psum`` over ``o_proj``'s inputs (DESIGN.md §5), sums them as
+  that subtree, and the ranks' float32 partials are all-gathered and summed in tree order: the
+  single-rank result bit for bit. ``row_parallel_o_proj=False`` keeps ``o_proj`` whole.
 
 ``GLM_MTP_NO_EP_PROPOSE=1`` disables expert-parallel propose: sharding then keeps every weight on
 every rank and ``needs_comm()`` is false.
@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .numerics import next_pow2
+
 NO_EP_ENV = "GLM_MTP_NO_EP_PROPOSE"
 
 
@@ -49,7 +51,7 @@ class ShardSpec:
     Args:
         rank / world: position in, and size of, the expert-parallel group.
         group: the torch.distributed process group (None: the default group).
-        row_parallel_o_proj: split ``o_proj`` by heads (not bit-exact) or keep it whole.
+        row_parallel_o_proj: split ``o_proj``'s inputs over the ranks (tree-aligned, exact) or keep it whole.
     """
 
     rank: int
@@ -60,6 +62,11 @@ class ShardSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank must be in [0, world={self.world}), got {self.rank}")
+        if self.row_parallel_o_proj and self.world & (self.world - 1):
+            raise ValueError(
+                f"row_parallel_o_proj needs a power-of-two world (each rank sums an aligned subtree of o_proj's psum), "
+                f"got world={self.world}; pass row_parallel_o_proj=False"
+            )
 
     def expert_range(self, n_routed_experts: int) -> range:
         """The experts this rank holds: a contiguous block of ``n_routed_experts / world``."""
@@ -68,23 +75,22 @@ class ShardSpec:
         per = n_routed_experts // self.world
         return range(self.rank * per, (self.rank + 1) * per)
 
-    def head_columns(self, num_heads: int, v_head_dim: int) -> slice:
-        """The ``o_proj`` input columns (whole heads) this rank holds when row-parallel."""
-        if num_heads % self.world:
-            raise ValueError(f"num_attention_heads ({num_heads}) must divide evenly over world={self.world} ranks")
-        per = num_heads // self.world * v_head_dim
-        return slice(self.rank * per, (self.rank + 1) * per)
+    def o_proj_subtree(self, in_features: int) -> int:
+        """Width of one rank's subtree of the ``psum`` over ``o_proj``'s ``in_features`` inputs:
+        the padded tree's width over ``world`` (a power of two)."""
+        return max(1, next_pow2(in_features) // self.world)
+
+    def o_proj_columns(self, in_features: int) -> slice:
+        """The ``o_proj`` input columns this rank holds when row-parallel: its aligned subtree
+        ``[rank * w, (rank + 1) * w)`` of the padded tree, cut at ``in_features`` (possibly empty)."""
+        w = self.o_proj_subtree(in_features)
+        return slice(min(self.rank * w, in_features), min((self.rank + 1) * w, in_features))
 
     def all_gather(self, t: Tensor) -> Tensor:
         """``(world, *t.shape)``: every rank's ``t``, in rank order."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.stack(parts)
-
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        t = t.contiguous().clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,39 +1,17 @@
-"""The small building blocks: norms, the RoPE table, the SwiGLU MLP, the draft argmax.
+"""The small building blocks with no reduction in them: the RoPE table and rotation, the draft
+argmax, the tie-pinned top-k. (Norms, GEMMs and the SwiGLU MLP are the pinned primitives of
+``numerics``.)
 
-Precision, everywhere in the drafter: weights and activations live in the weights' dtype (bf16 in
-production); norms, RoPE, scores and softmax compute in at least float32 (``acc_dtype``) and round
-back once. Float64 inputs stay float64, so a float64 run re-derives the math to the last digit.
+RoPE computes in A (float32, or float64 for float64 inputs): ``y1 = x1 cos - x2 sin``,
+``y2 = x2 cos + x1 sin``, each product and difference rounded on its own, then one rounding to S.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype norms, scores and softmax compute in: float32, or float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in acc_dtype, scaled in x's dtype."""
-    xf = x.to(acc_dtype(x.dtype))
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    """LayerNorm with bias (the indexer's ``k_norm``), computed in acc_dtype."""
-    acc = acc_dtype(x.dtype)
-    y = F.layer_norm(x.to(acc), (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
-    return y.to(x.dtype)
-
-
-def swiglu(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
-    """``down(silu(gate(x)) * up(x))``: a dense MLP, the shared expert, one routed expert."""
-    return F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+from .numerics import acc_dtype
 
 
 # ------------------------------------------------------------------------------------------------

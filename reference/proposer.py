@@ -227,8 +227,9 @@ class ReferenceProposer:
 
     # ---- context rows ------------------------------------------------------------------
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, state: DrafterState) -> None:
-        slots = torch.arange(row_base, row_base + tokens.shape[0], device=state.device)
-        mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device))
+        end = row_base + tokens.shape[0]
+        slots = torch.arange(row_base, end, device=state.device)
+        mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device), rows_read=end)
         state.seq_len = row_base + tokens.shape[0]
 
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
@@ -299,7 +300,7 @@ class ReferenceProposer:
         rope = self.rope(state.device)
         for i in range(num_drafts):
             slot = torch.tensor([position + i], device=state.device)
-            out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope)
+            out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1)
             token = greedy_token(draft_logits(self.weights, out.x))  # (1,)
             drafts.append(int(token[0]))
             state.x = out.x[0].clone()

@@ -58,13 +58,18 @@ class LayerCache:
         self.kv_pool[block, offset] = kv_rows
         self.index_pool[block, offset] = index_rows
 
-    def kv_rows(self) -> Tensor:
-        """(capacity, kv_lora_rank + qk_rope_head_dim), in slot order."""
-        return self.kv_pool[self.block_table.long()].flatten(0, 1)
+    def kv_rows(self, n: int | None = None) -> Tensor:
+        """The first ``n`` slots' rows (default: every slot), (n, kv_lora_rank + qk_rope_head_dim)."""
+        return self._rows(self.kv_pool, n)
 
-    def index_rows(self) -> Tensor:
-        """(capacity, index_head_dim), in slot order."""
-        return self.index_pool[self.block_table.long()].flatten(0, 1)
+    def index_rows(self, n: int | None = None) -> Tensor:
+        """The first ``n`` slots' indexer keys (default: every slot), (n, index_head_dim)."""
+        return self._rows(self.index_pool, n)
+
+    def _rows(self, pool: Tensor, n: int | None) -> Tensor:
+        n = self.capacity if n is None else n
+        blocks = self.block_table[: -(-n // BLOCK_ROWS)].long()  # only the blocks that hold them
+        return pool[blocks].flatten(0, 1)[:n]
 
 
 @dataclass

@@ -278,7 +278,7 @@ class MtpWeights:
         if shard is not None:
             layer.mlp.shard = shard  # type: ignore[union-attr]
             if shard.row_parallel_o_proj:
-                cols = shard.head_columns(cfg.num_attention_heads, cfg.v_head_dim)
+                cols = shard.o_proj_columns(cfg.num_attention_heads * cfg.v_head_dim)
                 layer.attn.o_proj = layer.attn.o_proj[:, cols].contiguous()
                 layer.attn.shard = shard
         return cls(

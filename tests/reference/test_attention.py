@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.reference.attention import Rope, dsa_attention
-from glm_mtp.reference.indexer import index_keys, index_scores, select_rows
-from glm_mtp.reference.layers import apply_rope, rms_norm
+from glm_mtp.reference.indexer import index_keys, index_queries, index_scores, select_rows, selection_mask
+from glm_mtp.reference.layers import apply_rope
+from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.state import LayerCache
 
 
@@ -73,7 +74,7 @@ def test_index_scores_formula():
     q_lat = torch.randn(4, cfg.q_lora_rank, generator=g, dtype=torch.float64)
     keys = torch.randn(20, cfg.index_head_dim, generator=g, dtype=torch.float64)
     cos, sin = Rope.build(cfg, 20, "cpu", torch.float64).at(torch.tensor([3, 7, 8, 19]))
-    got = index_scores(ix, cfg, a, q_lat, cos, sin, keys)
+    got = index_scores(*index_queries(ix, cfg, a, q_lat, cos, sin), keys)
     R = cfg.qk_rope_head_dim
     q = (q_lat @ ix.wq_b.T).view(4, cfg.index_n_heads, -1)
     q = torch.cat((apply_rope(q[..., :R], cos[:, None], sin[:, None], True), q[..., R:]), -1)
@@ -91,8 +92,10 @@ def test_select_rows_brute_force():
     scores = torch.randint(-3, 4, (30, 40), generator=g).double()  # small integers: many ties
     slots = torch.randint(0, 40, (30,), generator=g)
     for topk in (1, 5, 40):
-        got = select_rows(scores, slots, topk)
+        rows, count = select_rows(scores, slots, topk)
+        mask = selection_mask(rows, count, 40)
         for t in range(30):
             visible = list(range(int(slots[t]) + 1))
             want = sorted(visible, key=lambda s: (-scores[t, s].item(), s))[:topk]
-            assert got[t].nonzero().flatten().tolist() == sorted(want)
+            assert rows[t, : int(count[t])].tolist() == sorted(want)  # the list, in ascending slot order
+            assert mask[t].nonzero().flatten().tolist() == sorted(want)

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from glm_mtp.reference import MtpWeights, ReferenceProposer
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
-from glm_mtp.reference.indexer import index_keys, index_scores
-from glm_mtp.reference.layers import rms_norm
+from glm_mtp.reference.indexer import index_keys, index_queries, index_scores
+from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.state import LayerCache
 
 GOLDEN = Path(__file__).parents[1] / "data" / "golden"
@@ -39,7 +39,7 @@ def boundary_tie_rows(w, tokens, hiddens):
     a = rms_norm(u, w.layer.input_layernorm, cfg.rms_norm_eps)
     attn = w.layer.attn
     q_lat = rms_norm(a @ attn.q_a_proj.T, attn.q_a_layernorm, 1e-6)
-    scores = index_scores(attn.indexer, cfg, a, q_lat, cos, sin, index_keys(attn.indexer, cfg, a, cos, sin))
+    scores = index_scores(*index_queries(attn.indexer, cfg, a, q_lat, cos, sin), index_keys(attn.indexer, cfg, a, cos, sin))
     ties = []
     for t in range(n):
         visible = scores[t, : t + 1].sort(descending=True).values

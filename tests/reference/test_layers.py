@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from glm_mtp.reference.layers import apply_rope, greedy_token, layer_norm, rms_norm, rope_table, swiglu, topk_indices
+from glm_mtp.reference.layers import apply_rope, greedy_token, rope_table, topk_indices
+from glm_mtp.reference.numerics import layer_norm, rms_norm, swiglu
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)]
 
