@@ -88,6 +88,16 @@ def psum_prefix(x: Tensor, lengths: Tensor) -> Tensor:
     return torch.where(lengths > 0, out, torch.zeros_like(out))
 
 
+def sqrt(x: Tensor) -> Tensor:
+    """The correctly rounded square root. torch's float32 ``sqrt`` on the CPU is not (it calls a
+    vector-math library: about 1 in 6 results is 1 ulp off); float64's is within an ulp of
+    float64, and rounding that to float32 is the correctly rounded float32 root (53 >= 2 * 24 + 2
+    bits: a square root never lies that close to a float32 rounding boundary)."""
+    if x.dtype == torch.float32:
+        return torch.sqrt(x.double()).float()
+    return torch.sqrt(x)
+
+
 def recip(x: Tensor) -> Tensor:
     """``1 / x``, a correctly rounded division (``1.0 / t`` in torch is ``reciprocal(t) * 1.0``)."""
     return torch.div(torch.ones_like(x), x)
@@ -125,7 +135,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = up(x)
     A = xf.dtype
     n = torch.tensor(x.shape[-1], dtype=A)
-    r = recip(torch.sqrt(psum(xf * xf) / n + torch.tensor(eps, dtype=A)))  # (...,)
+    r = recip(sqrt(psum(xf * xf) / n + torch.tensor(eps, dtype=A)))  # (...,)
     normed = (xf * r[..., None]).to(x.dtype)
     return (up(weight) * up(normed)).to(x.dtype)
 
@@ -137,7 +147,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     A = xf.dtype
     n = torch.tensor(x.shape[-1], dtype=A)
     d = xf - (psum(xf) / n)[..., None]
-    inv = recip(torch.sqrt(psum(d * d) / n + torch.tensor(eps, dtype=A)))
+    inv = recip(sqrt(psum(d * d) / n + torch.tensor(eps, dtype=A)))
     return ((d * inv[..., None]) * up(weight) + up(bias)).to(x.dtype)
 
 
