@@ -127,7 +127,8 @@ def parse_arch(arch: str) -> int:
 def compile_launch(launch: Launch, target: GPUTarget) -> Any:
     """``triton.compile`` of ``launch`` for ``target``, specialised as ``JITFunction.run`` does on
     a device (triton/runtime/jit.py): the same binder, the same ``_pack_args``. Returns the
-    ``CompiledKernel`` (``.asm['ptx']``, ``.metadata``)."""
+    ``CompiledKernel`` (``.asm['ptx']``, ``.metadata``). Those are launcher internals (written
+    against triton 3.9): if a Triton upgrade moves them, every row fails loudly, none passes."""
     kernel = launch.kernel
     if not isinstance(kernel, JITFunction):
         raise TypeError(f"{kernel!r} is not a JITFunction (TRITON_INTERPRET must be unset when triton is imported)")
