@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One script for a GPU machine that has torch, triton, einops, safetensors, hypothesis and pytest
-# but no package registry: the conformance suite on CUDA (tiny and small, bf16 and fp32), the
-# gpu-marked tests, then the benchmark. Everything lands under $OUT (or outputs/gpu_check);
-# a short table is printed last. Budget: about 6 minutes on an H100/H200.
+# but no package registry: first the PTX audit of every Triton kernel (compiled for sm_90 at the
+# tiny, small and glm5 presets; it needs no GPU), then the conformance suite on CUDA (tiny and
+# small, bf16 and fp32), the gpu-marked tests, then the benchmark. Everything lands under $OUT
+# (or outputs/gpu_check); a short table is printed last. Budget: about 6 minutes on an H100/H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_check}
@@ -27,6 +28,14 @@ PYEOF
 status=0
 summary="$OUT/summary.txt"
 : > "$summary"
+
+# The kernels' instruction stream first: compiled for an H100/H200 (sm_90), no FMA, no
+# approximate or flush-to-zero op, every float add/sub/mul rounded; registers, spills, smem.
+# Its PTX and cubins go to Triton's cache (TRITON_CACHE_DIR), not under $OUT.
+timeout 300 $PY -m glm_mtp.optimized.audit --arch sm_90 --presets tiny small glm5 >"$OUT/audit.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+echo "ptx audit sm_90, tiny small glm5: exit $rc ($(tail -n 1 "$OUT/audit.log"))" | tee -a "$summary"
 for preset in tiny small; do
   for dtype in bfloat16 float32; do
     scen=$([ "$preset" = tiny ] && echo 200 || echo 60)
@@ -54,5 +63,7 @@ echo "bench: exit $rc" | tee -a "$summary"
 
 echo
 cat "$summary"
+echo
+cat "$OUT/audit.log"
 [ -f "$OUT/bench/bench.md" ] && cat "$OUT/bench/bench.md"
 exit $status

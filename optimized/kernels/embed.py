@@ -18,6 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_mtp.reference.config import MtpConfig
+
+from .launch import AuditLaunch, Launch, abstract
+
 
 @triton.jit
 def _embed_rows_kernel(
@@ -46,15 +50,35 @@ def embed_rows_torch(embed: Tensor, tokens: Tensor, slots: Tensor) -> Tensor:
     return F.embedding(tokens, embed).masked_fill((slots == 0)[:, None], 0.0)
 
 
+def embed_rows_launch(embed: Tensor, tokens: Tensor, slots: Tensor, out: Tensor) -> Launch:
+    """The kernel's launch on ``embed`` (V, H) contiguous, ``tokens`` (T,) ints, ``slots`` (T,)
+    int64, ``out`` (T, H): the one place its grid and constexprs are computed."""
+    T, (V, H) = tokens.shape[0], embed.shape
+    block = min(1024, triton.next_power_of_2(H))
+    return Launch(_embed_rows_kernel, (T, triton.cdiv(H, block)), (embed, tokens, slots, out, V, H),
+                  dict(BLOCK_H=block, enable_fp_fusion=False))
+
+
 def embed_rows_triton(embed: Tensor, tokens: Tensor, slots: Tensor, out: Tensor | None = None) -> Tensor:
     """The kernel: ``embed`` (V, H) contiguous, ``tokens`` (T,) ints, ``slots`` (T,) int64 -> (T, H).
 
     ``out`` (T, H), when given, receives the rows (a static buffer under graph capture)."""
-    T, (V, H) = tokens.shape[0], embed.shape
     if out is None:
-        out = torch.empty(T, H, dtype=embed.dtype, device=embed.device)
-    block = min(1024, triton.next_power_of_2(H))
-    _embed_rows_kernel[(T, triton.cdiv(H, block))](
-        embed, tokens, slots, out, V, H, BLOCK_H=block, enable_fp_fusion=False
-    )
+        out = torch.empty(tokens.shape[0], embed.shape[1], dtype=embed.dtype, device=embed.device)
+    embed_rows_launch(embed, tokens, slots, out).run()
     return out
+
+
+def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
+    """The launches the drafter makes at ``cfg`` with ``dtype`` weights, on abstract tensors
+    (see ``glm_mtp.optimized.audit``). Token ids are int64 everywhere (the proposer converts).
+
+    ``aligned``: a draft step or the one-row catch-up (fresh (1,) tensors). ``unaligned``:
+    context rows, where a prefill reads ``tokens[1:]`` and a catch-up at an odd row reads
+    ``slots[row:]``, each 8 bytes off a 16-byte boundary (Triton drops its alignment hint)."""
+    V, H, rows = cfg.vocab_size, cfg.hidden_size, 4
+    embed = abstract((V, H), dtype)
+    one = embed_rows_launch(embed, abstract((1,), torch.int64), abstract((1,), torch.int64), abstract((1, H), dtype))
+    ids, slots = abstract((rows + 1,), torch.int64), abstract((rows + 1,), torch.int64)
+    many = embed_rows_launch(embed, ids[1:], slots[1:], abstract((rows, H), dtype))
+    return [AuditLaunch("embed_rows", "aligned", one), AuditLaunch("embed_rows", "unaligned", many)]

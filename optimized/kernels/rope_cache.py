@@ -30,7 +30,9 @@ from torch import Tensor
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import rope_first
 from glm_mtp.reference.layers import apply_rope
-from glm_mtp.reference.state import BLOCK_ROWS
+from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
+
+from .launch import AuditLaunch, Launch, abstract
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -170,6 +172,50 @@ def rope_cache_write_torch(
     index_pool[block, offset] = torch.where(keep, ikey, index_pool[block, offset])
 
 
+def rope_cache_write_launch(
+    cfg: MtpConfig,
+    latent: Tensor,
+    kpe_raw: Tensor,
+    ikey_raw: Tensor,
+    slots: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    kv_pool: Tensor,
+    index_pool: Tensor,
+    block_table: Tensor,
+    ok: Tensor,
+    cuda: bool | None = None,
+) -> Launch:
+    """The kernel's launch, arguments checked (see ``rope_cache_write_triton``): the one place
+    its grid and constexprs are computed. ``cuda``: whether it runs on CUDA (it picks the NaN
+    payload); ``None`` reads it off ``kv_pool`` (the audit's abstract tensors are on no device)."""
+    Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    dtype = kv_pool.dtype
+    if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
+        raise TypeError(f"rope_cache_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
+    for name, t in (("latent", latent), ("kpe_raw", kpe_raw), ("ikey_raw", ikey_raw)):
+        if t.stride(-1) != 1 or t.dtype != dtype:
+            raise ValueError(f"rope_cache_write_triton: {name} must be {dtype} with a contiguous last dim")
+    cuda = kv_pool.is_cuda if cuda is None else cuda
+    args = (
+        latent, kpe_raw, ikey_raw, slots, cos_table, sin_table, block_table, kv_pool, index_pool,
+        ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
+        latent.stride(0), kpe_raw.stride(0), ikey_raw.stride(0), Lkv, R, D,
+    )
+    meta = dict(
+        KV_INTERLEAVE=cfg.rope_interleave,
+        INDEX_INTERLEAVE=cfg.indexer_rope_interleave,
+        BLOCK_L=triton.next_power_of_2(Lkv),
+        BLOCK_R2=triton.next_power_of_2(max(R // 2, 1)),
+        BLOCK_D=triton.next_power_of_2(D),
+        TO_BF16=dtype == torch.bfloat16,
+        NAN_BITS=0x7FFF if cuda else 0xFFFF,
+        ROWS_PER_BLOCK=BLOCK_ROWS,
+        enable_fp_fusion=False,
+    )
+    return Launch(_rope_cache_write_kernel, (slots.shape[0],), args, meta)
+
+
 def rope_cache_write_triton(
     cfg: MtpConfig,
     latent: Tensor,
@@ -185,27 +231,33 @@ def rope_cache_write_triton(
 ) -> None:
     """The kernel; arguments as in ``rope_cache_write_torch``. Rows may be strided views (the
     last dim must be contiguous); pools, tables and the block table contiguous; float32 tables."""
-    T = slots.shape[0]
-    if T == 0:
+    if slots.shape[0] == 0:
         return
-    Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-    dtype = kv_pool.dtype
-    if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
-        raise TypeError(f"rope_cache_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
-    for name, t in (("latent", latent), ("kpe_raw", kpe_raw), ("ikey_raw", ikey_raw)):
-        if t.stride(-1) != 1 or t.dtype != dtype:
-            raise ValueError(f"rope_cache_write_triton: {name} must be {dtype} with a contiguous last dim")
-    _rope_cache_write_kernel[(T,)](
-        latent, kpe_raw, ikey_raw, slots, cos_table, sin_table, block_table, kv_pool, index_pool,
-        ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
-        latent.stride(0), kpe_raw.stride(0), ikey_raw.stride(0), Lkv, R, D,
-        KV_INTERLEAVE=cfg.rope_interleave,
-        INDEX_INTERLEAVE=cfg.indexer_rope_interleave,
-        BLOCK_L=triton.next_power_of_2(Lkv),
-        BLOCK_R2=triton.next_power_of_2(max(R // 2, 1)),
-        BLOCK_D=triton.next_power_of_2(D),
-        TO_BF16=dtype == torch.bfloat16,
-        NAN_BITS=0x7FFF if kv_pool.is_cuda else 0xFFFF,
-        ROWS_PER_BLOCK=BLOCK_ROWS,
-        enable_fp_fusion=False,
-    )
+    rope_cache_write_launch(cfg, latent, kpe_raw, ikey_raw, slots, cos_table, sin_table, kv_pool, index_pool,
+                            block_table, ok).run()
+
+
+def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
+    """The launches the drafter makes at ``cfg`` with a ``dtype`` cache, on abstract tensors
+    shaped as ``glm_mtp.optimized.block.attention_rows`` passes them: the rope key a view of
+    ``kv`` (T, Lkv + R) after the latent, the pools from ``LayerCache.allocate``, float32 tables
+    (see ``glm_mtp.optimized.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
+
+    ``aligned``: a draft step or the one-row catch-up (``slots`` a fresh (1,) tensor).
+    ``unaligned``: context rows from an odd row, ``slots[row:]`` 8 bytes off a 16-byte boundary."""
+    if dtype not in KERNEL_DTYPES:
+        return []
+    Lkv, R, D, rows = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, 4
+    cache = LayerCache.allocate(cfg, 2, dtype, "meta")
+    table = abstract((cache.capacity, max(R // 2, 1)), torch.float32)
+    ok = abstract((1,), torch.bool)
+
+    def launch(T: int, slots: Tensor) -> Launch:
+        kv = abstract((T, Lkv + R), dtype)
+        return rope_cache_write_launch(cfg, abstract((T, Lkv), dtype), kv[:, Lkv:], abstract((T, D), dtype), slots,
+                                       table, table, cache.kv_pool, cache.index_pool, cache.block_table, ok, cuda=True)
+
+    return [
+        AuditLaunch("rope_cache_write", "aligned", launch(1, abstract((1,), torch.int64))),
+        AuditLaunch("rope_cache_write", "unaligned", launch(rows, abstract((rows + 1,), torch.int64)[1:])),
+    ]
