@@ -110,19 +110,32 @@ def check_shape(name: str, tensor: Tensor, expected: tuple[int, ...]) -> None:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
 
 
-def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: str) -> None:
-    """Every tensor has the floating dtype of ``tensors[reference]`` (the checkpoint's dtype);
-    a routing bias (``e_score_correction_bias``) may also be float32, as real checkpoints store
-    it. ``where``: tensor name -> the file it came from, for the message."""
+# The dtypes a weight may be stored and computed in. float8 types count as floating in torch, but
+# they need scale tensors this drafter does not read: a plain cast would be silently wrong.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: str, cast: bool = False) -> None:
+    """Every tensor is stored in one of ``WEIGHT_DTYPES`` and, unless ``cast`` (the caller casts
+    every weight to one requested dtype), in the dtype of ``tensors[reference]``, the checkpoint's
+    dtype: the drafter computes in its weights' dtype, so a float32 matrix among bfloat16 would
+    fail deep inside torch. A routing bias (``e_score_correction_bias``) may also be float32, as
+    real checkpoints store it. ``where``: tensor name -> the file it came from, for the message."""
+    for name in (reference, *tensors):
+        if tensors[name].dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"{where[name]}: tensor {name!r} has dtype {tensors[name].dtype}; checkpoint weights must be floating point, "
+                f"one of {', '.join(map(str, WEIGHT_DTYPES))}"
+            )
+    if cast:
+        return
     want = tensors[reference].dtype
-    if not want.is_floating_point:
-        raise CheckpointError(f"{where[reference]}: tensor {reference!r} has dtype {want}; checkpoint weights must be floating point")
     for name, t in tensors.items():
         ok = t.dtype == want or (name.endswith("e_score_correction_bias") and t.dtype == torch.float32)
         if not ok:
             raise CheckpointError(
                 f"{where[name]}: tensor {name!r} has dtype {t.dtype}, but the checkpoint's weights are {want} "
-                f"(the dtype of {reference!r}); every weight must have that one floating dtype"
+                f"(the dtype of {reference!r}); every weight must have that one floating dtype, or pass dtype= to cast all"
             )
 
 
@@ -149,15 +162,20 @@ def check_finite(tensors: dict[str, Tensor], where: dict[str, str]) -> None:
 
 
 def load_mtp_tensors(
-    directory: str | os.PathLike[str], cfg: MtpConfig, experts: range | None = None, allow_non_finite: bool = False
+    directory: str | os.PathLike[str],
+    cfg: MtpConfig,
+    experts: range | None = None,
+    allow_non_finite: bool = False,
+    cast: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """The MTP layer's tensors (layer-relative names), the embedding and the head; of the routed
     experts only those in ``experts`` when given (an expert-parallel rank's block) are read.
 
     Raises ``CheckpointError`` naming the tensor for a missing tensor, an unexpected tensor
     inside the MTP layer, or a wrong shape, and naming the file too for a dtype other than the
-    checkpoint's (``check_dtypes``) or, unless ``allow_non_finite``, a NaN/inf value in a
-    tensor read (``check_finite``).
+    checkpoint's (``check_dtypes``; with ``cast``, any of ``WEIGHT_DTYPES``, as the caller casts
+    them all to one) or, unless ``allow_non_finite``, a NaN/inf value in a tensor read
+    (``check_finite``).
     """
     from .weights import IGNORED_MTP_COPIES, mtp_tensor_shapes
 
@@ -193,7 +211,7 @@ def load_mtp_tensors(
     check_shape("model.embed_tokens.weight", embed, (cfg.vocab_size, cfg.hidden_size))
     check_shape("lm_head.weight", head, (cfg.vocab_size, cfg.hidden_size))
     files = {n: os.path.join(os.fspath(directory), wmap[n]) for n in tensors}
-    check_dtypes(tensors, files, "model.embed_tokens.weight")
+    check_dtypes(tensors, files, "model.embed_tokens.weight", cast=cast)
     if not allow_non_finite:
         check_finite(tensors, files)
     return mtp, embed, head

@@ -386,13 +386,16 @@ class MtpWeights:
 
         Strict: ``CheckpointError`` (a ``ValueError``) naming the file and the tensor for a
         file that is not safetensors, an index without ``weight_map`` or with an entry that is
-        not a plain file name in ``directory``, a weight whose dtype is not the checkpoint's one
-        floating dtype (the routing bias may be float32), and a NaN/inf in any weight read,
-        unless ``allow_non_finite=True`` (for inspecting a broken checkpoint).
+        not a plain file name in ``directory``, a weight not stored in float16/bfloat16/
+        float32/float64 (int8, float8 need scales this drafter does not read), with ``dtype=None``
+        a weight whose dtype is not the checkpoint's one dtype (the routing bias may be float32),
+        and a NaN/inf in any weight read, unless ``allow_non_finite=True`` (for inspecting a
+        broken checkpoint).
 
         Args:
-            dtype: cast the weights to this floating dtype (None: keep the checkpoint's); the
-                routing bias is always float32.
+            dtype: cast every weight to this dtype (float16, bfloat16, float32 or float64; a
+                checkpoint mixing those dtypes then loads); None keeps the checkpoint's one
+                dtype. The routing bias is always float32.
             device: where the weights go.
             ep_rank / ep_world / group / row_parallel_o_proj: with ``ep_world > 1`` (and
                 expert-parallel propose not disabled by ``GLM_MTP_NO_EP_PROPOSE=1``), rank
@@ -402,12 +405,20 @@ class MtpWeights:
         """
         from .checkpoint import load_mtp_tensors
 
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"from_pretrained: dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        from .checkpoint import WEIGHT_DTYPES
+
+        if dtype is not None and dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"from_pretrained: dtype must be a floating torch.dtype ({', '.join(map(str, WEIGHT_DTYPES))}) or None, got {dtype!r}"
+            )
         cfg = MtpConfig.from_hf_config(directory)
         spec = ShardSpec(ep_rank, ep_world, group, row_parallel_o_proj) if ep_world > 1 and ep_propose_enabled() else None
         mtp, embed, head = load_mtp_tensors(
-            directory, cfg, experts=spec.expert_range(cfg.n_routed_experts) if spec else None, allow_non_finite=allow_non_finite
+            directory,
+            cfg,
+            experts=spec.expert_range(cfg.n_routed_experts) if spec else None,
+            allow_non_finite=allow_non_finite,
+            cast=dtype is not None,
         )
 
         def place(name: str, t: Tensor) -> Tensor:

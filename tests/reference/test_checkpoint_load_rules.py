@@ -39,6 +39,24 @@ def test_a_tensor_of_another_dtype_is_refused(tmp_path, bad):
         MtpWeights.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("mixed", [torch.float32, torch.float16])
+def test_with_dtype_given_a_mixed_float_checkpoint_is_cast(tmp_path, mixed):
+    """An explicit dtype casts every weight to it, so a float32 norm among bfloat16 (as some real
+    checkpoints store norms) loads; an int8 or float8 weight never does (it needs scales)."""
+    w = saved(tmp_path)
+    norm = P + "enorm.weight"
+    # Norm weights near 1 are exact in float16; the matrix goes float32 (float16's range is narrower than bfloat16's).
+    edit_single(tmp_path, **{norm: w.state_dict()[norm].to(mixed), EXPERT: w.state_dict()[EXPERT].float()})
+    with pytest.raises(CheckpointError, match=norm):
+        MtpWeights.from_pretrained(tmp_path)
+    back = MtpWeights.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert weights_equal(back, w)  # bf16 -> wider float -> bf16 is exact
+    for bad in (torch.int8, torch.float8_e4m3fn):
+        edit_single(tmp_path, **{EXPERT: w.state_dict()[EXPERT].to(bad)})
+        with pytest.raises(CheckpointError, match=rf"{EXPERT}.*{bad}.*must be floating point"):
+            MtpWeights.from_pretrained(tmp_path, dtype=torch.bfloat16)
+
+
 def test_an_integer_checkpoint_is_refused(tmp_path):
     w = saved(tmp_path, dtype=torch.float32)
     edit_single(tmp_path, **{n: (t.detach() * 8).to(torch.int8) for n, t in w.state_dict().items()})
@@ -52,7 +70,9 @@ def test_a_float32_routing_bias_among_bf16_is_the_usual_layout(tmp_path):
     assert weights_equal(MtpWeights.from_pretrained(tmp_path), w)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool, torch.complex64, torch.uint8, "bfloat16", 16])
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int8, torch.bool, torch.complex64, torch.uint8, torch.float8_e4m3fn, "bfloat16", 16]
+)
 def test_a_non_floating_dtype_request_is_refused(tmp_path, dtype):
     saved(tmp_path)
     with pytest.raises(ValueError, match=r"dtype must be a floating torch\.dtype"):
