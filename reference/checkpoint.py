@@ -2,9 +2,10 @@
 sharded with ``model.safetensors.index.json``. Only the tensors asked for are read.
 
 Loading is strict (every rule names the file and the tensor): each file must be readable
-safetensors, index entries plain file names inside the folder, every weight one floating dtype
-(the routing bias may also be float32) and finite unless ``allow_non_finite``. Saving replaces
-the whole checkpoint or nothing (``save_checkpoint``).
+safetensors, index entries plain file names inside the folder, every weight float16/bfloat16/
+float32/float64 and, unless the caller casts, all one dtype (the routing bias may also be
+float32), and finite unless ``allow_non_finite``. Saving replaces the whole checkpoint or
+nothing (``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -372,7 +373,8 @@ def save_checkpoint(
     index): a non-empty folder without one is refused with ``ValueError``, so a mistyped path
     does not turn, say, a home folder into a checkpoint. So is the current working directory
     (it is the folder being replaced) and a path that is a file. A symbolic link to a folder
-    is followed (the folder it names is replaced).
+    is followed (the folder it names is replaced). The parent folder must be writable (the new
+    folder is built beside the old one); a mount point cannot be replaced (save inside it).
 
     ``shard_size`` must be a positive int or None, and every value a tensor; both are checked
     before anything is written. Tensors sharing memory (e.g. a tied embedding and head) are

@@ -171,3 +171,23 @@ def test_a_bad_shard_size_writes_nothing(tmp_path, shard_size):
         w.save_pretrained(tmp_path / "new", shard_size=shard_size)
     assert tree(tmp_path) == before
     assert weights_equal(MtpWeights.from_pretrained(tmp_path / "old"), w)
+
+
+def test_refused_targets_write_nothing_and_a_link_is_followed(tmp_path, monkeypatch):
+    w = MtpWeights.random(CFG, seed=12, dtype=torch.float32)
+    w.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "file").write_text("x")
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match="not a folder"):
+        w.save_pretrained(tmp_path / "file")
+    with pytest.raises(ValueError, match="tensors must map names"):
+        w.save_pretrained(tmp_path / "new", extra={"model.norm.weight": [1.0, 2.0]})
+    monkeypatch.chdir(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="current working directory"):
+        w.save_pretrained(".")
+    assert tree(tmp_path) == before
+    monkeypatch.chdir(tmp_path)
+    os.symlink(tmp_path / "ckpt", tmp_path / "link")
+    new = MtpWeights.random(CFG, seed=13, dtype=torch.float32)
+    new.save_pretrained(tmp_path / "link")
+    assert os.path.islink(tmp_path / "link") and weights_equal(MtpWeights.from_pretrained(tmp_path / "ckpt"), new)
