@@ -108,7 +108,7 @@ class MtpConfig:
                 raise ValueError(f"MtpConfig.{name} must be a boolean (true/false), got {value!r}")
         for name in FLOAT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not finite_number(value):
                 raise ValueError(f"MtpConfig.{name} must be a finite number, got {value!r}")
         positive = [
             "hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -254,6 +254,16 @@ class MtpConfig:
 # type (a quoted number, "false", 0/1 for a flag) is a mistake in the file, refused by name.
 
 
+def finite_number(value: object) -> bool:
+    """An int or float (not a bool) that a float holds finitely (a 400-digit int does not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def read_hf_json(path: str | os.PathLike[str] | dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The parsed ``config.json`` (``path``: the file, its directory, or a dict) and a name for
     it in error messages. Raises ``ValueError`` naming the file when it is not a JSON object."""
@@ -297,7 +307,7 @@ def hf_float(raw: dict[str, Any], name: str, default: float | None, where: str) 
     value = raw.get(name)
     if value is None and default is not None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not finite_number(value):
         raise ValueError(f"{where}: {name} must be a finite JSON number, got {value!r}")
     return float(value)
 

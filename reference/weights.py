@@ -403,9 +403,7 @@ class MtpWeights:
                 shard (see ``shard``).
             allow_non_finite: skip the NaN/inf check.
         """
-        from .checkpoint import load_mtp_tensors
-
-        from .checkpoint import WEIGHT_DTYPES
+        from .checkpoint import WEIGHT_DTYPES, load_mtp_tensors
 
         if dtype is not None and dtype not in WEIGHT_DTYPES:
             raise ValueError(

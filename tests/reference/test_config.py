@@ -98,6 +98,7 @@ def test_bad_configs_name_the_field(change, field):
         ("rope_theta", "10000", "number"),
         ("rope_theta", True, "number"),
         ("rope_theta", float("inf"), "finite"),
+        ("rope_theta", 10**400, "finite"),
         ("routed_scaling_factor", "2.5", "number"),
         ("rms_norm_eps", [1e-5], "number"),
         ("hidden_size", "64", "integer"),
