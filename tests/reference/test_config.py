@@ -142,3 +142,16 @@ def test_an_unreadable_config_file_is_named(tmp_path, body, match):
     (tmp_path / "config.json").write_text(body)
     with pytest.raises(ValueError, match=rf"config\.json.*{match}"):
         MtpConfig.from_hf_config(tmp_path)
+
+
+def test_any_field_of_any_type_gives_a_config_or_a_value_error_naming_it():
+    base = MtpConfig.preset("tiny").to_hf_dict()
+    base.update(tie_word_embeddings=False, rope_scaling=None, rope_parameters=None)
+    odd = ["x", "1", "true", 1.5, True, False, 0, -3, [], [1], {}, {"type": "default"}, 10**400, float("nan"), None]
+    for field in base:
+        for value in odd:
+            d = {**base, field: value}
+            try:
+                MtpConfig.from_hf_config(d)
+            except ValueError as e:
+                assert field in str(e) or (field == "qk_rope_head_dim" and "qk_head_dim" in str(e)), (field, value, e)
