@@ -363,12 +363,14 @@ def save_checkpoint(
     step (a full disk, an interrupt) leaves ``directory`` exactly as it was and removes the
     partial folder; no shard or index of an older save survives a successful one. Once the new
     folder is in place the save has succeeded: failing to delete the old folder or to flush the
-    parent is a warning, not an error. Only a crash of the process between the two renames
-    leaves ``directory`` missing, with the previous checkpoint intact at ``.NAME.old-*``.
+    parent is a warning, not an error. Only a crash of the process (SIGKILL, power loss) in the
+    middle of the swap leaves ``directory`` incomplete or missing, with nothing lost: the
+    previous checkpoint is at ``.NAME.old-*`` and the companions in ``.NAME.saving-*``.
 
     What is replaced: the checkpoint files (``config.json``, ``*.safetensors``,
     ``*.safetensors.index.json``). Every other entry (a tokenizer, a model card, logs) is a
-    companion and is kept, moved unchanged into the new folder; the folder keeps its permissions.
+    companion and is kept, moved unchanged into the new folder just before the swap (a reader
+    looking at that instant may miss it); the folder keeps its permissions.
     ``directory`` must be new, empty, or already hold a checkpoint (``model.safetensors`` or the
     index): a non-empty folder without one is refused with ``ValueError``, so a mistyped path
     does not turn, say, a home folder into a checkpoint. So is the current working directory
