@@ -46,13 +46,18 @@ def _unreadable(path: str, e: BaseException) -> CheckpointError:
 def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
     """Tensor name -> file name, from the index or from the single file's header.
 
-    Raises ``CheckpointError`` naming the file for an index that is not JSON, has no
+    Raises ``CheckpointError`` when both an index and a single file exist (ambiguous: a stale
+    save), and naming the file for an index that is not JSON, has no
     ``weight_map`` object, or maps a tensor to anything but a plain file name in ``directory``
     (``../other/model.safetensors``, an absolute path or a sub-folder would read another
     checkpoint's bytes), and for a single file that is not safetensors.
     """
     directory = os.fspath(directory)
     index = os.path.join(directory, INDEX_FILE)
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.exists(index) and os.path.exists(single):
+        # Which one is current cannot be told (an older save over a newer one left both behind).
+        raise CheckpointError(f"{directory}: holds both {INDEX_FILE} and {SINGLE_FILE}; which is current is ambiguous, remove one")
     if os.path.exists(index):
         with open(index) as f:
             try:
@@ -70,7 +75,6 @@ def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
                     f"{index}: weight_map[{name!r}] = {file!r} must be a plain file name in the checkpoint folder"
                 )
         return dict(wmap)
-    single = os.path.join(directory, SINGLE_FILE)
     if os.path.exists(single):
         try:
             with safe_open(single, "pt") as f:

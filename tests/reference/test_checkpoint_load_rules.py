@@ -186,3 +186,12 @@ def test_tie_word_embeddings_must_be_a_boolean(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="tie_word_embeddings must be a JSON boolean"):
         MtpWeights.from_pretrained(tmp_path)
+
+
+def test_an_index_beside_a_single_file_is_ambiguous(tmp_path):
+    """What an older save over a newer one left behind: which weights are current is unknowable."""
+    saved(tmp_path / "a", shard_size=8, seed=3)
+    saved(tmp_path / "b", seed=4)
+    os.link(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="both model.safetensors.index.json and model.safetensors"):
+        MtpWeights.from_pretrained(tmp_path / "a")
