@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 # The MTP layer of a checkpoint sits after the decoder layers: model.layers.{num_hidden_layers}.*
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+BOOL_FIELDS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave")
+FLOAT_FIELDS = ("rope_theta", "routed_scaling_factor", "rms_norm_eps")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,17 @@ class MtpConfig:
         return self.num_hidden_layers
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field that is missing, out of range or inconsistent."""
+        """Raise ``ValueError`` naming the first field that is missing, of the wrong type, out of
+        range or inconsistent. Types are strict: a flag must be a ``bool`` (the string ``"false"``
+        would be truthy), a number an ``int`` or ``float`` (never a string or a bool)."""
+        for name in BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"MtpConfig.{name} must be a boolean (true/false), got {value!r}")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not finite_number(value):
+                raise ValueError(f"MtpConfig.{name} must be a finite number, got {value!r}")
         positive = [
             "hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "n_routed_experts",
@@ -177,28 +190,23 @@ class MtpConfig:
         """Read a GLM-5 (``glm_moe_dsa``) or DeepSeek-V3.2 style ``config.json``.
 
         ``path`` is the file, its directory, or the already-parsed dict. Fields the drafter does
-        not use are ignored; a missing required field or a contradictory value raises
-        ``ValueError`` naming the field.
+        not use are ignored; a missing required field, a value of the wrong JSON type (a flag
+        must be ``true``/``false``, a number a JSON number, never a string) or a contradictory
+        value raises ``ValueError`` naming the field.
         """
-        if isinstance(path, dict):
-            raw = dict(path)
-            where = "config"
-        else:
-            file = os.fspath(path)
-            if os.path.isdir(file):
-                file = os.path.join(file, "config.json")
-            with open(file) as f:
-                raw = json.load(f)
-            where = file
+        raw, where = read_hf_json(path)
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{where}: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         for name, want in (("scoring_func", "sigmoid"), ("hidden_act", "silu")):
             if name in raw and raw[name] != want:
                 raise ValueError(f"{where}: {name} must be {want!r} for this drafter, got {raw[name]!r}")
-        rope_scaling = raw.get("rope_scaling")
+        for name in ("rope_scaling", "rope_parameters"):
+            if raw.get(name) is not None and not isinstance(raw[name], dict):
+                raise ValueError(f"{where}: {name} must be a JSON object or null, got {raw[name]!r}")
+        rope_scaling = raw.get("rope_scaling") or {}
         rope_params = raw.get("rope_parameters") or {}
-        rope_type = (rope_scaling or {}).get("type") or (rope_scaling or {}).get("rope_type") or rope_params.get("rope_type", "default")
+        rope_type = rope_scaling.get("type") or rope_scaling.get("rope_type") or rope_params.get("rope_type") or "default"
         if rope_type != "default":
             raise ValueError(f"{where}: rope_scaling / rope_parameters.rope_type {rope_type!r} is not supported (default RoPE only)")
 
@@ -212,37 +220,96 @@ class MtpConfig:
         for name in required:
             if raw.get(name) is None:
                 raise ValueError(f"{where}: required field {name!r} is missing")
-            kwargs[name] = raw[name]
-        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta"))
+            kwargs[name] = hf_int(raw, name, None, where)
+        rope_theta = raw.get("rope_theta")
         if rope_theta is None:
-            raise ValueError(f"{where}: required field 'rope_theta' is missing (also not in rope_parameters)")
-        optional = {
-            "n_shared_experts": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "routed_scaling_factor": 1.0,
-            "norm_topk_prob": True,
-            "rope_interleave": True,
-            "indexer_rope_interleave": True,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 4096,
-            "first_k_dense_replace": 0,
-            "intermediate_size": 0,
-        }
-        for name, default in optional.items():
-            value = raw.get(name)
-            kwargs[name] = default if value is None else value
-        kwargs["rope_theta"] = float(rope_theta)
-        kwargs["routed_scaling_factor"] = float(kwargs["routed_scaling_factor"])
-        kwargs["rms_norm_eps"] = float(kwargs["rms_norm_eps"])
+            if rope_params.get("rope_theta") is None:
+                raise ValueError(f"{where}: required field 'rope_theta' is missing (also not in rope_parameters)")
+            kwargs["rope_theta"] = hf_float(rope_params, "rope_theta", None, f"{where}: rope_parameters")
+        else:
+            kwargs["rope_theta"] = hf_float(raw, "rope_theta", None, where)
+        for name, default in (("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("max_position_embeddings", 4096),
+                              ("first_k_dense_replace", 0), ("intermediate_size", 0)):
+            kwargs[name] = hf_int(raw, name, default, where)
+        for name, default in (("routed_scaling_factor", 1.0), ("rms_norm_eps", 1e-6)):
+            kwargs[name] = hf_float(raw, name, default, where)
+        for name in BOOL_FIELDS:
+            kwargs[name] = hf_bool(raw, name, True, where)
+        hf_bool(raw, "tie_word_embeddings", False, where)  # read by the loader; checked here with the rest
         if "qk_head_dim" in raw and raw["qk_head_dim"] != kwargs["qk_nope_head_dim"] + kwargs["qk_rope_head_dim"]:
             raise ValueError(
-                f"{where}: qk_head_dim ({raw['qk_head_dim']}) must equal qk_nope_head_dim + qk_rope_head_dim "
+                f"{where}: qk_head_dim ({raw['qk_head_dim']!r}) must equal qk_nope_head_dim + qk_rope_head_dim "
                 f"({kwargs['qk_nope_head_dim']} + {kwargs['qk_rope_head_dim']})"
             )
-        if raw.get("num_nextn_predict_layers", 1) < 1:
+        if hf_int(raw, "num_nextn_predict_layers", 1, where) < 1:
             raise ValueError(f"{where}: num_nextn_predict_layers must be >= 1: this checkpoint has no MTP layer")
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Typed reads of a config.json: JSON has one number type and real booleans, so a value of another
+# type (a quoted number, "false", 0/1 for a flag) is a mistake in the file, refused by name.
+
+
+def finite_number(value: object) -> bool:
+    """An int or float (not a bool) that a float holds finitely (a 400-digit int does not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def read_hf_json(path: str | os.PathLike[str] | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The parsed ``config.json`` (``path``: the file, its directory, or a dict) and a name for
+    it in error messages. Raises ``ValueError`` naming the file when it is not a JSON object."""
+    if isinstance(path, dict):
+        return dict(path), "config"
+    file = os.fspath(path)
+    if os.path.isdir(file):
+        file = os.path.join(file, "config.json")
+    with open(file) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {type(raw).__name__}")
+    return raw, file
+
+
+def hf_bool(raw: dict[str, Any], name: str, default: bool, where: str) -> bool:
+    """``raw[name]`` as a JSON boolean (``default`` when absent or null)."""
+    value = raw.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name} must be a JSON boolean (true/false), got {value!r}")
+    return value
+
+
+def hf_int(raw: dict[str, Any], name: str, default: int | None, where: str) -> int:
+    """``raw[name]`` as a JSON integer (``default`` when absent or null)."""
+    value = raw.get(name)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: {name} must be a JSON integer, got {value!r}")
+    return value
+
+
+def hf_float(raw: dict[str, Any], name: str, default: float | None, where: str) -> float:
+    """``raw[name]`` as a finite JSON number, returned as ``float`` (``default`` when absent or null)."""
+    value = raw.get(name)
+    if value is None and default is not None:
+        return default
+    if not finite_number(value):
+        raise ValueError(f"{where}: {name} must be a finite JSON number, got {value!r}")
+    return float(value)
 
 
 _TINY = dict(

@@ -356,9 +356,16 @@ class MtpWeights:
     # ---- checkpoints ----------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike[str], shard_size: int | None = None, extra: dict[str, Tensor] | None = None) -> None:
         """Write ``config.json`` and safetensors in GLM-5 naming (sharded with an index when
-        ``shard_size`` tensors-per-file is given). ``extra`` adds tensors, e.g. a target's layers."""
-        from .checkpoint import save_checkpoint
+        ``shard_size`` tensors-per-file is given). ``extra`` adds tensors, e.g. a target's layers.
 
+        The checkpoint in ``directory`` is replaced as a whole or, on any failure, not at all;
+        other files there (tokenizer, model card) are kept; a non-empty folder holding no
+        checkpoint is refused (details: ``checkpoint.save_checkpoint``). A tied embedding and head
+        are written as two tensors and load back bit-exact. ``shard_size`` must be a positive
+        int or None (``ValueError`` before anything is written)."""
+        from .checkpoint import check_shard_size, save_checkpoint
+
+        check_shard_size(shard_size)
         save_checkpoint(directory, self.config.to_hf_dict(), {**(extra or {}), **self.state_dict()}, shard_size)
 
     @classmethod
@@ -371,19 +378,46 @@ class MtpWeights:
         ep_world: int = 1,
         group: object = None,
         row_parallel_o_proj: bool = True,
+        allow_non_finite: bool = False,
     ) -> "MtpWeights":
         """Load the MTP layer (``model.layers.{num_hidden_layers}.*``) with the target's
         ``model.embed_tokens.weight`` and ``lm_head.weight`` from a GLM-5 checkpoint directory,
         reading no other layer's tensors. Errors name the tensor and the expected shape.
 
-        With ``ep_world > 1`` (and expert-parallel propose not disabled by
-        ``GLM_MTP_NO_EP_PROPOSE=1``), rank ``ep_rank`` reads only its own routed experts and
-        returns its shard (see ``shard``)."""
-        from .checkpoint import load_mtp_tensors
+        Strict: ``CheckpointError`` (a ``ValueError``) naming the file and the tensor for a
+        file that is not safetensors, an index without ``weight_map`` or with an entry that is
+        not a plain file name in ``directory``, a weight not stored in float16/bfloat16/
+        float32/float64 (int8, float8 need scales this drafter does not read), with ``dtype=None``
+        a weight whose dtype is not the checkpoint's one dtype (the routing bias may be float32),
+        and a NaN/inf in any weight read, unless ``allow_non_finite=True`` (for inspecting a
+        broken checkpoint).
 
+        Args:
+            dtype: cast every weight to this dtype (float16, bfloat16, float32 or float64; a
+                checkpoint mixing those dtypes then loads); None keeps the checkpoint's one
+                dtype. The routing bias is always float32.
+            device: where the weights go.
+            ep_rank / ep_world / group / row_parallel_o_proj: with ``ep_world > 1`` (and
+                expert-parallel propose not disabled by ``GLM_MTP_NO_EP_PROPOSE=1``), rank
+                ``ep_rank`` reads (and checks) only its own routed experts and returns its
+                shard (see ``shard``).
+            allow_non_finite: skip the NaN/inf check.
+        """
+        from .checkpoint import WEIGHT_DTYPES, load_mtp_tensors
+
+        if dtype is not None and dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"from_pretrained: dtype must be a floating torch.dtype ({', '.join(map(str, WEIGHT_DTYPES))}) or None, got {dtype!r}"
+            )
         cfg = MtpConfig.from_hf_config(directory)
         spec = ShardSpec(ep_rank, ep_world, group, row_parallel_o_proj) if ep_world > 1 and ep_propose_enabled() else None
-        mtp, embed, head = load_mtp_tensors(directory, cfg, experts=spec.expert_range(cfg.n_routed_experts) if spec else None)
+        mtp, embed, head = load_mtp_tensors(
+            directory,
+            cfg,
+            experts=spec.expert_range(cfg.n_routed_experts) if spec else None,
+            allow_non_finite=allow_non_finite,
+            cast=dtype is not None,
+        )
 
         def place(name: str, t: Tensor) -> Tensor:
             if name.endswith("e_score_correction_bias"):

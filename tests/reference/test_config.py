@@ -85,3 +85,73 @@ def test_bad_configs_name_the_field(change, field):
         del d["hidden_size"]
     with pytest.raises(ValueError, match=field):
         MtpConfig.from_hf_config(d)
+
+
+@pytest.mark.parametrize(
+    "field,value,rule",
+    [
+        ("norm_topk_prob", "false", "JSON boolean"),
+        ("norm_topk_prob", 0, "JSON boolean"),
+        ("rope_interleave", "true", "JSON boolean"),
+        ("indexer_rope_interleave", 1, "JSON boolean"),
+        ("tie_word_embeddings", "false", "JSON boolean"),
+        ("rope_theta", "10000", "number"),
+        ("rope_theta", True, "number"),
+        ("rope_theta", float("inf"), "finite"),
+        ("rope_theta", 10**400, "finite"),
+        ("routed_scaling_factor", "2.5", "number"),
+        ("rms_norm_eps", [1e-5], "number"),
+        ("hidden_size", "64", "integer"),
+        ("hidden_size", 64.0, "integer"),
+        ("n_group", True, "integer"),
+        ("first_k_dense_replace", "1", "integer"),
+        ("num_nextn_predict_layers", "1", "integer"),
+        ("num_nextn_predict_layers", 1.5, "integer"),
+        ("qk_head_dim", "24", "must equal"),
+        ("rope_scaling", "yarn", "object"),
+        ("rope_scaling", {"type": 3}, "rope_type"),
+        ("rope_parameters", ["default"], "object"),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": "5e3"}, "number"),
+        ("model_type", ["glm_moe_dsa"], "must be one of"),
+    ],
+)
+def test_a_wrong_type_is_a_value_error_naming_the_field(field, value, rule):
+    d = MtpConfig.preset("tiny").to_hf_dict()
+    d[field] = value
+    if field == "rope_parameters" and isinstance(value, dict):
+        del d["rope_theta"]
+    with pytest.raises(ValueError, match=rf"{field}.*{rule}|{rule}.*{field}"):
+        MtpConfig.from_hf_config(d)
+
+
+@pytest.mark.parametrize("field,value", [("norm_topk_prob", "false"), ("rope_theta", "1e4"), ("rms_norm_eps", None)])
+def test_the_dataclass_checks_types_too(field, value):
+    with pytest.raises(ValueError, match=field):
+        MtpConfig.preset("tiny").replace(**{field: value})
+
+
+def test_integer_valued_numbers_are_numbers():
+    d = MtpConfig.preset("tiny").to_hf_dict()
+    d.update(rope_theta=10000, routed_scaling_factor=2, tie_word_embeddings=False)
+    c = MtpConfig.from_hf_config(d)
+    assert isinstance(c.rope_theta, float) and c.rope_theta == 10000.0 and c.routed_scaling_factor == 2.0
+
+
+@pytest.mark.parametrize("body,match", [("{oops", "not valid JSON"), ("[1, 2]", "JSON object"), ('"x"', "JSON object")])
+def test_an_unreadable_config_file_is_named(tmp_path, body, match):
+    (tmp_path / "config.json").write_text(body)
+    with pytest.raises(ValueError, match=rf"config\.json.*{match}"):
+        MtpConfig.from_hf_config(tmp_path)
+
+
+def test_any_field_of_any_type_gives_a_config_or_a_value_error_naming_it():
+    base = MtpConfig.preset("tiny").to_hf_dict()
+    base.update(tie_word_embeddings=False, rope_scaling=None, rope_parameters=None)
+    odd = ["x", "1", "true", 1.5, True, False, 0, -3, [], [1], {}, {"type": "default"}, 10**400, float("nan"), None]
+    for field in base:
+        for value in odd:
+            d = {**base, field: value}
+            try:
+                MtpConfig.from_hf_config(d)
+            except ValueError as e:
+                assert field in str(e) or (field == "qk_rope_head_dim" and "qk_head_dim" in str(e)), (field, value, e)
