@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference import attention as _attention
+from glm_mtp.reference import block as _block
 from glm_mtp.reference import indexer as _indexer
 from glm_mtp.reference import proposer as _proposer
 from glm_mtp.reference.attention import Rope
@@ -186,15 +187,23 @@ class StaleIndexerView(SwappingMutant):
     def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
         seen = getattr(state, "_mutant_high_water", 0)
 
-        def select_rows(scores: Tensor, slots: Tensor, topk: int) -> Tensor:
+        def select_rows(scores: Tensor, slots: Tensor, topk: int) -> tuple[Tensor, Tensor]:
             # MUTATION: rows up to the most ever held stay visible after a rewind.
-            C = scores.shape[-1]
-            col = torch.arange(C, device=scores.device)[None, :]
+            S = scores.shape[-1]
+            col = torch.arange(S, device=scores.device)[None, :]
             visible = (col <= slots[:, None]) | (col < seen)
-            best = _indexer.topk_indices(scores.masked_fill(~visible, float("-inf")), min(topk, C))
-            return torch.zeros_like(visible).scatter_(1, best, True) & visible
+            K = min(topk, S)
+            count = visible.long().sum(-1).clamp(max=K)
+            best = _indexer.topk_indices(scores.masked_fill(~visible, float("-inf")), K)
+            listed = torch.arange(K, device=scores.device)[None, :] < count[:, None]
+            rows = torch.where(listed, best, S).sort(dim=-1).values
+            return torch.where(listed, rows, 0), count
 
-        return [(_attention, "select_rows", select_rows)]
+        def mtp_rows(*args: Any, rows_read: int | None = None, **kwargs: Any) -> Any:
+            # MUTATION: the block reads the whole capacity, not just the rows held.
+            return _block.mtp_rows(*args, **kwargs)
+
+        return [(_attention, "select_rows", select_rows), (_proposer, "mtp_rows", mtp_rows)]
 
     def _track(self, state: DrafterState, result: Any) -> Any:
         if not state.released:

@@ -6,7 +6,7 @@ import torch
 from glm_mtp.conformance import MUTANTS, run
 from glm_mtp.conformance.mutants import _topk_ties_high
 from glm_mtp.conformance.runner import Harness, record
-from glm_mtp.reference import attention, indexer, layers
+from glm_mtp.reference import attention, indexer, layers, proposer
 from glm_mtp.reference.layers import topk_indices
 from glm_mtp.reference.weights import same_bytes
 
@@ -39,7 +39,7 @@ def test_tie_mutant_differs_only_on_ties():
 
 
 def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
-    originals = (attention.select_rows, indexer.topk_indices)
+    originals = (attention.select_rows, indexer.topk_indices, proposer.mtp_rows)
     # Lockstep a swapping mutant against the reference and keep what the reference side exported ...
     h = Harness("mutant:stale_indexer_view", "reference", dtype=torch.bfloat16)
     from glm_mtp.conformance.scenarios import scenario
@@ -51,7 +51,7 @@ def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
         for i, v in enumerate(ls.baseline.view()):
             for k, t in v.export.items():
                 beside[f"0/{step}/{i}/{k}"] = t
-    assert (attention.select_rows, indexer.topk_indices) == originals and indexer.topk_indices is layers.topk_indices
+    assert (attention.select_rows, indexer.topk_indices, proposer.mtp_rows) == originals and indexer.topk_indices is layers.topk_indices
     # ... which must equal the reference run alone, byte for byte.
     _, alone = record("reference", [0], seed=0)
     assert beside.keys() == alone.keys()

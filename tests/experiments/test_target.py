@@ -54,7 +54,9 @@ def test_grouped_moe_is_the_reference_moe(tiny64):
     torch.testing.assert_close(grouped_moe(moe, tiny64.target.config, m), moe_block(moe, tiny64.target.config, m), rtol=1e-12, atol=1e-12)
 
 
-def test_training_mtp_forward_is_mtp_rows_byte_for_byte(tiny64):
+def test_training_mtp_forward_is_mtp_rows_in_float64(tiny64):
+    """Training computes with torch's kernels (numerics.VENDOR), the drafter in the pinned order:
+    the same math, so in float64 they agree to rounding."""
     w, cfg = tiny64.mtp, tiny64.mtp.config
     g = torch.Generator().manual_seed(9)
     T = 21
@@ -63,7 +65,7 @@ def test_training_mtp_forward_is_mtp_rows_byte_for_byte(tiny64):
     x, logits = mtp_forward(w, toks, hid, zero_first=True, moe=moe_block)
     cache = LayerCache.allocate(cfg, num_blocks(T), torch.float64, "cpu")
     ref = mtp_rows(w, toks, hid, torch.arange(T), cache, Rope.build(cfg, BLOCK_ROWS * num_blocks(T), "cpu"))
-    assert same_bytes(x, ref.x)
+    torch.testing.assert_close(x, ref.x, rtol=1e-12, atol=1e-12)
 
 
 def test_joint_losses_backprop_into_every_parameter(random_prompt):
