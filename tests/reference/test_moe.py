@@ -117,3 +117,28 @@ def test_a_rows_moe_output_does_not_depend_on_its_batch():
     batch = moe_block(w.layer.mlp, cfg, m)
     for t in range(6):
         assert same_bytes(moe_block(w.layer.mlp, cfg, m[t : t + 1])[0], batch[t])
+
+
+def test_experts_are_read_in_place():
+    """The reference MoE reads each chosen expert's weights as views of the stacked tensors: no
+    op copies, gathers or casts them (an ``index_select`` of 8 of GLM-5's experts would copy
+    ~300 MB per row)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = MtpConfig.preset("tiny")
+    moe = MtpWeights.random(cfg, seed=9, dtype=torch.bfloat16).layer.mlp
+    stacked = {t.untyped_storage().data_ptr() for t in (moe.experts_gate, moe.experts_up, moe.experts_down)}
+    touched = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in stacked:
+                touched.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    with Spy():
+        moe_block(moe, cfg, m)
+    assert touched and set(touched) <= {"aten.select.int", "aten.unsqueeze.default", "aten.mul.Tensor",
+                                        "aten.view.default", "aten.slice.Tensor", "aten.expand.default"}, set(touched)
