@@ -4,14 +4,11 @@ run directory left behind (experiments/validate.py)."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import acceptance, validate
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def config(name, overrides=()):

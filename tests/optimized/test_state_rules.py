@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 import glm_mtp.optimized.proposer as opt_module
 import glm_mtp.reference.proposer as ref_module
@@ -133,7 +132,7 @@ def test_a_refused_call_does_not_poison(weights, inputs, backend):
     assert len(prop.propose(inputs.token(), inputs.hiddens(1), 12, 2, st)) == 2
 
 
-def test_reset_state_clears_the_poison(weights, inputs, monkeypatch, lockstep):
+def test_reset_state_clears_the_poison(weights, inputs, monkeypatch):
     prop = OptimizedProposer(weights, 64)
     st = ready(prop, inputs)
     with monkeypatch.context() as m:
