@@ -3,10 +3,12 @@
     python -m glm_mtp.conformance --candidate optimized --baseline reference \\
         --device cpu --dtype bfloat16 --preset tiny --scenarios 200 --seed 0
 
-Prints a summary table and writes a JSON report. Exit status: 0 when every step is equal byte
-for byte, 1 on any difference, 2 on bad arguments (an unknown backend, preset or dtype, a device
-that is not there, a backend that cannot be imported). ``--scenario-index I`` replays one
-scenario, as the failure report's replay line does.
+Prints a summary table and writes a JSON report. Exit status, one meaning each: 0 when every
+step is equal byte for byte, 1 on a difference (and only then), 2 when nothing could be compared:
+bad arguments (an unknown backend, preset or dtype, a device that is not there, a backend that
+cannot be imported, a ``--max-drafts`` the generators cannot serve, a scenario file that is not
+one, a ``--json`` path that cannot be written) or any other error, printed as one line.
+``--scenario-index I`` replays one scenario, as the failure report's replay line does.
 """
 
 from __future__ import annotations
@@ -45,8 +47,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def unwritable(path: str) -> str | None:
+    """Why a report could not be written at ``path`` (checked before the run), or ``None``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--json {path} is a directory"
+    if not os.path.isdir(folder):
+        return f"--json {path}: the directory {folder} does not exist"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"--json {path} is not writable"
+    return None
+
+
+def error(message: str) -> int:
+    print(f"python -m glm_mtp.conformance: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.json and (why := unwritable(args.json)):
+        return error(why)
     if args.device.startswith("cpu"):
         # Triton kernels run in its interpreter on the CPU; the variable must be set before
         # triton is imported (by the optimized backend).
@@ -73,17 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             generators=[g for g in args.generators.split(",") if g], weights_seed=args.weights_seed,
             max_drafts=args.max_drafts, scenario_file=args.scenario_file,
         )
-    except OSError as e:  # --scenario-file that cannot be read
-        print(f"python -m glm_mtp.conformance: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, RuntimeError) as e:  # bad names, an unavailable device, a backend that does not import
-        if isinstance(e, RuntimeError) and "cuda" not in str(e).lower() and "device" not in str(e).lower():
-            raise
-        print(f"python -m glm_mtp.conformance: error: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:  # bad names or files, an unavailable device, a backend that does not import
+        return error(str(e))
+    except Exception as e:  # a crash is not a difference: exit 1 must mean one
+        return error(f"the run failed ({type(e).__name__}: {e})")
     print(report.summary())
     if args.json:
-        report.write_json(args.json)
+        try:
+            report.write_json(args.json)
+        except OSError as e:
+            return error(f"the report could not be written ({e})")
         print(f"report: {args.json}")
     return 0 if report.ok else 1
 

@@ -648,10 +648,22 @@ def save_scenario(path: str, ops: Sequence[Op], origin: str = "") -> None:
 
 
 def load_scenario(path: str) -> Scenario:
-    """A scenario saved by ``save_scenario`` (e.g. by the hypothesis machine on a failure)."""
+    """A scenario saved by ``save_scenario`` (e.g. by the hypothesis machine on a failure);
+    ``ValueError`` naming the file if it holds anything else (``OSError`` if it cannot be read)."""
     with open(path) as f:
-        raw = json.load(f)
-    return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=tuple(Op.from_dict(d) for d in raw["ops"]))
+        try:
+            raw = json.load(f)
+            ops = tuple(Op.from_dict(d) for d in raw["ops"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"scenario file {path}: not a scenario saved by save_scenario ({type(e).__name__}: {e})") from e
+    return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=ops)
+
+
+def max_drafts_limit(config: MtpConfig, max_seq_len: int) -> int:
+    """The largest ``max_drafts`` the generators serve: the rows a state has left after a prompt
+    of ``max_seq_len`` tokens (the capacity-edge rules draft from there)."""
+    m = Model(config, max_seq_len)
+    return m.capacity - (m.max_seq_len - 1)
 
 
 def scenario_seed(seed: int, index: int) -> int:
@@ -677,6 +689,9 @@ def scenario(
     for g in generators:
         if g not in GENERATORS:
             raise ValueError(f"generators: unknown generator {g!r}; known: {GENERATORS}")
+    limit = max_drafts_limit(config, max_seq_len)
+    if isinstance(max_drafts, bool) or not isinstance(max_drafts, int) or not 1 <= max_drafts <= limit:
+        raise ValueError(f"max_drafts must be an integer in [1, {limit}] (the rows left after a prompt of max_seq_len={max_seq_len} tokens), got {max_drafts!r}")
     gen = generators[index % len(generators)]
     s = scenario_seed(seed, index)
     model = Model(config, max_seq_len)

@@ -199,12 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-parallel-o-proj", action="store_true", help="split o_proj's inputs over the ranks (tree-aligned: bit-exact; a power-of-two world)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args(argv)
+    # Zero ranks or zero scenarios would compare nothing and still print "byte-identical: True".
+    if a.world < 1:
+        p.error(f"--world must be >= 1, got {a.world}")
+    if a.scenarios < 1:
+        p.error(f"--scenarios must be >= 1, got {a.scenarios}")
     recs = check_sharded(a.world, a.backend, a.preset, a.dtype, a.scenarios, seed=a.seed,
                          row_parallel_o_proj=a.row_parallel_o_proj, device=a.device)
     for r in recs:
         print(json.dumps(r))
     exact = all(r["byte_mismatch_steps"] == 0 and r["ranks_agree"] for r in recs)
-    print("byte-identical to the single-rank reference:" , exact)
+    print("byte-identical to the single-rank reference:", exact)
     return 0 if exact else 1
 
 

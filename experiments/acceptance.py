@@ -180,6 +180,9 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="config")
     def _main(cfg: Any) -> None:
+        from .validate import check_acceptance, exit_on_bad_config
+
+        exit_on_bad_config(check_acceptance, cfg, HydraConfig.get().runtime.output_dir, "python -m glm_mtp.experiments.acceptance")
         run(cfg, HydraConfig.get().runtime.output_dir)
 
     _main()

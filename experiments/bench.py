@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 
+from .validate import unwritable_dir
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # aten ops that make the host wait for the device.
 SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
@@ -327,7 +329,8 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
-    p = argparse.ArgumentParser(description="Propose latency and memory, reference vs optimized, against the bandwidth floor.")
+    p = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.bench",
+                                description="Propose latency and memory, reference vs optimized, against the bandwidth floor.")
     p.add_argument("--presets", nargs="+", default=None, help="default: tiny small glm5_shape (+ glm5 on cuda)")
     p.add_argument("--backends", nargs="+", default=["reference", "optimized"], choices=["reference", "optimized"])
     p.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 3, 4, 5])
@@ -341,11 +344,24 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
     a = p.parse_args(argv)
-    cuda = a.device.startswith("cuda")
+    try:
+        device = torch.device(a.device)
+    except (RuntimeError, ValueError) as e:
+        p.error(f"--device {a.device!r} is not a device ({e})")
+    cuda = device.type == "cuda"
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda, but CUDA is not available")
+    if cuda and device.index is not None and device.index >= torch.cuda.device_count():
+        p.error(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if any(k < 1 for k in a.drafts):
         p.error("--drafts must be >= 1")
+    # None means the device's default; 0 or a negative count is refused, never replaced silently.
+    for name, minimum in (("repeats", 1), ("copy_mib", 1), ("context", 1), ("warmup", 0), ("max_seq_len", 1)):
+        value = getattr(a, name)
+        if value is not None and value < minimum:
+            p.error(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
     presets = a.presets or (["tiny", "small", "glm5_shape", "glm5"] if cuda else ["tiny", "small", "glm5_shape"])
     for name in presets:
         try:
@@ -354,11 +370,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             p.error(str(e))
     if a.context + max(a.drafts) + 2 > a.max_seq_len:
         p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
+    out = a.out or os.path.join("outputs", "bench", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if why := unwritable_dir(out):  # before the measurements, not after them
+        p.error(f"--out {why}")
     return BenchConfig(
         presets=presets, backends=a.backends, drafts=a.drafts, device=a.device, dtype=a.dtype, context=a.context,
-        max_seq_len=a.max_seq_len, repeats=a.repeats or (30 if cuda else 7), warmup=a.warmup,
-        copy_mib=a.copy_mib or (2048 if cuda else 256), seed=a.seed,
-        out=a.out or os.path.join("outputs", "bench", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}"),
+        max_seq_len=a.max_seq_len, repeats=a.repeats if a.repeats is not None else (30 if cuda else 7), warmup=a.warmup,
+        copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out,
     )
 
 

@@ -412,7 +412,10 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="train")
     def _main(cfg: Any) -> None:
+        from .validate import check_train, exit_on_bad_config
+
         hc = HydraConfig.get()
+        exit_on_bad_config(check_train, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.train")
         run(cfg, hc.runtime.output_dir, " ".join(["python -m glm_mtp.experiments.train", *hc.overrides.task]))
 
     _main()

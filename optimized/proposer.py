@@ -29,8 +29,11 @@ from torch import Tensor
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits
 from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.proposer import FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, hidden_fingerprint, one_token
-from glm_mtp.reference.state import DrafterState
+from glm_mtp.reference.proposer import (
+    FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, check_token_dtype, check_token_id, hidden_fingerprint,
+    one_token,
+)
+from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing
 from glm_mtp.reference.weights import MtpWeights
 
 from .block import Fused, KernelMode, block_rows
@@ -99,14 +102,15 @@ class OptimizedProposer:
 
     def drafter_rows(self, state: DrafterState) -> int:
         """Rows held (``seq_len``)."""
-        st = self._state(state)
-        self._settle(st)
-        return st.seq_len
+        with self._use(state, "drafter_rows") as st:
+            self._settle(st)
+            return st.seq_len
 
     def last_pair_key(self, state: DrafterState) -> int | None:
         """The newest row's slot, ``seq_len - 1``, or ``None`` without rows."""
-        n = self.drafter_rows(state)
-        return n - 1 if n > 0 else None
+        with self._use(state, "last_pair_key") as st:
+            self._settle(st)
+            return st.seq_len - 1 if st.seq_len > 0 else None
 
     def rope(self, device: torch.device) -> Rope:
         """The RoPE table of ``device`` (the reference's, shared)."""
@@ -119,40 +123,42 @@ class OptimizedProposer:
         if device != self.weights.device:
             raise ValueError(f"device must be the weights' device {self.weights.device}, got {device} (move them with MtpWeights.to)")
         self.rope(device)
-        return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device)
+        return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device, Owner(self.weights, self.capacity))
 
     def free_state(self, state: DrafterState) -> None:
-        """Release every buffer and captured graph; a second call is a no-op."""
-        st = self._state(state)
-        if not st.released:
-            st.release()
+        """Release every buffer and captured graph; a second call is a no-op. A poisoned state
+        is freed too."""
+        with self._use(state, "free_state") as st:
+            if not st.released:
+                st.release()
 
     def reset_state(self, state: DrafterState) -> None:
         """Make a live state fresh again (as ``alloc_state`` returns it) in place, keeping its
         buffers and captured graphs: an engine that reuses states for new sequences skips the
-        allocation and the one-off graph capture of each ``num_drafts``."""
-        st = self._state(state)
-        if st.released:
-            raise RuntimeError("reset_state: the state was freed (free_state); allocate a new one")
-        st.unsettled, st.deferred_error = None, None
-        st.cache.kv_pool.zero_()
-        st.cache.index_pool.zero_()
-        st.x.zero_()
-        st.seq_dev.zero_()
-        st.seq_len, st.pending, st.last_drafted = 0, False, 0
+        allocation and the one-off graph capture of each ``num_drafts``. It also makes a poisoned
+        state sound again: every byte it holds is rewritten."""
+        with self._use(state, "reset_state") as st:
+            if st.released:
+                raise RuntimeError("reset_state: the state was freed (free_state); allocate a new one")
+            st.unsettled, st.deferred_error = None, None
+            with writing(st, "reset_state"):
+                st.cache.kv_pool.zero_()
+                st.cache.index_pool.zero_()
+                st.x.zero_()
+                st.seq_dev.zero_()
+            st.seq_len, st.pending, st.last_drafted = 0, False, 0
+            st.poisoned = None
 
     def export_state(self, state: DrafterState) -> dict[str, Tensor]:
         """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
-        st = self._state(state)
-        self._settle(st)
-        return self._ref.export_state(st)  # once settled, the state's fields are the reference's
+        with self._use(state, "export_state") as st:
+            self._settle(st)
+            return self._ref.snapshot(st)  # once settled, the state's fields are the reference's
 
     # ---- validation ---------------------------------------------------------------------
-    @staticmethod
-    def _state(state: DrafterState) -> OptimizedState:
-        if not isinstance(state, OptimizedState):
-            raise TypeError(f"state must come from OptimizedProposer.alloc_state, got {type(state).__name__}")
-        return state
+    def _use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
+        """The reference's guard (``state.use_state``) with this backend's state type."""
+        return use_state(state, call, type(self).__name__, OptimizedState, self.weights, self.capacity)
 
     def _settle(self, st: OptimizedState) -> None:
         """Confirm an outstanding ``propose_device`` (one read of its check code). If its inputs
@@ -160,8 +166,8 @@ class OptimizedProposer:
         error for the next mutating call."""
         if st.unsettled is None or st.released:
             return
-        u, st.unsettled = st.unsettled, None
         code = read_back(st.out[:1])[0]
+        u, st.unsettled = st.unsettled, None  # only once read: an interrupt above leaves it unsettled
         if code != CHECK_OK:
             st.seq_len, st.pending, st.last_drafted = u.seq_len, False, 0
             st.deferred_error = (
@@ -172,13 +178,15 @@ class OptimizedProposer:
     def _check_live(self, st: OptimizedState, call: str) -> None:
         """The reference's lifecycle checks, after settling and raising a deferred error."""
         self._settle(st)
-        if st.released:
-            raise RuntimeError(f"{call}: the state was freed (free_state); allocate a new one")
+        check_sound(st, call)
+        self._raise_deferred(st)
+        self._ref._check_live(st, call)
+
+    @staticmethod
+    def _raise_deferred(st: OptimizedState) -> None:
         if st.deferred_error is not None:
             message, st.deferred_error = st.deferred_error, None
             raise ValueError(message)
-        if st.pending:
-            raise RuntimeError(f"{call}: a propose of {st.last_drafted} drafts is pending; call after_verify first")
 
     @staticmethod
     def _check_message(code: int) -> str:
@@ -195,43 +203,30 @@ class OptimizedProposer:
         position = check_int("position", position)
         if st.seq_len < position:
             raise RuntimeError(f"{call}: the drafter holds {st.seq_len} rows, behind position {position}; catch up first")
-        V = self.config.vocab_size
         last_token = one_token(last_token)
         if isinstance(last_token, Tensor):
             token = last_token
-            if token.dtype.is_floating_point or token.dtype.is_complex or token.dtype == torch.bool:
-                raise ValueError(f"last_token must hold integer token ids, got dtype {token.dtype}")
+            check_token_dtype("last_token", token)
         else:
-            if isinstance(last_token, bool) or not isinstance(last_token, int):
-                raise ValueError(f"last_token must hold integer token ids, got {type(last_token).__name__}")
-            if not 0 <= last_token < V:
-                raise ValueError(f"last_token: token id {last_token} is outside [0, vocab_size={V})")
+            check_token_id("last_token", last_token, self.config.vocab_size)
             token = None
         hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
-        H = self.config.hidden_size
-        if not isinstance(hidden, Tensor):
-            raise ValueError(f"target_hidden must be a tensor, got {type(hidden).__name__}")
-        if tuple(hidden.shape) != (1, H):
-            raise ValueError(f"target_hidden must have shape (1, {H}), got {tuple(hidden.shape)}")
-        if hidden.dtype != self.weights.dtype:
-            raise ValueError(f"target_hidden must have the weights' dtype {self.weights.dtype}, got {hidden.dtype}")
-        if hidden.device != st.device:
-            raise ValueError(f"target_hidden must be on the state's device {st.device}, got {hidden.device}")
+        self._ref._hiddens("target_hidden", hidden, 1, st, finite=False)
         num_drafts = check_int("num_drafts", num_drafts)
-        if position + num_drafts > self.capacity:
-            raise ValueError(f"{call}: rows up to {position + num_drafts} would run past the state's capacity of {self.capacity} rows")
+        self._ref._check_capacity(call, position + num_drafts)
 
         if os.environ.get(FINGERPRINT_ENV) == "1":  # a debugging aid; it syncs
             tok = int(token[0]) if token is not None else last_token
             logger.info("GLM_MTP_DBG propose position=%d drafter_rows=%d tok=%d fp_target=%s",
                         position, st.seq_len, tok, hidden_fingerprint(hidden))
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
-        if token is None:
-            st.tok_in.fill_(last_token)
-        else:
-            st.tok_in.copy_(token)
-        st.hid_in.copy_(hidden)
-        st.pos.fill_(position)
+        with writing(st, call):
+            if token is None:
+                st.tok_in.fill_(last_token)
+            else:
+                st.tok_in.copy_(token)
+            st.hid_in.copy_(hidden)
+            st.pos.fill_(position)
         return position, num_drafts
 
     # ---- drafting ----------------------------------------------------------------------
@@ -276,10 +271,15 @@ class OptimizedProposer:
         the k steps run without a host sync and the drafts come back in one read at the end.
 
         Raises what the reference raises for the same input, leaving the state byte-identical."""
-        st = self._state(state)
-        position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts)
-        self._run(st, k)
-        values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
+        with self._use(state, "propose") as st:
+            position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts)
+            with writing(st, "propose"):
+                self._run(st, k)
+                values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
+            return self._finish_propose(st, values, position, k)
+
+    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int) -> list[int]:
+        """``propose`` after its read-back: the refusal of bad data (nothing was written), or the counters."""
         if values[0] != CHECK_OK:
             if not values[0] & TOKEN_IN_RANGE:
                 bad = read_back(st.tok_in)[0]
@@ -301,25 +301,26 @@ class OptimizedProposer:
         call (``after_verify``, ``propose``, ``catchup_drafter``, ...) raises ``ValueError``
         naming the input, without changing anything. Every other check (lifecycle, shapes,
         dtypes, Python-int ranges, capacity) raises here, as in ``propose``."""
-        st = self._state(state)
-        self._settle(st)
-        before = st.seq_len
-        position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
-        self._run(st, k)
-        st.seq_len, st.pending, st.last_drafted = position + k, True, k
-        st.unsettled = Unsettled(seq_len=before, num_drafts=k)
-        return st.out[1 : k + 1]
+        with self._use(state, "propose_device") as st:
+            self._settle(st)
+            before = st.seq_len
+            position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
+            with writing(st, "propose_device"):
+                self._run(st, k)
+            st.seq_len, st.pending, st.last_drafted = position + k, True, k
+            st.unsettled = Unsettled(seq_len=before, num_drafts=k)
+            return st.out[1 : k + 1]
 
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         """Keep the first ``num_accepted + 1`` rows of the pending propose (at least one) and
         trim the rest: counters only, nothing is copied."""
-        st = self._state(state)
-        self._settle(st)
-        if not st.released and st.deferred_error is not None:
-            message, st.deferred_error = st.deferred_error, None
-            raise ValueError(message)
-        self._ref.after_verify(num_accepted, st)  # the reference's checks and counters
-        st.seq_dev.fill_(st.seq_len)
+        with self._use(state, "after_verify") as st:
+            self._settle(st)
+            check_sound(st, "after_verify")
+            self._raise_deferred(st)
+            self._ref.apply_verify(num_accepted, st)  # the reference's checks and counters
+            with writing(st, "after_verify"):
+                st.seq_dev.fill_(st.seq_len)
 
     # ---- context rows ------------------------------------------------------------------
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
@@ -332,16 +333,16 @@ class OptimizedProposer:
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
         """Write rows ``[0, n-1)`` from prompt ``t_0..t_{n-1}`` and hiddens ``h_0..h_{n-1}``
         (see ``ReferenceProposer.prefill_drafter``); checks as there, on the host."""
-        st = self._state(state)
-        self._check_live(st, "prefill_drafter")
-        return self._ref.write_prefill(prompt_tokens, hiddens, st, self._write_rows)
+        with self._use(state, "prefill_drafter") as st:
+            self._check_live(st, "prefill_drafter")
+            return self._ref.write_prefill(prompt_tokens, hiddens, st, self._write_rows)
 
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
         """Write rows ``row_base + i`` from ``tokens[i] = t_{row_base+i+1}`` and ``hiddens[i] =
         h_{row_base+i}`` (see ``ReferenceProposer.catchup_drafter``); ``pos_base`` is ignored."""
-        st = self._state(state)
-        self._check_live(st, "catchup_drafter")
-        return self._ref.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows)
+        with self._use(state, "catchup_drafter") as st:
+            self._check_live(st, "catchup_drafter")
+            return self._ref.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows)
 
     def _write_catchup_rows(self, ids: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         if ids.shape[0] == 1:  # the loop's catch-up after a fully accepted propose: a captured program

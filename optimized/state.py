@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.state import DrafterState, LayerCache
+from glm_mtp.reference.state import DrafterState, LayerCache, Owner
 
 
 @dataclass
@@ -62,14 +62,16 @@ class OptimizedState(DrafterState):
     deferred_error: str | None = None
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device) -> "OptimizedState":
-        """Every buffer of one sequence, zeroed (``x`` starts at zero, as in the reference)."""
+    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, owner: Owner | None = None) -> "OptimizedState":
+        """Every buffer of one sequence, zeroed (``x`` starts at zero, as in the reference);
+        ``owner`` is the allocating drafter (``reference.state.Owner``)."""
         cache = LayerCache.allocate(cfg, blocks, dtype, device)
         capacity = cache.capacity
         return cls(
             cache=cache,
             x=torch.zeros(cfg.hidden_size, dtype=dtype, device=device),
             device=device,
+            owner=owner,
             tok_in=torch.zeros(1, dtype=torch.int64, device=device),
             hid_in=torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device),
             pos=torch.zeros(1, dtype=torch.int64, device=device),

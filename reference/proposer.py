@@ -5,8 +5,10 @@ RoPE position r. A propose writes one row per draft; ``after_verify`` keeps the 
 propose always (it pairs the last committed token with the target's own hidden) and trims the
 rows of rejected drafts by lowering ``seq_len``. See DESIGN.md §3-§4.
 
-Every call validates before it changes anything, in the order: lifecycle (``RuntimeError``),
-arguments (``ValueError``), no-ops (return 0). A refused call leaves the state byte-identical.
+Every call validates before it changes anything, in the order: the state's owner and its one
+caller (``TypeError``/``ValueError``/``RuntimeError``, ``state.use_state``), lifecycle
+(``RuntimeError``), arguments (``ValueError``), no-ops (return 0). A refused call leaves the state
+byte-identical; a call that fails midway poisons it (``state.writing``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor
 from .attention import Rope
 from .block import draft_logits, mtp_rows
 from .layers import greedy_token
-from .state import DrafterState, LayerCache, num_blocks
+from .state import DrafterState, LayerCache, Owner, check_sound, num_blocks, use_state, writing
 from .weights import MtpWeights
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,22 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_token_id(name: str, value: object, vocab_size: int) -> int:
+    """A Python token id checked on the host: an int in ``[0, vocab_size)``, else ``ValueError``
+    naming the argument (before torch sees it: an id past int64 would be torch's overflow error)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must hold integer token ids, got {type(value).__name__}")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name}: token id {value} is outside [0, vocab_size={vocab_size})")
+    return value
+
+
+def check_token_dtype(name: str, tokens: Tensor) -> None:
+    """A token tensor must hold integers (not floats, complex numbers or booleans)."""
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
 
 
 def one_token(last_token: int | Tensor) -> int | Tensor:
@@ -123,10 +141,12 @@ class ReferenceProposer:
         return True
 
     def drafter_rows(self, state: DrafterState) -> int:
-        return state.seq_len
+        with self.use(state, "drafter_rows"):
+            return state.seq_len
 
     def last_pair_key(self, state: DrafterState) -> int | None:
-        return state.seq_len - 1 if state.seq_len > 0 else None
+        with self.use(state, "last_pair_key"):
+            return state.seq_len - 1 if state.seq_len > 0 else None
 
     # ---- lifetime -----------------------------------------------------------------------
     def rope(self, device: torch.device) -> Rope:
@@ -143,20 +163,33 @@ class ReferenceProposer:
             cache=LayerCache.allocate(self.config, self.blocks, self.weights.dtype, device),
             x=torch.zeros(self.config.hidden_size, dtype=self.weights.dtype, device=device),
             device=device,
+            owner=Owner(self.weights, self.capacity),
         )
 
+    def use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
+        """``state.use_state`` for this drafter: its own states only, one caller at a time."""
+        return use_state(state, call, type(self).__name__, DrafterState, self.weights, self.capacity)
+
     def free_state(self, state: DrafterState) -> None:
-        if state.released:
-            return
-        state.released = True
-        state.cache = None  # type: ignore[assignment]
-        state.x = None  # type: ignore[assignment]
-        state.seq_len = 0
-        state.pending = False
-        state.last_drafted = 0
+        """Release the state's rows; a second call is a no-op. A poisoned state is freed too."""
+        with self.use(state, "free_state"):
+            if state.released:
+                return
+            state.released = True
+            state.cache = None  # type: ignore[assignment]
+            state.x = None  # type: ignore[assignment]
+            state.seq_len = 0
+            state.pending = False
+            state.last_drafted = 0
 
     def export_state(self, state: DrafterState) -> dict[str, Tensor]:
-        """Every byte the conformance suite compares; rows past ``seq_len`` are never exported."""
+        """Every byte the conformance suite compares; rows past ``seq_len`` are never exported.
+        Works on a freed or a poisoned state (the bytes as they are)."""
+        with self.use(state, "export_state"):
+            return self.snapshot(state)
+
+    def snapshot(self, state: DrafterState) -> dict[str, Tensor]:
+        """``export_state`` without the owner checks (the optimized drafter shares it)."""
         cfg, dt, dev = self.config, self.weights.dtype, state.device
         scalars = {
             "seq_len": torch.tensor(state.seq_len, dtype=torch.int64, device=dev),
@@ -182,32 +215,28 @@ class ReferenceProposer:
 
     # ---- validation ---------------------------------------------------------------------
     def _check_live(self, state: DrafterState, call: str) -> None:
-        if state.released:
-            raise RuntimeError(f"{call}: the state was freed (free_state); allocate a new one")
+        check_sound(state, call)
         if state.pending:
             raise RuntimeError(f"{call}: a propose of {state.last_drafted} drafts is pending; call after_verify first")
 
     def _tokens(self, name: str, tokens: Tokens, device: torch.device) -> Tensor:
         """``tokens`` as an int64 tensor (n,) on ``device``, every id in [0, vocab_size)."""
         if isinstance(tokens, Tensor):
-            if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-                raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+            check_token_dtype(name, tokens)
             if tokens.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
             ids = tokens.to(device=device, dtype=torch.int64)
         else:
-            values = list(tokens)
-            for v in values:
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise ValueError(f"{name} must hold integer token ids, got {type(v).__name__}")
-            ids = torch.tensor(values, dtype=torch.int64, device=device)
+            values = [check_token_id(name, v, self.config.vocab_size) for v in tokens]
+            return torch.tensor(values, dtype=torch.int64, device=device)
         if ids.numel() and not bool(((ids >= 0) & (ids < self.config.vocab_size)).all()):
             bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0].item()
             raise ValueError(f"{name}: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
         return ids
 
-    def _hiddens(self, name: str, hiddens: object, rows: int, state: DrafterState) -> Tensor:
-        """``hiddens`` checked to be ``(rows, H)`` of the weights' dtype on the state's device, finite."""
+    def _hiddens(self, name: str, hiddens: object, rows: int, state: DrafterState, finite: bool = True) -> Tensor:
+        """``hiddens`` checked to be ``(rows, H)`` of the weights' dtype on the state's device, and
+        finite unless ``finite`` is false (the optimized propose checks that on the device)."""
         H = self.config.hidden_size
         if not isinstance(hiddens, Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(hiddens).__name__}")
@@ -217,7 +246,7 @@ class ReferenceProposer:
             raise ValueError(f"{name} must have the weights' dtype {self.weights.dtype}, got {hiddens.dtype}")
         if hiddens.device != state.device:
             raise ValueError(f"{name} must be on the state's device {state.device}, got {hiddens.device}")
-        if rows and not bool(torch.isfinite(hiddens).all()):
+        if finite and rows and not bool(torch.isfinite(hiddens).all()):
             raise ValueError(f"{name} holds NaN or inf")
         return hiddens
 
@@ -234,8 +263,9 @@ class ReferenceProposer:
 
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
         """Write rows ``[0, n-1)`` from prompt ``t_0..t_{n-1}`` and hiddens ``h_0..h_{n-1}``."""
-        self._check_live(state, "prefill_drafter")
-        return self.write_prefill(prompt_tokens, hiddens, state, self._write_rows)
+        with self.use(state, "prefill_drafter"):
+            self._check_live(state, "prefill_drafter")
+            return self.write_prefill(prompt_tokens, hiddens, state, self._write_rows)
 
     def write_prefill(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState, write_rows: WriteRows) -> int:
         """``prefill_drafter`` after its lifecycle checks: the argument checks, the no-op rule,
@@ -249,7 +279,8 @@ class ReferenceProposer:
         if state.seq_len > 0 or n < 2:
             return 0
         t0 = time.perf_counter()
-        write_rows(tokens[1:], hiddens[:-1], 0, state)
+        with writing(state, "prefill_drafter"):
+            write_rows(tokens[1:], hiddens[:-1], 0, state)
         rows = n - 1
         logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n, (time.perf_counter() - t0) * 1e3)
         return rows
@@ -257,8 +288,9 @@ class ReferenceProposer:
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
         """Write rows ``row_base + i`` pairing ``tokens[i] = t_{row_base+i+1}`` with
         ``hiddens[i] = h_{row_base+i}``. ``pos_base`` is ignored: a row's position is its slot."""
-        self._check_live(state, "catchup_drafter")
-        return self.write_catchup(tokens, hiddens, row_base, pos_base, state, self._write_rows)
+        with self.use(state, "catchup_drafter"):
+            self._check_live(state, "catchup_drafter")
+            return self.write_catchup(tokens, hiddens, row_base, pos_base, state, self._write_rows)
 
     def write_catchup(
         self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState, write_rows: WriteRows
@@ -271,7 +303,8 @@ class ReferenceProposer:
         self._check_capacity("catchup_drafter", row_base + ids.shape[0])
         if row_base != state.seq_len or ids.shape[0] == 0:
             return 0
-        write_rows(ids, hiddens, row_base, state)
+        with writing(state, "catchup_drafter"):
+            write_rows(ids, hiddens, row_base, state)
         return ids.shape[0]
 
     # ---- drafting ----------------------------------------------------------------------
@@ -279,6 +312,10 @@ class ReferenceProposer:
         """Draft ``num_drafts`` tokens after ``last_token``; draft 1 writes row ``position`` from
         ``(last_token, target_hidden)``, draft i > 1 row ``position + i - 1`` from the previous
         draft and the drafter's own hidden. Rewinds first if the drafter is ahead of ``position``."""
+        with self.use(state, "propose"):
+            return self._propose(last_token, target_hidden, position, num_drafts, state)
+
+    def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
         self._check_live(state, "propose")
         position = check_int("position", position)
         if state.seq_len < position:
@@ -295,17 +332,18 @@ class ReferenceProposer:
                 "GLM_MTP_DBG propose position=%d drafter_rows=%d tok=%d fp_target=%s",
                 position, state.seq_len, int(token[0]), hidden_fingerprint(hidden),
             )
-        state.seq_len = min(state.seq_len, position)  # rewind: rows past position become unreachable
         drafts: list[int] = []
         rope = self.rope(state.device)
-        for i in range(num_drafts):
-            slot = torch.tensor([position + i], device=state.device)
-            out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1)
-            token = greedy_token(draft_logits(self.weights, out.x))  # (1,)
-            drafts.append(int(token[0]))
-            state.x = out.x[0].clone()
-            hidden = out.x if self.feed_hidden == "post_norm" else out.pre_norm
-            state.seq_len = position + i + 1
+        with writing(state, "propose"):
+            state.seq_len = min(state.seq_len, position)  # rewind: rows past position become unreachable
+            for i in range(num_drafts):
+                slot = torch.tensor([position + i], device=state.device)
+                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1)
+                token = greedy_token(draft_logits(self.weights, out.x))  # (1,)
+                drafts.append(int(token[0]))
+                state.x = out.x[0].clone()
+                hidden = out.x if self.feed_hidden == "post_norm" else out.pre_norm
+                state.seq_len = position + i + 1
         state.pending = True
         state.last_drafted = num_drafts
         return drafts
@@ -313,8 +351,13 @@ class ReferenceProposer:
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         """Keep the first ``num_accepted + 1`` rows of the pending propose (never fewer than
         one: the first row is always kept) and trim the rest."""
-        if state.released:
-            raise RuntimeError("after_verify: the state was freed (free_state); allocate a new one")
+        with self.use(state, "after_verify"):
+            self.apply_verify(num_accepted, state)
+
+    def apply_verify(self, num_accepted: int, state: DrafterState) -> None:
+        """``after_verify`` without the owner checks: its lifecycle and argument checks and the
+        counters (the optimized drafter shares it)."""
+        check_sound(state, "after_verify")
         if not state.pending:
             raise RuntimeError("after_verify: no propose is pending (a second after_verify would trim the kept first row)")
         num_accepted = check_int("num_accepted", num_accepted)

@@ -74,3 +74,58 @@ sys.exit(main(["--candidate", "reference", "--scenarios", "1", "--json", ""]))
 def test_runs_without_hydra_or_wandb():
     proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m glm_mtp.conformance: error:") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("content", ['{"ops":', '{"x": 1}', '{"ops": 3}', '{"ops": [{"kind": "propose"}]}', "[1, 2]"])
+def test_a_malformed_scenario_file_exits_2_with_one_line(tmp_path, capsys, content):
+    path = tmp_path / "scenario.json"
+    path.write_text(content)
+    assert main(["--candidate", "reference", "--scenario-file", str(path), "--json", ""]) == 2
+    assert str(path) in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("max_drafts", ["200", "34"])
+def test_max_drafts_past_what_the_generators_serve_exits_2(capsys, max_drafts):
+    # max_seq_len 64: a state holds 96 rows, 33 are left after a 64-token prompt.
+    assert main(["--candidate", "reference", "--scenarios", "2", "--max-drafts", max_drafts, "--json", ""]) == 2
+    assert "max_drafts must be an integer in [1, 33]" in _one_line_error(capsys)
+
+
+def test_the_largest_max_drafts_runs():
+    assert main(["--candidate", "reference", "--scenarios", "2", "--max-drafts", "33", "--json", ""]) == 0
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "a_directory"])
+def test_an_unwritable_json_exits_2_before_running(tmp_path, capsys, where):
+    path = tmp_path / "no" / "r.json" if where == "missing_dir" else tmp_path
+    assert main(["--candidate", "reference", "--scenarios", "1", "--json", str(path)]) == 2
+    assert "--json" in _one_line_error(capsys)
+    assert "RESULT" not in capsys.readouterr().out  # nothing ran
+
+
+def test_a_crash_exits_2_not_1(monkeypatch, capsys):
+    """Exit 1 means a difference was found; a crash of the run is a 2 with one line."""
+    import glm_mtp.conformance.runner as runner
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "run", crash)
+    assert main(["--candidate", "reference", "--scenarios", "1", "--json", ""]) == 2
+    assert "RuntimeError: boom" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv", [["--world", "0"], ["--world", "-1"], ["--scenarios", "0"]])
+def test_sharded_refuses_to_check_nothing(argv, capsys):
+    from glm_mtp.conformance.sharded import main as sharded_main
+
+    with pytest.raises(SystemExit) as e:
+        sharded_main(argv)
+    assert e.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err

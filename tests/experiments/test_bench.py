@@ -56,3 +56,36 @@ def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--presets", "huge"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["--repeats", "0"],  # used to run 7 silently
+    ["--repeats", "-2"],
+    ["--copy-mib", "-1"],
+    ["--context", "-4"],
+    ["--warmup", "-1"],
+    ["--device", "bogus"],
+    ["--device", "cuda:x"],
+])
+def test_bad_counts_and_devices_exit_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m glm_mtp.experiments.bench: error: --") and "Traceback" not in "".join(err)
+
+
+def test_an_unwritable_out_is_refused_before_measuring(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out in (blocker, blocker / "bench"):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--out", str(out)])
+        assert e.value.code == 2
+        assert "--out" in capsys.readouterr().err
+
+
+def test_defaults_still_apply_when_a_count_is_not_given(tmp_path):
+    bc = bench.parse_args(["--out", str(tmp_path / "new" / "dir")])
+    assert bc.repeats == 7 and bc.copy_mib == 256 and bc.context == 64
+    assert not (tmp_path / "new").exists()  # checked, not made, before the run

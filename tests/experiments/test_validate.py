@@ -1,0 +1,116 @@
+"""The entry points' settings are checked before any work: one clear line, exit status 2, and no
+run directory left behind (experiments/validate.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from glm_mtp.experiments import acceptance, validate
+
+
+def config(name, overrides=()):
+    with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+        return compose(name, overrides=list(overrides))
+
+
+def test_the_shipped_configs_pass():
+    validate.check_acceptance(config("config"))
+    validate.check_acceptance(config("config", ["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1"]))
+    validate.check_train(config("train"))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("num_drafts=-1", "num_drafts"),
+    ("num_drafts=0", "num_drafts"),
+    ("num_drafts=2.5", "num_drafts"),
+    ("policy=bogus", "policy"),
+    ("temperature=nan", "temperature"),
+    ("temperature=-1", "temperature"),
+    ("temperature=inf", "temperature"),
+    ("feed_hidden=mid", "feed_hidden"),
+    ("threads=0", "threads"),
+    ("model.max_seq_len=0", "model.max_seq_len"),
+    ("model.dtype=int8", "model.dtype"),
+    ("experiment.num_prompts=0", "experiment.num_prompts"),
+    ("experiment.check_lossless=maybe", "experiment.check_lossless"),
+    ("+backend.name=fast", "backend.name"),
+])
+def test_a_bad_acceptance_value_names_its_key(override, key):
+    if override.startswith("+backend"):
+        cfg = config("config")
+        cfg.backend.name = "fast"
+    else:
+        cfg = config("config", [override])
+    with pytest.raises(ValueError, match=f"^{key} must"):
+        validate.check_acceptance(cfg)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=-1", "train.steps"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.lr=0", "train.lr"),
+    ("train.lr=nan", "train.lr"),
+    ("train.max_minutes=-1", "train.max_minutes"),
+    ("train.mtp_distill=2", "train.mtp_distill"),
+    ("tokenizer.vocab_size=0", "tokenizer.vocab_size"),
+])
+def test_a_bad_train_value_names_its_key(override, key):
+    with pytest.raises(ValueError, match=f"^{key} must"):
+        validate.check_train(config("train", [override]))
+
+
+def test_dtype_names_match_the_acceptance_loader():
+    assert set(validate.DTYPES) == set(acceptance.DTYPES)
+
+
+def run_module(module, *overrides, cwd):
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", module, *overrides], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("override", ["num_drafts=-1", "policy=bogus", "temperature=nan"])
+def test_acceptance_refuses_a_bad_override_with_one_line_and_no_run_dir(tmp_path, override):
+    run_dir = tmp_path / "run"
+    proc = run_module("glm_mtp.experiments.acceptance", override, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("python -m glm_mtp.experiments.acceptance: error: ") and "\n" not in err, err
+    assert override.split("=")[0] in err
+    assert not run_dir.exists()
+
+
+def test_train_refuses_bad_steps_before_setup(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_module("glm_mtp.experiments.train", "train.steps=-1", "logger=none", "tokenizer.limit_items=4",
+                      "tokenizer.vocab_size=300", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "python -m glm_mtp.experiments.train: error: train.steps must be >= 1, got -1"
+    assert proc.stdout == "" and not run_dir.exists()  # no corpus, no model: nothing ran
+
+
+def test_unwritable_dir(tmp_path):
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    assert validate.unwritable_dir(str(tmp_path / "a" / "b")) is None
+    assert "not a directory" in validate.unwritable_dir(str(blocker))
+    assert "not a directory" in validate.unwritable_dir(str(blocker / "sub"))
+
+
+def test_exit_on_bad_config_removes_only_what_hydra_wrote(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("x: 1")
+    (run_dir / "acceptance.log").write_text("")
+    with pytest.raises(SystemExit) as e:
+        validate.exit_on_bad_config(validate.check_acceptance, config("config", ["num_drafts=0"]), str(run_dir), "prog")
+    assert e.value.code == 2 and not run_dir.exists()
+    assert capsys.readouterr().err == "prog: error: num_drafts must be >= 1, got 0\n"
+    # A folder holding anything else is left as it is.
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        validate.exit_on_bad_config(validate.check_acceptance, config("config", ["policy=x"]), str(run_dir), "prog")
+    assert sorted(os.listdir(run_dir)) == ["summary.json"]
