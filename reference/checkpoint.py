@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .config import MtpConfig, hf_bool, read_hf_json
+from .config import MtpConfig, hf_bool, read_hf_json, read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -59,13 +59,7 @@ def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
         # Which one is current cannot be told (an older save over a newer one left both behind).
         raise CheckpointError(f"{directory}: holds both {INDEX_FILE} and {SINGLE_FILE}; which is current is ambiguous, remove one")
     if os.path.exists(index):
-        with open(index) as f:
-            try:
-                body = json.load(f)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{index}: not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise CheckpointError(f"{index}: must hold a JSON object, got {type(body).__name__}")
+        body = read_json_object(index, CheckpointError)
         wmap = body.get("weight_map")
         if not isinstance(wmap, dict):
             raise CheckpointError(f"{index}: needs a 'weight_map' object (tensor name -> file name), got {wmap!r}")

@@ -272,14 +272,19 @@ def read_hf_json(path: str | os.PathLike[str] | dict[str, Any]) -> tuple[dict[st
     file = os.fspath(path)
     if os.path.isdir(file):
         file = os.path.join(file, "config.json")
+    return read_json_object(file), file
+
+
+def read_json_object(file: str, error: type[ValueError] = ValueError) -> dict[str, Any]:
+    """The JSON object in ``file``; ``error`` naming the file when it is not valid JSON or not an object."""
     with open(file) as f:
         try:
             raw = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON ({e})") from None
+            raise error(f"{file}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{file}: must hold a JSON object, got {type(raw).__name__}")
-    return raw, file
+        raise error(f"{file}: must hold a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def hf_bool(raw: dict[str, Any], name: str, default: bool, where: str) -> bool:
