@@ -42,6 +42,8 @@ LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_K = 256
 MAX_BLOCK_T = 4
 TILE = 2048
+# The cache rows the audit's index-score launch multiplies (see drafter_linears).
+SCORED_ROWS = 4096
 
 
 @triton.jit
@@ -164,6 +166,8 @@ def linear_launch(x: Tensor, weight: Tensor, out: Tensor, cuda: bool | None = No
 def _run(x: Tensor, weight: Tensor, out_dtype: torch.dtype, name: str) -> Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)  # a view where it can be; a copy is exact too
+    if K > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()  # activations are a few rows: copy them rather than refuse
     _check(x2, weight, name)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
     if out.numel() > 0:
@@ -173,8 +177,8 @@ def _run(x: Tensor, weight: Tensor, out_dtype: torch.dtype, name: str) -> Tensor
 
 def linear_triton(x: Tensor, weight: Tensor) -> Tensor:
     """The kernel for ``numerics.linear``: ``x`` (..., K), ``weight`` (N, K) -> (..., N) in x's
-    dtype, byte-equal to it. Both need a contiguous last dim (any row stride for ``weight``);
-    float32, bfloat16 or float16."""
+    dtype, byte-equal to it. ``weight`` needs a contiguous last dim (any row stride; it is never
+    copied); ``x`` is copied when its last dim is not contiguous. float32, bfloat16 or float16."""
     return _run(x, weight, x.dtype, "linear_triton")
 
 
@@ -183,39 +187,43 @@ def linear_acc_triton(x: Tensor, weight: Tensor) -> Tensor:
     return _run(x, weight, torch.float32, "linear_acc_triton")
 
 
-def drafter_linears(cfg: MtpConfig) -> list[tuple[str, int, int, bool]]:
-    """``(name, N, K, acc)`` for every weight the MTP layer multiplies with ``linear`` (acc: the
-    result stays in A, ``linear_acc``). Names fit the audit table's kernel column (``exp``: each
-    routed expert; ``sh``: the shared expert)."""
+def drafter_linears(cfg: MtpConfig) -> list[tuple[str, int, int, bool, int]]:
+    """``(name, N, K, acc, rows)`` for every weight the MTP layer multiplies with ``linear`` (acc:
+    the result stays in A, ``linear_acc``; rows: x's rows per new token). Names fit the audit
+    table's kernel column (``exp``: each routed expert; ``sh``: the shared expert). The index
+    scores multiply each head's query by every cached index key: N is the cache capacity, here
+    ``SCORED_ROWS`` (a runtime integer: any multiple of 16 compiles the same)."""
     H, nh, Lq, I = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.moe_intermediate_size
     Hi, D = cfg.index_n_heads, cfg.index_head_dim
     out = [
-        ("eh_proj", H, 2 * H, False),
-        ("q_a_proj", Lq, H, False),
-        ("q_b_proj", nh * cfg.qk_head_dim, Lq, False),
-        ("kv_a_proj", cfg.kv_row_width, H, False),
-        ("idx_wq_b", Hi * D, Lq, False),
-        ("idx_wk", D, H, False),
-        ("idx_weights", Hi, H, False),
-        ("o_proj", H, nh * cfg.v_head_dim, False),
-        ("router", cfg.n_routed_experts, H, True),
-        ("exp_gate_up", I, H, False),
-        ("exp_down", H, I, False),
+        ("eh_proj", H, 2 * H, False, 1),
+        ("q_a_proj", Lq, H, False, 1),
+        ("q_b_proj", nh * cfg.qk_head_dim, Lq, False, 1),
+        ("kv_a_proj", cfg.kv_row_width, H, False, 1),
+        ("idx_wq_b", Hi * D, Lq, False, 1),
+        ("idx_wk", D, H, False, 1),
+        ("idx_weights", Hi, H, False, 1),
+        ("idx_scores", SCORED_ROWS, D, True, Hi),
+        ("o_proj", H, nh * cfg.v_head_dim, False, 1),
+        ("router", cfg.n_routed_experts, H, True, 1),
+        ("exp_gate_up", I, H, False, 1),
+        ("exp_down", H, I, False, 1),
     ]
     if cfg.n_shared_experts:
         Is = I * cfg.n_shared_experts
-        out += [("sh_gate_up", Is, H, False), ("sh_down", H, Is, False)]
-    return out + [("lm_head", cfg.vocab_size, H, False)]
+        out += [("sh_gate_up", Is, H, False, 1), ("sh_down", H, Is, False, 1)]
+    return out + [("lm_head", cfg.vocab_size, H, False, 1)]
 
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The GEMVs of the drafter at ``cfg`` with ``dtype`` weights and activations, on abstract
     tensors (see ``glm_mtp.optimized.audit``): every weight of ``drafter_linears``, for a draft
-    step (``step``: T = 1) and a prefill chunk (``rows``: T = 8, so BLOCK_T = MAX_BLOCK_T)."""
+    step (``step``: one token) and a prefill chunk (``rows``: 8 tokens, so BLOCK_T = MAX_BLOCK_T)."""
     launches = []
-    for name, N, K, acc in drafter_linears(cfg):
+    for name, N, K, acc, per_token in drafter_linears(cfg):
         weight = abstract((N, K), dtype)
-        for variant, T in (("step", 1), ("rows", 8)):
+        for variant, tokens in (("step", 1), ("rows", 8)):
+            T = tokens * per_token
             out = abstract((T, N), torch.float32 if acc else dtype)
             launches.append(AuditLaunch(f"linear:{name}", variant, linear_launch(abstract((T, K), dtype), weight, out,
                                                                                  cuda=True)))

@@ -61,6 +61,8 @@ def test_linear_strided_views_and_leading_dims():
     x3 = x.reshape(2, 2, 200)
     assert same_bytes(linear_triton(x3, w), numerics.linear(x3, w))
     assert same_bytes(linear_acc_triton(x[0], w), numerics.linear_acc(x[0], w))  # a single (K,) row
+    xt = x.T.contiguous().T  # (4, 200) with a strided last dim: copied by the wrapper
+    assert xt.stride(1) != 1 and same_bytes(linear_triton(xt, w), numerics.linear(xt, w))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on inf - inf in the interpreter
@@ -145,3 +147,15 @@ def test_other_orders_are_caught(order):
     assert same_bytes(out, want)
     Launch(_other_order_kernel, launch.grid, launch.args, dict(launch.meta, ORDER=order)).run()
     assert not same_bytes(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,N,K", [(1, 2048, 6144), (5, 300, 12288), (8, 4099, 6144), (3, 64, 96)])
+def test_linear_bytes_on_cuda(T, N, K, dtype):
+    """Compiled for the GPU: the same bytes as numerics.linear / linear_acc on the CPU (glm5's
+    widths: q_a_proj, eh_proj on a few outputs, an lm_head slice with an N tail)."""
+    x, w = _inputs(T, N, K, dtype, dtype, seed=T + N + K)
+    xc, wc = x.cuda(), w.cuda()
+    assert same_bytes(linear_triton(xc, wc).cpu(), numerics.linear(x, w))
+    assert same_bytes(linear_acc_triton(xc, wc).cpu(), numerics.linear_acc(x, w))
