@@ -3,8 +3,13 @@
 The math is ``glm_mtp.reference.block.mtp_rows``: every reduction follows the pinned order of
 DESIGN.md §5 through the reference's own functions (``latent_query``, ``sparse_mla``,
 ``moe_block``, ``numerics.rms_norm``, ...), in static shapes (attention reads the whole capacity,
-which changes no result). Three pieces differ, all exact by construction:
+which changes no result). Four pieces differ, all exact by construction:
 
+- the block's GEMVs (eh_proj, q_a/q_b, kv_a, the indexer's wq_b/wk/weights_proj and key scores,
+  o_proj, the router, every expert's gate/up/down) in the pinned GEMV kernel (``kernels.linear``:
+  the ``psum`` tree over K), through ``Fused.ops``: the pinned primitives with the kernel's
+  ``linear``/``linear_acc``/``swiglu``, passed as ``ops`` to the reference's functions (a
+  row-parallel ``o_proj`` keeps the reference's own per-rank sum);
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
   device, so a draft's argmax feeds the next lookup without a host round trip;
 - RoPE on the new keys fused with their paged cache write (``kernels.rope_cache_write``), every
@@ -18,7 +23,7 @@ runs eagerly on CPU and under CUDA-graph capture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -29,11 +34,14 @@ from glm_mtp.reference.block import block_input
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import K_NORM_EPS, index_queries, index_scores, select_rows
 from glm_mtp.reference.moe import moe_block
-from glm_mtp.reference.numerics import PINNED, Numerics, layer_norm, linear, rms_norm, swiglu
+from glm_mtp.reference.numerics import PINNED, Numerics, layer_norm, rms_norm, silu, up
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import AttentionWeights, MlpWeights, MoeWeights, MtpWeights
 
-from .kernels import KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, rope_cache_write_torch, rope_cache_write_triton
+from .kernels import (
+    KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
+    rope_cache_write_torch, rope_cache_write_triton,
+)
 
 KernelMode = Literal["auto", "triton", "torch"]
 
@@ -69,6 +77,31 @@ class Fused:
         else:
             rope_cache_write_torch(*args)
 
+    def _gemv(self, x: Tensor, weight: Tensor) -> bool:
+        """Whether ``x @ weight.T`` takes the GEMV kernel: weights the kernels take, 2-D with a
+        contiguous last dim (any row stride), activations of a kernel dtype on the same device."""
+        return (self.use_triton(weight) and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype in KERNEL_DTYPES
+                and x.device == weight.device and x.shape[-1] == weight.shape[-1])
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``numerics.linear(x, weight)``: x (..., K), weight (N, K) -> (..., N) in x's dtype."""
+        return linear_triton(x, weight) if self._gemv(x, weight) else linear_torch(x, weight)
+
+    def linear_acc(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``numerics.linear_acc(x, weight)``: as ``linear``, left in A."""
+        return linear_acc_triton(x, weight) if self._gemv(x, weight) else linear_acc_torch(x, weight)
+
+    def swiglu(self, x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
+        """``numerics.swiglu`` (the same ops in the same order) with this ``linear``."""
+        h = silu(up(self.linear(x, gate_proj))) * up(self.linear(x, up_proj))
+        return self.linear(h.to(x.dtype), down_proj)
+
+    @property
+    def ops(self) -> Numerics:
+        """The pinned primitives with this ``linear``, ``linear_acc`` and ``swiglu``: what the
+        reference's functions take as ``ops`` here, so each of their GEMVs takes the kernel."""
+        return replace(PINNED, linear=self.linear, linear_acc=self.linear_acc, swiglu=self.swiglu)
+
 
 def attention_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
                    ok: Tensor, fused: Fused) -> Tensor:
@@ -78,18 +111,19 @@ def attention_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Ten
     The queries, the indexer's choice and the sparse MLA are the reference's own functions, over
     the whole capacity (a static shape: no result depends on the rows read); only the new rows'
     RoPE and cache write in between are the fused kernel."""
+    ops = fused.ops
     cos, sin = rope.at(slots)  # (T, R/2)
-    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
+    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin, ops)
 
-    kv = linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
+    kv = fused.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
     latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
     ix = attn.indexer
-    k_raw = layer_norm(linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D), RoPE comes in the write
+    k_raw = layer_norm(fused.linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D), RoPE comes in the write
     fused.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_raw, slots, rope, cache, ok)
 
-    q_idx, w_idx = index_queries(ix, cfg, a, q_latent, cos, sin)
-    rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows()), slots, cfg.index_topk)
-    return output_projection(attn, cfg, sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(), rows, count))
+    q_idx, w_idx = index_queries(ix, cfg, a, q_latent, cos, sin, ops)
+    rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(), ops), slots, cfg.index_topk)
+    return output_projection(attn, cfg, sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(), rows, count), ops)
 
 
 def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:
@@ -110,13 +144,13 @@ def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
 
     Returns ``(x, pre_norm)``, each (T, H): the post-norm output and the layer output."""
     cfg, eps = w.config, w.config.rms_norm_eps
-    u = block_input(w, fused.embed(w.embed_tokens, tokens, slots), hiddens)  # (T, H)
+    u = block_input(w, fused.embed(w.embed_tokens, tokens, slots), hiddens, fused.ops)  # (T, H)
     layer = w.layer
     a = rms_norm(u, layer.input_layernorm, eps)
     h = u + attention_rows(layer.attn, cfg, a, slots, cache, rope, ok, fused)
     m = rms_norm(h, layer.post_attention_layernorm, eps)
     if isinstance(layer.mlp, MlpWeights):
-        out = h + swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+        out = h + fused.swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
     else:
-        out = h + moe_block(layer.mlp, cfg, m, outputs=gathered_expert_outputs)
+        out = h + moe_block(layer.mlp, cfg, m, fused.ops, outputs=gathered_expert_outputs)
     return rms_norm(out, w.shared_head_norm, eps), out

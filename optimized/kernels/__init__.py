@@ -1,31 +1,37 @@
 """Triton kernels of the optimized drafter, each beside the torch code it replaces.
 
-Every kernel here is exact by construction (DESIGN.md §5): gathers, scatters, cache writes and
-float32 elementwise chains in the reference's operation order, compiled without FMA contraction
-(``enable_fp_fusion=False``), casts rounded to nearest even. Each ``*_triton`` function has a
-``*_torch`` twin made of the reference's own ops; tests/optimized/test_kernels.py proves the
-pair byte-equal on fresh random inputs through Triton's CPU interpreter. At run time the
-proposer calls the kernel on CUDA and, by default, the twin on CPU (the interpreter is slow).
+Every kernel here is exact by construction (DESIGN.md §5): gathers, scatters, cache writes,
+float32 elementwise chains in the reference's operation order and sums in the ``psum`` tree
+(the GEMV, ``linear``), compiled without FMA contraction (``enable_fp_fusion=False``), casts
+rounded to nearest even. Each ``*_triton`` function has a ``*_torch`` twin made of the
+reference's own ops; tests/optimized/test_kernels*.py prove each pair byte-equal on fresh
+random inputs through Triton's CPU interpreter. At run time the proposer calls the kernel on
+CUDA and, by default, the twin on CPU (the interpreter is slow).
 ``glm_mtp.optimized.audit`` compiles every kernel in ``AUDITED`` for the GPU without one and
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, rope_cache
+from . import embed, linear, rope_cache
 from .embed import embed_rows_torch, embed_rows_triton
 from .launch import AuditLaunch, Launch
+from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton
 from .rope_cache import KERNEL_DTYPES, rope_cache_write_torch, rope_cache_write_triton
 
 # Every module here whose kernels the drafter launches. Each has ``audit_launches(cfg, dtype)``,
 # its launches at a config and weight dtype built by the same function its launcher calls;
 # ``python -m glm_mtp.optimized.audit`` compiles them for the GPU and checks the PTX. A new
 # kernel module joins this tuple (tests/optimized/test_audit.py audits every entry).
-AUDITED = (embed, rope_cache)
+AUDITED = (embed, rope_cache, linear)
 
 __all__ = [
     "embed_rows_torch",
     "embed_rows_triton",
     "rope_cache_write_torch",
     "rope_cache_write_triton",
+    "linear_torch",
+    "linear_triton",
+    "linear_acc_torch",
+    "linear_acc_triton",
     "KERNEL_DTYPES",
     "AUDITED",
     "AuditLaunch",

@@ -33,21 +33,9 @@ from glm_mtp.reference.layers import apply_rope
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
+from .rounding import round_to_storage
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@triton.jit
-def _round_to_cache(y, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
-    """float32 ``y`` in the cache dtype: bfloat16 rounded to nearest even on the bits, or as is."""
-    if TO_BF16:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        hi = (bits >> 16).to(tl.uint16)
-        hi = tl.where(y != y, NAN_BITS, hi).to(tl.uint16)
-        return hi.to(tl.bfloat16, bitcast=True)
-    else:
-        return y
 
 
 @triton.jit
@@ -78,8 +66,8 @@ def _rotate_store(
     s = tl.load(sin_ptr + i, mask=inside)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
-    tl.store(dst_ptr + j1, _round_to_cache(y1, TO_BF16, NAN_BITS), mask=inside & store)
-    tl.store(dst_ptr + j2, _round_to_cache(y2, TO_BF16, NAN_BITS), mask=inside & store)
+    tl.store(dst_ptr + j1, round_to_storage(y1, TO_BF16, NAN_BITS), mask=inside & store)
+    tl.store(dst_ptr + j2, round_to_storage(y2, TO_BF16, NAN_BITS), mask=inside & store)
 
 
 @triton.jit

@@ -138,11 +138,12 @@ def _jit_functions(module) -> dict[str, object]:
 
 def test_every_kernel_is_audited():
     """Every module of glm_mtp.optimized that defines a Triton kernel is in ``AUDITED``, and each
-    of its kernels (``*_kernel``; the rest are helpers they call) has a launch at every preset."""
+    of its kernels (``*_kernel``; the rest are helpers they call) has a launch at every preset.
+    A module of helpers only (``kernels.rounding``) is compiled inside the kernels that call them."""
     with_kernels = set()
     for info in pkgutil.walk_packages(optimized_pkg.__path__, "glm_mtp.optimized."):
         module = importlib.import_module(info.name)
-        if _jit_functions(module):
+        if any(name.endswith("_kernel") for name in _jit_functions(module)):
             with_kernels.add(module.__name__)
     assert with_kernels == {m.__name__ for m in AUDITED}
     for module in AUDITED:
