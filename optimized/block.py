@@ -34,7 +34,7 @@ from glm_mtp.reference.block import block_input
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import K_NORM_EPS, index_queries, index_scores, select_rows
 from glm_mtp.reference.moe import moe_block
-from glm_mtp.reference.numerics import PINNED, Numerics, layer_norm, rms_norm, silu, up
+from glm_mtp.reference.numerics import PINNED, Numerics, layer_norm, rms_norm, swiglu
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import AttentionWeights, MlpWeights, MoeWeights, MtpWeights
 
@@ -92,9 +92,8 @@ class Fused:
         return linear_acc_triton(x, weight) if self._gemv(x, weight) else linear_acc_torch(x, weight)
 
     def swiglu(self, x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
-        """``numerics.swiglu`` (the same ops in the same order) with this ``linear``."""
-        h = silu(up(self.linear(x, gate_proj))) * up(self.linear(x, up_proj))
-        return self.linear(h.to(x.dtype), down_proj)
+        """``numerics.swiglu`` with this ``linear``."""
+        return swiglu(x, gate_proj, up_proj, down_proj, linear=self.linear)
 
     @property
     def ops(self) -> Numerics:

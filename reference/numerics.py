@@ -234,8 +234,10 @@ def list_softmax(s: Tensor, lengths: Tensor) -> Tensor:
 # matter and the library's kernels choose their own order.
 
 
-def swiglu(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
-    """``linear(round_S(silu(linear(x, gate)) * linear(x, up)), down)``: one rounding between."""
+def swiglu(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor,
+           linear: Callable[[Tensor, Tensor], Tensor] = linear) -> Tensor:
+    """``linear(round_S(silu(linear(x, gate)) * linear(x, up)), down)``: one rounding between.
+    ``linear`` may be any implementation of the pinned ``linear`` (a fused kernel)."""
     h = silu(up(linear(x, gate_proj))) * up(linear(x, up_proj))
     return linear(h.to(x.dtype), down_proj)
 
