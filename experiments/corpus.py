@@ -56,12 +56,38 @@ def list_stdlib_files(root: str | None = None) -> list[str]:
     return sorted(out)
 
 
+# Out-of-distribution text: packages installed beside this one that never enter training.
+OOD_PACKAGES = ("omegaconf", "hydra")
+
+
+def site_root() -> str:
+    """The site-packages directory that holds ``OOD_PACKAGES`` (this environment's)."""
+    import omegaconf
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(omegaconf.__file__)))
+
+
+def ood_items() -> list[str]:
+    """``site:<relative path>`` of every ``.py`` file of ``OOD_PACKAGES`` (tests excluded), sorted:
+    Python code of the stdlib's style that the corpus never holds (it excludes site-packages)."""
+    root = site_root()
+    out = []
+    for pkg in OOD_PACKAGES:
+        for d, dirs, files in os.walk(os.path.join(root, pkg)):
+            dirs[:] = sorted(x for x in dirs if x not in EXCLUDED_DIRS and x != "gen")  # gen: ANTLR-generated parsers
+            out += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+    return [f"site:{n}" for n in sorted(out)]
+
+
 def read_item(name: str, root: str | None = None) -> str:
-    """The text of a corpus item: a stdlib file or ``pydoc:<topic>``."""
+    """The text of a corpus item: a stdlib file, ``pydoc:<topic>`` or ``site:<path>`` (an
+    out-of-distribution file, relative to ``site_root()``)."""
     if name.startswith("pydoc:"):
         from pydoc_data.topics import topics
 
         return topics[name[len("pydoc:"):]]
+    if name.startswith("site:"):
+        root, name = site_root(), name[len("site:"):]
     with open(os.path.join(root or stdlib_root(), name), encoding="utf-8", errors="replace") as f:
         return f.read()
 
