@@ -179,3 +179,58 @@ def corpus_split(root: str | None = None) -> Split:
     each call returns fresh lists."""
     train, held, ov = _split(root or stdlib_root())
     return Split(list(train), list(held), dict(ov))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def split_report(train: list[str], heldout: list[str]) -> dict[str, float]:
+    """Overlap of a split, measured from scratch: ``pooled_lines``, the share of all held-out
+    long lines (stripped, ``MIN_LINE_CHARS``+) found verbatim in training items, and the worst
+    held-out item's shares of long lines and of n-grams (the bound ``MAX_OVERLAP`` applies to)."""
+    seen_text: set[str] = set()
+    seen_lines: set[int] = set()
+    seen_ngrams: set[int] = set()
+    for n in train:
+        t = read_item(n)
+        seen_text |= {s for s in (l.strip() for l in t.splitlines()) if len(s) >= MIN_LINE_CHARS}
+        seen_lines |= long_lines(t)
+        seen_ngrams |= ngrams(t)
+    total = hit = 0
+    worst_lines = worst_ngrams = 0.0
+    for n in heldout:
+        t = read_item(n)
+        ls = [s for s in (l.strip() for l in t.splitlines()) if len(s) >= MIN_LINE_CHARS]
+        total, hit = total + len(ls), hit + sum(s in seen_text for s in ls)
+        o = overlap(t, seen_lines, seen_ngrams)
+        worst_lines, worst_ngrams = max(worst_lines, o.lines), max(worst_ngrams, o.ngrams)
+    return {"heldout_items": len(heldout), "train_items": len(train), "pooled_lines": hit / total if total else 0.0,
+            "worst_item_lines": worst_lines, "worst_item_ngrams": worst_ngrams}
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """``python -m glm_mtp.experiments.corpus [corpus.json ...]``: the overlap of this split and
+    of any recorded split (a checkpoint's ``corpus.json``), one line each."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="Held-out / training overlap of the corpus split.")
+    ap.add_argument("recorded", nargs="*", help="corpus.json files of recorded splits to measure too")
+    args = ap.parse_args(argv)
+    s = corpus_split()
+    splits = {"this split": (s.train, s.heldout)}
+    for path in args.recorded:
+        with open(path) as f:
+            rec = json.load(f)
+        splits[path] = (rec["train"], rec["heldout"])
+    out = {}
+    for name, (train, held) in splits.items():
+        r = out[name] = split_report(train, held)
+        print(f"{name}: {r['heldout_items']} held-out / {r['train_items']} training items; held-out long lines seen in training "
+              f"{r['pooled_lines']:.1%} (pooled); worst item: {r['worst_item_lines']:.1%} of its long lines, "
+              f"{r['worst_item_ngrams']:.1%} of its {NGRAM}-word n-grams (bound {MAX_OVERLAP:.0%})")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -292,7 +292,8 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
 
 
 def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int], prompt_len: int, num_drafts: int,
-                   policy: Policy = "first_row_kept", temperature: float = 0.0, gen: torch.Generator | None = None) -> SpecStats:
+                   policy: Policy = "first_row_kept", temperature: float = 0.0, gen: torch.Generator | None = None,
+                   device: torch.device | str = "cpu") -> SpecStats:
     """Acceptance on natural text: at every position ``m`` in ``[prompt_len, len(text))`` the
     drafter proposes k drafts after the text ``t_0..t_m`` (its first row reads the target's
     hidden ``h_{m-1}``, later rows its own post-norm ``x``, as in the loop), and one verification
@@ -310,6 +311,7 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     Args:
         text: token ids, at least ``prompt_len + 1``; ``len(text) - prompt_len`` positions are scored.
         prompt_len: tokens of context before the first scored position (>= 1).
+        gen: the generator of rejection sampling (``temperature > 0``); device: the drafter state's.
     Returns the counters (``steps`` = positions scored).
     """
     if not 1 <= prompt_len < len(text):
@@ -323,7 +325,7 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     out = target.forward(torch.tensor(text[:prompt_len]), tstate)  # h_0..h_{n-1}
     stats.prefill_s += clock() - t0
     t0 = clock()
-    dstate = proposer.alloc_state("cpu")
+    dstate = proposer.alloc_state(device)
     proposer.prefill_drafter(text[:prompt_len], out.hidden, dstate)  # rows [0, n-1)
     stats.draft_s += clock() - t0
     h_prev = out.hidden[-1:]  # h_{m-1}
