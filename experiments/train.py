@@ -280,8 +280,10 @@ weights, self-distillation share {t.mtp_distill}.){stopped}
 Reproducible: the learning rate is a function of the step alone (linear warm-up over {t.warmup} steps,
 cosine from {t.lr:g} to {t.min_lr:g} at step {t.steps}, `training_log.json` holds the rate of every step),
 windows are drawn from a generator seeded with the seed, and torch runs `train.threads` = {t.threads}
-thread(s) (set by the command: the reductions' order depends on the thread count). The same
-command on the same Python and torch gives a byte-identical `model.safetensors`.
+thread(s) (set by the command: the reductions' order depends on the thread count). So the same
+command on the same Python and torch gives a byte-identical `model.safetensors`; checked on short
+runs by `tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock
+a thousand times slower).
 
 ## Data
 

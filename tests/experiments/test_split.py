@@ -1,7 +1,6 @@
 """The held-out split's overlap bound, measured independently of the split's own bookkeeping,
 and the deduplication that enforces it."""
 
-from glm_mtp.experiments import corpus
 from glm_mtp.experiments.corpus import MAX_OVERLAP, corpus_split, dedup_heldout, is_heldout, long_lines, ngrams, overlap, read_item
 
 
@@ -51,4 +50,3 @@ def test_split_ignores_files_a_python_version_lacks(tmp_path):
     s1, s2 = corpus_split(str(tmp_path)), corpus_split(str(tmp_path))
     assert s1.digest() == s2.digest() and s1.train is not s2.train
     assert {"a.py", "b.py", "pkg/c.py"} <= set(s1.train + s1.heldout)
-    assert corpus.HELDOUT_PERCENT == 10
