@@ -184,10 +184,10 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
     exp = cfg.experiment
     model = load_model(cfg.model)
-    # Teacher forcing scores max_new_tokens positions of the text after each prompt: its windows
-    # hold both; the loop generates its own continuation.
-    window = exp.prompt_tokens + (exp.max_new_tokens if mode == "teacher_forced" else 0)
-    prompts = build_prompts(model, exp.num_prompts, window, cfg.seed, source)
+    # Windows of prompt + max_new_tokens tokens in both modes, so the two see the same prompts
+    # (paired in the report): teacher forcing scores the window's last max_new_tokens positions,
+    # the loop starts from its first prompt_tokens and generates its own continuation.
+    windows = build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, cfg.seed, source)
     max_seq_len = min(cfg.model.max_seq_len, model.target.config.max_position_embeddings)
     need = exp.prompt_tokens + exp.max_new_tokens + cfg.num_drafts + 1
     if need > max_seq_len:
@@ -206,13 +206,14 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    for p in prompts:
+    for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, proposer, p, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen)
+            st = teacher_forced(target, proposer, w, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen)
             if len(samples) < 2:
-                samples.append({"prompt": decode(p[: exp.prompt_tokens]), "continuation": decode(p[exp.prompt_tokens :]),
+                samples.append({"prompt": decode(w[: exp.prompt_tokens]), "continuation": decode(w[exp.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
+            p = w[: exp.prompt_tokens]
             res = decoder.generate(p, exp.max_new_tokens)
             st = res.stats
             generated += len(res.tokens)
@@ -247,12 +248,13 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
         "feed_hidden": cfg.feed_hidden,
-        "prompts": len(prompts),
+        "prompts": len(windows),
         "prompt_tokens": exp.prompt_tokens,
         "scored_positions": stats.steps if mode == "teacher_forced" else None,
         "generated_tokens": generated,
-        # sha256 of the prompts' token ids: runs with equal digests are paired (report.py).
-        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
+        # saw the same prompts and are paired in report.py, across modes too.
+        "prompts_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": distinct / grams if grams else float("nan"),
@@ -272,7 +274,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     table = format_table(summary)
     print(table)
     what = f"{stats.steps} positions of {source} text" if mode == "teacher_forced" else f"{generated} tokens"
-    print(f"τ = {stats.tau:.3f} tokens per target forward; {what} from {len(prompts)} prompts in {wall:.1f}s "
+    print(f"τ = {stats.tau:.3f} tokens per target forward; {what} from {len(windows)} prompts in {wall:.1f}s "
           f"(drafting {stats.draft_share:.0%} of the loop)" + ("" if lossless is None else f"; greedy output equals the target's: {lossless}"))
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

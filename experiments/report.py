@@ -1,6 +1,6 @@
 """Aggregate a sweep of acceptance runs into Markdown tables and one plot.
 
-    python -m glm_mtp.experiments.report multirun/acceptance/<date> [--out DIR] [--pair policy]
+    python -m glm_mtp.experiments.report multirun/acceptance/<date> [--out DIR] [--pair policy,mode]
 
 Reads every ``summary.json`` under the directory; writes ``report.md`` and ``report.png`` into
 ``--out`` (default: the sweep directory) and prints the tables:
@@ -8,8 +8,8 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - one row per run: conditional ``α_i`` = P(draft i accepted | drafts 1..i-1 accepted) and
   cumulative ``P(acc ≥ i)`` = P(at least i drafts accepted), each with its bootstrap 95%
   interval over prompts, and ``τ`` (tokens per target forward);
-- paired differences: runs that differ only in the ``--pair`` setting (``policy`` by default)
-  and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
+- paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
+  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
   difference's interval from resampling the prompts jointly (``stats.paired_difference``).
 """
 
@@ -91,15 +91,18 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
         key = tuple(s[k] for k in SETTINGS if k != pair) + (s.get("prompts_sha256"), s.get("checkpoint_sha256"))
         groups.setdefault(key, []).append(s)
     K = max(s["num_drafts"] for s in runs)
-    lines = [f"| {pair}: run − baseline | mode | source | T | k | " + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | Δτ |",
-             "|" + "---|" * (5 + K + 1)]
+    others = [k for k in SETTINGS if k != pair]  # what the paired runs share
+    names = {"temperature": "T", "feed_hidden": "feed", "num_drafts": "k"}
+    lines = [f"| {pair}: run − baseline | " + " | ".join(names.get(k, k) for k in others) + " | "
+             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | Δτ |",
+             "|" + "---|" * (1 + len(others) + K + 1)]
     for ss in groups.values():
         base = ss[0]
         for s in ss[1:]:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
-            lines.append(f"| {s[pair]} − {base[pair]} | {s['mode']} | {s['source']} | {s['temperature']:g} | {s['num_drafts']} | "
-                         + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+            shared = " | ".join(f"{s[k]:g}" if k == "temperature" else str(s[k]) for k in others)
+            lines.append(f"| {s[pair]} − {base[pair]} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -147,16 +150,17 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
-    ap.add_argument("--pair", default="policy", choices=SETTINGS, help="the setting paired differences compare (default: policy)")
+    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS} (default: policy)")
     ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"), help="acceptance columns (default: both)")
     args = ap.parse_args(argv)
     runs = load_summaries(args.sweep_dir)
     out = args.out or args.sweep_dir
     os.makedirs(out, exist_ok=True)
     text = markdown_table(runs, args.view)
-    pairs = paired_table(runs, args.pair)
-    if pairs:
-        text += f"\n\nPaired differences (same prompts, {args.pair} varied; 95% intervals over prompts):\n\n{pairs}"
+    for pair in args.pair.split(","):
+        pairs = paired_table(runs, pair)
+        if pairs:
+            text += f"\n\nPaired differences (same prompts, {pair} varied; 95% intervals over prompts):\n\n{pairs}"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(f"# Acceptance sweep: {os.path.abspath(args.sweep_dir)}\n\n{text}\n")
     plot(runs, os.path.join(out, "report.png"))
