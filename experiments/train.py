@@ -345,7 +345,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
                             lr=t.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(t.seed)
     eval_windows = sample_windows(corpus.heldout, t.eval_windows, t.seq_len + 1, torch.Generator().manual_seed(t.seed + 7))
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train", group=cfg.get("group"))
     setup_s = time.perf_counter() - t0
     print(f"corpus: {corpus.train.numel()} train / {corpus.heldout.numel()} held-out tokens, vocab {corpus.tokenizer.vocab_size}, "
           f"setup {setup_s:.0f}s, {sum(p.numel() for p in params) / 1e6:.2f}M parameters")
@@ -405,7 +405,9 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
     log.log_image("loss_curve", png)
-    log.summary({f"final/{k}": v for k, v in final.items()})
+    from .acceptance import git_commit
+
+    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": corpus.split.digest(), "git_commit": git_commit()})
     log.finish()
     with open(os.path.join(run_dir, "final.json"), "w") as f:
         json.dump(final, f, indent=1)
