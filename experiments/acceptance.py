@@ -1,27 +1,44 @@
-"""Acceptance-rate experiment: speculative decoding on held-out prompts, per-position acceptance.
+"""Acceptance-rate experiment: per-position acceptance of the drafter on held-out or
+out-of-distribution text, with counts and bootstrap intervals over prompts.
 
     python -m glm_mtp.experiments.acceptance                                   # the shipped model
+    python -m glm_mtp.experiments.acceptance mode=teacher_forced source=ood    # natural contexts
     python -m glm_mtp.experiments.acceptance -m num_drafts=1,2,3,4,5 policy=first_row_kept,refeed
     python -m glm_mtp.experiments.report multirun/acceptance/<date>            # one table + plot
 
-Prints a table, writes ``summary.json`` and ``acceptance.png`` into the Hydra run directory, and
-logs to W&B (offline unless ``logger.mode=online``; ``logger=none`` for no tracker).
+Modes: ``speculative`` (default) runs the speculative loop from each prompt, so after the prompt
+the contexts are the target's own output; ``teacher_forced`` scores one speculative step at
+every position of natural text (``speculative.teacher_forced``). Sources: ``heldout`` (the
+checkpoint's held-out items) or ``ood`` (the installed hydra and omegaconf sources, never in
+training).
+
+Prints a table, writes ``summary.json`` (the counts per prompt and position, conditional and
+cumulative acceptance with bootstrap 95% intervals; ``stats``) and ``acceptance.png`` into the
+Hydra run directory, and logs to W&B (offline unless ``logger.mode=online``; ``logger=none`` for
+no tracker).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import stats as acc_stats
 from .checkpoint import LoadedModel, load_checkpoint, random_model
-from .speculative import SpecStats, SpeculativeDecoder, make_proposer, target_decode
+from .speculative import SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
+
+MODES = ("speculative", "teacher_forced")
+SOURCES = ("heldout", "ood")
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -36,8 +53,19 @@ def load_model(mcfg: Any) -> LoadedModel:
     raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
 
 
-def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int) -> list[list[int]]:
-    """``num_prompts`` windows of ``prompt_tokens`` tokens, evenly spaced over the held-out items
+def source_items(model: LoadedModel, source: str) -> list[str]:
+    """Item names of a text source: the checkpoint's held-out items or the OOD packages' files."""
+    from .corpus import ood_items
+
+    if source == "heldout":
+        return list(model.heldout)
+    if source == "ood":
+        return ood_items()
+    raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+
+
+def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int, source: str = "heldout") -> list[list[int]]:
+    """``num_prompts`` windows of ``prompt_tokens`` tokens, evenly spaced over the source's items
     (joined as in training); random tokens for a model without a tokenizer."""
     if model.tokenizer is None:
         gen = torch.Generator().manual_seed(seed)
@@ -45,46 +73,96 @@ def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed
     from .corpus import read_item
 
     texts = []
-    for name in model.heldout:
+    for name in source_items(model, source):
         try:
             texts.append(read_item(name))
         except (OSError, KeyError):  # another Python version may lack a file or topic
             continue
     stream = model.tokenizer.encode("\n\n".join(texts))
     if len(stream) < prompt_tokens:
-        raise ValueError(f"the held-out split holds {len(stream)} tokens, fewer than prompt_tokens={prompt_tokens}")
+        raise ValueError(f"the {source} source holds {len(stream)} tokens, fewer than prompt_tokens={prompt_tokens}")
     stride = (len(stream) - prompt_tokens) // max(1, num_prompts)
     return [stream[i * stride : i * stride + prompt_tokens] for i in range(num_prompts)]
 
 
+def file_sha256(path: str | os.PathLike[str]) -> str | None:
+    """sha256 of a file's bytes (None when it does not exist)."""
+    if not os.path.exists(path):
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def git_commit() -> str | None:
+    """The package checkout's commit, ``+dirty`` when tracked files differ from it; None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def provenance(model: LoadedModel) -> dict[str, Any]:
+    """What a result depends on beyond its config: the code's commit, the checkpoint's weights and
+    the corpus split it was trained on (the sha256 recorded in its corpus.json)."""
+    ckpt, corpus = None, None
+    if model.path:
+        ckpt = file_sha256(Path(model.path) / "model.safetensors")
+        cj = Path(model.path) / "corpus.json"
+        if cj.exists():
+            corpus = json.loads(cj.read_text()).get("sha256")
+    return {"git_commit": git_commit(), "checkpoint_sha256": ckpt, "corpus_sha256": corpus}
+
+
+def fmt_ci(x: float, ci: list[float]) -> str:
+    """``0.612 [0.55, 0.67]``; an em dash where undefined."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
 def format_table(summary: dict[str, Any]) -> str:
-    """A Markdown table of one run: alpha per position, tau and the run's settings."""
+    """A Markdown table of one run: conditional and cumulative acceptance per position with their
+    bootstrap 95% intervals, tau and the run's settings."""
     k = summary["num_drafts"]
-    head = "| backend | policy | feed | temperature | k | " + " | ".join(f"α_{i + 1}" for i in range(k)) + " | τ | draft share |"
-    sep = "|" + "---|" * (6 + k + 1)
-    alphas = " | ".join(f"{a:.3f}" for a in summary["acceptance_per_position"])
-    row = (f"| {summary['backend']} | {summary['policy']} | {summary['feed_hidden']} | {summary['temperature']:g} | {k} | "
-           f"{alphas} | {summary['mean_accepted_length']:.3f} | {summary['draft_share']:.2f} |")
+    head = ("| mode | source | backend | policy | feed | temperature | k | " + " | ".join(f"α_{i + 1}" for i in range(k)) + " | "
+            + " | ".join(f"P(acc ≥ {i + 1})" for i in range(k)) + " | τ | draft share |")
+    sep = "|" + "---|" * (7 + 2 * k + 2)
+    alphas = " | ".join(fmt_ci(a, c) for a, c in zip(summary["acceptance_per_position"], summary["alpha_ci"]))
+    cums = " | ".join(fmt_ci(a, c) for a, c in zip(summary["cumulative"], summary["cumulative_ci"]))
+    row = (f"| {summary['mode']} | {summary['source']} | {summary['backend']} | {summary['policy']} | {summary['feed_hidden']} | "
+           f"{summary['temperature']:g} | {k} | {alphas} | {cums} | {fmt_ci(summary['mean_accepted_length'], summary['tau_ci'])} | "
+           f"{summary['draft_share']:.2f} |")
     return "\n".join([head, sep, row])
 
 
 def plot_acceptance(summary: dict[str, Any], path: str) -> None:
-    """Bar chart of alpha per position, tau in the title."""
+    """Conditional alpha per position (bars) and cumulative P(accepted >= i) (line), each with
+    its bootstrap 95% interval; tau in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    alphas = summary["acceptance_per_position"]
+    alphas, cum = summary["acceptance_per_position"], summary["cumulative"]
+    pos = range(1, len(alphas) + 1)
+    err = lambda xs, cis: [[0 if math.isnan(x) else x - c[0] for x, c in zip(xs, cis)], [0 if math.isnan(x) else c[1] - x for x, c in zip(xs, cis)]]  # noqa: E731
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(range(1, len(alphas) + 1), [0 if math.isnan(a) else a for a in alphas], color="tab:blue")
-    ax.plot(range(1, len(alphas) + 1), summary["acceptance_cumulative"], "o-", color="tab:orange", label="cumulative")
+    ax.bar(pos, [0 if math.isnan(a) else a for a in alphas], yerr=err(alphas, summary["alpha_ci"]), color="tab:blue",
+           capsize=3, label="α_i (conditional)")
+    ax.errorbar(pos, cum, yerr=err(cum, summary["cumulative_ci"]), fmt="o-", color="tab:orange", capsize=3, label="P(accepted ≥ i)")
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position i")
-    ax.set_ylabel("α_i")
-    ax.set_xticks(range(1, len(alphas) + 1))
-    ax.legend(loc="upper right")
-    ax.set_title(f"{summary['policy']}, {summary['feed_hidden']}, T={summary['temperature']:g}: τ = {summary['mean_accepted_length']:.2f}")
+    ax.set_ylabel("acceptance")
+    ax.set_xticks(list(pos))
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"{summary['mode']}, {summary['source']}, {summary['policy']}, T={summary['temperature']:g}: τ = {summary['mean_accepted_length']:.2f}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -96,12 +174,20 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
 
     from .wandb_log import make_logger
 
+    mode, source = cfg.get("mode", "speculative"), cfg.get("source", "heldout")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
     exp = cfg.experiment
     model = load_model(cfg.model)
-    prompts = build_prompts(model, exp.num_prompts, exp.prompt_tokens, cfg.seed)
+    # Windows of prompt + max_new_tokens tokens in both modes, so the two see the same prompts
+    # (paired in the report): teacher forcing scores the window's last max_new_tokens positions,
+    # the loop starts from its first prompt_tokens and generates its own continuation.
+    windows = build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, cfg.seed, source)
     max_seq_len = min(cfg.model.max_seq_len, model.target.config.max_position_embeddings)
     need = exp.prompt_tokens + exp.max_new_tokens + cfg.num_drafts + 1
     if need > max_seq_len:
@@ -110,38 +196,65 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
     decoder = SpeculativeDecoder(target, proposer, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed)
     os.makedirs(run_dir, exist_ok=True)
+    group = cfg.get("group", None)
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
-                      name=f"k{cfg.num_drafts}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}")
+                      name=f"{mode}-{source}-k{cfg.num_drafts}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}", group=group)
 
     stats = SpecStats(cfg.num_drafts)
+    per_prompt: list[SpecStats] = []
     generated, lossless, grams, distinct = 0, None, 0, 0
     samples = []
+    decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    for p in prompts:
-        res = decoder.generate(p, exp.max_new_tokens)
-        stats.merge(res.stats)
-        generated += len(res.tokens)
-        four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
-        grams, distinct = grams + len(four), distinct + len(set(four))
-        if exp.check_lossless and cfg.temperature == 0:
-            same = res.tokens == target_decode(target, p, exp.max_new_tokens)
-            lossless = same if lossless is None else (lossless and same)
-        if len(samples) < 2 and model.tokenizer is not None:
-            samples.append({"prompt": model.tokenizer.decode(p), "generated": model.tokenizer.decode(res.tokens)})
+    for w in windows:
+        if mode == "teacher_forced":
+            st = teacher_forced(target, proposer, w, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen)
+            if len(samples) < 2:
+                samples.append({"prompt": decode(w[: exp.prompt_tokens]), "continuation": decode(w[exp.prompt_tokens :]),
+                                "steps": st.steps, "accepted": st.accepted})
+        else:
+            p = w[: exp.prompt_tokens]
+            res = decoder.generate(p, exp.max_new_tokens)
+            st = res.stats
+            generated += len(res.tokens)
+            four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
+            grams, distinct = grams + len(four), distinct + len(set(four))
+            if exp.check_lossless and cfg.temperature == 0:
+                same = res.tokens == target_decode(target, p, exp.max_new_tokens)
+                lossless = same if lossless is None else (lossless and same)
+            if len(samples) < 2:
+                samples.append({"prompt": decode(p), "continuation": decode(res.tokens), "steps": st.steps, "accepted": st.accepted})
+        stats.merge(st)
+        per_prompt.append(st)
     wall = time.perf_counter() - t0
 
+    counts_pp = {"reached": [s.reached for s in per_prompt], "accepted": [s.accepted for s in per_prompt],
+                 "steps": [s.steps for s in per_prompt]}
+    ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
     summary = {
-        "acceptance_per_position": stats.alpha,
-        "acceptance_cumulative": stats.alpha_cumulative,
+        "mode": mode,
+        "source": source,
+        "acceptance_per_position": stats.alpha,  # conditional: P(draft i accepted | drafts 1..i-1 accepted)
+        "alpha_ci": ci["alpha_ci"],
+        "cumulative": stats.alpha_cumulative,  # P(at least i drafts accepted) per verification
+        "cumulative_ci": ci["cumulative_ci"],
         "mean_accepted_length": stats.tau,
+        "tau_ci": ci["tau_ci"],
+        "counts": {"reached": stats.reached, "accepted": stats.accepted, "steps": stats.steps},
+        "counts_per_prompt": counts_pp,
+        "bootstrap": {"unit": "prompt", "replicates": acc_stats.REPLICATES, "seed": cfg.seed, "interval": "percentile 95%"},
         "num_drafts": cfg.num_drafts,
         "policy": cfg.policy,
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
         "feed_hidden": cfg.feed_hidden,
-        "prompts": len(prompts),
+        "prompts": len(windows),
         "prompt_tokens": exp.prompt_tokens,
+        "scored_positions": stats.steps if mode == "teacher_forced" else None,
         "generated_tokens": generated,
+        # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
+        # saw the same prompts and are paired in report.py, across modes too.
+        "prompts_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": distinct / grams if grams else float("nan"),
@@ -153,23 +266,28 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "wall_seconds": wall,
         "lossless_greedy": lossless,
         "checkpoint": model.path or f"random:{cfg.model.preset}",
+        **provenance(model),
+        "group": group,
         "seed": cfg.seed,
         "samples": samples,
     }
     table = format_table(summary)
     print(table)
-    print(f"τ = {stats.tau:.3f} tokens per target forward; {generated} tokens from {len(prompts)} prompts in {wall:.1f}s "
+    what = f"{stats.steps} positions of {source} text" if mode == "teacher_forced" else f"{generated} tokens"
+    print(f"τ = {stats.tau:.3f} tokens per target forward; {what} from {len(windows)} prompts in {wall:.1f}s "
           f"(drafting {stats.draft_share:.0%} of the loop)" + ("" if lossless is None else f"; greedy output equals the target's: {lossless}"))
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png = os.path.join(run_dir, "acceptance.png")
     plot_acceptance(summary, png)
 
-    log.log_acceptance(stats.alpha, f"alpha per position (k={cfg.num_drafts}, {cfg.policy})")
+    log.log_acceptance(stats.alpha, f"alpha per position (k={cfg.num_drafts}, {cfg.policy}, {mode})", summary)
     log.log({"tau": stats.tau, **{f"alpha_{i + 1}": a for i, a in enumerate(stats.alpha)},
+             **{f"cumulative_{i + 1}": a for i, a in enumerate(stats.alpha_cumulative)},
              "time/draft_s": stats.draft_s, "time/verify_s": stats.verify_s, "time/draft_share": stats.draft_share})
+    log.log_samples(samples)
     log.log_image("acceptance_plot", png)
-    log.summary({k: v for k, v in summary.items() if k != "samples"})
+    log.summary({k: v for k, v in summary.items() if k not in ("samples", "counts_per_prompt")})
     log.finish()
     return summary
 
@@ -180,10 +298,16 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="config")
     def _main(cfg: Any) -> None:
+        from omegaconf import open_dict
+
         from .validate import check_acceptance, exit_on_bad_config
 
-        exit_on_bad_config(check_acceptance, cfg, HydraConfig.get().runtime.output_dir, "python -m glm_mtp.experiments.acceptance")
-        run(cfg, HydraConfig.get().runtime.output_dir)
+        hc = HydraConfig.get()
+        exit_on_bad_config(check_acceptance, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.acceptance")
+        if cfg.get("group") is None and hc.mode is not None and hc.mode.name == "MULTIRUN":
+            with open_dict(cfg):  # a sweep's runs share a W&B group: its directory's name
+                cfg.group = os.path.basename(os.path.normpath(hc.sweep.dir))
+        run(cfg, hc.runtime.output_dir)
 
     _main()
 

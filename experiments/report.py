@@ -1,9 +1,16 @@
-"""Aggregate a sweep of acceptance runs into one Markdown table and one plot.
+"""Aggregate a sweep of acceptance runs into Markdown tables and one plot.
 
-    python -m glm_mtp.experiments.report multirun/acceptance/<date> [--out DIR]
+    python -m glm_mtp.experiments.report multirun/acceptance/<date> [--out DIR] [--pair policy,mode]
 
 Reads every ``summary.json`` under the directory; writes ``report.md`` and ``report.png`` into
-``--out`` (default: the sweep directory) and prints the table.
+``--out`` (default: the sweep directory) and prints the tables:
+
+- one row per run: conditional ``α_i`` = P(draft i accepted | drafts 1..i-1 accepted) and
+  cumulative ``P(acc ≥ i)`` = P(at least i drafts accepted), each with its bootstrap 95%
+  interval over prompts, and ``τ`` (tokens per target forward);
+- paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
+  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
+  difference's interval from resampling the prompts jointly (``stats.paired_difference``).
 """
 
 from __future__ import annotations
@@ -15,40 +22,99 @@ import math
 import os
 from typing import Any
 
+from .stats import paired_difference
+
+SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
+ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
+
 
 def load_summaries(root: str) -> list[dict[str, Any]]:
-    """Every run's summary under ``root``, sorted by temperature, feed, policy, k."""
+    """Every run's summary under ``root``, sorted by mode, source, backend, temperature, feed, policy, k."""
     runs = []
     for path in sorted(glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)):
         with open(path) as f:
             s = json.load(f)
         s["_dir"] = os.path.relpath(os.path.dirname(path), root)
+        s.setdefault("mode", "speculative")  # summaries written before the modes existed
+        s.setdefault("source", "heldout")
         runs.append(s)
     if not runs:
         raise FileNotFoundError(f"no summary.json under {root}")
-    order = {"first_row_kept": 0, "refeed": 1, "trim_all": 2}
-    runs.sort(key=lambda s: (s["backend"], s["temperature"], s["feed_hidden"] != "post_norm", order.get(s["policy"], 9), s["num_drafts"]))
+    runs.sort(key=lambda s: (ORDER.get(s["mode"], 9), ORDER.get(s["source"], 9), s["backend"], s["temperature"],
+                             s["feed_hidden"] != "post_norm", ORDER.get(s["policy"], 9), s["num_drafts"]))
     return runs
 
 
-def markdown_table(runs: list[dict[str, Any]]) -> str:
-    """One row per run: settings, alpha_1..alpha_K (K the largest k), tau."""
+def _cell(values: list[float], cis: list[list[float]] | None, i: int) -> str:
+    if i >= len(values) or values[i] is None or (isinstance(values[i], float) and math.isnan(values[i])):
+        return "—"
+    if not cis:
+        return f"{values[i]:.3f}"
+    return f"{values[i]:.3f} [{cis[i][0]:.2f}, {cis[i][1]:.2f}]"
+
+
+def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
+    """One row per run: settings, conditional α_1..α_K and/or cumulative P(acc ≥ 1..K) with their
+    intervals (K the largest k), τ with its interval, and the positions scored (teacher-forced) or
+    tokens generated (loop). ``view``: ``conditional``, ``cumulative`` or ``both``."""
+    if view not in ("conditional", "cumulative", "both"):
+        raise ValueError(f"view must be 'conditional', 'cumulative' or 'both', got {view!r}")
     K = max(s["num_drafts"] for s in runs)
-    lines = [
-        "| backend | temperature | feed | policy | k | " + " | ".join(f"α_{i + 1}" for i in range(K)) + " | τ | tokens | draft share |",
-        "|" + "---|" * (5 + K + 3),
-    ]
+    cols = ([f"α_{i + 1}" for i in range(K)] if view != "cumulative" else []) + \
+           ([f"P(acc ≥ {i + 1})" for i in range(K)] if view != "conditional" else [])
+    lines = ["| mode | source | backend | T | feed | policy | k | " + " | ".join(cols) + " | τ | prompts | tokens |",
+             "|" + "---|" * (7 + len(cols) + 3)]
     for s in runs:
-        a = s["acceptance_per_position"]
-        cells = [("—" if i >= len(a) or a[i] is None or (isinstance(a[i], float) and math.isnan(a[i])) else f"{a[i]:.3f}") for i in range(K)]
-        lines.append(f"| {s['backend']} | {s['temperature']:g} | {s['feed_hidden']} | {s['policy']} | {s['num_drafts']} | "
-                     + " | ".join(cells) + f" | {s['mean_accepted_length']:.3f} | {s['generated_tokens']} | {s['draft_share']:.2f} |")
+        cells = []
+        if view != "cumulative":
+            cells += [_cell(s["acceptance_per_position"], s.get("alpha_ci"), i) for i in range(K)]
+        if view != "conditional":
+            cum = s.get("cumulative", s.get("acceptance_cumulative", []))
+            cells += [_cell(cum, s.get("cumulative_ci"), i) for i in range(K)]
+        tokens = s.get("scored_positions") or s["generated_tokens"]
+        lines.append(f"| {s['mode']} | {s['source']} | {s['backend']} | {s['temperature']:g} | {s['feed_hidden']} | {s['policy']} | "
+                     f"{s['num_drafts']} | " + " | ".join(cells)
+                     + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | {s['prompts']} | {tokens} |")
     return "\n".join(lines)
 
 
+def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
+    """Differences ``run - baseline`` between runs equal in every setting but ``pair`` and run on
+    the same prompts; the baseline is the group's first run in report order. Empty when no
+    group has two runs with counts per prompt."""
+    if pair not in SETTINGS:
+        raise ValueError(f"pair must be one of {SETTINGS}, got {pair!r}")
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for s in runs:
+        if "counts_per_prompt" not in s:
+            continue
+        key = tuple(s[k] for k in SETTINGS if k != pair) + (s.get("prompts_sha256"), s.get("checkpoint_sha256"))
+        groups.setdefault(key, []).append(s)
+    K = max(s["num_drafts"] for s in runs)
+    others = [k for k in SETTINGS if k != pair]  # what the paired runs share
+    names = {"temperature": "T", "feed_hidden": "feed", "num_drafts": "k"}
+    lines = [f"| {pair}: run − baseline | " + " | ".join(names.get(k, k) for k in others) + " | "
+             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | Δτ |",
+             "|" + "---|" * (1 + len(others) + K + 1)]
+    for ss in groups.values():
+        base = ss[0]
+        for s in ss[1:]:
+            d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
+            cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
+            shared = " | ".join(f"{s[k]:g}" if k == "temperature" else str(s[k]) for k in others)
+            lines.append(f"| {s[pair]} − {base[pair]} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _signed(values: list[float], cis: list[list[float]], i: int) -> str:
+    if i >= len(values) or math.isnan(values[i]):
+        return "—"
+    return f"{values[i]:+.3f} [{cis[i][0]:+.2f}, {cis[i][1]:+.2f}]"
+
+
 def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """tau against k (left) and alpha per position at the largest k (right), one line per
-    (policy, feed, temperature, backend)."""
+    """tau against k (left) and alpha per position at the largest k with its interval (right),
+    one line per (mode, source, policy, feed, temperature, backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,42 +122,50 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in runs:
-        groups.setdefault(f"{s['policy']}, {s['feed_hidden']}, T={s['temperature']:g}, {s['backend']}", []).append(s)
+        groups.setdefault(f"{s['mode']}, {s['source']}, {s['policy']}, {s['feed_hidden']}, T={s['temperature']:g}, {s['backend']}", []).append(s)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label, ss in groups.items():
         ss = sorted(ss, key=lambda s: s["num_drafts"])
         ax1.plot([s["num_drafts"] for s in ss], [s["mean_accepted_length"] for s in ss], "o-", label=label)
         top = ss[-1]
         a = top["acceptance_per_position"]
-        ax2.plot(range(1, len(a) + 1), a, "o-", label=f"{label} (k={top['num_drafts']})")
+        ci = top.get("alpha_ci")
+        yerr = None if not ci else [[0 if math.isnan(x) else x - c[0] for x, c in zip(a, ci)], [0 if math.isnan(x) else c[1] - x for x, c in zip(a, ci)]]
+        ax2.errorbar(range(1, len(a) + 1), a, yerr=yerr, fmt="o-", capsize=3, label=f"{label} (k={top['num_drafts']})")
     ax1.set_xlabel("k (drafts per step)")
     ax1.set_ylabel("τ (tokens per target forward)")
     ax1.grid(alpha=0.3)
     ax2.set_xlabel("draft position i")
-    ax2.set_ylabel("α_i")
+    ax2.set_ylabel("α_i (conditional), 95% interval")
     ax2.set_ylim(0, 1)
     ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> str:
-    """CLI entry point; returns the table."""
+    """CLI entry point; returns the printed Markdown."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
+    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS} (default: policy)")
+    ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"), help="acceptance columns (default: both)")
     args = ap.parse_args(argv)
     runs = load_summaries(args.sweep_dir)
     out = args.out or args.sweep_dir
     os.makedirs(out, exist_ok=True)
-    table = markdown_table(runs)
+    text = markdown_table(runs, args.view)
+    for pair in args.pair.split(","):
+        pairs = paired_table(runs, pair)
+        if pairs:
+            text += f"\n\nPaired differences (same prompts, {pair} varied; 95% intervals over prompts):\n\n{pairs}"
     with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(f"# Acceptance sweep: {os.path.abspath(args.sweep_dir)}\n\n{table}\n")
+        f.write(f"# Acceptance sweep: {os.path.abspath(args.sweep_dir)}\n\n{text}\n")
     plot(runs, os.path.join(out, "report.png"))
-    print(table)
-    return table
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

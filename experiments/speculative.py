@@ -289,3 +289,65 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
         out = target.forward(torch.tensor(tokens[-1:]), state)
         tokens.append(pick(out.logits[-1], temperature, gen))
     return tokens
+
+
+def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int], prompt_len: int, num_drafts: int,
+                   policy: Policy = "first_row_kept", temperature: float = 0.0, gen: torch.Generator | None = None,
+                   device: torch.device | str = "cpu") -> SpecStats:
+    """Acceptance on natural text: at every position ``m`` in ``[prompt_len, len(text))`` the
+    drafter proposes k drafts after the text ``t_0..t_m`` (its first row reads the target's
+    hidden ``h_{m-1}``, later rows its own post-norm ``x``, as in the loop), and one verification
+    forward of ``[t_m, d_1..d_k]`` after that text scores them exactly as a speculative step would
+    (greedy, or rejection sampling at ``temperature``). Then the text, not the drafts, moves on:
+    the target rewinds to ``m + 1`` (row m holds ``t_m``, written by that forward) and the drafter
+    keeps only its first row ``(t_m, h_{m-1})``. The greedy loop scores contexts of its own making
+    (a small target's greedy output loops, and loops are easy to draft); this scores the contexts
+    the corpus offers.
+
+    Rollback policies differ only in how rows of accepted drafts are kept; teacher forcing keeps
+    none of them, so ``first_row_kept`` and ``refeed`` make the same calls, and ``trim_all``
+    rewrites row m-1 in a catch-up (equal up to rounding).
+
+    Args:
+        text: token ids, at least ``prompt_len + 1``; ``len(text) - prompt_len`` positions are scored.
+        prompt_len: tokens of context before the first scored position (>= 1).
+        gen: the generator of rejection sampling (``temperature > 0``); device: the drafter state's.
+    Returns the counters (``steps`` = positions scored).
+    """
+    if not 1 <= prompt_len < len(text):
+        raise ValueError(f"prompt_len must be in [1, len(text)) = [1, {len(text)}), got {prompt_len}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    gen = gen or torch.Generator().manual_seed(0)
+    stats, clock, k = SpecStats(num_drafts), time.perf_counter, num_drafts
+    t0 = clock()
+    tstate = target.alloc_state()
+    out = target.forward(torch.tensor(text[:prompt_len]), tstate)  # h_0..h_{n-1}
+    stats.prefill_s += clock() - t0
+    t0 = clock()
+    dstate = proposer.alloc_state(device)
+    proposer.prefill_drafter(text[:prompt_len], out.hidden, dstate)  # rows [0, n-1)
+    stats.draft_s += clock() - t0
+    h_prev = out.hidden[-1:]  # h_{m-1}
+    for m in range(prompt_len, len(text)):
+        t0 = clock()
+        drafts = proposer.propose(text[m], h_prev, m - 1, k, dstate)
+        t1 = clock()
+        out = target.forward(torch.tensor([text[m], *drafts]), tstate)  # positions m..m+k
+        if temperature == 0:
+            a, _ = greedy_verify(out.logits, drafts)
+        else:
+            a, _ = stochastic_verify(out.logits, drafts, temperature, gen)
+        target.rewind(tstate, m + 1)
+        t2 = clock()
+        proposer.after_verify(0, dstate)  # keeps row m-1: (t_m, h_{m-1})
+        if policy == "trim_all":
+            proposer.propose(text[m], h_prev, m - 1, 0, dstate)  # only rewinds, to m-1
+            proposer.after_verify(0, dstate)
+            proposer.catchup_drafter([text[m]], h_prev, m - 1, m - 1, dstate)
+        stats.draft_s += (t1 - t0) + (clock() - t2)
+        stats.verify_s += t2 - t1
+        stats.record(a)
+        h_prev = out.hidden[:1]  # h_m, the text's own
+    proposer.free_state(dstate)
+    return stats

@@ -163,7 +163,7 @@ def build_corpus(vocab_size: int, sample_every: int, limit_items: int | None = N
     (items joined by a blank line). ``limit_items`` keeps the first items of each split (tests)."""
     split = corpus_split()
     if limit_items:
-        split = Split(split.train[:limit_items], split.heldout[:limit_items])
+        split = Split(split.train[:limit_items], split.heldout[:limit_items], split.overlap)
     train_texts = [read_item(n) for n in split.train]
     tok = BpeTokenizer.train(train_texts[::sample_every], vocab_size)
     enc = lambda texts: torch.tensor(tok.encode("\n\n".join(texts)), dtype=torch.int64)  # noqa: E731
@@ -176,13 +176,13 @@ def sample_windows(stream: Tensor, n: int, length: int, gen: torch.Generator) ->
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int, time_frac: float = 0.0) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr``, driven by whichever is further along:
-    the step count or the share ``time_frac`` of the time budget already spent (so a slow or
-    shared machine still anneals before the deadline instead of stopping at a high rate)."""
+def lr_at(step: int, steps: int, lr: float, min_lr: float, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr`` at ``steps``: a
+    function of the step alone, so a rerun on a faster or slower machine follows the same rates
+    (``train.max_minutes`` may still stop a run early; the card then says so)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    frac = min(1.0, max((step - warmup) / max(1, steps - warmup), time_frac))
+    frac = min(1.0, (step - warmup) / max(1, steps - warmup))
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
@@ -213,7 +213,9 @@ def save_checkpoint(directory: str, target: TargetWeights, mtp: MtpWeights, corp
     mtp_d.save_pretrained(directory, extra=extra)
     corpus.tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "corpus.json"), "w") as f:
-        json.dump({"sha256": corpus.split.digest(), "train": corpus.split.train, "heldout": corpus.split.heldout}, f, indent=0)
+        overlap = {n: {"lines": round(o.lines, 4), "ngrams": round(o.ngrams, 4)} for n, o in corpus.split.overlap.items() if n in corpus.split.heldout}
+        json.dump({"sha256": corpus.split.digest(), "train": corpus.split.train, "heldout": corpus.split.heldout,
+                   "heldout_overlap": overlap}, f, indent=0)
     for name, obj in extra_files.items():
         with open(os.path.join(directory, name), "w") as f:
             json.dump(obj, f, indent=1)
@@ -249,7 +251,14 @@ def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float
     """The checkpoint's README."""
     n_params = sum(math.prod(s) for s in __import__("glm_mtp.experiments.target", fromlist=["x"]).target_tensor_shapes(mcfg).values())
     n_mtp = sum(math.prod(s) for s in mtp_tensor_shapes(mcfg).values())
+    import sys
+
+    from . import corpus as corpus_mod
+
     t = cfg.train
+    ov = [o for n, o in corpus.split.overlap.items() if n in corpus.split.heldout]
+    max_lines, max_grams = max((o.lines for o in ov), default=0.0), max((o.ngrams for o in ov), default=0.0)
+    stopped = "" if steps == t.steps else f"\nStopped by `train.max_minutes` at step {steps} of {t.steps}: the schedule did not finish."
     return f"""# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer
 
 Trained by this package on the Python standard library, so acceptance-rate numbers can be
@@ -264,20 +273,27 @@ Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP laye
 {command}
 ```
 
-({steps} steps of {t.batch_size} x {t.seq_len} tokens, {minutes:.1f} minutes with {t.threads} CPU threads;
-MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared weights, self-distillation share {t.mtp_distill}.)
+({steps} steps of {t.batch_size} x {t.seq_len} tokens, {minutes:.1f} minutes with {t.threads} CPU thread(s), torch {torch.__version__},
+Python {".".join(map(str, sys.version_info[:3]))}; seed {t.seed}; MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared
+weights, self-distillation share {t.mtp_distill}.){stopped}
 
-The learning rate follows a cosine driven by whichever is further along, the step count or the
-share of the `train.max_minutes` budget spent, so the run ends annealed on a slow or shared
-machine. The rate actually used at every step is in `training_log.json`; a rerun on a machine of
-another speed follows another schedule, so it reproduces the recipe, not the bytes.
+Reproducible: the learning rate is a function of the step alone (linear warm-up over {t.warmup} steps,
+cosine from {t.lr:g} to {t.min_lr:g} at step {t.steps}, `training_log.json` holds the rate of every step),
+windows are drawn from a generator seeded with the seed, and torch runs `train.threads` = {t.threads}
+thread(s) (set by the command: the reductions' order depends on the thread count). So the same
+command on the same Python and torch gives a byte-identical `model.safetensors`; checked on short
+runs by `tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock
+a thousand times slower).
 
 ## Data
 
-- Corpus: the `.py` files of the Python {".".join(map(str, __import__("sys").version_info[:3]))} standard library (tests, idlelib, turtledemo,
+- Corpus: the `.py` files of the Python {".".join(map(str, sys.version_info[:3]))} standard library (tests, idlelib, turtledemo,
   lib2to3, ensurepip, site-packages excluded) and the `pydoc_data.topics` texts.
-- Held-out: the items whose blake2b path hash falls in the {__import__("glm_mtp.experiments.corpus", fromlist=["x"]).HELDOUT_PERCENT}% bucket, listed in `corpus.json`
-  ({len(corpus.split.heldout)} held out, {len(corpus.split.train)} for training).
+- Held-out: candidates are the items whose blake2b path hash falls in the {corpus_mod.HELDOUT_PERCENT}% bucket; a
+  candidate stays held out only if at most {corpus_mod.MAX_OVERLAP:.0%} of its distinct lines of {corpus_mod.MIN_LINE_CHARS}+ characters and
+  at most {corpus_mod.MAX_OVERLAP:.0%} of its distinct {corpus_mod.NGRAM}-word n-grams occur in training items (else it moves to
+  training, repeated until none moves). Listed in `corpus.json` ({len(corpus.split.heldout)} held out, {len(corpus.split.train)} for training).
+  Measured after the fix: at most {max_lines:.1%} of a held-out item's long lines and {max_grams:.1%} of its n-grams occur in training.
 - Corpus file-list sha256: `{corpus.split.digest()}`
 - Tokenizer: byte-level BPE, {corpus.tokenizer.vocab_size} tokens, trained on the training split (`tokenizer.json`,
   `glm_mtp.experiments.bpe.BpeTokenizer.load`). Training stream {corpus.train.numel()} tokens, held-out {corpus.heldout.numel()}.
@@ -329,7 +345,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
                             lr=t.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(t.seed)
     eval_windows = sample_windows(corpus.heldout, t.eval_windows, t.seq_len + 1, torch.Generator().manual_seed(t.seed + 7))
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train", group=cfg.get("group"))
     setup_s = time.perf_counter() - t0
     print(f"corpus: {corpus.train.numel()} train / {corpus.heldout.numel()} held-out tokens, vocab {corpus.tokenizer.vocab_size}, "
           f"setup {setup_s:.0f}s, {sum(p.numel() for p in params) / 1e6:.2f}M parameters")
@@ -339,13 +355,11 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     load = ExpertLoad()
     moe = partial(grouped_moe, load=load)
     # The budget covers the whole run: stop training a minute early for the last eval and saving.
-    train_start = time.perf_counter()
     deadline = t0 + 60 * (t.max_minutes - 1)
     bar = tqdm(range(t.steps), desc="train", dynamic_ncols=True, mininterval=5)
     step = 0
     for step in bar:
-        time_frac = (time.perf_counter() - train_start) / max(1e-9, deadline - train_start)
-        lr = lr_at(step, t.steps, t.lr, t.min_lr, t.warmup, time_frac)
+        lr = lr_at(step, t.steps, t.lr, t.min_lr, t.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = sample_windows(corpus.train, t.batch_size, t.seq_len + 1, gen)
@@ -391,7 +405,9 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
     log.log_image("loss_curve", png)
-    log.summary({f"final/{k}": v for k, v in final.items()})
+    from .acceptance import git_commit
+
+    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": corpus.split.digest(), "git_commit": git_commit()})
     log.finish()
     with open(os.path.join(run_dir, "final.json"), "w") as f:
         json.dump(final, f, indent=1)

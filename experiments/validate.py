@@ -82,6 +82,10 @@ def check_logger(cfg: Any) -> None:
 
 def check_acceptance(cfg: Any) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups)."""
+    from .acceptance import MODES, SOURCES
+
+    need_choice(cfg, "mode", MODES)
+    need_choice(cfg, "source", SOURCES)
     need_int(cfg, "num_drafts", 1)
     need_choice(cfg, "policy", POLICIES)
     need_float(cfg, "temperature", 0.0)

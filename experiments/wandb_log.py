@@ -18,8 +18,11 @@ class NoLogger:
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         """Drop ``data``."""
 
-    def log_acceptance(self, alphas: list[float], title: str) -> None:
+    def log_acceptance(self, alphas: list[float], title: str, summary: dict[str, Any] | None = None) -> None:
         """Drop the acceptance table."""
+
+    def log_samples(self, samples: list[dict[str, Any]]) -> None:
+        """Drop the samples."""
 
     def summary(self, data: dict[str, Any]) -> None:
         """Drop ``data``."""
@@ -56,9 +59,24 @@ class WandbLogger(NoLogger):
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         self.run.log(data, step=step)
 
-    def log_acceptance(self, alphas: list[float], title: str) -> None:
-        table = self.wandb.Table(columns=["position", "alpha"], data=[[i + 1, a] for i, a in enumerate(alphas)])
+    def log_acceptance(self, alphas: list[float], title: str, summary: dict[str, Any] | None = None) -> None:
+        """Per position: alpha and, given the run's ``summary``, its counts, interval and the
+        cumulative acceptance."""
+        cols, rows = ["position", "alpha"], [[i + 1, a] for i, a in enumerate(alphas)]
+        if summary is not None:
+            c = summary["counts"]
+            cols += ["reached", "accepted", "alpha_low", "alpha_high", "cumulative", "cumulative_low", "cumulative_high"]
+            rows = [r + [c["reached"][i], c["accepted"][i], *summary["alpha_ci"][i], summary["cumulative"][i], *summary["cumulative_ci"][i]]
+                    for i, r in enumerate(rows)]
+        table = self.wandb.Table(columns=cols, data=rows)
         self.run.log({"acceptance_table": table, "acceptance_bar": self.wandb.plot.bar(table, "position", "alpha", title=title)})
+
+    def log_samples(self, samples: list[dict[str, Any]]) -> None:
+        """The samples as one table, a row each (columns: the first sample's keys)."""
+        if not samples:
+            return
+        cols = list(samples[0])
+        self.run.log({"samples": self.wandb.Table(columns=cols, data=[[str(s.get(c)) for c in cols] for s in samples])})
 
     def summary(self, data: dict[str, Any]) -> None:
         for k, v in data.items():

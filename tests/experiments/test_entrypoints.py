@@ -39,6 +39,32 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
     assert run["summary"]["alpha_1"] == pytest.approx(summary["acceptance_per_position"][0])
     assert "time/draft_share" in run["summary"] and "acceptance_table/_type" in run["summary"]
     assert run["config"]["policy"] == "refeed" and run["config"]["num_drafts"] == 2
+    # Counts, intervals and the cumulative view, in the file and in the run.
+    c = on_disk["counts"]
+    assert len(c["reached"]) == len(c["accepted"]) == len(on_disk["alpha_ci"]) == len(on_disk["cumulative"]) == 2
+    assert c["reached"][0] == c["steps"] == sum(on_disk["counts_per_prompt"]["steps"]) and len(on_disk["counts_per_prompt"]["steps"]) == 2
+    assert run["summary"]["counts"] == c and run["summary"]["alpha_ci"] == on_disk["alpha_ci"]
+    assert run["summary"]["cumulative"] == on_disk["cumulative"] and "cumulative_1" in run["summary"]
+    assert "samples/_type" in run["summary"] and run["summary"]["mode"] == "speculative"
+    assert len(run["summary"]["prompts_sha256"]) == 64 and "git_commit" in run["summary"] and "group" in run["summary"]
+
+
+def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = config("config", ["experiment=smoke", "mode=teacher_forced", "source=ood", "num_drafts=3", "group=g1"])
+    s = acceptance.run(cfg, str(tmp_path))
+    assert s["mode"] == "teacher_forced" and s["source"] == "ood" and s["scored_positions"] == 2 * 16
+    assert s["counts"]["steps"] == 32 and s["counts"]["reached"][0] == 32 and len(s["alpha_ci"]) == 3
+    for x, (lo, hi) in zip(s["cumulative"], s["cumulative_ci"]):
+        assert lo <= x <= hi
+    path = shipped_checkpoint()
+    assert s["checkpoint_sha256"] == acceptance.file_sha256(path / "model.safetensors")
+    assert s["corpus_sha256"] == json.loads((path / "corpus.json").read_text())["sha256"]
+    run = read_offline_run(str(tmp_path))
+    assert run["summary"]["checkpoint_sha256"] == s["checkpoint_sha256"] and run["summary"]["group"] == "g1"
+    assert run["summary"]["git_commit"] == s["git_commit"]
+    with pytest.raises(ValueError, match="mode"):
+        acceptance.run(config("config", ["experiment=smoke", "logger=none", "mode=forced"]), str(tmp_path / "x"))
 
 
 def test_sweep_and_report(tmp_path):
@@ -47,8 +73,11 @@ def test_sweep_and_report(tmp_path):
            "logger=none", "num_drafts=1,2", "policy=first_row_kept,trim_all", f"hydra.sweep.dir={sweep}"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     table = report.main([str(sweep)])
-    rows = [l for l in table.splitlines() if l.startswith("| reference")]
+    rows = [l for l in table.splitlines() if l.startswith("| speculative")]
     assert len(rows) == 4 and any("trim_all" in r for r in rows)
+    # trim_all against first_row_kept, once per k: the same prompts, paired.
+    diffs = [l for l in table.splitlines() if l.startswith("| trim_all − first_row_kept")]
+    assert len(diffs) == 2 and "Δα_1" in table
     assert (sweep / "report.md").exists() and (sweep / "report.png").stat().st_size > 0
 
 

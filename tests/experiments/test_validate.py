@@ -23,6 +23,8 @@ def test_the_shipped_configs_pass():
 
 
 @pytest.mark.parametrize("override, key", [
+    ("mode=bogus", "mode"),
+    ("source=web", "source"),
     ("num_drafts=-1", "num_drafts"),
     ("num_drafts=0", "num_drafts"),
     ("num_drafts=2.5", "num_drafts"),

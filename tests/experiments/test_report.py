@@ -1,0 +1,28 @@
+"""The report's paired differences: which runs pair, and the difference they print."""
+
+import pytest
+
+from glm_mtp.experiments import report
+
+
+def summary(mode, policy, accepted, prompts_sha="p1", k=2):
+    """A run of 3 prompts x 10 steps; ``accepted`` (3, k) per prompt."""
+    reached = [[10] + [a[i] for i in range(k - 1)] for a in accepted]
+    return {"mode": mode, "source": "heldout", "backend": "reference", "temperature": 0.0, "feed_hidden": "post_norm",
+            "policy": policy, "num_drafts": k, "prompts_sha256": prompts_sha, "checkpoint_sha256": "c",
+            "counts_per_prompt": {"reached": reached, "accepted": accepted, "steps": [10, 10, 10]}}
+
+
+def test_pairs_vary_one_setting_on_the_same_prompts():
+    runs = [summary("speculative", "first_row_kept", [[6, 3], [7, 4], [5, 2]]),
+            summary("speculative", "refeed", [[6, 3], [7, 4], [5, 2]]),
+            summary("teacher_forced", "first_row_kept", [[4, 2], [5, 2], [3, 1]]),
+            summary("teacher_forced", "refeed", [[4, 2], [5, 2], [3, 1]], prompts_sha="other")]
+    by_policy = report.paired_table(runs, "policy").splitlines()[2:]
+    assert len(by_policy) == 1 and by_policy[0].startswith("| refeed − first_row_kept | speculative | heldout")  # "other" prompts do not pair
+    by_mode = report.paired_table(runs, "mode").splitlines()[2:]
+    assert len(by_mode) == 1 and by_mode[0].startswith("| teacher_forced − speculative | heldout | reference | 0 | post_norm | first_row_kept | 2 |")
+    # alpha_1 = 12/30 - 18/30 = -0.2, the same shift on every prompt: every replicate agrees
+    assert by_mode[0].split(" | ")[7] == "-0.200 [-0.20, -0.20]"
+    with pytest.raises(ValueError, match="pair"):
+        report.paired_table(runs, "colour")
