@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
+from glm_mtp.registry import parse_dtype
+
 from .checkpoint import LoadedModel, load_checkpoint, random_model
 from .speculative import SpecStats, SpeculativeDecoder, make_proposer, target_decode
 from .target import Target
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``."""
-    dtype = DTYPES[mcfg.dtype]
+    dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "checkpoint":
         return load_checkpoint(mcfg.path, dtype)
     if mcfg.kind == "random":

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from glm_mtp.conformance import BackendError, run
-from glm_mtp.conformance.runner import record, resolve_backend
+from glm_mtp.conformance.backends import resolve_backend
+from glm_mtp.conformance.runner import record
 from glm_mtp.reference import ReferenceProposer
 from glm_mtp.reference.weights import same_bytes
 

@@ -5,7 +5,8 @@ import torch
 
 from glm_mtp.conformance import MUTANTS, run
 from glm_mtp.conformance.mutants import _topk_ties_high
-from glm_mtp.conformance.runner import Harness, record
+from glm_mtp.conformance.lockstep import Harness
+from glm_mtp.conformance.runner import record
 from glm_mtp.reference import attention, indexer, layers, proposer
 from glm_mtp.reference.layers import topk_indices
 from glm_mtp.reference.weights import same_bytes
