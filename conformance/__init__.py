@@ -7,15 +7,24 @@
 or ``python -m glm_mtp.conformance --candidate optimized --baseline reference``. Only torch (and
 the reference) is needed to import it; hypothesis only for ``machine.py``
 (``from glm_mtp.conformance.machine import lockstep_machine``); no Hydra, no W&B.
+
+The package, one concept per module: ``spec`` (scenario arguments, ops, the spec model),
+``scenarios`` (the generators), ``backends`` (names to proposers), ``side`` (one backend's half
+of a lockstep), ``lockstep`` (both halves compared after every call), ``report`` (findings and
+the run's table), ``runner`` (run and record), ``mutants``, ``compare``, ``sharded``, ``machine``.
 """
 
+from .backends import BackendError, resolve_backend
 from .compare import EXPORT_KEYS, first_mismatch, snapshots_equal
+from .lockstep import Harness, Lockstep, run_scenario
 from .mutants import MUTANTS, Mutant
-from .runner import BackendError, Difference, Finding, Harness, Lockstep, Report, record, resolve_backend, run, run_scenario
-from .scenarios import GENERATORS, MAX_DRAFTS, Hidden, Model, Op, Scenario, Tokens, load_scenario, save_scenario, scenario
+from .report import Difference, Finding, Report
+from .runner import record, run
+from .scenarios import GENERATORS, MAX_DRAFTS, Scenario, load_scenario, save_scenario, scenario
+from .spec import Hidden, Op, SpecModel, TokenIds
 
 __all__ = [
     "run", "record", "Report", "Difference", "Finding", "BackendError", "resolve_backend", "Harness", "Lockstep", "run_scenario",
-    "scenario", "save_scenario", "load_scenario", "Scenario", "Op", "Model", "Hidden", "Tokens", "GENERATORS", "MAX_DRAFTS",
+    "scenario", "save_scenario", "load_scenario", "Scenario", "Op", "SpecModel", "Hidden", "TokenIds", "GENERATORS", "MAX_DRAFTS",
     "MUTANTS", "Mutant", "EXPORT_KEYS", "first_mismatch", "snapshots_equal",
 ]

@@ -27,8 +27,11 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from .runner import Factory, Harness, replay_command
-from .scenarios import GENERATORS, MAX_DRAFTS, RULES, Chooser, Model, Op, save_scenario
+from .backends import Factory
+from .lockstep import Harness
+from .runner import replay_command
+from .scenarios import GENERATORS, MAX_DRAFTS, RULES, Chooser, save_scenario
+from .spec import Op, SpecModel
 
 T = TypeVar("T")
 
@@ -66,7 +69,7 @@ def lockstep_machine(
     """A machine class that plays hypothesis-chosen rules on ``candidate`` and ``baseline``.
 
     Args:
-        candidate, baseline: backend specs (see ``runner.resolve_backend``).
+        candidate, baseline: backend specs (see ``backends.resolve_backend``).
         preset, dtype, device, max_seq_len, weights_seed: as in ``run``; the weights are built
             once for every example the machine runs.
         max_drafts: the largest ``num_drafts`` of a valid propose.
@@ -78,7 +81,7 @@ def lockstep_machine(
     def __init__(self: Any) -> None:
         RuleBasedStateMachine.__init__(self)
         self.lockstep = harness.lockstep()
-        self.model = Model(harness.config, max_seq_len)
+        self.model = SpecModel(harness.config, max_seq_len)
         self.ops: list[Op] = []
         self.play([self.model.info(), self.model.alloc()])
 
@@ -97,7 +100,7 @@ def lockstep_machine(
                     f"calls so far:\n{calls}\n  replay: {replay}"
                 )
 
-    def make_rule(fn: Callable[[Chooser, Model, int], list[Op]]) -> Callable[..., None]:
+    def make_rule(fn: Callable[[Chooser, SpecModel, int], list[Op]]) -> Callable[..., None]:
         def step(self: Any, data: Any) -> None:
             self.play(fn(HypothesisChooser(data), self.model, max_drafts))
 

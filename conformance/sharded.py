@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.distributed import launch
+from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# The weight dtypes this check is run with (names of glm_mtp.registry.DTYPES).
+SHARDED_DTYPES = ("bfloat16", "float32")
 
 
 def snapshot(prop: Any, state: Any) -> dict[str, bytes]:
@@ -33,13 +35,8 @@ def snapshot(prop: Any, state: Any) -> dict[str, bytes]:
 
 
 def make_backend(name: str, weights: MtpWeights, max_seq_len: int) -> Any:
-    if name == "reference":
-        return ReferenceProposer(weights, max_seq_len)
-    if name == "optimized":
-        from glm_mtp.optimized import OptimizedProposer
-
-        return OptimizedProposer(weights, max_seq_len)
-    raise ValueError(f"unknown backend {name!r}")
+    """A drafter of backend ``name`` (a key of ``glm_mtp.registry.BACKENDS``) on ``weights``."""
+    return backend_class(name)(weights, max_seq_len)
 
 
 def sharded_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
@@ -49,7 +46,7 @@ def sharded_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     torch.use_deterministic_algorithms(True)
     cfg = MtpConfig.preset(opts["preset"])
-    dtype = DTYPES[opts["dtype"]]
+    dtype = parse_dtype(opts["dtype"])
     full = MtpWeights.random(cfg, seed=opts["seed"], dtype=dtype, device=device)
     sharded = full.shard(rank, world, row_parallel_o_proj=opts["row_parallel_o_proj"])
     max_seq_len = opts["max_seq_len"]
@@ -143,7 +140,7 @@ def runner_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
     def sharded(weights: MtpWeights, max_seq_len: int) -> Any:
         return make_backend(opts["backend"], weights.shard(rank, world, row_parallel_o_proj=False), max_seq_len)
 
-    report = run(sharded, SingleRankBaseline, scenarios=opts["scenarios"], seed=opts["seed"], dtype=DTYPES[opts["dtype"]],
+    report = run(sharded, SingleRankBaseline, scenarios=opts["scenarios"], seed=opts["seed"], dtype=parse_dtype(opts["dtype"]),
                  preset=opts["preset"], generators=("realistic",))
     with open(os.path.join(opts["out"], f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, ok=report.ok, scenarios_run=report.scenarios_run, steps_run=report.steps_run,
@@ -191,9 +188,9 @@ def check_sharded(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Sharded drafter vs the single-rank reference, one process per rank.")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--backend", default="reference", choices=["reference", "optimized"])
+    p.add_argument("--backend", default="reference", choices=sorted(BACKENDS))
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=SHARDED_DTYPES)
     p.add_argument("--scenarios", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--row-parallel-o-proj", action="store_true", help="split o_proj's inputs over the ranks (tree-aligned: bit-exact; a power-of-two world)")

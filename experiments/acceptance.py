@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from . import stats as acc_stats
+from glm_mtp.registry import parse_dtype
+
 from .checkpoint import LoadedModel, load_checkpoint, random_model
 from .speculative import SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
@@ -40,12 +42,10 @@ from .target import Target
 MODES = ("speculative", "teacher_forced")
 SOURCES = ("heldout", "ood")
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``."""
-    dtype = DTYPES[mcfg.dtype]
+    dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "checkpoint":
         return load_checkpoint(mcfg.path, dtype)
     if mcfg.kind == "random":

@@ -30,23 +30,20 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 
 from .validate import unwritable_dir
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# The weight dtypes the bench runs (names of glm_mtp.registry.DTYPES).
+BENCH_DTYPES = ("bfloat16", "float16", "float32")
 # aten ops that make the host wait for the device.
 SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
 
 
 def backend_factory(name: str) -> Callable[[MtpWeights, int], Any]:
-    if name == "reference":
-        return ReferenceProposer
-    if name == "optimized":
-        from glm_mtp.optimized import OptimizedProposer
-
-        return OptimizedProposer
-    raise ValueError(f"unknown backend {name!r}; known: reference, optimized")
+    """The proposer class of backend ``name`` (a key of ``glm_mtp.registry.BACKENDS``)."""
+    return backend_class(name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,7 +178,7 @@ class BenchConfig:
 
 
 def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) -> list[dict[str, Any]]:
-    device, dtype = torch.device(bc.device), DTYPES[bc.dtype]
+    device, dtype = torch.device(bc.device), parse_dtype(bc.dtype)
     cfg = MtpConfig.preset(preset)
     weights = MtpWeights.random(cfg, seed=bc.seed, dtype=dtype, device=device)
     gen = torch.Generator(device).manual_seed(bc.seed + 1)
@@ -332,10 +329,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.bench",
                                 description="Propose latency and memory, reference vs optimized, against the bandwidth floor.")
     p.add_argument("--presets", nargs="+", default=None, help="default: tiny small glm5_shape (+ glm5 on cuda)")
-    p.add_argument("--backends", nargs="+", default=["reference", "optimized"], choices=["reference", "optimized"])
+    p.add_argument("--backends", nargs="+", default=["reference", "optimized"], choices=sorted(BACKENDS))
     p.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=None, help="default: 7 on cpu, 30 on cuda")

@@ -39,7 +39,6 @@ accepted length; and the time spent in the drafter and in the target's verificat
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -49,10 +48,10 @@ from torch import Tensor
 
 from glm_mtp.reference.proposer import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
+from glm_mtp.registry import backend_class
 
 Policy = Literal["first_row_kept", "refeed", "trim_all"]
 POLICIES = ("first_row_kept", "refeed", "trim_all")
-BACKENDS = {"reference": ("glm_mtp.reference", "ReferenceProposer"), "optimized": ("glm_mtp.optimized", "OptimizedProposer")}
 
 
 class TargetModel(Protocol):
@@ -64,19 +63,8 @@ class TargetModel(Protocol):
 
 
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm") -> DraftProposer:
-    """A drafter of the named backend (``reference`` or ``optimized``), imported only when asked for."""
-    import importlib
-
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    module, name = BACKENDS[backend]
-    cls = getattr(importlib.import_module(module), name)
-    params = inspect.signature(cls).parameters
-    if "feed_hidden" in params:
-        return cls(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
-    if feed_hidden != "post_norm":
-        raise ValueError(f"backend {backend!r} has no feed_hidden option; it drafts post_norm only")
-    return cls(weights, max_seq_len=max_seq_len)
+    """A drafter of the named backend (a key of ``glm_mtp.registry.BACKENDS``), imported only when asked for."""
+    return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -39,7 +40,7 @@ from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes,
 
 from .bpe import BpeTokenizer
 from .corpus import Split, corpus_split, read_item
-from .target import ExpertLoad, Target, TargetWeights, grouped_moe
+from .target import ExpertLoad, Target, TargetWeights, grouped_moe, target_tensor_shapes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def evaluate(target: TargetWeights, mtp: MtpWeights, windows: Tensor, depth: int
 # ------------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(directory: str, target: TargetWeights, mtp: MtpWeights, corpus: Corpus, card: str, extra_files: dict[str, Any]) -> None:
+def save_trained_model(directory: str, target: TargetWeights, mtp: MtpWeights, corpus: Corpus, card: str, extra_files: dict[str, Any]) -> None:
     """Safetensors in GLM-5 naming (the MTP layer at ``model.layers.{L}``), config.json, the
     tokenizer, the corpus split, and the model card."""
     mtp_d = MtpWeights.from_tensors(mtp.config, {n: t.detach() for n, t in mtp.mtp_tensors().items()},
@@ -249,10 +250,8 @@ def plot_curves(history: list[dict[str, float]], evals: list[dict[str, float]], 
 
 def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float], minutes: float, steps: int, command: str) -> str:
     """The checkpoint's README."""
-    n_params = sum(math.prod(s) for s in __import__("glm_mtp.experiments.target", fromlist=["x"]).target_tensor_shapes(mcfg).values())
+    n_params = sum(math.prod(s) for s in target_tensor_shapes(mcfg).values())
     n_mtp = sum(math.prod(s) for s in mtp_tensor_shapes(mcfg).values())
-    import sys
-
     from . import corpus as corpus_mod
 
     t = cfg.train
@@ -414,7 +413,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     print(json.dumps(final, indent=1))
     if cfg.out:
         card = model_card(cfg, mcfg, corpus, final, minutes, step + 1, command)
-        save_checkpoint(cfg.out, target, mtp, corpus, card, {"training_log.json": {"history": history, "evals": evals, "final": final}})
+        save_trained_model(cfg.out, target, mtp, corpus, card, {"training_log.json": {"history": history, "evals": evals, "final": final}})
         import shutil
 
         shutil.copy(png, os.path.join(cfg.out, "loss_curve.png"))

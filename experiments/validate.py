@@ -19,11 +19,13 @@ import shutil
 import sys
 from typing import Any, Callable
 
-from .speculative import BACKENDS, POLICIES
+from glm_mtp.registry import BACKENDS
+
+from .speculative import POLICIES
 
 FEED_HIDDEN = ("post_norm", "pre_norm")
 MODEL_KINDS = ("checkpoint", "random")
-DTYPES = ("float32", "float64", "bfloat16")  # acceptance.DTYPES' names (a test keeps them equal)
+MODEL_DTYPES = ("float32", "float64", "bfloat16")  # names of glm_mtp.registry.DTYPES (a test keeps them so)
 LOGGERS = ("none", "wandb")
 
 
@@ -94,7 +96,7 @@ def check_acceptance(cfg: Any) -> None:
     need_int(cfg, "threads", 1)
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
-    need_choice(cfg, "model.dtype", DTYPES)
+    need_choice(cfg, "model.dtype", MODEL_DTYPES)
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -136,7 +135,7 @@ def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def target_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+def embed_head_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     """Absolute checkpoint name -> shape for the tensors an MTP drafter reads outside its layer."""
     return {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
 
@@ -317,7 +316,7 @@ class MtpWeights:
         device = torch.device(device)
         gen = torch.Generator(device).manual_seed(seed)
         made = {}
-        for name, shape in {**target_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items():
+        for name, shape in {**embed_head_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items():
             t = random_tensor(name, shape, gen, device)
             made[name] = t if name.endswith("e_score_correction_bias") else t.to(dtype)
         embed, head = made.pop("model.embed_tokens.weight"), made.pop("lm_head.weight")
@@ -339,9 +338,6 @@ class MtpWeights:
         out = {"model.embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}
         out.update({prefix + n: t for n, t in self.mtp_tensors().items()})
         return out
-
-    def tensors(self) -> Iterator[Tensor]:
-        yield from self.state_dict().values()
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MtpWeights":
         """A copy on another device and/or in another dtype (the routing bias stays float32)."""
@@ -450,7 +446,7 @@ __all__ = [
     "MlpWeights",
     "layer_tensor_shapes",
     "mtp_tensor_shapes",
-    "target_tensor_shapes",
+    "embed_head_tensor_shapes",
     "decoder_layer_from_tensors",
     "decoder_layer_to_tensors",
     "random_tensor",

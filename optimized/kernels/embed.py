@@ -59,12 +59,9 @@ def embed_rows_launch(embed: Tensor, tokens: Tensor, slots: Tensor, out: Tensor)
                   dict(BLOCK_H=block, enable_fp_fusion=False))
 
 
-def embed_rows_triton(embed: Tensor, tokens: Tensor, slots: Tensor, out: Tensor | None = None) -> Tensor:
-    """The kernel: ``embed`` (V, H) contiguous, ``tokens`` (T,) ints, ``slots`` (T,) int64 -> (T, H).
-
-    ``out`` (T, H), when given, receives the rows (a static buffer under graph capture)."""
-    if out is None:
-        out = torch.empty(tokens.shape[0], embed.shape[1], dtype=embed.dtype, device=embed.device)
+def embed_rows_triton(embed: Tensor, tokens: Tensor, slots: Tensor) -> Tensor:
+    """The kernel: ``embed`` (V, H) contiguous, ``tokens`` (T,) ints, ``slots`` (T,) int64 -> (T, H)."""
+    out = torch.empty(tokens.shape[0], embed.shape[1], dtype=embed.dtype, device=embed.device)  # (T, H)
     embed_rows_launch(embed, tokens, slots, out).run()
     return out
 

@@ -7,9 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from glm_mtp.conformance import MUTANTS, run
+from glm_mtp.conformance import MUTANTS, Harness, Hidden, run, scenario
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -50,5 +48,14 @@ def test_cli_on_cuda(preset, dtype, tmp_path):
     assert json.loads(out.read_text())["device"].startswith("cuda")
 
 
-def test_cuda_is_really_used():
-    assert torch.cuda.is_available()
+def test_the_lockstep_really_runs_on_cuda():
+    """The weights, the hidden arguments and every exported state of a scenario live on CUDA (a
+    harness that silently fell back to the CPU would pass every test above)."""
+    h = Harness("optimized", "reference", device="cuda")
+    ls = h.lockstep()
+    for op in scenario(0, 0, h.config, h.max_seq_len, ("realistic",)).ops:
+        assert ls.step(op) is None
+    assert all(w.embed_tokens.is_cuda for w in h.weights)
+    assert ls.candidate._arg(Hidden(seed=1, rows=2), []).is_cuda
+    exported = [t for side in (ls.candidate, ls.baseline) for v in side.view() if v.export for t in v.export.values()]
+    assert exported and all(t.is_cuda for t in exported)

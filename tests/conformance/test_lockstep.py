@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from glm_mtp.conformance import BackendError, run
-from glm_mtp.conformance.runner import record, resolve_backend
+from glm_mtp.conformance.backends import resolve_backend
+from glm_mtp.conformance.runner import record
 from glm_mtp.reference import ReferenceProposer
 from glm_mtp.reference.weights import same_bytes
 
@@ -42,7 +43,7 @@ def test_unknown_or_missing_backends_are_clear_errors(monkeypatch):
         resolve_backend("fastest")
     with pytest.raises(BackendError, match="unknown mutant"):
         resolve_backend("mutant:nope")
-    monkeypatch.setitem(sys.modules, "glm_mtp.optimized", None)  # as if it had not landed
+    monkeypatch.setitem(sys.modules, "glm_mtp.optimized", None)  # as if it could not be imported here
     with pytest.raises(BackendError, match="glm_mtp.optimized.OptimizedProposer is not importable"):
         resolve_backend("optimized")
 

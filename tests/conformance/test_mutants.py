@@ -5,7 +5,8 @@ import torch
 
 from glm_mtp.conformance import MUTANTS, run
 from glm_mtp.conformance.mutants import _topk_ties_high
-from glm_mtp.conformance.runner import Harness, record
+from glm_mtp.conformance.lockstep import Harness
+from glm_mtp.conformance.runner import record
 from glm_mtp.reference import attention, indexer, layers, proposer
 from glm_mtp.reference.layers import topk_indices
 from glm_mtp.reference.weights import same_bytes
@@ -14,20 +15,47 @@ from glm_mtp.reference.weights import same_bytes
 # this was written are printed; most fall in scenario 0 or 1.
 BUDGET = 40
 
+# Where each mutant's first difference must show: (what, export_state key or None, call). The
+# place follows from the rule it breaks: bookkeeping rules show in drafter_rows, outcomes or rows
+# returned at the call that breaks them; numerics rules in the bytes of the rows written (or the
+# drafts) at the first call that writes with the broken rule.
+SHOWS_AT = {
+    "block_table_off_by_one": ("export_state", "block_table", "alloc"),  # the blocks a fresh state claims
+    "catchup_writes_x": ("export_state", "x", "catchup"),  # only propose may write x
+    "last_token_shape_unchecked": ("outcome", None, "propose"),  # a bad last_token is not refused
+    "misaligned_catchup": ("return", None, "catchup"),  # a misaligned catch-up must write 0 rows
+    "no_rewind_when_ahead": ("drafter_rows", None, "propose"),  # propose must rewind to position
+    "pair_shift": ("export_state", "kv_rows", "prefill"),  # the (token, hidden) pairing of every row
+    "pos_base_rope": ("export_state", "kv_rows", "catchup"),  # the RoPE position of a catch-up row
+    "pre_norm_feed": ("export_state", "kv_rows", "propose"),  # draft 2's row is fed the wrong x
+    "rewind_before_validate": ("refused call changed the state", None, "propose"),
+    "second_verify": ("outcome", None, "verify"),  # a verify with nothing pending is refused
+    "stale_indexer_view": ("export_state", "kv_rows", "propose"),  # rows past seq_len leak into a draft row
+    "topk_ties_high": ("return", "drafts", "propose"),  # the tie breaks change the drafts
+    "trim_first_row": ("drafter_rows", None, "verify"),  # after_verify keeps num_accepted + 1 rows
+}
+
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_every_mutant_is_caught(name, capsys):
+def test_every_mutant_is_caught_where_it_breaks_its_rule(name, capsys):
     r = run(f"mutant:{name}", "reference", scenarios=BUDGET, seed=0)
+    d = r.first_difference
     with capsys.disabled():
-        d = r.first_difference
         where = "" if d is None else f"step {d.step} {d.what}" + (f"[{d.tensor}]" if d.tensor else "") + f" at {d.op.split('(')[0]}"
         print(f"\n  mutant {name}: caught after {r.scenarios_run} scenario(s), {r.steps_run} steps: {where}")
     assert not r.ok, f"mutant {name} ({MUTANTS[name].rule}) survived {BUDGET} scenarios"
+    assert (d.what, d.tensor, d.op.split("(")[0]) == SHOWS_AT[name], f"mutant {name} ({MUTANTS[name].rule}) caught elsewhere:\n{d}"
 
 
-def test_every_mutant_names_its_rule():
-    for name, cls in MUTANTS.items():
-        assert cls.name == name and cls.rule
+def test_every_mutant_is_registered_and_names_its_rule():
+    """Every ``Mutant`` subclass defined in mutants.py is in ``MUTANTS`` (a mutant left out would
+    never be run) with a rule, and every one has a place it must show in ``SHOWS_AT``."""
+    import glm_mtp.conformance.mutants as mutants
+
+    defined = {cls for cls in vars(mutants).values()
+               if isinstance(cls, type) and issubclass(cls, mutants.Mutant) and "name" in vars(cls)}
+    assert defined == set(MUTANTS.values())
+    assert all(cls.rule for cls in defined) and set(SHOWS_AT) == set(MUTANTS)
 
 
 def test_tie_mutant_differs_only_on_ties():

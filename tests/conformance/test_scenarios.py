@@ -4,7 +4,8 @@ from collections import Counter
 
 import torch
 
-from glm_mtp.conformance.scenarios import MAX_DRAFTS, Hidden, Model, Tokens, load_scenario, save_scenario, scenario
+from glm_mtp.conformance.scenarios import MAX_DRAFTS, load_scenario, save_scenario, scenario
+from glm_mtp.conformance.spec import Hidden, SpecModel, TokenIds
 from glm_mtp.reference import MtpConfig
 
 CFG = MtpConfig.preset("tiny")
@@ -41,14 +42,14 @@ def test_hidden_rows_are_fresh_random_and_never_zero():
 
 
 def test_token_refs_resolve_to_drafts():
-    t = Tokens((5, "d2", "d1"), "int32")
+    t = TokenIds((5, "d2", "d1"), "int32")
     out = t.materialize([40, 41], torch.device("cpu"))
     assert out.dtype == torch.int32 and out.tolist() == [5, 41, 40]
 
 
 def _coverage(n_scenarios: int) -> Counter:
     """Tags for every case of issue 3 that the generated ops exercise (spec outcomes)."""
-    cap_rows = Model(CFG, MAX_SEQ_LEN).capacity
+    cap_rows = SpecModel(CFG, MAX_SEQ_LEN).capacity
     seen: Counter = Counter()
     for i in range(n_scenarios):
         sc = scenario(0, i, CFG, MAX_SEQ_LEN)
@@ -94,7 +95,7 @@ def _coverage(n_scenarios: int) -> Counter:
             for v in a.values():
                 if isinstance(v, Hidden) and v.fault and e == "ValueError":
                     seen[f"hidden {v.fault}"] += 1
-                if isinstance(v, Tokens) and e == "ValueError" and any(isinstance(t, int) and not 0 <= t < CFG.vocab_size for t in v.ids):
+                if isinstance(v, TokenIds) and e == "ValueError" and any(isinstance(t, int) and not 0 <= t < CFG.vocab_size for t in v.ids):
                     seen["token out of range"] += 1
             if op.kind == "alloc":
                 seen[f"alloc {e}"] += 1

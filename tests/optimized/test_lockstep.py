@@ -39,7 +39,7 @@ MISUSE = [
 
 
 def spec_decode(ls, inp, steps: int, k_max: int, misuse_every: int = 3) -> dict[str, int]:
-    """A random spec-decode loop on ``ls`` (a Lockstep); returns how often each path ran."""
+    """A random spec-decode loop on ``ls`` (a conftest.DrafterPair); returns how often each path ran."""
     seen: dict[str, int] = {}
     cap = ls.opt.capacity
 
@@ -156,6 +156,8 @@ def test_k_steps_from_zero_rows(weights, lockstep, inputs):
     ls.call("after_verify", 0)
     ls.call("propose", inputs.token(), inputs.hiddens(1), 1, 31 + 2 * 16)  # up to the last row of capacity
     ls.call("after_verify", 63)
+    assert ls.refused == 0 and ls.calls == 6  # both refusing every call would also agree
+    assert ls.opt.drafter_rows(ls.os) == 64
 
 
 def test_every_misuse(weights, lockstep, inputs):
@@ -240,3 +242,4 @@ def test_strided_hiddens(weights, lockstep, inputs):
         ls.call("catchup_drafter", inputs.tokens(1), inputs.hiddens(3).reshape(1, H, 3)[:, :, 0], 10, 10)
         ls.call("propose", inputs.token(), h, 7, 0)
         ls.call("after_verify", 0)
+    assert ls.refused == 0 and ls.calls == 16  # both refusing every call would also agree

@@ -1,8 +1,20 @@
 """The optimized drafter on expert-parallel weights (2 gloo ranks on CPU): it runs the
 reference's collectives inside its block (uncaptured) and stays byte-identical to the
-single-rank reference."""
+single-rank reference. Multi-process, so ``slow``."""
 
-from glm_mtp.conformance.sharded import check_sharded
+import pytest
+
+from glm_mtp.conformance.sharded import check_sharded, check_sharded_runner
+
+pytestmark = pytest.mark.slow
+
+
+def test_expert_parallel_optimized_passes_the_conformance_runner():
+    """The conformance runner's realistic scenarios, on every rank: sharded vs single-rank, bytes."""
+    recs = check_sharded_runner(2, backend="optimized", scenarios=8, seed=2)
+    for r in recs:
+        assert r["ok"], r["first_difference"]
+        assert r["scenarios_run"] == 8 and r["steps_run"] > 5 * 8
 
 
 def test_expert_parallel_optimized_is_bit_exact():

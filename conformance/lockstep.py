@@ -1,0 +1,239 @@
+"""The lockstep: two sides, the same weights, the same calls, compared byte for byte.
+
+``Lockstep.step(op)`` plays one op on both sides (``side.py``) and, after it, compares:
+
+- the outcome: the value returned (drafts, rows written), or the exception type raised;
+- for a refused call, that it left every state's ``export_state`` byte-identical (both sides);
+- that no call changed the tensors it was given;
+- for every state: ``drafter_rows``, ``last_pair_key``, and every tensor of ``export_state``
+  (key set, dtype, shape, device type, bytes);
+- the contract: the baseline's (then the candidate's) outcome, return and rows against what the
+  spec predicts (``SpecModel``), exported keys, and ``seq_len`` agreeing with ``drafter_rows``.
+
+It returns the first difference as a ``Finding`` (``report.py``). A ``Harness`` holds what two
+runs of a scenario share (backends, config, weights) and builds fresh lockstep pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.registry import parse_dtype
+
+from .backends import Factory, resolve_backend
+from .compare import EXPORT_KEYS, first_mismatch, snapshots_equal
+from .report import Finding
+from .scenarios import Scenario
+from .side import Outcome, Side, StateView, _same_value
+from .spec import Hidden, Op
+
+def _index_parts(index: tuple[int, ...] | None) -> tuple[int | None, int | None]:
+    if not index:
+        return None, None
+    if len(index) == 1:
+        return None, index[0]
+    return index[0], index[-1]
+
+
+class Lockstep:
+    """Two sides stepping through the same ops.
+
+    Args:
+        candidate, baseline: the two sides (fresh proposers, no states yet).
+    """
+
+    def __init__(self, candidate: Side, baseline: Side) -> None:
+        self.candidate, self.baseline = candidate, baseline
+
+    def step(self, op: Op) -> Finding | None:
+        """Run ``op`` on both sides; the first difference, or None."""
+        c, b = self.candidate, self.baseline
+        before = {"candidate": c.view(), "baseline": b.view()}
+        out_b, args_b = b.call(op)
+        out_c, args_c = c.call(op)
+
+        state = op.state if op.state >= 0 else None
+        if out_c.error is not out_b.error:
+            return Finding("outcome", state=state, candidate=str(out_c), baseline=str(out_b), detail="the calls ended differently")
+        if out_c.error is None and not _same_value(out_c.value, out_b.value):
+            f = Finding("return", state=state, candidate=repr(out_c.value), baseline=repr(out_b.value), detail="the calls returned different values")
+            if isinstance(out_c.value, list) and isinstance(out_b.value, list):
+                f.tensor = "drafts"
+                f.element = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if x != y), min(len(out_c.value), len(out_b.value)))
+                f.detail = f"the drafts differ from draft {f.element + 1} on"
+            also = self._compare(c.view(), b.view())
+            if also is not None:  # where the rows went apart helps more than the token ids do
+                f.detail += f"; also {also.where()}: {also.candidate} vs {also.baseline}"
+            return f
+
+        for side, args in ((c, args_c), (b, args_b)):
+            f = self._inputs_intact(side, op, args)
+            if f:
+                return f
+        after = {"candidate": c.view(), "baseline": b.view()}
+        if out_c.error is not None:
+            for label in ("baseline", "candidate"):
+                f = self._unchanged(label, before[label], after[label], out_b if label == "baseline" else out_c)
+                if f:
+                    return f
+        f = self._compare(after["candidate"], after["baseline"])
+        if f:
+            return f
+        for label, out, views in (("baseline", out_b, after["baseline"]), ("candidate", out_c, after["candidate"])):
+            f = self._contract(label, op, out, views, before[label])
+            if f:
+                return f
+        return None
+
+    def _inputs_intact(self, side: Side, op: Op, args: dict[str, Any]) -> Finding | None:
+        fresh = {k: side._arg(v, side.drafts[op.state] if 0 <= op.state < len(side.drafts) else []) for k, v in op.args.items()
+                 if isinstance(v, Hidden)}
+        for k, t in fresh.items():
+            given = args[k]
+            if isinstance(t, Tensor) and t.device.type != "meta" and first_mismatch(given, t) is not None:
+                m = first_mismatch(given, t)
+                return Finding("input changed", side=side.label, tensor=k, candidate=m.candidate, baseline=m.baseline,
+                               detail=f"{side.label} wrote into its argument {k} (element {m.index})")
+        return None
+
+    @staticmethod
+    def _unchanged(label: str, before: list[StateView], after: list[StateView], out: Outcome) -> Finding | None:
+        if len(before) != len(after):
+            return Finding("refused call changed the state", side=label, detail=f"{out}; states {len(before)} -> {len(after)}")
+        for i, (x, y) in enumerate(zip(before, after)):
+            rule = "a refused call leaves the state byte-identical"
+            if x.rows != y.rows or x.pair_key != y.pair_key or x.error != y.error:
+                seen = f"drafter_rows {x.rows} -> {y.rows}, last_pair_key {x.pair_key} -> {y.pair_key}"
+                c, b = (seen, rule) if label == "candidate" else (rule, seen)
+                return Finding("refused call changed the state", side=label, state=i, candidate=c, baseline=b, detail=f"{label} {out}")
+            if x.export is not None and y.export is not None and not snapshots_equal(x.export, y.export):
+                key = next(k for k in x.export if k not in y.export or first_mismatch(y.export[k], x.export[k]) is not None)
+                m = first_mismatch(y.export[key], x.export[key]) if key in y.export else None
+                row, el = _index_parts(m.index if m else None)
+                seen = f"{key} before {m.baseline if m else '?'}, after {m.candidate if m else 'missing'}"
+                c, b = (seen, rule) if label == "candidate" else (rule, seen)
+                return Finding("refused call changed the state", side=label, state=i, tensor=key, row=row, element=el,
+                               candidate=c, baseline=b, detail=f"{label} {out}, yet export_state changed")
+        return None
+
+    @staticmethod
+    def _compare(cv: list[StateView], bv: list[StateView]) -> Finding | None:
+        if len(cv) != len(bv):
+            return Finding("states", candidate=f"{len(cv)} states", baseline=f"{len(bv)} states", detail="different numbers of states")
+        for i, (x, y) in enumerate(zip(cv, bv)):
+            if x.error or y.error:
+                if x.error != y.error:
+                    return Finding("export_state", state=i, candidate=x.error or "ok", baseline=y.error or "ok", detail="a query raised")
+                continue
+            if not _same_value(x.rows, y.rows):
+                return Finding("drafter_rows", state=i, candidate=repr(x.rows), baseline=repr(y.rows), detail="drafter_rows differ")
+            if not _same_value(x.pair_key, y.pair_key):
+                return Finding("last_pair_key", state=i, candidate=repr(x.pair_key), baseline=repr(y.pair_key), detail="last_pair_key differ")
+            if x.export.keys() != y.export.keys():
+                return Finding("export_state", state=i, candidate=str(sorted(x.export)), baseline=str(sorted(y.export)), detail="key sets differ")
+            keys = [k for k in EXPORT_KEYS if k in x.export] + sorted(k for k in x.export if k not in EXPORT_KEYS)
+            for k in keys:
+                m = first_mismatch(x.export[k], y.export[k])
+                if m is not None:
+                    row, el = _index_parts(m.index)
+                    n = f" ({m.count} elements differ)" if m.count else ""
+                    return Finding("export_state", state=i, tensor=k, row=row, element=el, candidate=m.candidate, baseline=m.baseline,
+                                   detail=m.detail + n)
+        return None
+
+    def _contract(self, label: str, op: Op, out: Outcome, views: list[StateView], before: list[StateView]) -> Finding | None:
+        """The side against the spec (``op.expect``, ``op.returns``, ``op.rows_after``) and the export contract."""
+        def bad(detail: str, seen: str, spec: str, state: int | None = None) -> Finding:
+            c, b = (seen, spec) if label == "candidate" else (spec, seen)
+            return Finding("contract", side=label, state=state, candidate=c, baseline=b, detail=detail)
+
+        expect = "ok" if op.expect == "noop" else op.expect
+        if out.kind != expect:
+            return bad("outcome differs from the spec", str(out), op.expect + (f" ({op.note})" if op.note else ""))
+        if out.error is None:
+            if op.kind == "info":
+                got = {k: out.value[k] for k in op.returns}
+                if got != op.returns:
+                    return bad("info differs from the spec", repr(got), repr(op.returns))
+            elif op.kind == "propose":
+                if not isinstance(out.value, list) or len(out.value) != op.returns or not all(
+                    type(t) is int and 0 <= t < self.baseline.config.vocab_size for t in out.value
+                ):
+                    return bad("propose must return a list of num_drafts token ids", repr(out.value), f"{op.returns} ids")
+            elif op.kind in ("prefill", "catchup"):
+                if type(out.value) is not int or out.value != op.returns:
+                    return bad("rows written differ from the spec", repr(out.value), repr(op.returns))
+            elif out.value is not None:
+                return bad("the call must return None", repr(out.value), "None")
+        if op.expect == "noop" and op.state >= 0:
+            x, y = before[op.state], views[op.state]
+            if x.export is not None and y.export is not None and not snapshots_equal(x.export, y.export):
+                return bad("a no-op changed export_state", "changed", "unchanged", op.state)
+        for i, v in enumerate(views):
+            if v.error:
+                return bad("a query raised", v.error, "drafter_rows, last_pair_key and export_state work on any state", i)
+            want = None if v.rows == 0 else v.rows - 1
+            if v.pair_key != want:
+                return bad("last_pair_key must be drafter_rows - 1 (or None)", repr(v.pair_key), repr(want), i)
+            if tuple(v.export.keys()) != EXPORT_KEYS and set(v.export) != set(EXPORT_KEYS):
+                return bad("export_state keys", str(sorted(v.export)), str(sorted(EXPORT_KEYS)), i)
+            if int(v.export["seq_len"]) != v.rows or v.export["kv_rows"].shape[0] != v.rows or v.export["index_rows"].shape[0] != v.rows:
+                return bad("export_state rows must match drafter_rows", f"seq_len {int(v.export['seq_len'])}, kv_rows {tuple(v.export['kv_rows'].shape)}",
+                           f"{v.rows} rows", i)
+        if op.state >= 0 and op.state < len(views) and op.rows_after is not None and views[op.state].rows != op.rows_after:
+            return bad("drafter_rows after the call differ from the spec", repr(views[op.state].rows), repr(op.rows_after), op.state)
+        return None
+
+
+@dataclass
+class Harness:
+    """Everything two runs of a scenario share: backends, config, weights, device and dtype.
+
+    Args:
+        candidate, baseline: backend specs (see ``resolve_backend``).
+        preset: an ``MtpConfig`` preset name (or a config).
+        dtype, device: of the weights and every hidden argument.
+        max_seq_len: what both proposers are built with.
+        weights_seed: seed of ``MtpWeights.random``; each side gets its own copy of the same bytes.
+    """
+
+    candidate: str | Factory
+    baseline: str | Factory
+    preset: str | MtpConfig = "tiny"
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str = "cpu"
+    max_seq_len: int = 64
+    weights_seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.config = self.preset if isinstance(self.preset, MtpConfig) else MtpConfig.preset(self.preset)
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: CUDA is not available here")
+        self.dtype = parse_dtype(self.dtype)
+        self.candidate_name, self._cand = resolve_backend(self.candidate)
+        self.baseline_name, self._base = resolve_backend(self.baseline)
+        # Two copies of the same bytes: a backend that writes into its weights cannot move the other.
+        self.weights = [MtpWeights.random(self.config, seed=self.weights_seed, dtype=self.dtype, device=self.device) for _ in range(2)]
+
+    def lockstep(self) -> Lockstep:
+        """Fresh proposers on both sides (nothing carries over from an earlier scenario)."""
+        return Lockstep(
+            Side("candidate", self._cand(self.weights[0], self.max_seq_len), self.config, self.dtype, self.device),
+            Side("baseline", self._base(self.weights[1], self.max_seq_len), self.config, self.dtype, self.device),
+        )
+
+
+def run_scenario(h: Harness, sc: Scenario) -> tuple[int, Finding | None, int]:
+    """Play one scenario in lockstep; ``(steps run, the first finding, failing step index)``."""
+    ls = h.lockstep()
+    for i, op in enumerate(sc.ops):
+        f = ls.step(op)
+        if f is not None:
+            return i + 1, f, i
+    return len(sc.ops), None, -1
