@@ -2,6 +2,7 @@
 
     python -m glm_mtp.experiments.bench                       # CPU: tiny, small, glm5_shape; k = 1..5
     python -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5
+    python -m glm_mtp.experiments.bench --presets small --backends reference --max-position-embeddings 131072 --max-seq-len 131072
 
 For each backend, preset and k it measures the propose latency per draft token (median and
 spread over repeated runs after warm-up; CUDA events on a GPU), the catch-up latency of one row,
@@ -156,7 +157,10 @@ class BenchConfig:
         drafts: the k values.
         device / dtype: where and in what the drafter runs.
         context: rows held before each propose (the drafts attend to them).
-        max_seq_len: the states' capacity (rounded up to blocks).
+        max_seq_len: the states' capacity (rounded up to blocks); a proposer caps it at the
+            preset's ``max_position_embeddings`` (4096 for ``small``).
+        max_position_embeddings: replaces the preset's value when set, so a capacity past the
+            preset's cap can be measured (the cost of a draft step against ``max_seq_len``).
         repeats / warmup: timed proposes per (backend, k), after warm-up ones.
         copy_mib: size of the buffer the copy bandwidth is measured with.
         seed: weights and inputs.
@@ -170,6 +174,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     context: int = 64
     max_seq_len: int = 256
+    max_position_embeddings: int | None = None
     repeats: int = 7
     warmup: int = 2
     copy_mib: int = 256
@@ -180,6 +185,8 @@ class BenchConfig:
 def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) -> list[dict[str, Any]]:
     device, dtype = torch.device(bc.device), parse_dtype(bc.dtype)
     cfg = MtpConfig.preset(preset)
+    if bc.max_position_embeddings is not None:
+        cfg = cfg.replace(max_position_embeddings=bc.max_position_embeddings)
     weights = MtpWeights.random(cfg, seed=bc.seed, dtype=dtype, device=device)
     gen = torch.Generator(device).manual_seed(bc.seed + 1)
     P = bc.context
@@ -229,7 +236,7 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
             records.append(
                 dict(
                     backend=name, preset=preset, device=str(device), dtype=bc.dtype, num_drafts=k,
-                    context_rows=P,
+                    context_rows=P, max_seq_len=prop.max_seq_len,  # the capacity in effect, after the cap
                     latency_per_draft_ms_median=median * 1e3,
                     latency_per_draft_ms_p25=per_draft[len(per_draft) // 4] * 1e3,
                     latency_per_draft_ms_p75=per_draft[(3 * len(per_draft)) // 4] * 1e3,
@@ -316,10 +323,11 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
         cpu_count=os.cpu_count(), torch=torch.__version__, copy_bandwidth_gb_s=bandwidth / 1e9,
         config=dataclasses.asdict(bc),
     )
+    capacity = ", ".join(dict.fromkeys(f"{r['preset']} {r['max_seq_len']}" for r in records))  # max_seq_len in effect
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     (out / "bench.md").write_text(
         f"Device: {meta['device']} ({bc.device}, {bc.dtype}); copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s; "
-        f"{bc.context} context rows; median of {bc.repeats} runs.\n\n" + markdown_table(records)
+        f"{bc.context} context rows; capacity {capacity} rows; median of {bc.repeats} runs.\n\n" + markdown_table(records)
     )
     plot(records, out / "bench.png")
     return records
@@ -335,6 +343,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="replace the presets' max_position_embeddings, which caps --max-seq-len (small: 4096)")
     p.add_argument("--repeats", type=int, default=None, help="default: 7 on cpu, 30 on cuda")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--copy-mib", type=int, default=None, help="default: 256 on cpu, 2048 on cuda")
@@ -365,6 +375,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             MtpConfig.preset(name)
         except ValueError as e:
             p.error(str(e))
+    if a.max_position_embeddings is not None and a.max_position_embeddings < 1:
+        p.error(f"--max-position-embeddings must be >= 1, got {a.max_position_embeddings}")
     if a.context + max(a.drafts) + 2 > a.max_seq_len:
         p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
     out = a.out or os.path.join("outputs", "bench", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -372,7 +384,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         p.error(f"--out {why}")
     return BenchConfig(
         presets=presets, backends=a.backends, drafts=a.drafts, device=a.device, dtype=a.dtype, context=a.context,
-        max_seq_len=a.max_seq_len, repeats=a.repeats if a.repeats is not None else (30 if cuda else 7), warmup=a.warmup,
+        max_seq_len=a.max_seq_len, max_position_embeddings=a.max_position_embeddings,
+        repeats=a.repeats if a.repeats is not None else (30 if cuda else 7), warmup=a.warmup,
         copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out,
     )
 

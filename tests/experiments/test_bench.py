@@ -89,3 +89,26 @@ def test_defaults_still_apply_when_a_count_is_not_given(tmp_path):
     bc = bench.parse_args(["--out", str(tmp_path / "new" / "dir")])
     assert bc.repeats == 7 and bc.copy_mib == 256 and bc.context == 64
     assert not (tmp_path / "new").exists()  # checked, not made, before the run
+
+
+class NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+def test_max_position_embeddings_lifts_the_capacity_cap():
+    # tiny caps max_seq_len at its max_position_embeddings (512): without the override a capacity
+    # of 1024 silently becomes 512, and the record says so.
+    base = dict(presets=["tiny"], backends=["reference"], drafts=[1], context=8, max_seq_len=1024, repeats=1, warmup=0)
+    capped = bench.bench_preset(bench.BenchConfig(**base), "tiny", 1e9, NoProgress())
+    lifted = bench.bench_preset(bench.BenchConfig(**base, max_position_embeddings=2048), "tiny", 1e9, NoProgress())
+    assert capped[0]["max_seq_len"] == 512 and lifted[0]["max_seq_len"] == 1024
+    assert lifted[0]["state_bytes"] > capped[0]["state_bytes"]  # the state really holds the larger capacity
+    assert bench.parse_args(["--max-position-embeddings", "131072", "--max-seq-len", "131072"]).max_position_embeddings == 131072
+    assert bench.parse_args([]).max_position_embeddings is None
+
+
+def test_bad_max_position_embeddings_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--max-position-embeddings", "0"])
+    assert e.value.code == 2 and "--max-position-embeddings must be >= 1" in capsys.readouterr().err
