@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference.attention import Rope
-from glm_mtp.reference.block import draft_logits
 from glm_mtp.reference.layers import greedy_token
 from glm_mtp.reference.proposer import (
     FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, check_token_dtype, check_token_id, hidden_fingerprint,
@@ -248,7 +247,7 @@ class OptimizedProposer:
         for i in range(k):
             slot = st.pos + i  # (1,)
             x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
-            token = greedy_token(draft_logits(self.weights, x))  # (1,), stays on the device
+            token = greedy_token(self.fused.linear(x, self.weights.lm_head))  # (1,): the head, argmax on the device
             st.out[1 + i : 2 + i].copy_(token)
             hidden = x if self.feed_hidden == "post_norm" else pre_norm
         if x is not None:
