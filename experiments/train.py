@@ -241,7 +241,7 @@ def plot_curves(history: list[dict[str, float]], evals: list[dict[str, float]], 
         ax.plot(es, [e["mtp1_loss"] for e in evals], "s-", label="MTP depth 1 (held-out)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
-    ax.legend()
+    ax.legend(loc="upper right")  # "best" searches the data: slow on long runs, and it warns
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
