@@ -28,6 +28,7 @@ from torch import Tensor
 from glm_mtp.reference import attention as _attention
 from glm_mtp.reference import block as _block
 from glm_mtp.reference import indexer as _indexer
+from glm_mtp.reference import numerics as _numerics
 from glm_mtp.reference import proposer as _proposer
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
@@ -258,6 +259,19 @@ class LastTokenShapeUnchecked(SwappingMutant):
         return [(_proposer, "one_token", _reshape_any_token)]
 
 
+def _library_sum(x: Tensor) -> Tensor:
+    # MUTATION: torch's own reduction, in whatever order it chooses (same math, other rounding).
+    return x.sum(-1)
+
+
+class LibrarySums(SwappingMutant):
+    name = "library_sums"
+    rule = "every sum of the drafter is the pinned psum (DESIGN.md §5), never a library reduction"
+
+    def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
+        return [(_numerics, "psum", _library_sum)]
+
+
 class SecondVerify(Mutant):
     name = "second_verify"
     rule = "after_verify with no propose pending raises RuntimeError (the seed trims again)"
@@ -337,7 +351,7 @@ MUTANTS: dict[str, type[Mutant]] = {
     for cls in (
         TrimFirstRow, PosBaseRope, PairShift, NoRewindWhenAhead, StaleIndexerView, PreNormFeed,
         TopkTiesHigh, SecondVerify, MisalignedCatchup, BlockTableOffByOne, RewindBeforeValidate, CatchupWritesX,
-        LastTokenShapeUnchecked,
+        LastTokenShapeUnchecked, LibrarySums,
     )
 }
 

@@ -23,6 +23,7 @@ SHOWS_AT = {
     "block_table_off_by_one": ("export_state", "block_table", "alloc"),  # the blocks a fresh state claims
     "catchup_writes_x": ("export_state", "x", "catchup"),  # only propose may write x
     "last_token_shape_unchecked": ("outcome", None, "propose"),  # a bad last_token is not refused
+    "library_sums": ("export_state", "kv_rows", "prefill"),  # another summation order rounds the rows differently
     "misaligned_catchup": ("return", None, "catchup"),  # a misaligned catch-up must write 0 rows
     "no_rewind_when_ahead": ("drafter_rows", None, "propose"),  # propose must rewind to position
     "pair_shift": ("export_state", "kv_rows", "prefill"),  # the (token, hidden) pairing of every row
