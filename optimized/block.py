@@ -24,6 +24,7 @@ runs eagerly on CPU and under CUDA-graph capture.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -95,10 +96,11 @@ class Fused:
         """``numerics.swiglu`` with this ``linear``."""
         return swiglu(x, gate_proj, up_proj, down_proj, linear=self.linear)
 
-    @property
+    @cached_property
     def ops(self) -> Numerics:
         """The pinned primitives with this ``linear``, ``linear_acc`` and ``swiglu``: what the
-        reference's functions take as ``ops`` here, so each of their GEMVs takes the kernel."""
+        reference's functions take as ``ops`` here, so each of their GEMVs takes the kernel
+        (built once per drafter, not once per draft step)."""
         return replace(PINNED, linear=self.linear, linear_acc=self.linear_acc, swiglu=self.swiglu)
 
 
