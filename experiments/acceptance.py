@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import speedup as spd
 from . import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
@@ -231,6 +232,16 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     counts_pp = {"reached": [s.reached for s in per_prompt], "accepted": [s.accepted for s in per_prompt],
                  "steps": [s.steps for s in per_prompt]}
     ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
+    # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
+    # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).
+    sp_cfg = cfg.get("speedup") or {}
+    costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), target, proposer, cfg.num_drafts,
+                              windows[0][: max(2, exp.prompt_tokens)], sp_cfg.get("repeats", 15))
+    speedup = spd.speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed, source=costs["source"])
+    speedup["cost_details"] = costs
+    glm5 = spd.glm5_costs(cfg.num_drafts)
+    g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
+    speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}  # these taus at GLM-5's costs
     summary = {
         "mode": mode,
         "source": source,
@@ -265,6 +276,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "draft_share": stats.draft_share,
         "wall_seconds": wall,
         "lossless_greedy": lossless,
+        "speedup": speedup,
         "checkpoint": model.path or f"random:{cfg.model.preset}",
         **provenance(model),
         "group": group,
@@ -276,17 +288,22 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     what = f"{stats.steps} positions of {source} text" if mode == "teacher_forced" else f"{generated} tokens"
     print(f"τ = {stats.tau:.3f} tokens per target forward; {what} from {len(windows)} prompts in {wall:.1f}s "
           f"(drafting {stats.draft_share:.0%} of the loop)" + ("" if lossless is None else f"; greedy output equals the target's: {lossless}"))
+    print(spd.format_line(speedup))
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png = os.path.join(run_dir, "acceptance.png")
     plot_acceptance(summary, png)
+    spd.plot_speedup(speedup, os.path.join(run_dir, "speedup.png"),
+                     f"{mode}, {source}, k ≤ {cfg.num_drafts}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs {speedup['costs']}")
 
     log.log_acceptance(stats.alpha, f"alpha per position (k={cfg.num_drafts}, {cfg.policy}, {mode})", summary)
     log.log({"tau": stats.tau, **{f"alpha_{i + 1}": a for i, a in enumerate(stats.alpha)},
              **{f"cumulative_{i + 1}": a for i, a in enumerate(stats.alpha_cumulative)},
+             "speedup/best_k": speedup["best_k"], **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
              "time/draft_s": stats.draft_s, "time/verify_s": stats.verify_s, "time/draft_share": stats.draft_share})
     log.log_samples(samples)
     log.log_image("acceptance_plot", png)
+    log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))
     log.summary({k: v for k, v in summary.items() if k not in ("samples", "counts_per_prompt")})
     log.finish()
     return summary

@@ -3,6 +3,7 @@
     python -m glm_mtp.experiments.bench                       # CPU: tiny, small, glm5_shape; k = 1..5
     python -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5
     python -m glm_mtp.experiments.bench --presets small --backends reference --max-position-embeddings 131072 --max-seq-len 131072
+    python -m glm_mtp.experiments.bench --target-costs          # c and v(k) of the speedup model, toy target + GLM-5
 
 For each backend, preset and k it measures the propose latency per draft token (median and
 spread over repeated runs after warm-up; CUDA events on a GPU), the catch-up latency of one row,
@@ -12,6 +13,12 @@ those bytes over the device's copy bandwidth, measured in the same run. Backends
 alternately, round by round, so their ratio holds on a noisy machine.
 
 Writes ``bench.json`` (one record per measurement), ``bench.md`` and ``bench.png`` into ``--out``.
+
+``--target-costs`` measures instead the costs of the speedup model (``speedup.py``) for the
+experiments' toy target (the shipped checkpoint, or ``--checkpoint DIR``) on this machine: a
+target decode step, a verify of k + 1 tokens and a draft step of each backend, medians of
+alternating repeats; ``c`` = draft step / target step, ``v(k)`` = verify / target step - 1. It
+also states GLM-5's from the bytes each step reads. Writes ``costs.json`` and ``costs.md``.
 Needs only torch (+ triton for the optimized backend): no Hydra, no W&B, so it runs on a bare GPU
 machine (``scripts/gpu_check.sh``).
 """
@@ -180,6 +187,8 @@ class BenchConfig:
     copy_mib: int = 256
     seed: int = 0
     out: str = "outputs/bench"
+    target_costs: bool = False
+    checkpoint: str | None = None
 
 
 def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) -> list[dict[str, Any]]:
@@ -333,6 +342,47 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
     return records
 
 
+def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
+    """The speedup model's costs: measured for the toy target with each backend, and GLM-5's
+    from bytes; writes ``costs.json`` (top level: the first backend's, what ``speedup.costs=PATH``
+    reads) and ``costs.md``."""
+    from .checkpoint import load_checkpoint
+    from .speculative import make_proposer
+    from .speedup import glm5_costs, measure_costs
+    from .target import Target
+
+    model = load_checkpoint(bc.checkpoint, parse_dtype("float32"))
+    max_seq_len = min(bc.max_seq_len, model.target.config.max_position_embeddings)
+    target = Target(model.target, max_seq_len)
+    gen = torch.Generator().manual_seed(bc.seed)
+    context = torch.randint(model.target.config.vocab_size, (bc.context,), generator=gen).tolist()
+    kmax = max(bc.drafts)
+    per_backend = {}
+    for name in bc.backends:
+        proposer = make_proposer(name, model.mtp, max_seq_len)
+        per_backend[name] = {**measure_costs(target, proposer, kmax, context, bc.repeats), "backend": name}
+    first = per_backend[bc.backends[0]]
+    glm5 = glm5_costs(kmax)
+    meta = dict(device=platform.processor() or platform.machine(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                torch=torch.__version__, checkpoint=model.path, dtype="float32", context=bc.context)
+    costs = {**first, "per_backend": per_backend, "glm5": glm5, "meta": meta}
+    out = Path(bc.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "costs.json").write_text(json.dumps(costs, indent=1))
+    ks = range(1, kmax + 1)
+    lines = [f"Toy target ({model.path}, float32, {bc.context} context tokens, {meta['torch_threads']} thread(s), median of {bc.repeats}); "
+             "GLM-5 from the bytes each step reads (weights only; routing uniform and independent).", "",
+             "| target | backend | target step ms | draft step ms | c | " + " | ".join(f"v({k})" for k in ks) + " |",
+             "|" + "---|" * (5 + kmax)]
+    for name, r in per_backend.items():
+        lines.append(f"| toy (this machine) | {name} | {r['target_step_ms']:.2f} | {r['draft_step_ms']:.2f} | {r['c']:.3f} | "
+                     + " | ".join(f"{x:.3f}" for x in r["v"]) + " |")
+    lines.append(f"| GLM-5 (bytes) | — | {glm5['target_step_params'] / 1e9:.2f} G params | {glm5['draft_step_params'] / 1e9:.2f} G params | "
+                 f"{glm5['c']:.4f} | " + " | ".join(f"{x:.3f}" for x in glm5["v"]) + " |")
+    (out / "costs.md").write_text("\n".join(lines) + "\n")
+    return costs
+
+
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.bench",
                                 description="Propose latency and memory, reference vs optimized, against the bandwidth floor.")
@@ -350,6 +400,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--copy-mib", type=int, default=None, help="default: 256 on cpu, 2048 on cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
+    p.add_argument("--target-costs", action="store_true", help="measure the speedup model's c and v(k) on the toy target (costs.json)")
+    p.add_argument("--checkpoint", default=None, help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
     a = p.parse_args(argv)
     try:
         device = torch.device(a.device)
@@ -387,11 +439,19 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         max_seq_len=a.max_seq_len, max_position_embeddings=a.max_position_embeddings,
         repeats=a.repeats if a.repeats is not None else (30 if cuda else 7), warmup=a.warmup,
         copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out,
+        target_costs=a.target_costs, checkpoint=a.checkpoint,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     bc = parse_args(argv)
+    if bc.target_costs:
+        if bc.device != "cpu":
+            raise SystemExit("--target-costs runs on the CPU (the experiments' target is eager torch)")
+        run_target_costs(bc)
+        print((Path(bc.out) / "costs.md").read_text())
+        print(f"wrote {bc.out}/costs.json, costs.md")
+        return
     records = run(bc)
     print(markdown_table(records))
     print(f"wrote {bc.out}/bench.json, bench.md, bench.png")

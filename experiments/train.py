@@ -85,8 +85,40 @@ def build_models(cfg: MtpConfig, seed: int) -> tuple[TargetWeights, MtpWeights, 
     return target, mtp, params
 
 
-def moe_layers(target: TargetWeights, mtp: MtpWeights) -> list[MoeWeights]:
-    return [l.mlp for l in [*target.layers, mtp.layer] if isinstance(l.mlp, MoeWeights)]
+def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple["Corpus", TargetWeights, MtpWeights, list[Tensor]]:
+    """A trained checkpoint's target, tokenizer and split (``base``: ``shipped`` or a directory the
+    training wrote) and a fresh random MTP layer on its embedding and head (seeded as
+    ``build_models`` seeds it). Only the MTP layer's tensors are returned as parameters: the target,
+    its embedding and its head stay frozen, so MTP variants trained on one base share their target
+    and their acceptance compares the heads alone (FastMTP trains its head on a frozen model too)."""
+    from pathlib import Path
+
+    from .checkpoint import load_checkpoint
+
+    model = load_checkpoint(None if base == "shipped" else base, torch.float32)
+    recorded = json.loads((Path(model.path) / "corpus.json").read_text())
+    split = corpus_split()
+    if split.digest() != recorded["sha256"]:
+        raise ValueError(f"train.base={base}: the corpus split here ({split.digest()[:12]}) is not the checkpoint's "
+                         f"({recorded['sha256'][:12]}); another Python version's standard library?")
+    if limit_items:
+        split = Split(split.train[:limit_items], split.heldout[:limit_items], split.overlap)
+    tok = model.tokenizer
+    enc = lambda names: torch.tensor(tok.encode("\n\n".join(read_item(n) for n in names)), dtype=torch.int64)  # noqa: E731
+    corpus = Corpus(split, tok, enc(split.train), enc(split.heldout))
+    target, cfg = model.target, model.mtp.config
+    gen = torch.Generator().manual_seed(seed + 1)
+    mtp_t = {n: random_tensor(n, s, gen) for n, s in mtp_tensor_shapes(cfg).items()}
+    mtp = MtpWeights.from_tensors(cfg, mtp_t, target.embed_tokens, target.lm_head)
+    params = trainable(mtp, skip=("e_score_correction_bias", "embed_tokens", "lm_head"))
+    return corpus, target, mtp, params
+
+
+def moe_layers(target: TargetWeights, mtp: MtpWeights, frozen_target: bool = False) -> list[MoeWeights]:
+    """The MoE layers whose routing biases training balances (the MTP layer's alone when the
+    target is frozen)."""
+    layers = [mtp.layer] if frozen_target else [*target.layers, mtp.layer]
+    return [l.mlp for l in layers if isinstance(l.mlp, MoeWeights)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,6 +289,8 @@ def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float
     t = cfg.train
     ov = [o for n, o in corpus.split.overlap.items() if n in corpus.split.heldout]
     max_lines, max_grams = max((o.lines for o in ov), default=0.0), max((o.ngrams for o in ov), default=0.0)
+    based = (f"\n\nBase: the target, embedding, head and tokenizer of `train.base={t.base}`, frozen; only the MTP layer was "
+             f"trained (from a random start), so the target losses below are the base's.") if t.get("base") else ""
     stopped = "" if steps == t.steps else f"\nStopped by `train.max_minutes` at step {steps} of {t.steps}: the schedule did not finish."
     return f"""# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer
 
@@ -274,7 +308,7 @@ Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP laye
 
 ({steps} steps of {t.batch_size} x {t.seq_len} tokens, {minutes:.1f} minutes with {t.threads} CPU thread(s), torch {torch.__version__},
 Python {".".join(map(str, sys.version_info[:3]))}; seed {t.seed}; MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared
-weights, self-distillation share {t.mtp_distill}.){stopped}
+weights, self-distillation share {t.mtp_distill}.){stopped}{based}
 
 Reproducible: the learning rate is a function of the step alone (linear warm-up over {t.warmup} steps,
 cosine from {t.lr:g} to {t.min_lr:g} at step {t.steps}, `training_log.json` holds the rate of every step),
@@ -333,11 +367,17 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     t0 = time.perf_counter()
-    corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
-    mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
+    base = t.get("base")
+    if base:  # a trained target, frozen; a fresh MTP layer (cfg.arch and cfg.tokenizer are the checkpoint's)
+        corpus, target, mtp, params = base_models(base, t.seed, cfg.tokenizer.limit_items)
+        mcfg = mtp.config
+    else:
+        corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
+        mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
     if t.seq_len > mcfg.index_topk:
         raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained")
-    target, mtp, params = build_models(mcfg, t.seed)
+    if not base:
+        target, mtp, params = build_models(mcfg, t.seed)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -375,7 +415,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
         opt.step()
         with torch.no_grad():  # aux-loss-free balancing: nudge biases toward under-loaded experts
-            for m in moe_layers(target, mtp):
+            for m in moe_layers(target, mtp, frozen_target=bool(base)):
                 c = load.counts.get(id(m.router))
                 if c is not None:
                     m.e_score_correction_bias += t.bias_update_rate * torch.sign(c.float().mean() - c.float())

@@ -104,6 +104,10 @@ def check_acceptance(cfg: Any) -> None:
     need_int(cfg, "experiment.prompt_tokens", 1)
     need_int(cfg, "experiment.max_new_tokens", 1)
     need_bool(cfg, "experiment.check_lossless")
+    costs = _get(cfg, "speedup.costs")
+    if not isinstance(costs, str) or (costs not in ("measured", "glm5") and not os.path.isfile(costs)):
+        raise ValueError(f"speedup.costs must be measured, glm5 or the path of a costs.json, got {costs!r}")
+    need_int(cfg, "speedup.repeats", 1)
     check_logger(cfg)
 
 
@@ -120,6 +124,9 @@ def check_train(cfg: Any) -> None:
     distill = need_float(cfg, "train.mtp_distill", 0.0)
     if distill > 1:
         raise ValueError(f"train.mtp_distill must be in [0, 1], got {distill}")
+    base = _get(cfg, "train").get("base")
+    if base is not None and base != "shipped" and not (isinstance(base, str) and os.path.isfile(os.path.join(base, "config.json"))):
+        raise ValueError(f"train.base must be null, shipped or a checkpoint directory (with config.json), got {base!r}")
     need_int(cfg, "tokenizer.vocab_size", 1)
     need_int(cfg, "tokenizer.sample_every", 1)
     if _get(cfg, "tokenizer.limit_items") is not None:
