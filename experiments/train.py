@@ -85,6 +85,31 @@ def build_models(cfg: MtpConfig, seed: int) -> tuple[TargetWeights, MtpWeights, 
     return target, mtp, params
 
 
+def encoded_streams(tok: BpeTokenizer, tokenizer_file: Any, split: Split) -> tuple[Tensor, Tensor]:
+    """The two splits' token streams (items joined by a blank line), cached on disk under
+    ``$GLM_MTP_CACHE`` (default ``~/.cache/glm_mtp``) keyed by the tokenizer file's and the split's
+    sha256: every job of a grid on one base encodes the same 11 MB of text."""
+    import hashlib
+    from pathlib import Path
+
+    key = hashlib.sha256(Path(tokenizer_file).read_bytes() + split.digest().encode()
+                         + json.dumps([split.train, split.heldout]).encode()).hexdigest()[:24]
+    cache = Path(os.environ.get("GLM_MTP_CACHE", Path.home() / ".cache" / "glm_mtp")) / f"streams-{key}.pt"
+    if cache.exists():
+        d = torch.load(cache)
+        return d["train"], d["heldout"]
+    enc = lambda names: torch.tensor(tok.encode("\n\n".join(read_item(n) for n in names)), dtype=torch.int64)  # noqa: E731
+    train_s, heldout_s = enc(split.train), enc(split.heldout)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({"train": train_s, "heldout": heldout_s}, tmp)
+        os.replace(tmp, cache)
+    except OSError:  # a read-only home: encode every time
+        pass
+    return train_s, heldout_s
+
+
 def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple["Corpus", TargetWeights, MtpWeights, list[Tensor]]:
     """A trained checkpoint's target, tokenizer and split (``base``: ``shipped`` or a directory the
     training wrote) and a fresh random MTP layer on its embedding and head (seeded as
@@ -104,8 +129,7 @@ def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple["
     if limit_items:
         split = Split(split.train[:limit_items], split.heldout[:limit_items], split.overlap)
     tok = model.tokenizer
-    enc = lambda names: torch.tensor(tok.encode("\n\n".join(read_item(n) for n in names)), dtype=torch.int64)  # noqa: E731
-    corpus = Corpus(split, tok, enc(split.train), enc(split.heldout))
+    corpus = Corpus(split, tok, *encoded_streams(tok, Path(model.path) / "tokenizer.json", split))
     target, cfg = model.target, model.mtp.config
     gen = torch.Generator().manual_seed(seed + 1)
     mtp_t = {n: random_tensor(n, s, gen) for n, s in mtp_tensor_shapes(cfg).items()}

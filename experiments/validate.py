@@ -134,6 +134,21 @@ def check_train(cfg: Any) -> None:
     check_logger(cfg)
 
 
+def check_grid(cfg: Any) -> None:
+    """The training grid's settings (conf/grid.yaml): the training's, and the evaluation's."""
+    check_train(cfg)
+    runs = _get(cfg, "eval.runs")
+    if not hasattr(runs, "items") or not len(runs):
+        raise ValueError(f"eval.runs must map run names to lists of acceptance overrides, got {runs!r}")
+    for name, ov in runs.items():
+        if isinstance(ov, str) or not all(isinstance(x, str) for x in ov):
+            raise ValueError(f"eval.runs.{name} must be a list of overrides (strings), got {ov!r}")
+    common = _get(cfg, "eval.common")
+    if isinstance(common, str) or not all(isinstance(x, str) for x in common):
+        raise ValueError(f"eval.common must be a list of overrides (strings), got {common!r}")
+    need_int(cfg, "eval.feed_prompts", 1)
+
+
 def unwritable_dir(path: str) -> str | None:
     """Why files could not be written into the folder ``path`` (made if missing), or ``None``."""
     if os.path.exists(path) and not os.path.isdir(path):

@@ -1,0 +1,155 @@
+"""The MTP training grid: train MTP variants (unroll depth x self-distillation share) and measure
+each one's acceptance, teacher-forced and in the loop, and whether the pre-norm feed changes its
+drafts.
+
+    python -m glm_mtp.experiments.grid -m                       # conf/grid.yaml: depth 1,2,3 x distill 0,0.5
+    python -m glm_mtp.experiments.grid_report multirun/grid/<time> [--out DIR]
+
+One job (``run``):
+
+1. trains per ``cfg.train`` (``experiments/train.py``; by default a fresh MTP layer on the shipped
+   target, frozen, ``train.base=shipped``) and writes the checkpoint into ``<run dir>/checkpoint``;
+2. runs the acceptance experiment on it once per entry of ``cfg.eval.runs`` (each a list of
+   overrides of ``conf/config.yaml`` after ``cfg.eval.common``), into ``<run dir>/acceptance-<name>``;
+3. compares the drafts of the two feeds (``feed_agreement``): at every teacher-forced position of
+   the first ``cfg.eval.feed_prompts`` held-out windows, the post-norm and the pre-norm drafter
+   propose k drafts after the same text and hiddens; the share of positions where draft i is the
+   same token under both feeds, per i (i = 1 reads the target's hidden under either feed, so it
+   is 1 by construction);
+4. writes ``grid.json`` (settings, final losses, the acceptance summaries' statistics and counts,
+   the feed agreement) into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from glm_mtp.reference.proposer import DraftProposer
+
+FEEDS = ("post_norm", "pre_norm")
+
+
+def compose_config(name: str, overrides: list[str]) -> Any:
+    """``conf/<name>.yaml`` composed with ``overrides`` (inside a Hydra app or outside one)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(name, overrides=overrides)
+    with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def eval_configs(cfg: Any, checkpoint: str) -> dict[str, Any]:
+    """The acceptance configs of ``cfg.eval.runs``, each on ``checkpoint``."""
+    common = list(cfg.eval.common)
+    return {name: compose_config("config", [*common, *list(ov), f"model.path={checkpoint}"]) for name, ov in cfg.eval.runs.items()}
+
+
+@torch.no_grad()
+def feed_agreement(target: Any, proposers: dict[str, DraftProposer], windows: list[list[int]], prompt_len: int, k: int) -> dict[str, Any]:
+    """How often the two feeds' drafts agree: at every position m in ``[prompt_len, len(w))`` of
+    each window w, each proposer proposes k drafts after ``w[:m+1]`` with the target's hiddens of
+    the window (one forward of the whole window), as in ``speculative.teacher_forced``; then the
+    text moves on. Returns ``same_per_position`` (share of positions where draft i is equal
+    under both feeds, i = 1..k), ``all_same`` (all k equal), ``positions`` and, per prompt,
+    the positions where any draft differed (``differing_per_prompt``)."""
+    a, b = (proposers[f] for f in FEEDS)
+    same, all_same, positions, per_prompt = [0] * k, 0, 0, []
+    for w in windows:
+        out = target.forward(torch.tensor(w), target.alloc_state())
+        sa, sb = a.alloc_state("cpu"), b.alloc_state("cpu")
+        a.prefill_drafter(w[:prompt_len], out.hidden[:prompt_len], sa)
+        b.prefill_drafter(w[:prompt_len], out.hidden[:prompt_len], sb)
+        differing = 0
+        for m in range(prompt_len, len(w)):
+            h = out.hidden[m - 1 : m]
+            da, db = a.propose(w[m], h, m - 1, k, sa), b.propose(w[m], h, m - 1, k, sb)
+            a.after_verify(0, sa)
+            b.after_verify(0, sb)
+            eq = [x == y for x, y in zip(da, db)]
+            same = [s + int(e) for s, e in zip(same, eq)]
+            all_same += int(all(eq))
+            differing += int(not all(eq))
+            positions += 1
+        a.free_state(sa)
+        b.free_state(sb)
+        per_prompt.append(differing)
+    return {"same_per_position": [s / positions for s in same], "all_same": all_same / positions, "positions": positions,
+            "differing_per_prompt": per_prompt, "num_drafts": k}
+
+
+def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.grid") -> dict[str, Any]:
+    """One grid job (module docstring); returns what it writes to ``grid.json``."""
+    from omegaconf import OmegaConf, open_dict
+
+    from . import acceptance, train
+    from .speculative import make_proposer
+    from .target import Target
+    from .validate import check_acceptance
+
+    os.makedirs(run_dir, exist_ok=True)
+    checkpoint = os.path.join(run_dir, "checkpoint")
+    for c in eval_configs(cfg, checkpoint).values():  # refuse a bad evaluation before the training
+        check_acceptance(c)
+    with open_dict(cfg):
+        cfg.out = checkpoint
+    t0 = time.perf_counter()
+    final = train.run(cfg, os.path.join(run_dir, "train"), command)
+    train_minutes = (time.perf_counter() - t0) / 60
+    t1 = time.perf_counter()
+    evals = {}
+    for name, acfg in eval_configs(cfg, checkpoint).items():
+        s = acceptance.run(acfg, os.path.join(run_dir, f"acceptance-{name}"))
+        evals[name] = {k: s[k] for k in ("mode", "source", "feed_hidden", "policy", "num_drafts", "temperature", "acceptance_per_position",
+                                         "alpha_ci", "cumulative", "cumulative_ci", "mean_accepted_length", "tau_ci", "counts",
+                                         "counts_per_prompt", "prompts", "prompts_sha256", "speedup")}
+    # The feed ablation: do the two feeds draft different tokens at all on these weights?
+    first = next(iter(eval_configs(cfg, checkpoint).values()))
+    model = acceptance.load_model(first.model)
+    exp = first.experiment
+    windows = acceptance.build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, first.seed, first.source)
+    windows = windows[: cfg.eval.feed_prompts]
+    max_seq_len = min(first.model.max_seq_len, model.target.config.max_position_embeddings)
+    proposers = {f: make_proposer(first.backend.name, model.mtp, max_seq_len, f) for f in FEEDS}
+    agreement = feed_agreement(Target(model.target, max_seq_len), proposers, windows, exp.prompt_tokens, first.num_drafts)
+    eval_minutes = (time.perf_counter() - t1) / 60
+    t = cfg.train
+    result = {
+        "mtp_depth": t.mtp_depth, "mtp_distill": float(t.mtp_distill), "base": t.get("base"), "steps": final["steps"],
+        "batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed, "final": final, "train_minutes": train_minutes,
+        "eval_minutes": eval_minutes, "evals": evals, "feed_agreement": agreement, "checkpoint": checkpoint,
+        "checkpoint_sha256": acceptance.file_sha256(os.path.join(checkpoint, "model.safetensors")),
+        "git_commit": acceptance.git_commit(), "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    with open(os.path.join(run_dir, "grid.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    same = ", ".join(f"{x:.3f}" for x in agreement["same_per_position"])
+    print(f"depth {t.mtp_depth}, distill {t.mtp_distill}: trained {train_minutes:.1f} min, evaluated {eval_minutes:.1f} min; "
+          + "; ".join(f"{n}: τ = {e['mean_accepted_length']:.3f}" for n, e in evals.items())
+          + f"; feeds agree on draft i: [{same}] of {agreement['positions']} positions")
+    return result
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="grid")
+    def _main(cfg: Any) -> None:
+        from .validate import check_grid, exit_on_bad_config
+
+        hc = HydraConfig.get()
+        exit_on_bad_config(check_grid, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.grid")
+        run(cfg, hc.runtime.output_dir, " ".join(["python -m glm_mtp.experiments.grid", *hc.overrides.task]))
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()
