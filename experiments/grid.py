@@ -48,7 +48,13 @@ def compose_config(name: str, overrides: list[str]) -> Any:
 def eval_configs(cfg: Any, checkpoint: str) -> dict[str, Any]:
     """The acceptance configs of ``cfg.eval.runs``, each on ``checkpoint``."""
     common = list(cfg.eval.common)
-    return {name: compose_config("config", [*common, *list(ov), f"model.path={checkpoint}"]) for name, ov in cfg.eval.runs.items()}
+    path = "model.path=" + quote(checkpoint)
+    return {name: compose_config("config", [*common, *list(ov), path]) for name, ov in cfg.eval.runs.items()}
+
+
+def quote(value: str) -> str:
+    """A string as one Hydra override value (a sweep's run directories hold ``=`` and ``,``)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 @torch.no_grad()
