@@ -62,8 +62,8 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
     K = max(s["num_drafts"] for s in runs)
     cols = ([f"α_{i + 1}" for i in range(K)] if view != "cumulative" else []) + \
            ([f"P(acc ≥ {i + 1})" for i in range(K)] if view != "conditional" else [])
-    lines = ["| mode | source | backend | T | feed | policy | k | " + " | ".join(cols) + " | τ | prompts | tokens |",
-             "|" + "---|" * (7 + len(cols) + 3)]
+    lines = ["| mode | source | backend | T | feed | policy | k | " + " | ".join(cols) + " | τ | best k: S(k) | prompts | tokens |",
+             "|" + "---|" * (7 + len(cols) + 4)]
     for s in runs:
         cells = []
         if view != "cumulative":
@@ -74,7 +74,33 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
         tokens = s.get("scored_positions") or s["generated_tokens"]
         lines.append(f"| {s['mode']} | {s['source']} | {s['backend']} | {s['temperature']:g} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
-                     + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | {s['prompts']} | {tokens} |")
+                     + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | {_best(s)} | {s['prompts']} | {tokens} |")
+    return "\n".join(lines)
+
+
+def _best(s: dict[str, Any]) -> str:
+    """``2: 1.31 [1.2, 1.4]``: the best k of the speedup model and its predicted speedup (— for
+    summaries written before the model)."""
+    sp = s.get("speedup")
+    if not sp:
+        return "—"
+    k = sp["best_k"]
+    return f"{k}: {_cell(sp['predicted'], sp.get('predicted_ci'), k - 1)}"
+
+
+def speedup_table(runs: list[dict[str, Any]]) -> str:
+    """Predicted speedup S(k) per run and k with intervals, the costs it used, and the best k."""
+    runs = [s for s in runs if s.get("speedup")]
+    if not runs:
+        return ""
+    K = max(len(s["speedup"]["predicted"]) for s in runs)
+    lines = ["| mode | source | feed | policy | T | costs | c | " + " | ".join(f"S({k + 1})" for k in range(K)) + " | best k |",
+             "|" + "---|" * (7 + K + 1)]
+    for s in runs:
+        sp = s["speedup"]
+        cells = [_cell(sp["predicted"], sp.get("predicted_ci"), k) for k in range(K)]
+        lines.append(f"| {s['mode']} | {s['source']} | {s['feed_hidden']} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
+                     f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} |")
     return "\n".join(lines)
 
 
@@ -157,6 +183,10 @@ def main(argv: list[str] | None = None) -> str:
     out = args.out or args.sweep_dir
     os.makedirs(out, exist_ok=True)
     text = markdown_table(runs, args.view)
+    sp = speedup_table(runs)
+    if sp:
+        text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/speedup.py; τ(k) from each run's counts, "
+                 "95% intervals over prompts; c and v as each run states):\n\n" + sp)
     for pair in args.pair.split(","):
         pairs = paired_table(runs, pair)
         if pairs:

@@ -32,12 +32,17 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
                 "prompts", "generated_tokens"):
         assert key in on_disk
     assert on_disk["lossless_greedy"] is True and on_disk["generated_tokens"] == 2 * 16
-    assert (tmp_path / "acceptance.png").stat().st_size > 0
+    assert (tmp_path / "acceptance.png").stat().st_size > 0 and (tmp_path / "speedup.png").stat().st_size > 0
+    sp = on_disk["speedup"]  # the speedup model: one prediction per k, costs measured on this run's models
+    assert len(sp["predicted"]) == len(sp["v"]) == len(sp["predicted_ci"]) == 2 and sp["c"] > 0 and sp["costs"] == "measured"
+    assert sp["best_k"] in (1, 2) and sp["predicted"][sp["best_k"] - 1] == max(sp["predicted"])
+    assert sp["tau"][-1] == pytest.approx(on_disk["mean_accepted_length"]) and len(sp["glm5"]["predicted"]) == 2
     run = read_offline_run(str(tmp_path))
     assert run["summary"]["mean_accepted_length"] == pytest.approx(summary["mean_accepted_length"])
     assert run["summary"]["tau"] == pytest.approx(summary["mean_accepted_length"])
     assert run["summary"]["alpha_1"] == pytest.approx(summary["acceptance_per_position"][0])
     assert "time/draft_share" in run["summary"] and "acceptance_table/_type" in run["summary"]
+    assert run["summary"]["speedup/best_k"] == sp["best_k"]
     assert run["config"]["policy"] == "refeed" and run["config"]["num_drafts"] == 2
     # Counts, intervals and the cumulative view, in the file and in the run.
     c = on_disk["counts"]

@@ -39,6 +39,8 @@ def test_the_shipped_configs_pass():
     ("experiment.num_prompts=0", "experiment.num_prompts"),
     ("experiment.check_lossless=maybe", "experiment.check_lossless"),
     ("+backend.name=fast", "backend.name"),
+    ("speedup.costs=fast", "speedup.costs"),
+    ("speedup.repeats=0", "speedup.repeats"),
 ])
 def test_a_bad_acceptance_value_names_its_key(override, key):
     if override.startswith("+backend"):
@@ -58,10 +60,23 @@ def test_a_bad_acceptance_value_names_its_key(override, key):
     ("train.max_minutes=-1", "train.max_minutes"),
     ("train.mtp_distill=2", "train.mtp_distill"),
     ("tokenizer.vocab_size=0", "tokenizer.vocab_size"),
+    ("train.base=/nonexistent", "train.base"),
 ])
 def test_a_bad_train_value_names_its_key(override, key):
     with pytest.raises(ValueError, match=f"^{key} must"):
         validate.check_train(config("train", [override]))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("eval.feed_prompts=0", "eval.feed_prompts"),
+    ("eval.common=x", "eval.common"),
+    ("eval.runs.teacher_forced=x", "eval.runs.teacher_forced"),
+    ("train.steps=0", "train.steps"),
+])
+def test_a_bad_grid_value_names_its_key(override, key):
+    validate.check_grid(config("grid"))
+    with pytest.raises(ValueError, match=f"^{key} must"):
+        validate.check_grid(config("grid", [override]))
 
 
 def test_dtype_names_are_registry_names():
