@@ -1,6 +1,7 @@
 """Tables and a plot of an MTP training grid (``python -m glm_mtp.experiments.grid -m``).
 
     python -m glm_mtp.experiments.grid_report multirun/grid/<time> [--out DIR]
+    python -m glm_mtp.experiments.grid_report --feeds shipped [--prompts 8] [--num-drafts 3]   # one checkpoint's feed agreement
 
 Reads every ``grid.json`` under the directory and writes ``grid_report.md`` and
 ``grid_report.png`` into ``--out`` (default: the directory):
@@ -128,11 +129,41 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_tokens: int = 48, new_tokens: int = 64) -> dict[str, Any]:
+    """``grid.feed_agreement`` of one checkpoint (``shipped`` or a directory) on the first
+    ``prompts`` of the acceptance experiment's held-out windows (the same windows as its runs)."""
+    import torch
+
+    from .acceptance import build_prompts
+    from .checkpoint import load_checkpoint
+    from .grid import FEEDS, feed_agreement
+    from .speculative import make_proposer
+    from .target import Target
+
+    torch.set_num_threads(1)
+    model = load_checkpoint(None if checkpoint == "shipped" else checkpoint, torch.float32)
+    ws = build_prompts(model, 32, prompt_tokens + new_tokens, 0, "heldout")[:prompts]  # conf/config.yaml's 32 windows, seed 0
+    max_seq_len = min(256, model.target.config.max_position_embeddings)
+    props = {f: make_proposer("reference", model.mtp, max_seq_len, f) for f in FEEDS}
+    return feed_agreement(Target(model.target, max_seq_len), props, ws, prompt_tokens, num_drafts)
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.grid_report", description=__doc__.split("\n")[0])
-    ap.add_argument("grid_dir")
+    ap.add_argument("grid_dir", nargs="?")
     ap.add_argument("--out", default=None, help="where grid_report.md and grid_report.png go (default: grid_dir)")
+    ap.add_argument("--feeds", default=None, help="instead: the feed agreement of one checkpoint (shipped or a directory)")
+    ap.add_argument("--prompts", type=int, default=8, help="--feeds: held-out windows (of the acceptance experiment's 32)")
+    ap.add_argument("--num-drafts", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.feeds:
+        fa = checkpoint_feeds(args.feeds, args.prompts, args.num_drafts)
+        text = (f"{args.feeds}: draft i the same under both feeds at " + ", ".join(f"{x:.3f}" for x in fa["same_per_position"])
+                + f" of {fa['positions']} teacher-forced positions; all {args.num_drafts} the same at {fa['all_same']:.3f}")
+        print(text)
+        return text
+    if not args.grid_dir:
+        ap.error("grid_dir is required (or --feeds CHECKPOINT)")
     jobs = load_jobs(args.grid_dir)
     out = args.out or args.grid_dir
     os.makedirs(out, exist_ok=True)

@@ -88,19 +88,24 @@ def _best(s: dict[str, Any]) -> str:
     return f"{k}: {_cell(sp['predicted'], sp.get('predicted_ci'), k - 1)}"
 
 
+def _glm5(sp: dict[str, Any]) -> str:
+    g = sp.get("glm5")
+    return "—" if not g else ", ".join(f"{x:.2f}" for x in g["predicted"]) + f"; {g['best_k']}"
+
+
 def speedup_table(runs: list[dict[str, Any]]) -> str:
     """Predicted speedup S(k) per run and k with intervals, the costs it used, and the best k."""
     runs = [s for s in runs if s.get("speedup")]
     if not runs:
         return ""
     K = max(len(s["speedup"]["predicted"]) for s in runs)
-    lines = ["| mode | source | feed | policy | T | costs | c | " + " | ".join(f"S({k + 1})" for k in range(K)) + " | best k |",
-             "|" + "---|" * (7 + K + 1)]
+    lines = ["| mode | source | feed | policy | T | costs | c | " + " | ".join(f"S({k + 1})" for k in range(K))
+             + " | best k | at GLM-5's costs: S(1..K), best k |", "|" + "---|" * (7 + K + 2)]
     for s in runs:
         sp = s["speedup"]
         cells = [_cell(sp["predicted"], sp.get("predicted_ci"), k) for k in range(K)]
         lines.append(f"| {s['mode']} | {s['source']} | {s['feed_hidden']} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
-                     f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} |")
+                     f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} | {_glm5(sp)} |")
     return "\n".join(lines)
 
 

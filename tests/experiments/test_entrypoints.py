@@ -83,6 +83,9 @@ def test_sweep_and_report(tmp_path):
     # trim_all against first_row_kept, once per k: the same prompts, paired.
     diffs = [l for l in table.splitlines() if l.startswith("| trim_all − first_row_kept")]
     assert len(diffs) == 2 and "Δα_1" in table
+    # The predicted speedup per run and k, with the best k (k = 1 runs have S(2) undefined).
+    sp_rows = [l for l in table.split("Predicted speedup")[1].splitlines() if l.startswith("| speculative")]
+    assert len(sp_rows) == 4 and all(r.count("[") >= 1 for r in sp_rows) and "| best k |" in table
     assert (sweep / "report.md").exists() and (sweep / "report.png").stat().st_size > 0
 
 
