@@ -6,8 +6,10 @@
 - ``corpus`` / ``bpe``: the offline corpus (the Python standard library) and its BPE tokenizer;
 - ``checkpoint``: finding and loading the shipped checkpoint; ``wandb_log``: W&B (offline by
   default) or no logger, and a reader for offline runs;
-- ``train``, ``acceptance``: Hydra entry points (``python -m glm_mtp.experiments.X``); ``report``
-  aggregates a sweep (argparse). Results: ``RESULTS.md``.
+- ``train``, ``acceptance``, ``grid``: Hydra entry points (``python -m glm_mtp.experiments.X``);
+  ``report`` and ``grid_report`` aggregate a sweep (argparse); ``speedup``: the speedup model
+  S(k) = tau(k) / (1 + k c + v(k)) and its costs (measured, or GLM-5's from bytes). Results:
+  ``RESULTS.md``.
 
 Importing this package imports neither Hydra nor W&B; the entry points do.
 """
