@@ -57,16 +57,14 @@ def modes(jobs: list[dict[str, Any]]) -> list[str]:
 def acceptance_table(jobs: list[dict[str, Any]]) -> str:
     """One row per (variant, evaluation): alpha_i and tau with intervals, held-out MTP losses."""
     K = max(e["num_drafts"] for g in jobs for e in g["evals"].values())
-    lines = ["| depth | distill | eval | " + " | ".join(f"α_{i + 1}" for i in range(K)) + " | τ | best k (S) | held-out MTP loss by depth | steps |",
-             "|" + "---|" * (3 + K + 4)]
+    lines = ["| depth | distill | eval | " + " | ".join(f"α_{i + 1}" for i in range(K)) + " | τ | held-out MTP loss by depth | steps |",
+             "|" + "---|" * (3 + K + 3)]
     for g in jobs:
         losses = ", ".join(f"{g['final'][f'mtp{d}_loss']:.2f}" for d in range(1, g["mtp_depth"] + 1))
         for name, e in g["evals"].items():
             a = [_ci(e["acceptance_per_position"][i], e["alpha_ci"][i]) if i < len(e["acceptance_per_position"]) else "—" for i in range(K)]
-            sp = e.get("speedup")
-            best = f"{sp['best_k']} ({sp['predicted'][sp['best_k'] - 1]:.2f})" if sp else "—"
             lines.append(f"| {g['mtp_depth']} | {g['mtp_distill']:g} | {name} | " + " | ".join(a)
-                         + f" | {_ci(e['mean_accepted_length'], e['tau_ci'])} | {best} | {losses} | {g['steps']} |")
+                         + f" | {_ci(e['mean_accepted_length'], e['tau_ci'])} | {losses} | {g['steps']} |")
     return "\n".join(lines)
 
 
