@@ -33,7 +33,7 @@ can call as they are.
 
 from __future__ import annotations
 
-import math
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -293,6 +293,7 @@ def _pow2_meta(n: int) -> dict[str, int]:
     return dict(BLOCK_R=block, LEVELS_R=block.bit_length() - 1, NCHUNK_R=nchunk, LEVELS_CR=nchunk.bit_length() - 1)
 
 
+@lru_cache(maxsize=None)
 def _eps32(eps: float) -> float:
     """eps as ``numerics.rms_norm`` adds it: rounded to float32 (then passed on exactly)."""
     return float(torch.tensor(eps, dtype=torch.float32))
@@ -456,6 +457,8 @@ def block_input_triton(embed: Tensor, tokens: Tensor, slots: Tensor, hiddens: Te
     if embed.dtype != hiddens.dtype:
         raise TypeError(f"{name}: embed ({embed.dtype}) and hiddens ({hiddens.dtype}) must share a dtype")
     _same_device(name, embed, tokens, slots, hiddens, enorm, hnorm, eh_proj)
+    if H == 0:
+        raise ValueError(f"{name}: an empty hidden width")
     out = torch.empty(T, eh_proj.shape[0], dtype=hiddens.dtype, device=hiddens.device)
     if out.numel() > 0:
         block_input_launch(embed, tokens, slots, hiddens, enorm, hnorm, eps, eh_proj, out).run()
@@ -487,14 +490,16 @@ def norm_linear_triton(x: Tensor, norm_weight: Tensor, eps: float, weights: Sequ
     if len({w.dtype for w in weights}) > 1:
         raise TypeError(f"{name}: the weights must share a dtype, got {[w.dtype for w in weights]}")
     _same_device(name, x, norm_weight, *weights)
+    if K == 0:
+        raise ValueError(f"{name}: an empty width K")
     out_dtype = torch.float32 if acc else x.dtype
     outs = [torch.empty(T, w.shape[0], dtype=out_dtype, device=x.device) for w in weights]
     normed = torch.empty(T, K, dtype=x.dtype, device=x.device) if store_normed else None
-    if T > 0 and K > 0 and any(w.shape[0] > 0 for w in weights):
-        live = [i for i, w in enumerate(weights) if w.shape[0] > 0]
+    live = [i for i, w in enumerate(weights) if w.shape[0] > 0]
+    if T > 0 and live:
         norm_linear_launch(x, norm_weight, eps, [weights[i] for i in live], [outs[i] for i in live], normed, acc).run()
-    elif store_normed and T > 0:
-        normed = numerics.rms_norm(x, norm_weight, eps)  # nothing to multiply: an empty shape only
+    elif store_normed and T > 0:  # every weight has N = 0: no program would store the normed rows
+        normed = numerics.rms_norm(x, norm_weight, eps)
     return outs, normed
 
 
@@ -514,10 +519,10 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor) -> Tenso
         raise ValueError(f"{name}: residual {tuple(residual.shape)} {residual.dtype} must be "
                          f"({x.shape[0]}, {weight.shape[0]}) {x.dtype}")
     _same_device(name, x, weight, residual)
+    if x.shape[1] == 0:
+        raise ValueError(f"{name}: an empty width K")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if out.numel() > 0:
-        if x.shape[1] == 0:
-            return linear_residual_torch(x, weight, residual)  # an empty K: nothing to fuse
         linear_residual_launch(x, weight, residual, out).run()
     return out
 

@@ -157,6 +157,23 @@ def test_norm_linear_bad_arguments():
         norm_linear_triton(x, nw, EPS, [ws[0], ws[1].to(BF16)])
 
 
+def test_empty_shapes():
+    """No rows, a weight with no outputs beside others; an empty K is refused."""
+    x, nw, ws = _norm_inputs(2, 16, [3, 0, 4], FP32, seed=2)
+    outs, normed = norm_linear_triton(x, nw, EPS, ws, store_normed=True)
+    want, want_normed = norm_linear_torch(x, nw, EPS, [ws[0], ws[2]], store_normed=True)  # numerics.linear refuses N = 0
+    assert [o.shape for o in outs] == [(2, 3), (2, 0), (2, 4)]
+    assert _equal(outs[0], want[0]) and _equal(outs[2], want[1]) and _equal(normed, want_normed)
+    outs, normed = norm_linear_triton(x[:0], nw, EPS, ws, store_normed=True)
+    assert [o.shape for o in outs] == [(0, 3), (0, 0), (0, 4)] and normed.shape == (0, 16)
+    with pytest.raises(ValueError, match="empty width"):  # numerics.linear has no K = 0 either
+        norm_linear_triton(x[:, :0], nw[:0], EPS, [ws[0][:, :0]])
+    with pytest.raises(ValueError, match="empty width"):
+        linear_residual_triton(x[:, :0], ws[0][:, :0], torch.ones(2, 3))
+    args = _block_inputs(3, 8, 5, BF16, seed=4)
+    assert block_input_triton(args[0], args[1][:0], args[2][:0], args[3][:0], *args[4:]).shape == (0, 5)
+
+
 # ---- linear_residual ------------------------------------------------------------------------------
 
 
