@@ -271,6 +271,20 @@ def test_argmax_reduce_across_chunks():
     assert got[:5].tolist() == [pi[0, 700], pi[1, 1800], pi[2, 1100], pi[3, 0], pi[4, 3]]
 
 
+@DTYPES
+def test_width_one(dtype):
+    """H = 1 (K = 2: no chunk tree for the norms) and K = 1 (no tree at all), N = 1 weights."""
+    args = _block_inputs(3, 1, 4, dtype, seed=30)
+    args[2][1] = 0
+    assert _equal(block_input_triton(*args), block_input_torch(*args))
+    x, nw, ws = _norm_inputs(3, 1, [1, 3], dtype, seed=31)
+    outs, normed = norm_linear_triton(x, nw, EPS, ws, store_normed=True)
+    want, want_normed = norm_linear_torch(x, nw, EPS, ws, store_normed=True)
+    assert all(_equal(g, w) for g, w in zip(outs, want)) and _equal(normed, want_normed)
+    res = _rand(torch.Generator().manual_seed(32), 3, 1, dtype=dtype)
+    assert _equal(linear_residual_triton(x, ws[0], res), linear_residual_torch(x, ws[0], res))
+
+
 # ---- mutants: the same kernel with one piece swapped gives other bytes --------------------------
 
 
