@@ -11,8 +11,12 @@ CUDA and, by default, the twin on CPU (the interpreter is slow).
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, linear, rope_cache
+from . import embed, fused_linear, linear, rope_cache
 from .embed import embed_rows_torch, embed_rows_triton
+from .fused_linear import (
+    argmax_reduce_torch, argmax_reduce_triton, block_input_torch, block_input_triton, head_partials_torch,
+    head_partials_triton, linear_residual_torch, linear_residual_triton, norm_linear_torch, norm_linear_triton,
+)
 from .launch import AuditLaunch, Launch
 from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton
 from .rope_cache import KERNEL_DTYPES, rope_cache_write_torch, rope_cache_write_triton
@@ -21,7 +25,7 @@ from .rope_cache import KERNEL_DTYPES, rope_cache_write_torch, rope_cache_write_
 # its launches at a config and weight dtype built by the same function its launcher calls;
 # ``python -m glm_mtp.optimized.audit`` compiles them for the GPU and checks the PTX. A new
 # kernel module joins this tuple (tests/optimized/test_audit.py audits every entry).
-AUDITED = (embed, rope_cache, linear)
+AUDITED = (embed, rope_cache, linear, fused_linear)
 
 __all__ = [
     "embed_rows_torch",
@@ -32,6 +36,16 @@ __all__ = [
     "linear_triton",
     "linear_acc_torch",
     "linear_acc_triton",
+    "block_input_torch",
+    "block_input_triton",
+    "norm_linear_torch",
+    "norm_linear_triton",
+    "linear_residual_torch",
+    "linear_residual_triton",
+    "head_partials_torch",
+    "head_partials_triton",
+    "argmax_reduce_torch",
+    "argmax_reduce_triton",
     "KERNEL_DTYPES",
     "AUDITED",
     "AuditLaunch",
