@@ -99,7 +99,7 @@ class MlaBlocks:
     score_rows: int = 8
     score_l: int = 64
     soft_heads: int = 8
-    soft_k: int = 256
+    soft_k: int = 128
     latent_heads: int = 4
     latent_l: int = 16
     latent_k: int = 32
@@ -409,6 +409,7 @@ def _mla_softmax_kernel(
         root = _prefix_tree(tl.reshape(e, (1, BLOCK_H, BLOCK_K)), 1, BLOCK_H, BLOCK_K, LEVELS_K, level, 0)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     den = tl.reshape(_prefix_tree(roots, 1, BLOCK_H, NCHUNK, LEVELS_C, level, LEVELS_K), (BLOCK_H,))
+    den = tl.where(h_in, den, 1.0)
     # p = e / denominator (e recomputed: the same bits, and no read of this program's own stores).
     out = p_ptr + (t * nh + h[:, None]) * K
     for c in range(0, tl.cdiv(span, BLOCK_K)):
