@@ -111,6 +111,9 @@ class MlaBlocks:
 
 
 DEFAULT_BLOCKS = MlaBlocks()
+# Bounds the float32 scratch of one pass of sparse_mla_triton (elements per buffer): rows beyond
+# it run in further passes (at GLM-5, 128 rows of 64 heads x 2048 listed rows: 64 MiB a buffer).
+MLA_SCRATCH_ELEMENTS = 1 << 24
 
 
 def _p2(n: int) -> int:
@@ -575,10 +578,17 @@ def sparse_mla_triton(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Tens
         return out
     if K == 0:
         raise ValueError("sparse_mla_triton: rows must have at least one column")
-    scratch = MlaScratch.empty(T, nh, K, cfg.kv_lora_rank, q_pe.device)
-    for launch in sparse_mla_launches(cfg, q_abs, q_pe, kv_pool, block_table, rows, count, kv_b_proj, scratch, out,
-                                      blocks):
-        launch.run()
+    # Rows are independent: passes of at most `per_pass` rows bound the scratch (shapes only, no
+    # host read of the data, so the loop is the same at capture and replay).
+    per_pass = max(1, min(T, MLA_SCRATCH_ELEMENTS // (nh * max(K, cfg.kv_lora_rank))))
+    full = MlaScratch.empty(per_pass, nh, K, cfg.kv_lora_rank, q_pe.device)
+    for t0 in range(0, T, per_pass):
+        t = slice(t0, min(T, t0 + per_pass))
+        n = t.stop - t.start
+        scratch = MlaScratch(full.scores[:n], full.probs[:n], full.latent[:n])
+        for launch in sparse_mla_launches(cfg, q_abs[t], q_pe[t], kv_pool, block_table, rows[t], count[t], kv_b_proj,
+                                          scratch, out[t], blocks):
+            launch.run()
     return out
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from glm_mtp.optimized.kernels import absorbed_query_torch, absorbed_query_triton, sparse_mla_torch, sparse_mla_triton
+from glm_mtp.optimized.kernels import mla
 from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.mla import (
     MlaBlocks, MlaScratch, _exp, _list_level, _physical_rows, _prefix_tree, sparse_mla_launches,
@@ -88,6 +89,7 @@ def _mla_inputs(cfg, dtype, counts, K, gen, blocks=6, score_scale=4.0):
     q_abs = q_abs * score_scale  # spread the scores: a softmax that is neither flat nor one-hot
     kv_pool = _mixed(gen, blocks, 16, Lkv + R).to(dtype)
     block_table = torch.randperm(blocks, generator=gen).to(torch.int32)  # shuffled pages
+    assert not torch.equal(block_table, torch.arange(blocks, dtype=torch.int32))
     rows, count = _lists(T, K, counts, blocks * 16, gen)
     return q_abs, q_pe, kv_pool, block_table, rows, count, kv_b
 
@@ -175,6 +177,15 @@ def test_sparse_mla_every_count():
         alone = sparse_mla_triton(cfg, q_abs[t : t + 1], q_pe[t : t + 1], pool, table, rows[t : t + 1], count[t : t + 1],
                                   kv_b)
         assert _same(alone, want[t : t + 1])
+
+
+def test_sparse_mla_passes_bound_the_scratch(monkeypatch):
+    """Rows beyond the scratch bound run in further passes (views of the inputs): the same bytes."""
+    cfg = _cfg("tiny")
+    gen = torch.Generator().manual_seed(77)
+    args = _mla_inputs(cfg, BF16, [3, 9, 1, 6, 2], 9, gen)
+    monkeypatch.setattr(mla, "MLA_SCRATCH_ELEMENTS", 2 * cfg.num_attention_heads * 16)  # 2 rows a pass
+    assert _same(sparse_mla_triton(cfg, *args), sparse_mla_torch(cfg, *args))
 
 
 def test_sparse_mla_is_the_reference_on_a_layer_cache():
