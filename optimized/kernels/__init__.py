@@ -11,23 +11,36 @@ CUDA and, by default, the twin on CPU (the interpreter is slow).
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, linear, rope_cache
+from . import embed, indexer, linear, rope_cache
 from .embed import embed_rows_torch, embed_rows_triton
+from .indexer import index_scores_torch, index_scores_triton, select_rows_torch, select_rows_triton
 from .launch import AuditLaunch, Launch
 from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton
-from .rope_cache import KERNEL_DTYPES, rope_cache_write_torch, rope_cache_write_triton
+from .rope_cache import (
+    KERNEL_DTYPES,
+    cache_rows_write_torch,
+    cache_rows_write_triton,
+    rope_cache_write_torch,
+    rope_cache_write_triton,
+)
 
 # Every module here whose kernels the drafter launches. Each has ``audit_launches(cfg, dtype)``,
 # its launches at a config and weight dtype built by the same function its launcher calls;
 # ``python -m glm_mtp.optimized.audit`` compiles them for the GPU and checks the PTX. A new
 # kernel module joins this tuple (tests/optimized/test_audit.py audits every entry).
-AUDITED = (embed, rope_cache, linear)
+AUDITED = (embed, rope_cache, linear, indexer)
 
 __all__ = [
     "embed_rows_torch",
     "embed_rows_triton",
     "rope_cache_write_torch",
     "rope_cache_write_triton",
+    "cache_rows_write_torch",
+    "cache_rows_write_triton",
+    "index_scores_torch",
+    "index_scores_triton",
+    "select_rows_torch",
+    "select_rows_triton",
     "linear_torch",
     "linear_triton",
     "linear_acc_torch",
