@@ -178,7 +178,7 @@ def _select_rows_kernel(
     # The n-th largest key: the largest theta with #{key >= theta} >= n, RADIX bits per pass.
     theta = tl.zeros((), tl.int64)
     for p in tl.static_range(32 // RADIX):
-        shift: tl.constexpr = 32 - RADIX * (p + 1)
+        shift = 32 - RADIX * (p + 1)
         cand = theta + (digits.to(tl.int64) << shift)  # (2^RADIX,)
         cnt = tl.zeros((1 << RADIX,), tl.int64)
         for ch in range(0, chunks):
