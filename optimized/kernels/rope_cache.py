@@ -10,6 +10,18 @@ and adds one thing the reference does not need: every store is conditional on a 
 ``ok``, so a propose can refuse a non-finite hidden without a host sync (nothing is written when
 ``ok`` is false).
 
+``cache_rows_write_triton`` is the same kernel with the two norms before it fused in: from the
+raw GEMV outputs ``kv`` (kv_a_proj, (T, Lkv + R)) and ``k`` (the indexer's wk, (T, D)) it stores
+exactly what ``new_cache_rows`` computes::
+
+    latent = rms_norm(kv[:, :Lkv], kv_a_layernorm, LATENT_NORM_EPS)
+    k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
+    key    = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
+
+The norms' sums are ``psum`` trees over the row (lanes past the width are ``+0.0``, and so is
+``x - mu`` there), divisions ``div_rn`` and roots ``sqrt_rn``, the epsilons passed as float32
+bits; each normed value is rounded to S where the reference rounds it, before RoPE reads it.
+
 Exact by construction: RoPE is ``y1 = x1 * cos - x2 * sin``, ``y2 = x2 * cos + x1 * sin`` in
 float32, each product and sum rounded on its own (``enable_fp_fusion=False``: no FMA), from the
 same float32 table, then one cast to the cache dtype. The cast to bfloat16 rounds to nearest even
