@@ -9,6 +9,8 @@ writes different NaN payloads on different code paths, so payloads are not pinne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,7 @@ def round_to_storage(y, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
         return y
 
 
+@functools.lru_cache(maxsize=None)
 def float32_bits(value: float) -> int:
     """The bits of ``value`` rounded once to float32 (as ``torch.tensor(value, dtype=float32)``),
     as a signed int32: kernels take constants this way so no launcher rounds them differently."""

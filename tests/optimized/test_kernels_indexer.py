@@ -246,7 +246,8 @@ def test_scores_then_selection_with_ties(dtype):
 # ---- the cache write with the norms fused ---------------------------------------------------------
 
 
-def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
+def _write_inputs(cfg, dtype, slots, blocks, gen):
+    """Fresh raw GEMV outputs, norm weights, a shuffled block table and randomly filled pools."""
     Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
     T = slots.shape[0]
     rope = Rope.build(cfg, 16 * blocks, "cpu")
@@ -257,10 +258,16 @@ def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
     k_b = (torch.randn(D, generator=gen) * 0.1).to(dtype)
     table = torch.randperm(blocks, generator=gen).to(torch.int32)
     pools = [torch.randn(blocks, 16, Lkv + R, generator=gen).to(dtype), torch.randn(blocks, 16, D, generator=gen).to(dtype)]
+    return (kv, k, kv_norm, k_w, k_b, slots, rope.cos, rope.sin), pools, table
+
+
+def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
+    """Both implementations on the same fresh inputs: (twin's pools, kernel's pools, the pools
+    before, the inputs, the block table)."""
+    args, pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
     before = [p.clone() for p in pools]
     mine = [p.clone() for p in pools]
     ok = torch.tensor([ok_value])
-    args = (kv, k, kv_norm, k_w, k_b, slots, rope.cos, rope.sin)
     cache_rows_write_torch(cfg, *args, pools[0], pools[1], table, ok)
     cache_rows_write_triton(cfg, *args, mine[0], mine[1], table, ok)
     return pools, mine, before, args, table
@@ -320,3 +327,37 @@ def test_cache_rows_write_mutant_dropped_rounding():
     mutant = (up(kv_norm) * (xf * r[:, None])).to(dtype)  # one rounding, not two
     stored = got[0][table[slots // 16].long(), slots % 16, :Lkv]
     assert not same(stored, mutant)
+
+
+# ---- compiled for the GPU -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_indexer_bytes_on_cuda(dtype):
+    """Compiled for the GPU at GLM-5's indexer widths (Hi = 32, D = 128, R = 64, topk 2048,
+    Lkv = 512) over 4096 rows: the same bytes as the twins on the CPU."""
+    cfg = MtpConfig.preset("glm5")
+    gen = torch.Generator().manual_seed(2048)
+    blocks, T = 256, 3
+    C = 16 * blocks
+    slots = torch.tensor([0, 2500, C - 1])
+    rope = Rope.build(cfg, C, "cpu")
+    cos, sin = rope.at(slots)
+    pool, table = _pool(cfg, dtype, blocks, gen)
+    q, w = _queries(cfg, dtype, T, gen)
+    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
+    cuda = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
+    got = index_scores_triton(cfg, *cuda).cpu()
+    assert same(want, got)
+    for kind in ("random", "quantised", "special"):
+        scores = want if kind == "random" else _scores(kind, T, C, gen)
+        want_rows, want_count = select_rows_torch(scores, slots, cfg.index_topk)
+        rows, count = select_rows_triton(scores.cuda(), slots.cuda(), cfg.index_topk)
+        assert same(want_rows, rows.cpu()) and same(want_count, count.cpu())
+    for ok_value in (True, False):
+        args, want_pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
+        mine = [p.cuda() for p in want_pools]
+        cache_rows_write_torch(cfg, *args, *want_pools, table, torch.tensor([ok_value]))
+        cache_rows_write_triton(cfg, *[a.cuda() for a in args], *mine, table.cuda(), torch.tensor([ok_value]).cuda())
+        assert same(want_pools[0], mine[0].cpu()) and same(want_pools[1], mine[1].cpu())
