@@ -11,17 +11,26 @@ CUDA and, by default, the twin on CPU (the interpreter is slow).
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, linear, rope_cache
+from . import embed, linear, moe, pinned_math, rope_cache
 from .embed import embed_rows_torch, embed_rows_triton
 from .launch import AuditLaunch, Launch
 from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton
+from .moe import (
+    experts_down_combine_torch,
+    experts_down_combine_triton,
+    experts_gate_up_torch,
+    experts_gate_up_triton,
+    route_torch,
+    route_triton,
+)
+from .pinned_math import exp_torch, exp_triton
 from .rope_cache import KERNEL_DTYPES, rope_cache_write_torch, rope_cache_write_triton
 
 # Every module here whose kernels the drafter launches. Each has ``audit_launches(cfg, dtype)``,
 # its launches at a config and weight dtype built by the same function its launcher calls;
 # ``python -m glm_mtp.optimized.audit`` compiles them for the GPU and checks the PTX. A new
 # kernel module joins this tuple (tests/optimized/test_audit.py audits every entry).
-AUDITED = (embed, rope_cache, linear)
+AUDITED = (embed, rope_cache, linear, pinned_math, moe)
 
 __all__ = [
     "embed_rows_torch",
@@ -32,6 +41,14 @@ __all__ = [
     "linear_triton",
     "linear_acc_torch",
     "linear_acc_triton",
+    "route_torch",
+    "route_triton",
+    "experts_gate_up_torch",
+    "experts_gate_up_triton",
+    "experts_down_combine_torch",
+    "experts_down_combine_triton",
+    "exp_torch",
+    "exp_triton",
     "KERNEL_DTYPES",
     "AUDITED",
     "AuditLaunch",
