@@ -321,6 +321,13 @@ def test_experts_read_in_place_from_strided_stacks():
     assert same(got_h, want_h) and same(got_sh, want_sh)
     want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
     assert same(K.experts_down_combine_triton(want_h, want_sh, experts, weights, down_pad, w["sd"], res), want)
+    # Ids and weights as column views of wider (T, 2k) buffers, and transposed (k, T) ones.
+    ex_wide, wt_wide = torch.cat([experts, experts], 1)[:, :k], torch.cat([weights, weights], 1)[:, :k]
+    ex_t, wt_t = experts.T.contiguous().T, weights.T.contiguous().T
+    assert ex_wide.stride(0) == 2 * k and ex_t.stride(1) == T
+    for ex, wt in ((ex_wide, wt_wide), (ex_t, wt_t)):
+        assert same(K.experts_gate_up_triton(m, ex, gate, upw, w["sg"], w["su"])[0], want_h)
+        assert same(K.experts_down_combine_triton(want_h, want_sh, ex, wt, down_pad, w["sd"], res), want)
 
 
 @NUMPY_WARNINGS
