@@ -46,6 +46,8 @@ MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_K = 256
 TILE = 2048
 NORM_EPS = ref_moe.NORM_EPS
+# The expert kernels' rows run on a CUDA grid's second/third axis (at most 65535 blocks).
+MAX_ROWS = 65535
 _INT_MIN = tl.constexpr(-2147483648)
 # _order_key(-inf): where masked_fill puts the experts of the groups left out.
 _NEG_INF_KEY = tl.constexpr(int(torch.tensor([0xFF800000 ^ 0x7FFFFFFF], dtype=torch.int64).to(torch.int32).item()))
@@ -282,6 +284,17 @@ def _check_stack(name: str, arg: str, w: Tensor, dims: int, dtype: torch.dtype) 
         raise ValueError(f"{name}: {arg} must have a contiguous last dim (stride {w.stride(-1)})")
 
 
+def _unit_columns(x: Tensor) -> Tensor:
+    """``x`` (T, k) with unit column stride (the kernels index ``row * stride(0) + j``): a copy
+    on the device where it has another."""
+    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+
+
+def _check_rows(name: str, T: int) -> None:
+    if T > MAX_ROWS:
+        raise ValueError(f"{name}: at most {MAX_ROWS} rows per call (a grid axis runs over them), got {T}")
+
+
 def _blocks(K: int) -> tuple[int, int, int]:
     """``(BLOCK_K, NCHUNK, BLOCK_N)`` for sums over K inputs (see linear.linear_blocks)."""
     block_k = min(numerics.next_pow2(K), MAX_BLOCK_K)
@@ -352,7 +365,9 @@ def experts_gate_up_triton(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
         raise ValueError(f"{name}: gate and up shapes differ")
     if m.shape[1] > 1 and m.stride(1) != 1:
         m = m.contiguous()
+    experts = _unit_columns(experts)
     T, k, I = m.shape[0], experts.shape[1], experts_gate.shape[1]
+    _check_rows(name, T)
     hidden = torch.empty(T, k, I, dtype=m.dtype, device=m.device)
     shared = None if shared_gate is None else torch.empty(T, shared_gate.shape[0], dtype=m.dtype, device=m.device)
     if T and (k or shared is not None):
@@ -500,6 +515,8 @@ def experts_down_combine_triton(hidden: Tensor, shared_hidden: Tensor | None, ex
         raise ValueError(f"{name}: residual must be ({T}, {H}) {hidden.dtype}, got {tuple(residual.shape)} {residual.dtype}")
     if I > 1 and hidden.stride(2) != 1:
         hidden = hidden.contiguous()
+    experts, weights = _unit_columns(experts), _unit_columns(weights)
+    _check_rows(name, T)
     if H > 1 and residual.stride(1) != 1:
         residual = residual.contiguous()
     out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)

@@ -277,11 +277,15 @@ def _experts_case(E, k, H, I, n_shared, T, dtype, seed, quantised_weights=False)
     return w, m, res, experts, weights
 
 
+EXPERT_CASES = [pytest.param(*shape, T, id=f"{shape[0]}-T{T}",
+                             marks=[pytest.mark.slow] if (shape[0], T) == ("small", 3) else [])
+                for shape in EXPERT_SHAPES for T in (1, 3)]
+
+
 @NUMPY_WARNINGS
-@pytest.mark.parametrize("T", [1, 3])
 @DTYPES
-@pytest.mark.parametrize("name,E,k,H,I,n_shared", EXPERT_SHAPES, ids=[s[0] for s in EXPERT_SHAPES])
-def test_experts_bytes(name, E, k, H, I, n_shared, dtype, T):
+@pytest.mark.parametrize("name,E,k,H,I,n_shared,T", EXPERT_CASES)
+def test_experts_bytes(name, E, k, H, I, n_shared, T, dtype):
     w, m, res, experts, weights = _experts_case(E, k, H, I, n_shared, T, dtype, seed=_seed(name, T, str(dtype)))
     want_h, want_sh = K.experts_gate_up_torch(m, experts, w["gate"], w["up"], w["sg"], w["su"])
     got_h, got_sh = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"])
@@ -317,6 +321,13 @@ def test_experts_read_in_place_from_strided_stacks():
     assert same(got_h, want_h) and same(got_sh, want_sh)
     want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
     assert same(K.experts_down_combine_triton(want_h, want_sh, experts, weights, down_pad, w["sd"], res), want)
+    # Ids and weights as column views of wider (T, 2k) buffers, and transposed (k, T) ones.
+    ex_wide, wt_wide = torch.cat([experts, experts], 1)[:, :k], torch.cat([weights, weights], 1)[:, :k]
+    ex_t, wt_t = experts.T.contiguous().T, weights.T.contiguous().T
+    assert ex_wide.stride(0) == 2 * k and ex_t.stride(1) == T
+    for ex, wt in ((ex_wide, wt_wide), (ex_t, wt_t)):
+        assert same(K.experts_gate_up_triton(m, ex, gate, upw, w["sg"], w["su"])[0], want_h)
+        assert same(K.experts_down_combine_triton(want_h, want_sh, ex, wt, down_pad, w["sd"], res), want)
 
 
 @NUMPY_WARNINGS
@@ -402,3 +413,15 @@ def test_left_to_right_combine_is_caught():
     assert same(out, want)
     Launch(_down_combine_left_to_right_kernel, launch.grid, launch.args, launch.meta).run()
     assert not same(out, want)
+
+
+@NUMPY_WARNINGS
+def test_experts_float16():
+    """float16 storage (Triton's round-to-nearest-even cast) on the non-power-of-two shape."""
+    w, m, res, experts, weights = _experts_case(8, 3, 96, 48, 2, 3, torch.float16, seed=59)
+    want_h, want_sh = K.experts_gate_up_torch(m, experts, w["gate"], w["up"], w["sg"], w["su"])
+    got_h, got_sh = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"])
+    assert same(got_h, want_h) and same(got_sh, want_sh)
+    want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
+    assert torch.isfinite(want).all()
+    assert same(K.experts_down_combine_triton(want_h, want_sh, experts, weights, w["down"], w["sd"], res), want)
