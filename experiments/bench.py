@@ -11,8 +11,8 @@ bytes one draft step must read (the active weights, the head, the rows attended)
 those bytes over the device's copy bandwidth, measured in the same run. Backends are timed
 alternately, round by round, so their ratio holds on a noisy machine.
 
-At the presets of ``--counters`` (default: tiny and small) each record also carries the launch
-counters of one draft step, measured on CPU in a subprocess (``python -m
+At the presets of ``--counters`` (default on CPU: tiny and small; on CUDA none) each record also
+carries the launch counters of one draft step, measured on CPU in a subprocess (``python -m
 glm_mtp.optimized.counters``, Triton's interpreter for the optimized backend's kernels):
 ``launches_per_draft`` (kernel launches plus the torch operators that would launch one on a GPU),
 ``kernel_bytes_per_draft`` (the bytes they load and store), ``floor_bytes_per_draft`` (the
@@ -397,7 +397,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--counters", nargs="*", default=None, metavar="PRESET",
                    help="presets whose draft-step launches and bytes are counted in Triton's CPU interpreter "
-                        "(a subprocess each; default: those of tiny small that run; none: --counters with no preset)")
+                        "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "
+                        "none: --counters with no preset)")
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
     a = p.parse_args(argv)
     try:
@@ -424,7 +425,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             MtpConfig.preset(name)
         except ValueError as e:
             p.error(str(e))
-    counted = [n for n in COUNTER_PRESETS if n in presets] if a.counters is None else a.counters
+    # The counters do not depend on the device (a CPU subprocess): a CUDA run leaves them to the CPU bench
+    # unless asked (scripts/gpu_check.sh gives the bench 200 s).
+    counted = ([] if cuda else [n for n in COUNTER_PRESETS if n in presets]) if a.counters is None else a.counters
     for name in counted:
         if name not in presets:
             p.error(f"--counters {name}: not among the presets run ({' '.join(presets)})")

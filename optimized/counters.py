@@ -381,7 +381,7 @@ class LaunchCounter:
             if mask is not None:
                 m = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)
                 addr = addr[m]
-            size = ptrs.get_element_ty().primitive_bitwidth // 8
+            size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)  # a bool (i1) is stored in a byte
             getattr(launch, fp_name).add_elements(addr, size)
 
         def load(self_, ptrs, mask, other, cache_policy, is_volatile):

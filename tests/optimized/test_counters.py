@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from glm_mtp.optimized import counters
 from glm_mtp.optimized.counters import Footprint, LaunchCounter, floor_bytes_per_draft, measure_draft_step, tensors_bytes
@@ -34,6 +36,26 @@ def test_embed_rows_is_one_launch_of_the_rows_it_gathers(dtype):
     assert c.records[0].bytes_stored == out.numel() * es
     assert c.launches == 1 and c.kernel_bytes == rows + 64 + 4 * H * es
     assert c.records[0].grid == (4, 1, 1)
+
+
+@triton.jit
+def _gated_copy_kernel(src_ptr, dst_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < n
+    go = tl.load(flag_ptr).to(tl.int32)
+    x = tl.load(src_ptr + (cols % 5), mask=inside)  # five distinct elements, re-read
+    tl.store(dst_ptr + cols, x, mask=inside & ((cols * 0 + go) != 0))  # as rope_cache gates its stores
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_masked_lanes_rereads_and_a_bool_flag(flag):
+    src, dst = torch.randn(8), torch.zeros(37, dtype=torch.float32)
+    with LaunchCounter() as c:
+        _gated_copy_kernel[(3,)](src, dst, torch.tensor([flag]).view(torch.uint8), 37, BLOCK=16, enable_fp_fusion=False)
+    (r,) = c.records
+    assert r.grid == (3, 1, 1) and r.name == "_gated_copy_kernel"
+    assert r.bytes_loaded == 5 * 4 + 1  # five floats, however often read, and the flag's byte
+    assert r.bytes_stored == (37 * 4 if flag else 0)  # 48 lanes, 37 inside; none when the gate is off
 
 
 def test_a_slot_zero_row_loads_nothing_more_and_masked_lanes_are_free():
