@@ -236,8 +236,12 @@ def torch_op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int,
             rows = torch.broadcast_shapes(*(t.shape for t in idx)).numel() if idx else 0
             row = dst[(0,) * len(idx)].numel() if idx and len(idx) <= dst.dim() else 1
             written_extra = min(rows * row * dst.element_size(), tensors_bytes([dst]))
-        elif src is not None:
-            written_extra = min(src.numel() * dst.element_size(), tensors_bytes([dst]))
+        else:  # index_copy_ / scatter_: one element per source element, or per index for a scalar value
+            index = args[2] if len(args) > 2 and isinstance(args[2], Tensor) else None
+            n = src.numel() if src is not None else (index.numel() if index is not None else 0)
+            if name == "aten.index_copy_" and src is not None:
+                n = src.numel()
+            written_extra = min(n * dst.element_size(), tensors_bytes([dst]))
     return tensors_bytes(read) + extra_read, tensors_bytes(outs + written_args) + written_extra
 
 

@@ -110,6 +110,11 @@ def test_a_gather_reads_only_its_rows_and_syncs_are_not_launches():
         rows.sum().item()
     assert c.records[0].bytes == 2 * 32 * 4 + 2 * 8 + 2 * 32 * 4
     assert c.launches == 2 and c.syncs == 1  # index_select, sum; the .item() is a host read
+    rows, column = torch.ones(2, 32), torch.zeros(100, 1, dtype=torch.int64)
+    with LaunchCounter(triton=False) as s:
+        table.index_copy_(0, ids, rows)  # reads the ids and the rows, writes the rows
+        table.scatter_(1, column, 0.5)  # one element per row
+    assert [r.bytes for r in s.records] == [2 * 8 + 2 * 2 * 32 * 4, 100 * 8 + 100 * 4]
 
 
 def test_footprint_merges_overlaps():
@@ -160,7 +165,6 @@ def test_floor_bytes_of_tiny_by_hand():
     assert floor_bytes_per_draft(w32, 10) == 4 * (weights + rows) + 32
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_measure_draft_step_tiny(dtype):
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=dtype)
