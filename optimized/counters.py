@@ -172,9 +172,10 @@ WRITE_ONLY_SELF = frozenset({
     "aten.copy_", "aten.fill_", "aten.zero_", "aten.normal_", "aten.uniform_", "aten.random_", "aten.bernoulli_",
     "aten.exponential_", "aten.index_put_", "aten.index_copy_", "aten.scatter_", "aten._index_put_impl_",
 })
-# Gathers: (source argument position, the rows they read = the bytes of their output).
+# Gathers from their first argument: they read as many of its elements as they output.
 GATHERS = frozenset({"aten.index_select", "aten.embedding", "aten.index", "aten.gather", "aten.take"})
-# Index scatters into their first argument, with where their source values sit.
+# Index scatters into their first argument -> the position of their source values (a tensor, or
+# a scalar for ``scatter_.value``): they write one element per source element (or per index).
 SCATTERS = {"aten.index_put_": 2, "aten.index_copy_": 3, "aten.scatter_": 3, "aten._index_put_impl_": 2}
 
 
@@ -218,7 +219,7 @@ def torch_op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int,
             written_args += _tensors(v)
         else:
             read += _tensors(v)
-    outs = [t for t in _tensors(out)]
+    outs = _tensors(out)
     extra_read = 0
     if name in GATHERS and args and isinstance(args[0], Tensor):
         src = args[0]
@@ -239,8 +240,6 @@ def torch_op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int,
         else:  # index_copy_ / scatter_: one element per source element, or per index for a scalar value
             index = args[2] if len(args) > 2 and isinstance(args[2], Tensor) else None
             n = src.numel() if src is not None else (index.numel() if index is not None else 0)
-            if name == "aten.index_copy_" and src is not None:
-                n = src.numel()
             written_extra = min(n * dst.element_size(), tensors_bytes([dst]))
     return tensors_bytes(read) + extra_read, tensors_bytes(outs + written_args) + written_extra
 
