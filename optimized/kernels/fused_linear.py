@@ -176,16 +176,16 @@ def _fused_linear_kernel(
     w_ptr, o_ptr, N, stride_w, stride_o, nb = w0, o0, n0, sw0, so0, pid
     if NW > 1:
         s = pid >= B1
-        w_ptr, o_ptr = tl.where(s, w1, w_ptr), tl.where(s, o1, o_ptr)
-        N, stride_w, stride_o, nb = tl.where(s, n1, N), tl.where(s, sw1, stride_w), tl.where(s, so1, stride_o), tl.where(s, pid - B1, nb)
+        w_ptr, o_ptr, N = tl.where(s, w1, w_ptr), tl.where(s, o1, o_ptr), tl.where(s, n1, N)
+        stride_w, stride_o, nb = tl.where(s, sw1, stride_w), tl.where(s, so1, stride_o), tl.where(s, pid - B1, nb)
     if NW > 2:
         s = pid >= B2
-        w_ptr, o_ptr = tl.where(s, w2, w_ptr), tl.where(s, o2, o_ptr)
-        N, stride_w, stride_o, nb = tl.where(s, n2, N), tl.where(s, sw2, stride_w), tl.where(s, so2, stride_o), tl.where(s, pid - B2, nb)
+        w_ptr, o_ptr, N = tl.where(s, w2, w_ptr), tl.where(s, o2, o_ptr), tl.where(s, n2, N)
+        stride_w, stride_o, nb = tl.where(s, sw2, stride_w), tl.where(s, so2, stride_o), tl.where(s, pid - B2, nb)
     if NW > 3:
         s = pid >= B3
-        w_ptr, o_ptr = tl.where(s, w3, w_ptr), tl.where(s, o3, o_ptr)
-        N, stride_w, stride_o, nb = tl.where(s, n3, N), tl.where(s, sw3, stride_w), tl.where(s, so3, stride_o), tl.where(s, pid - B3, nb)
+        w_ptr, o_ptr, N = tl.where(s, w3, w_ptr), tl.where(s, o3, o_ptr), tl.where(s, n3, N)
+        stride_w, stride_o, nb = tl.where(s, sw3, stride_w), tl.where(s, so3, stride_o), tl.where(s, pid - B3, nb)
 
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,7 +207,8 @@ def _fused_linear_kernel(
         e_rows = emb_ptr + tok[:, None] * stride_e  # (BLOCK_T, 1)
         ss_e = _sum_squares(e_rows, t_in, H, BLOCK_T, BLOCK_R, LEVELS_R, NCHUNK_R, LEVELS_CR)
         r_e = _rms_factor(tl.where(slot0, 0.0, ss_e), H, eps, BLOCK_T)
-        r_h = _rms_factor(_sum_squares(x_rows, t_in, H, BLOCK_T, BLOCK_R, LEVELS_R, NCHUNK_R, LEVELS_CR), H, eps, BLOCK_T)
+        ss_h = _sum_squares(x_rows, t_in, H, BLOCK_T, BLOCK_R, LEVELS_R, NCHUNK_R, LEVELS_CR)
+        r_h = _rms_factor(ss_h, H, eps, BLOCK_T)
 
     roots = tl.zeros((BLOCK_T, BLOCK_N, NCHUNK), tl.float32)  # +0.0: the roots of chunks past K
     for c in range(0, tl.cdiv(K, BLOCK_K)):
@@ -367,7 +368,8 @@ def norm_linear_launch(x: Tensor, norm_weight: Tensor, eps: float, weights: Sequ
                          eps=eps, norm_weight=norm_weight, normed=normed, out_acc=acc)
 
 
-def linear_residual_launch(x: Tensor, weight: Tensor, residual: Tensor, out: Tensor, cuda: bool | None = None) -> Launch:
+def linear_residual_launch(x: Tensor, weight: Tensor, residual: Tensor, out: Tensor,
+                           cuda: bool | None = None) -> Launch:
     """``linear_residual``'s launch: ``x`` (T, K), ``weight`` (N, K), ``residual`` (T, N), into ``out`` (T, N)."""
     cuda = out.is_cuda if cuda is None else cuda
     return _fused_launch(x, [weight], [out], pro=PRO_PLAIN, epi=EPI_RESIDUAL, K=x.shape[1], s_dtype=x.dtype, cuda=cuda,
@@ -544,7 +546,8 @@ def head_partials_torch(out: Tensor, norm_weight: Tensor, eps: float, lm_head: T
     return x, part_val, part_idx
 
 
-def head_partials_triton(out: Tensor, norm_weight: Tensor, eps: float, lm_head: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def head_partials_triton(out: Tensor, norm_weight: Tensor, eps: float,
+                         lm_head: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The kernel: ``out`` (T, H), ``norm_weight`` (H,), ``lm_head`` (V, H) -> (x (T, H) S,
     part_val (T, P) float32, part_idx (T, P) int64), byte-equal to ``head_partials_torch``
     (NaN payloads aside). The logits are never written."""
@@ -576,7 +579,8 @@ def argmax_reduce_triton(part_val: Tensor, part_idx: Tensor) -> Tensor:
     along P (as ``head_partials`` writes them) -> tokens (T,) int64, ``argmax_reduce_torch``'s."""
     name = "argmax_reduce_triton"
     if part_val.dim() != 2 or part_val.shape != part_idx.shape or part_val.shape[1] == 0:
-        raise ValueError(f"{name}: part_val and part_idx must be (T, P>0), got {tuple(part_val.shape)}, {tuple(part_idx.shape)}")
+        raise ValueError(f"{name}: part_val and part_idx must be (T, P>0), got {tuple(part_val.shape)}, "
+                         f"{tuple(part_idx.shape)}")
     if part_val.dtype != torch.float32 or part_idx.dtype != torch.int64:
         raise TypeError(f"{name}: part_val float32 and part_idx int64, got {part_val.dtype}, {part_idx.dtype}")
     if part_val.shape[1] > 1 and (part_val.stride(1) != 1 or part_idx.stride(1) != 1):

@@ -47,7 +47,8 @@ def _equal(a, b):
 def _equal_nan(a, b):
     """Byte equality except NaN payloads (not pinned): NaN where the other has NaN."""
     na, nb = torch.isnan(a.float()), torch.isnan(b.float())
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(na, nb) and torch.equal(_bits(a)[~na], _bits(b)[~nb])
+    return (a.shape == b.shape and a.dtype == b.dtype and torch.equal(na, nb)
+            and torch.equal(_bits(a)[~na], _bits(b)[~nb]))
 
 
 # ---- block_input --------------------------------------------------------------------------------
@@ -75,7 +76,8 @@ def test_block_input_bytes(T, H, N, dtype):
     assert _equal(got, block_input_torch(*args))
     embed, tokens, slots, hiddens, enorm, hnorm, eps, eh_proj = args
     e = embed[tokens].masked_fill((slots == 0)[:, None], 0.0)  # reference.block.embed_rows
-    want = numerics.linear(torch.cat((numerics.rms_norm(e, enorm, eps), numerics.rms_norm(hiddens, hnorm, eps)), -1), eh_proj)
+    halves = (numerics.rms_norm(e, enorm, eps), numerics.rms_norm(hiddens, hnorm, eps))
+    want = numerics.linear(torch.cat(halves, -1), eh_proj)
     assert _equal(got, want)
     unzeroed = args[:2] + [torch.full_like(slots, 5)] + args[3:]
     assert not _equal(block_input_triton(*unzeroed)[T // 2], got[T // 2])  # slot 0 matters
@@ -161,7 +163,8 @@ def test_empty_shapes():
     """No rows, a weight with no outputs beside others; an empty K is refused."""
     x, nw, ws = _norm_inputs(2, 16, [3, 0, 4], FP32, seed=2)
     outs, normed = norm_linear_triton(x, nw, EPS, ws, store_normed=True)
-    want, want_normed = norm_linear_torch(x, nw, EPS, [ws[0], ws[2]], store_normed=True)  # numerics.linear refuses N = 0
+    # numerics.linear refuses N = 0: the twin runs on the other two.
+    want, want_normed = norm_linear_torch(x, nw, EPS, [ws[0], ws[2]], store_normed=True)
     assert [o.shape for o in outs] == [(2, 3), (2, 0), (2, 4)]
     assert _equal(outs[0], want[0]) and _equal(outs[2], want[1]) and _equal(normed, want_normed)
     outs, normed = norm_linear_triton(x[:0], nw, EPS, ws, store_normed=True)
