@@ -364,3 +364,9 @@ def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedPropo
     interpreter: set ``TRITON_INTERPRET=1`` before triton is imported). A conformance backend:
     ``--candidate glm_mtp.optimized:with_triton_kernels``."""
     return OptimizedProposer(weights, max_seq_len, kernels="triton")
+
+
+def with_torch_twins(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
+    """An ``OptimizedProposer`` that runs the kernels' torch twins on every device (CUDA
+    included): ``--kernels torch`` of the conformance CLI."""
+    return OptimizedProposer(weights, max_seq_len, kernels="torch")
