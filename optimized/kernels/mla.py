@@ -84,7 +84,9 @@ class MlaBlocks:
     of the same ``psum`` tree (the tests run small caps to exercise many chunks).
 
     Args:
-        gemv_k: chunk of a GEMV's inputs (nope for q_abs, Lkv for the output).
+        gemv_k: chunk of the output GEMV's inputs (Lkv; contiguous in W_uv's rows).
+        absorb_k: chunk of the absorbed query's inputs (nope; W_uk is read across its rows, so
+            narrow chunks and more outputs per program keep its loads coalesced).
         tile: products per GEMV chunk (sets its outputs per program).
         score_heads / score_rows / score_l: heads, listed rows per program, and the latent chunk
             of the scores' dot.
@@ -94,6 +96,7 @@ class MlaBlocks:
     """
 
     gemv_k: int = 256
+    absorb_k: int = 32
     tile: int = 2048
     score_heads: int = 4
     score_rows: int = 8
@@ -243,9 +246,9 @@ def _head_gemv_kernel(
                           sin_ptr + t * stride_cos, half, 1, INTERLEAVE, BLOCK_R2, PE_BF16, NAN_BITS)
 
 
-def _gemv_meta(N: int, K: int, blocks: MlaBlocks, to_bf16: bool, cuda: bool) -> tuple[int, dict]:
-    block_k = min(_p2(K), blocks.gemv_k)
-    block_n = max(1, min(_p2(N), blocks.tile // block_k))
+def _gemv_meta(N: int, K: int, cap_k: int, tile: int, to_bf16: bool, cuda: bool) -> tuple[int, dict]:
+    block_k = min(_p2(K), cap_k)
+    block_n = max(1, min(_p2(N), tile // block_k))
     nchunk = _p2(K) // block_k
     meta = dict(BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=_log2(block_k), NCHUNK=nchunk, LEVELS_C=_log2(nchunk),
                 TO_BF16=to_bf16, NAN_BITS=0x7FFF if cuda else 0xFFFF, enable_fp_fusion=False)
@@ -290,7 +293,7 @@ def absorbed_query_launch(cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Ten
     if q_pe.shape != (T, nh, R) or q_pe.stride(2) != 1:
         raise ValueError("absorbed_query_triton: q_pe must be (T, nh, R) with a contiguous last dim")
     cuda = q_abs.is_cuda if cuda is None else cuda
-    block_n, meta = _gemv_meta(Lkv, nope, blocks, False, cuda)
+    block_n, meta = _gemv_meta(Lkv, nope, blocks.absorb_k, blocks.tile, False, cuda)
     args = (q, kv_b_proj, q_abs, cos, sin, q_pe, Lkv, nope, q.stride(0), nope + R, (nope + v) * Lkv, 1, Lkv,
             q_abs.stride(0), q_abs.stride(1), cos.stride(0), q_pe.stride(0), q_pe.stride(1), R // 2)
     meta.update(ROPE=True, INTERLEAVE=cfg.rope_interleave, BLOCK_R2=_p2(max(R // 2, 1)),
@@ -553,7 +556,7 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Te
         dict(BLOCK_H=lh, BLOCK_L=ll, BLOCK_K=lk, LEVELS_K=_log2(lk), NCHUNK=PK // lk, LEVELS_C=_log2(PK // lk),
              ROWS_PER_BLOCK=BLOCK_ROWS, enable_fp_fusion=False))
     # out[t, h] = round_S(dot(o[t, h], W_uv[h])): W_uv[h] row n is kv_b_proj row h * (nope + v) + nope + n.
-    block_n, meta = _gemv_meta(v, Lkv, b, out.dtype == torch.bfloat16, cuda)
+    block_n, meta = _gemv_meta(v, Lkv, b.gemv_k, b.tile, out.dtype == torch.bfloat16, cuda)
     meta.update(ROPE=False, INTERLEAVE=False, BLOCK_R2=1, PE_BF16=False)
     lat = scratch.latent
     output = Launch(

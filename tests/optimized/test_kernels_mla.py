@@ -31,7 +31,7 @@ from glm_mtp.reference.weights import MtpWeights
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPES = [F32, BF16]
 # Small caps: every tree in several chunks at these shapes (results must not change).
-SMALL = MlaBlocks(gemv_k=4, tile=128, score_heads=2, score_rows=8, score_l=8, soft_heads=2, soft_k=8, latent_heads=2,
+SMALL = MlaBlocks(gemv_k=4, absorb_k=4, tile=128, score_heads=2, score_rows=8, score_l=8, soft_heads=2, soft_k=8, latent_heads=2,
                   latent_l=8, latent_k=8)
 
 SHAPES = {
