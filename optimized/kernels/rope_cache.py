@@ -13,7 +13,7 @@ and adds one thing the reference does not need: every store is conditional on a 
 
 ``cache_rows_write_triton`` is the same kernel with the two norms before it fused in: from the
 raw GEMV outputs ``kv`` (kv_a_proj, (T, Lkv + R)) and ``k`` (the indexer's wk, (T, D)) it stores
-exactly what ``new_cache_rows`` computes::
+exactly what ``attention.cache_rows`` computes from them::
 
     latent = rms_norm(kv[:, :Lkv], kv_a_layernorm, LATENT_NORM_EPS)
     k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
@@ -359,7 +359,7 @@ def cache_rows_write_torch(
     block_table: Tensor,
     ok: Tensor,
 ) -> None:
-    """The twin: ``attention.new_cache_rows``' math from the raw GEMV outputs, then
+    """The twin: ``attention.cache_rows``' math from the raw GEMV outputs, then
     ``LayerCache.write``, each row's write kept only where ``ok`` is set.
 
     Args:
