@@ -13,25 +13,21 @@ What differs from the reference is scheduling only:
   on the device as a flag ``ok`` that gates every state write, and are read back with the drafts:
   a refused propose leaves the state byte-identical, as in the reference, without an extra sync.
 
-Prefill and catch-up take the reference's host-side checks (a sync, as there) and run the same
-fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
+Every check and counter rule the two drafters share is ``glm_mtp.reference.contract``'s, called
+by both. Prefill and catch-up take the contract's host-side checks (a sync, as in the reference)
+and run the same fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
 loop, which runs from the static buffers as a captured program too.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 from torch import Tensor
 
+from glm_mtp.reference import contract
 from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.contract import FeedHidden, Tokens
 from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.proposer import (
-    FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, check_token_dtype, check_token_id, hidden_fingerprint,
-    one_token,
-)
 from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing
 from glm_mtp.reference.weights import MtpWeights
 
@@ -39,8 +35,6 @@ from .block import Fused, KernelMode, block_rows
 from .step import StepKernels, fusable, fused_head, fused_rows
 from .graphs import run_program
 from .state import OptimizedState, Unsettled
-
-logger = logging.getLogger(__name__)
 
 # Bits of the device-side check code (out[0]); all set means the propose's inputs were good.
 HIDDEN_FINITE, TOKEN_IN_RANGE = 1, 2
@@ -72,17 +66,17 @@ class OptimizedProposer:
 
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm", *,
                  kernels: KernelMode = "auto", cuda_graphs: bool = True) -> None:
-        # The reference validates the arguments, caps max_seq_len and owns the RoPE table; this
-        # drafter reads the same table (one object per device), never a recomputed one.
-        self._ref = ReferenceProposer(weights, max_seq_len, feed_hidden)
+        # The contract's argument checks and sizes (the reference's, the same function).
+        sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         self.weights = weights
         self.config = weights.config
-        self.max_seq_len = self._ref.max_seq_len
-        self.blocks = self._ref.blocks
-        self.capacity = self._ref.capacity
+        self.max_seq_len = sizes.max_seq_len
+        self.blocks = sizes.blocks
+        self.capacity = sizes.capacity
         self.feed_hidden: FeedHidden = feed_hidden
+        self._rope: dict[torch.device, Rope] = {}
         self.fused = Fused(kernels)
         # The fused step (optimized/step.py) runs GLM-5's MTP layer; other layers (a dense MLP,
         # shards, float64) take the per-primitive block.
@@ -95,9 +89,9 @@ class OptimizedProposer:
         return min(max_seq_len, self.max_seq_len)
 
     def needs_comm(self) -> bool:
-        """True when the weights are sharded over ranks (the reference's rule): every propose
+        """True when the weights are sharded over ranks (``contract.needs_comm``): every propose
         then runs the reference's collectives, eagerly (a sharded drafter is never captured)."""
-        return self._ref.needs_comm()
+        return contract.needs_comm(self.weights)
 
     def prefill_uses_shared_buffers(self) -> bool:
         """True: context rows use the caller's workspace (``x`` is left as it is)."""
@@ -116,15 +110,13 @@ class OptimizedProposer:
             return st.seq_len - 1 if st.seq_len > 0 else None
 
     def rope(self, device: torch.device) -> Rope:
-        """The RoPE table of ``device`` (the reference's, shared)."""
-        return self._ref.rope(device)
+        """The RoPE table of ``device`` (the reference's table, built once per device)."""
+        return contract.rope_for(self._rope, self.weights, self.capacity, device)
 
     # ---- lifetime -----------------------------------------------------------------------
     def alloc_state(self, device: torch.device | str) -> OptimizedState:
         """A fresh state (``seq_len = 0``) with every buffer a propose will touch."""
-        device = torch.empty(0, device=device).device
-        if device != self.weights.device:
-            raise ValueError(f"device must be the weights' device {self.weights.device}, got {device} (move them with MtpWeights.to)")
+        device = contract.state_device(self.weights, device)
         self.rope(device)
         return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device, Owner(self.weights, self.capacity))
 
@@ -156,7 +148,7 @@ class OptimizedProposer:
         """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
         with self._use(state, "export_state") as st:
             self._settle(st)
-            return self._ref.snapshot(st)  # once settled, the state's fields are the reference's
+            return contract.snapshot(st, self.weights)  # once settled, the state's fields are the reference's
 
     # ---- validation ---------------------------------------------------------------------
     def _use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
@@ -179,11 +171,11 @@ class OptimizedProposer:
             )
 
     def _check_live(self, st: OptimizedState, call: str) -> None:
-        """The reference's lifecycle checks, after settling and raising a deferred error."""
+        """The contract's lifecycle checks, after settling and raising a deferred error."""
         self._settle(st)
         check_sound(st, call)
         self._raise_deferred(st)
-        self._ref._check_live(st, call)
+        contract.check_live(st, call)
 
     @staticmethod
     def _raise_deferred(st: OptimizedState) -> None:
@@ -199,38 +191,21 @@ class OptimizedProposer:
 
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
                         position: int, num_drafts: int) -> tuple[int, int]:
-        """The reference's propose checks, in its order, minus the two that read the data (a
-        token tensor's range, the hidden's finiteness): those run on the device. Fills the
-        static inputs. Returns ``(position, num_drafts)``."""
+        """The contract's propose checks (``contract.propose_args``), minus the two that read
+        the data (a token tensor's range, the hidden's finiteness): those run on the device.
+        Fills the static inputs. Returns ``(position, num_drafts)``."""
         self._check_live(st, call)
-        position = check_int("position", position)
-        if st.seq_len < position:
-            raise RuntimeError(f"{call}: the drafter holds {st.seq_len} rows, behind position {position}; catch up first")
-        last_token = one_token(last_token)
-        if isinstance(last_token, Tensor):
-            token = last_token
-            check_token_dtype("last_token", token)
-        else:
-            check_token_id("last_token", last_token, self.config.vocab_size)
-            token = None
-        hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
-        self._ref._hiddens("target_hidden", hidden, 1, st, finite=False)
-        num_drafts = check_int("num_drafts", num_drafts)
-        self._ref._check_capacity(call, position + num_drafts)
-
-        if os.environ.get(FINGERPRINT_ENV) == "1":  # a debugging aid; it syncs
-            tok = int(token[0]) if token is not None else last_token
-            logger.info("GLM_MTP_DBG propose position=%d drafter_rows=%d tok=%d fp_target=%s",
-                        position, st.seq_len, tok, hidden_fingerprint(hidden))
+        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
+                                     device_checks=True)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
-            if token is None:
-                st.tok_in.fill_(last_token)
+            if isinstance(args.token, Tensor):
+                st.tok_in.copy_(args.token)
             else:
-                st.tok_in.copy_(token)
-            st.hid_in.copy_(hidden)
-            st.pos.fill_(position)
-        return position, num_drafts
+                st.tok_in.fill_(args.token)
+            st.hid_in.copy_(args.hidden)
+            st.pos.fill_(args.position)
+        return args.position, args.num_drafts
 
     # ---- drafting ----------------------------------------------------------------------
     def _program(self, st: OptimizedState, k: int) -> None:
@@ -325,7 +300,7 @@ class OptimizedProposer:
             self._settle(st)
             check_sound(st, "after_verify")
             self._raise_deferred(st)
-            self._ref.apply_verify(num_accepted, st)  # the reference's checks and counters
+            contract.apply_verify(num_accepted, st)  # the contract's checks and counters
             with writing(st, "after_verify"):
                 st.seq_dev.fill_(st.seq_len)
 
@@ -342,14 +317,15 @@ class OptimizedProposer:
         (see ``ReferenceProposer.prefill_drafter``); checks as there, on the host."""
         with self._use(state, "prefill_drafter") as st:
             self._check_live(st, "prefill_drafter")
-            return self._ref.write_prefill(prompt_tokens, hiddens, st, self._write_rows)
+            return contract.write_prefill(prompt_tokens, hiddens, st, self._write_rows, self.weights, self.max_seq_len)
 
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
         """Write rows ``row_base + i`` from ``tokens[i] = t_{row_base+i+1}`` and ``hiddens[i] =
         h_{row_base+i}`` (see ``ReferenceProposer.catchup_drafter``); ``pos_base`` is ignored."""
         with self._use(state, "catchup_drafter") as st:
             self._check_live(st, "catchup_drafter")
-            return self._ref.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows)
+            return contract.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows, self.weights,
+                                          self.capacity)
 
     def _write_catchup_rows(self, ids: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         if ids.shape[0] == 1:  # the loop's catch-up after a fully accepted propose: a captured program

@@ -1,6 +1,7 @@
 """RoPE on the new rows' keys fused with their paged cache write, as one kernel.
 
-Replaces, in ``glm_mtp.reference.attention.dsa_attention`` (with ``index_keys``)::
+Replaces ``glm_mtp.reference.attention.write_cache_rows`` after its norms (the optimized
+block's ``write_rows`` hook, ``glm_mtp.optimized.block.Fused.write_rows_hook``)::
 
     k_pe = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
     ikey = rope_first(k_raw, cos, sin, cfg)            # RoPE on the first R dims of the index key
@@ -12,7 +13,7 @@ and adds one thing the reference does not need: every store is conditional on a 
 
 ``cache_rows_write_triton`` is the same kernel with the two norms before it fused in: from the
 raw GEMV outputs ``kv`` (kv_a_proj, (T, Lkv + R)) and ``k`` (the indexer's wk, (T, D)) it stores
-exactly what ``new_cache_rows`` computes::
+exactly what ``attention.cache_rows`` computes from them::
 
     latent = rms_norm(kv[:, :Lkv], kv_a_layernorm, LATENT_NORM_EPS)
     k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
@@ -358,7 +359,7 @@ def cache_rows_write_torch(
     block_table: Tensor,
     ok: Tensor,
 ) -> None:
-    """The twin: ``attention.new_cache_rows``' math from the raw GEMV outputs, then
+    """The twin: ``attention.cache_rows``' math from the raw GEMV outputs, then
     ``LayerCache.write``, each row's write kept only where ``ok`` is set.
 
     Args:
@@ -461,7 +462,7 @@ def cache_rows_write_triton(
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches the drafter makes at ``cfg`` with a ``dtype`` cache, on abstract tensors
-    shaped as ``glm_mtp.optimized.block.attention_rows`` passes them: the rope key a view of
+    shaped as ``glm_mtp.optimized.block.Fused.write_rows_hook`` passes them: the rope key a view of
     ``kv`` (T, Lkv + R) after the latent, the pools from ``LayerCache.allocate``, float32 tables
     (see ``glm_mtp.optimized.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
 
