@@ -93,7 +93,8 @@ def check_acceptance(cfg: Any) -> None:
     need_choice(cfg, "policy", POLICIES)
     temperature = need_float(cfg, "temperature", 0.0)
     if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
-        raise ValueError("draft=sampled draws each draft from the drafter's softmax at the temperature: it needs temperature > 0")
+        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax at the "
+                         "temperature: draft=sampled needs temperature > 0)")
     need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
     need_int(cfg, "seed", 0)
