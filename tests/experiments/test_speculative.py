@@ -146,7 +146,7 @@ def sample_sequences(bigram, temperature, n_seqs=50, length=40, k=3, draft="argm
     return seqs, stats
 
 
-@pytest.mark.parametrize("draft", ["argmax", "sampled"])
+@pytest.mark.parametrize("draft", ["argmax", pytest.param("sampled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_rejection_sampling_reproduces_the_target_distribution(bigram, temperature, draft):
     seqs, stats = sample_sequences(bigram, temperature, draft=draft)
@@ -164,6 +164,7 @@ def test_chi_square_catches_a_lossy_verifier(bigram, monkeypatch):
     assert chi_square_p(seqs, target_probs(bigram[0].logp, 1.0)) < 1e-6
 
 
+@pytest.mark.slow
 def test_chi_square_catches_a_lossy_sampled_verifier(bigram, monkeypatch):
     """Sampled drafts with a classic mistake, a rejection resampled from p instead of from
     norm(max(0, p - q)): the output is no longer the target's distribution, and the test sees it.
