@@ -27,6 +27,8 @@ from typing import Any
 from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
+# Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
+EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor"}
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 
@@ -87,14 +89,14 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     """Differences ``run - baseline`` between runs equal in every setting but ``pair`` and run on
     the same prompts; the baseline is the group's first run in report order. Empty when no
     group has two runs with counts per prompt."""
-    if pair not in SETTINGS:
-        raise ValueError(f"pair must be one of {SETTINGS}, got {pair!r}")
+    if pair not in SETTINGS + tuple(EXTRA_SETTINGS):
+        raise ValueError(f"pair must be one of {SETTINGS + tuple(EXTRA_SETTINGS)}, got {pair!r}")
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in runs:
         if "counts_per_prompt" not in s:
             continue
-        key = tuple(s[k] for k in SETTINGS if k != pair) + (s.get("prompts_sha256"), s.get("checkpoint_sha256"),
-                                                            s.get("draft", "argmax"), s.get("target_numerics", "vendor"), s.get("dtype"))
+        key = (tuple(s[k] for k in SETTINGS if k != pair) + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items() if k != pair)
+               + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype")))
         groups.setdefault(key, []).append(s)
     K = max(s["num_drafts"] for s in runs)
     others = [k for k in SETTINGS if k != pair]  # what the paired runs share
@@ -108,7 +110,7 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
             shared = " | ".join(f"{s[k]:g}" if k == "temperature" else str(s[k]) for k in others)
-            lines.append(f"| {s[pair]} − {base[pair]} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+            lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
-    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS} (default: policy)")
+    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS + tuple(EXTRA_SETTINGS)} (default: policy)")
     ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"), help="acceptance columns (default: both)")
     args = ap.parse_args(argv)
     runs = load_summaries(args.sweep_dir)
