@@ -29,6 +29,7 @@ from torch import Tensor
 
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.layers import draft_probs, greedy_token, sampled_token
+from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.proposer import (
     FINGERPRINT_ENV, NOISE_MESSAGE, FeedHidden, ReferenceProposer, SampledDrafts, Tokens, check_int, check_token_dtype,
     check_token_id, hidden_fingerprint, one_token,
@@ -37,6 +38,7 @@ from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state,
 from glm_mtp.reference.weights import MtpWeights
 
 from .block import Fused, KernelMode, block_rows
+from .step import StepKernels, fusable, fused_head, fused_rows
 from .graphs import run_program
 from .state import OptimizedState, Unsettled
 
@@ -91,6 +93,9 @@ class OptimizedProposer:
         self.capacity = self._ref.capacity
         self.feed_hidden: FeedHidden = feed_hidden
         self.fused = Fused(kernels)
+        # The fused step (optimized/step.py) runs GLM-5's MTP layer; other layers (a dense MLP,
+        # shards, float64) take the per-primitive block.
+        self.step = StepKernels(triton=self.fused.use_triton(weights.embed_tokens)) if fusable(weights) else None
         self.cuda_graphs = bool(cuda_graphs)
 
     # ---- the contract's simple queries ------------------------------------------------------
@@ -270,13 +275,21 @@ class OptimizedProposer:
         x = None
         for i in range(k):
             slot = st.pos + i  # (1,)
-            x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
-            logits = self.fused.linear(x, self.weights.lm_head)  # (1, V): the head
-            if sampled:
-                q[i : i + 1].copy_(draft_probs(logits, st.temp))
-                token = sampled_token(q[i : i + 1], noise[i : i + 1])  # (1,) on the device
+            if self.step is not None and not sampled:
+                pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
             else:
-                token = greedy_token(logits)  # (1,): argmax on the device
+                if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
+                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                    x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
+                else:
+                    x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
+                logits = self.fused.linear(x, self.weights.lm_head)  # (1, V): the head
+                if sampled:
+                    q[i : i + 1].copy_(draft_probs(logits, st.temp))
+                    token = sampled_token(q[i : i + 1], noise[i : i + 1])  # (1,) on the device
+                else:
+                    token = greedy_token(logits)  # (1,): argmax on the device
             st.out[1 + i : 2 + i].copy_(token)
             hidden = x if self.feed_hidden == "post_norm" else pre_norm
         if x is not None:
@@ -372,7 +385,7 @@ class OptimizedProposer:
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         """Rows ``row_base + i`` from ``(tokens[i], hiddens[i])``: the reference's batch, one call."""
         slots = st.slots[row_base : row_base + tokens.shape[0]]  # (T,), a view: no allocation
-        block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
+        self._rows(tokens, hiddens, slots, st)
         st.seq_len = row_base + tokens.shape[0]
         st.seq_dev.fill_(st.seq_len)
 
@@ -402,8 +415,15 @@ class OptimizedProposer:
 
     def _catchup_program(self, st: OptimizedState) -> None:
         """One context row from the static inputs, already checked on the host: slot ``pos``."""
-        block_rows(self.weights, st.tok_in, st.hid_in, st.pos, st.cache, self.rope(st.device), st.always, self.fused)
+        self._rows(st.tok_in, st.hid_in, st.pos, st)
         st.seq_dev.copy_(st.pos + 1)
+
+    def _rows(self, tokens: Tensor, hiddens: Tensor, slots: Tensor, st: OptimizedState) -> None:
+        """Context rows (no head): the fused block, or the per-primitive one."""
+        if self.step is not None:
+            fused_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.step)
+        else:
+            block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
 
 
 def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
@@ -411,3 +431,9 @@ def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedPropo
     interpreter: set ``TRITON_INTERPRET=1`` before triton is imported). A conformance backend:
     ``--candidate glm_mtp.optimized:with_triton_kernels``."""
     return OptimizedProposer(weights, max_seq_len, kernels="triton")
+
+
+def with_torch_twins(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
+    """An ``OptimizedProposer`` that runs the kernels' torch twins on every device (CUDA
+    included): ``--kernels torch`` of the conformance CLI."""
+    return OptimizedProposer(weights, max_seq_len, kernels="torch")

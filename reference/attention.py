@@ -78,30 +78,49 @@ def split_kv_b(attn: AttentionWeights, cfg: MtpConfig) -> tuple[Tensor, Tensor]:
     return w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
 
 
-def sparse_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor,
-               rows: Tensor, count: Tensor) -> Tensor:
-    """Pinned MLA of new rows over their lists: ``q_nope`` (T, nh, nope), ``q_pe`` (T, nh, R),
-    the cache's ``kv_rows`` (S, Lkv + R), the lists ``rows`` (T, K) and their lengths ``count``
-    (T,) from ``select_rows``. Returns the heads' outputs ``(T, nh * v)`` in S."""
+def absorb_query(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor) -> Tensor:
+    """The absorbed query ``q_abs`` (T, nh, Lkv) in A of ``q_nope`` (T, nh, nope):
+    ``q_abs[t, h, c] = dot(q_nope[t, h], W_uk[h, :, c])`` (a ``psum`` over nope)."""
+    w_uk = rearrange(split_kv_b(attn, cfg)[0], "h n c -> h c n")  # (nh, Lkv, nope)
+    nh, Lkv, nope = w_uk.shape
+    per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * Lkv * nope))
+    # rows are independent: chunks bound the products held
+    return torch.cat([dot(q_nope[t0 : t0 + per_chunk, :, None, :], w_uk) for t0 in range(0, q_nope.shape[0], per_chunk)])
+
+
+def mla_over_lists(attn: AttentionWeights, cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_rows: Tensor,
+                   rows: Tensor, count: Tensor) -> Tensor:
+    """Pinned MLA of new rows over their lists from the absorbed query: ``q_abs`` (T, nh, Lkv)
+    in A (``absorb_query``), ``q_pe`` (T, nh, R) in S, the cache's ``kv_rows`` (S, Lkv + R), the
+    lists ``rows`` (T, K) and their lengths ``count`` (T,) from ``select_rows``. Returns the
+    heads' outputs ``(T, nh * v)`` in S."""
     Lkv = cfg.kv_lora_rank
-    T, nh = q_nope.shape[:2]
+    T, nh = q_abs.shape[:2]
     K = rows.shape[1]
-    w_uk, w_uv = split_kv_b(attn, cfg)
+    w_uv = split_kv_b(attn, cfg)[1]
     scale = cfg.qk_head_dim**-0.5
     per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * K * Lkv))
     outs = []
     for t0 in range(0, T, per_chunk):  # rows are independent: chunks bound the products held
         t = slice(t0, t0 + per_chunk)
-        q_abs = dot(q_nope[t, :, None, :], rearrange(w_uk, "h n c -> h c n"))  # (t, nh, Lkv), A
         listed = kv_rows[rows[t]]  # (t, K, Lkv + R), ascending slots
         c, k_pe = listed[..., :Lkv], listed[..., Lkv:]
-        scores = (dot(q_abs[:, :, None, :], c[:, None]) + dot(q_pe[t, :, None, :], k_pe[:, None])) * scale  # (t, nh, K)
+        scores = (dot(q_abs[t, :, None, :], c[:, None]) + dot(q_pe[t, :, None, :], k_pe[:, None])) * scale  # (t, nh, K)
         n = count[t, None]  # (t, 1): every head of a row has that row's list
         scores = scores.masked_fill(torch.arange(K, device=rows.device) >= n[..., None], float("-inf"))
         p = list_softmax(scores, n)  # (t, nh, K), +0.0 past the list
         out_latent = psum_prefix(p[:, :, None, :] * rearrange(up(c), "t k c -> t 1 c k"), n[..., None])  # (t, nh, Lkv)
         outs.append(dot(out_latent[:, :, None, :], w_uv))  # (t, nh, v)
-    return rearrange(torch.cat(outs), "t h v -> t (h v)").to(q_nope.dtype)
+    return rearrange(torch.cat(outs), "t h v -> t (h v)").to(q_pe.dtype)
+
+
+def sparse_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor,
+               rows: Tensor, count: Tensor) -> Tensor:
+    """Pinned MLA of new rows over their lists: ``q_nope`` (T, nh, nope), ``q_pe`` (T, nh, R),
+    the cache's ``kv_rows`` (S, Lkv + R), the lists ``rows`` (T, K) and their lengths ``count``
+    (T,) from ``select_rows``. Returns the heads' outputs ``(T, nh * v)`` in S:
+    ``mla_over_lists`` of ``absorb_query``."""
+    return mla_over_lists(attn, cfg, absorb_query(attn, cfg, q_nope), q_pe, kv_rows, rows, count)
 
 
 def dense_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor, chosen: Tensor) -> Tensor:
