@@ -21,13 +21,18 @@ loop, which runs from the static buffers as a captured program too.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 from torch import Tensor
 
 from glm_mtp.reference import contract
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.contract import FeedHidden, Tokens
-from glm_mtp.reference.layers import greedy_token
+from glm_mtp.reference.layers import draft_probs, greedy_token, sampled_token
+from glm_mtp.reference.numerics import rms_norm
+from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_inputs
 from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing
 from glm_mtp.reference.weights import MtpWeights
 
@@ -36,11 +41,20 @@ from .step import StepKernels, fusable, fused_head, fused_rows
 from .graphs import run_program
 from .state import OptimizedState, Unsettled
 
-# Bits of the device-side check code (out[0]); all set means the propose's inputs were good.
-HIDDEN_FINITE, TOKEN_IN_RANGE = 1, 2
+logger = logging.getLogger(__name__)
+
+# Bits of the device-side check code (out[0]); all set means the propose's inputs were good
+# (a sampled propose also sets NOISE_POSITIVE when its noise is positive and finite).
+HIDDEN_FINITE, TOKEN_IN_RANGE, NOISE_POSITIVE = 1, 2, 4
 CHECK_OK = HIDDEN_FINITE | TOKEN_IN_RANGE
+SAMPLED_CHECK_OK = CHECK_OK | NOISE_POSITIVE
 # The graph key of the one-row catch-up (propose graphs are keyed by num_drafts >= 1).
 CATCHUP_KEY = -1
+
+
+def sampled_key(k: int) -> int:
+    """The graph key of a sampled propose of ``k >= 1`` drafts: -2 - k (below the catch-up's -1)."""
+    return -2 - k
 
 
 def read_back(t: Tensor) -> list[int]:
@@ -190,13 +204,16 @@ class OptimizedProposer:
         return "target_hidden holds NaN or inf"
 
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
-                        position: int, num_drafts: int) -> tuple[int, int]:
-        """The contract's propose checks (``contract.propose_args``), minus the two that read
-        the data (a token tensor's range, the hidden's finiteness): those run on the device.
-        Fills the static inputs. Returns ``(position, num_drafts)``."""
+                        position: int, num_drafts: int, sample: tuple[object, object] | None = None) -> tuple[int, int]:
+        """The contract's propose checks (``contract.propose_args``), minus the ones that read
+        the data (a token tensor's range, the hidden's finiteness, a sampled propose's noise
+        values): those run on the device. Fills the static inputs (with ``sample = (temperature,
+        noise)``, the temperature and the noise too). Returns ``(position, num_drafts)``."""
         self._check_live(st, call)
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
                                      device_checks=True)
+        if sample is not None:
+            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             if isinstance(args.token, Tensor):
@@ -205,32 +222,54 @@ class OptimizedProposer:
                 st.tok_in.fill_(args.token)
             st.hid_in.copy_(args.hidden)
             st.pos.fill_(args.position)
+            if sample is not None:
+                st.temp.fill_(temperature)  # rounded to A, as the reference's torch.tensor([temperature])
+                if args.num_drafts:
+                    st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
         return args.position, args.num_drafts
 
     # ---- drafting ----------------------------------------------------------------------
-    def _program(self, st: OptimizedState, k: int) -> None:
+    def _program(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
         """The k draft steps on the state's static buffers: no host reads, so it is captured as is.
 
         Draft 1 writes slot ``pos`` from ``(tok_in, hid_in)``; draft i > 1 slot ``pos + i - 1``
         from the previous draft (straight from its argmax) and the drafter's own hidden. Every
-        write (rows, ``x``, the device row count) is gated by the input check ``ok``."""
+        write (rows, ``x``, the device row count) is gated by the input check ``ok``. ``sampled``:
+        draft i is ``argmax(q_i / noise[i])`` with ``q_i`` (the reference's ``draft_probs`` at
+        ``temp``) stored in ``q[i]``, and the check covers the noise too."""
         V = self.config.vocab_size
         tok_ok = (st.tok_in >= 0) & (st.tok_in < V)  # (1,)
         finite = torch.isfinite(st.hid_in).all().reshape(1)  # (1,)
-        st.ok.copy_(finite & tok_ok)
-        st.out[:1].copy_(finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE)
+        code = finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE
+        ok = finite & tok_ok
+        if sampled and k:
+            noise, q = st.sample_buffers(k, V)
+            noise_ok = ((noise > 0) & (noise < math.inf)).all().reshape(1)  # NaN fails both
+            code = code + noise_ok.long() * NOISE_POSITIVE
+            ok = ok & noise_ok
+        st.ok.copy_(ok)
+        st.out[:1].copy_(code)
         token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
         hidden = st.hid_in
         rope = self.rope(st.device)
         x = None
         for i in range(k):
             slot = st.pos + i  # (1,)
-            if self.step is not None:
+            if self.step is not None and not sampled:
                 pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
                 x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
             else:
-                x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
-                token = greedy_token(self.fused.linear(x, self.weights.lm_head))  # (1,): the head, argmax on the device
+                if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
+                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                    x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
+                else:
+                    x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
+                logits = self.fused.linear(x, self.weights.lm_head)  # (1, V): the head
+                if sampled:
+                    q[i : i + 1].copy_(draft_probs(logits, st.temp))
+                    token = sampled_token(q[i : i + 1], noise[i : i + 1])  # (1,) on the device
+                else:
+                    token = greedy_token(logits)  # (1,): argmax on the device
             st.out[1 + i : 2 + i].copy_(token)
             hidden = x if self.feed_hidden == "post_norm" else pre_norm
         if x is not None:
@@ -244,9 +283,10 @@ class OptimizedProposer:
         (sharded weights all-gather / all-reduce, which this backend does not capture)."""
         return self.cuda_graphs and self.weights.shard_spec is None
 
-    def _run(self, st: OptimizedState, k: int) -> None:
+    def _run(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
         # num_drafts = 0 only rewinds: a handful of tiny ops, not worth a graph.
-        run_program(st, k, lambda: self._program(st, k), capture=self.captures and k > 0)
+        key = sampled_key(k) if sampled else k
+        run_program(st, key, lambda: self._program(st, k, sampled), capture=self.captures and k > 0)
 
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
@@ -260,13 +300,30 @@ class OptimizedProposer:
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             return self._finish_propose(st, values, position, k)
 
-    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int) -> list[int]:
+    def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts:
+        """``ReferenceProposer.propose_sampled``, the same bytes: the k steps (each draft's
+        ``q`` and its draw included) run on the device without a host sync, the drafts come back
+        in the one read at the end and ``q`` (k, V) stays on the device (a copy of the static
+        buffer). The noise's values are checked on the device, like the hidden."""
+        with self._use(state, "propose_sampled") as st:
+            position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
+                                               (temperature, noise))
+            with writing(st, "propose_sampled"):
+                self._run(st, k, sampled=True)
+                q = st.sample_buffers(k, self.config.vocab_size)[1].clone() if k else noise.new_zeros(0, self.config.vocab_size)
+                values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
+            return SampledDrafts(self._finish_propose(st, values, position, k, sampled=True), q)
+
+    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int, sampled: bool = False) -> list[int]:
         """``propose`` after its read-back: the refusal of bad data (nothing was written), or the counters."""
-        if values[0] != CHECK_OK:
+        if values[0] != (SAMPLED_CHECK_OK if sampled and k else CHECK_OK):
             if not values[0] & TOKEN_IN_RANGE:
                 bad = read_back(st.tok_in)[0]
                 raise ValueError(f"last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
-            raise ValueError("target_hidden holds NaN or inf")
+            if not values[0] & HIDDEN_FINITE:
+                raise ValueError("target_hidden holds NaN or inf")
+            raise ValueError(NOISE_MESSAGE)
         st.seq_len, st.pending, st.last_drafted = position + k, True, k
         return values[1:]
 

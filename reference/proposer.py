@@ -15,6 +15,8 @@ byte-identical; a call that fails midway poisons it (``state.writing``).
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,7 +28,8 @@ from .block import draft_logits, mtp_rows
 from .contract import (  # noqa: F401  (re-exported: the contract's names, where callers found them)
     FINGERPRINT_ENV, FeedHidden, Tokens, WriteRows, check_int, check_token_dtype, check_token_id, hidden_fingerprint, one_token,
 )
-from .layers import greedy_token
+from .layers import draft_probs, greedy_token, sampled_token
+from .numerics import acc_dtype
 from .state import DrafterState, LayerCache, Owner, use_state, writing
 from .weights import MtpWeights
 
@@ -51,6 +54,70 @@ class DraftProposer(Protocol):
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]: ...
     def after_verify(self, num_accepted: int, state: DrafterState) -> None: ...
     def export_state(self, state: DrafterState) -> dict[str, Tensor]: ...
+
+
+@dataclass(eq=False)
+class SampledDrafts:
+    """What ``propose_sampled`` returns: the drafts and each draft's distribution. Two are equal
+    when their drafts are and their ``q`` have the same shape, dtype and bytes (-0.0 != 0.0).
+
+    Args:
+        drafts: the k drafted token ids, ``drafts[i] = argmax(q[i] / noise[i])``.
+        q: (k, V) in A, ``q[i] = softmax(up(logits_i) / temperature)`` (``layers.draft_probs``),
+            on the state's device.
+    """
+
+    drafts: list[int]
+    q: Tensor
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SampledDrafts):
+            return NotImplemented
+        a, b = self.q.detach().cpu().contiguous(), other.q.detach().cpu().contiguous()
+        return (self.drafts == other.drafts and a.shape == b.shape and a.dtype == b.dtype
+                and a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+@runtime_checkable
+class SamplingProposer(DraftProposer, Protocol):
+    """A ``DraftProposer`` that can also draft by sampling (both backends of this package)."""
+
+    def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts: ...
+
+
+def check_temperature(temperature: object) -> float:
+    """A sampling temperature: a finite real number > 0; ``ValueError`` naming it otherwise."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The noise of a sampled propose: a ``(num_drafts, vocab_size)`` tensor of the acc dtype
+    ``dtype`` on ``device`` (its values, positive and finite, are checked by the backend)."""
+    if not isinstance(noise, Tensor):
+        raise ValueError(f"noise must be a tensor, got {type(noise).__name__}")
+    if tuple(noise.shape) != (num_drafts, vocab_size):
+        raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got {tuple(noise.shape)}")
+    if noise.dtype != dtype:
+        raise ValueError(f"noise must have the accumulation dtype {dtype}, got {noise.dtype}")
+    if noise.device != device:
+        raise ValueError(f"noise must be on the state's device {device}, got {noise.device}")
+    return noise
+
+
+def sampling_inputs(temperature: object, noise: object, num_drafts: int, weights: MtpWeights,
+                    device: torch.device) -> tuple[float, Tensor]:
+    """The checks of ``propose_sampled``'s own arguments that read no data, shared by both
+    drafters: ``(temperature, noise)``."""
+    return (check_temperature(temperature),
+            check_noise_shape(noise, num_drafts, weights.config.vocab_size, acc_dtype(weights.dtype), device))
+
+
+NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 
 
 class ReferenceProposer:
@@ -157,28 +224,61 @@ class ReferenceProposer:
         ``(last_token, target_hidden)``, draft i > 1 row ``position + i - 1`` from the previous
         draft and the drafter's own hidden. Rewinds first if the drafter is ahead of ``position``."""
         with self.use(state, "propose"):
-            return self._propose(last_token, target_hidden, position, num_drafts, state)
+            return self._propose(last_token, target_hidden, position, num_drafts, state)[0]
 
-    def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
-        contract.check_live(state, "propose")
-        args = contract.propose_args("propose", last_token, target_hidden, position, num_drafts, state, self.weights, self.capacity)
+    def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts:
+        """``propose`` with sampled drafts: draft i is ``argmax(q_i / noise[i])`` (ties to the
+        lower id) with ``q_i = softmax(up(logits_i) / temperature)`` in A (``layers.draft_probs``,
+        the temperature rounded to A once), instead of ``argmax(logits_i)``. ``noise``
+        (num_drafts, V) in A on the state's device, positive and finite: i.i.d. Exponential(1)
+        makes each draft a draw from its ``q_i``; the caller owns the randomness, so every
+        backend and device drafts the same tokens. Rows, ``x`` and counters are written as by
+        ``propose`` (for the drafts drawn). Returns the drafts and the (k, V) ``q``."""
+        with self.use(state, "propose_sampled"):
+            drafts, q = self._propose(last_token, target_hidden, position, num_drafts, state, (temperature, noise), "propose_sampled")
+            return SampledDrafts(drafts, q)
+
+    def sampling_inputs(self, temperature: object, noise: object, num_drafts: int, state: DrafterState) -> tuple[float, Tensor]:
+        """``sampling_inputs`` for this drafter's weights and ``state``'s device."""
+        return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device)
+
+    def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState,
+                 sample: tuple[object, object] | None = None, call: str = "propose") -> tuple[list[int], Tensor | None]:
+        contract.check_live(state, call)
+        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, state, self.weights, self.capacity)
         position, num_drafts, hidden = args.position, args.num_drafts, args.hidden
         token = args.token if isinstance(args.token, Tensor) else torch.tensor([args.token], dtype=torch.int64, device=state.device)
+        temp = noise = None
+        if sample is not None:
+            temperature, noise = self.sampling_inputs(*sample, num_drafts, state)
+            if num_drafts and not bool(((noise > 0) & (noise < math.inf)).all()):  # NaN fails both
+                raise ValueError(NOISE_MESSAGE)
+            temp = torch.tensor([temperature], dtype=noise.dtype, device=state.device)
         drafts: list[int] = []
+        qs: list[Tensor] = []
         rope = self.rope(state.device)
-        with writing(state, "propose"):
+        with writing(state, call):
             state.seq_len = min(state.seq_len, position)  # rewind: rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
                 out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1)
-                token = greedy_token(draft_logits(self.weights, out.x))  # (1,)
+                logits = draft_logits(self.weights, out.x)  # (1, V) in S
+                if temp is None:
+                    token = greedy_token(logits)  # (1,)
+                else:
+                    qs.append(draft_probs(logits, temp))  # (1, V) in A
+                    token = sampled_token(qs[-1], noise[i : i + 1])  # (1,)
                 drafts.append(int(token[0]))
                 state.x = out.x[0].clone()
                 hidden = out.x if self.feed_hidden == "post_norm" else out.pre_norm
                 state.seq_len = position + i + 1
         state.pending = True
         state.last_drafted = num_drafts
-        return drafts
+        if temp is None:
+            return drafts, None
+        V = self.config.vocab_size
+        return drafts, torch.cat(qs) if qs else torch.zeros(0, V, dtype=temp.dtype, device=state.device)
 
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         """Keep the first ``num_accepted + 1`` rows of the pending propose (never fewer than
