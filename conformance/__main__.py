@@ -21,6 +21,9 @@ import sys
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance", description="Lockstep conformance of two drafter backends, byte for byte.")
     p.add_argument("--candidate", default="optimized", help="reference | optimized | mutant:<name> | package.module:factory (default optimized)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"),
+                   help="the optimized backend's kernels: auto (Triton on CUDA, the torch twins on CPU), triton "
+                        "(everywhere; the interpreter on CPU) or torch (default auto)")
     p.add_argument("--baseline", default="reference", help="the backend the candidate must equal (default reference)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16 | float64 (default bfloat16)")
@@ -59,6 +62,14 @@ def unwritable(path: str) -> str | None:
     return None
 
 
+def with_kernels(backend: str, kernels: str) -> str:
+    """``optimized`` with its kernel choice as an importable factory (so the replay command
+    names it too); any other backend as it is."""
+    if backend != "optimized" or kernels == "auto":
+        return backend
+    return f"glm_mtp.optimized.proposer:with_{'triton_kernels' if kernels == 'triton' else 'torch_twins'}"
+
+
 def error(message: str) -> int:
     print(f"python -m glm_mtp.conformance: error: {message}", file=sys.stderr)
     return 2
@@ -87,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    candidate, baseline = (with_kernels(b, args.kernels) for b in (args.candidate, args.baseline))
     try:
         report = run(
-            args.candidate, args.baseline, scenarios=args.scenarios, seed=args.seed, device=args.device,
+            candidate, baseline, scenarios=args.scenarios, seed=args.seed, device=args.device,
             dtype=args.dtype, preset=args.preset, max_seq_len=args.max_seq_len, scenario_index=args.scenario_index,
             generators=[g for g in args.generators.split(",") if g], weights_seed=args.weights_seed,
             max_drafts=args.max_drafts, scenario_file=args.scenario_file,

@@ -27,13 +27,15 @@ from torch import Tensor
 
 from glm_mtp.reference import attention as _attention
 from glm_mtp.reference import block as _block
+from glm_mtp.reference import contract as _contract
 from glm_mtp.reference import indexer as _indexer
 from glm_mtp.reference import numerics as _numerics
 from glm_mtp.reference import proposer as _proposer
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
 from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.proposer import ReferenceProposer, check_int
+from glm_mtp.reference.contract import check_int
+from glm_mtp.reference.proposer import ReferenceProposer
 from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
 
 _SWAP_LOCK = threading.RLock()
@@ -140,12 +142,12 @@ class PairShift(Mutant):
     rule = "row r pairs token t_{r+1} with hidden h_r (prefill uses hiddens[:-1])"
 
     def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
-        self._check_live(state, "prefill_drafter")
-        tokens = self._tokens("prompt_tokens", prompt_tokens, state.device)
+        _contract.check_live(state, "prefill_drafter")
+        tokens = _contract.token_ids("prompt_tokens", prompt_tokens, self.config.vocab_size, state.device)
         n = tokens.shape[0]
         if n > self.max_seq_len:
             raise ValueError(f"prompt_tokens: a prompt of {n} tokens is longer than max_seq_len={self.max_seq_len}")
-        self._hiddens("hiddens", hiddens, n, state)
+        _contract.check_hiddens("hiddens", hiddens, n, self.weights, state.device)
         if state.seq_len > 0 or n < 2:
             return 0
         self._write_rows(tokens[1:], hiddens[1:], 0, state)  # MUTATION: was hiddens[:-1]
@@ -157,15 +159,16 @@ class NoRewindWhenAhead(Mutant):
     rule = "propose first rewinds a drafter that is ahead of position to position"
 
     def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
-        self._check_live(state, "propose")
+        _contract.check_live(state, "propose")
         position = check_int("position", position)
         if state.seq_len < position:
             raise RuntimeError(f"propose: the drafter holds {state.seq_len} rows, behind position {position}")
-        token = self._tokens("last_token", [last_token] if not isinstance(last_token, Tensor) else last_token.reshape(1), state.device)
+        one = [last_token] if not isinstance(last_token, Tensor) else last_token.reshape(1)
+        token = _contract.token_ids("last_token", one, self.config.vocab_size, state.device)
         hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
-        self._hiddens("target_hidden", hidden, 1, state)
+        _contract.check_hiddens("target_hidden", hidden, 1, self.weights, state.device)
         num_drafts = check_int("num_drafts", num_drafts)
-        self._check_capacity("propose", position + num_drafts)
+        _contract.check_capacity("propose", position + num_drafts, self.capacity)
         # MUTATION: no `state.seq_len = min(state.seq_len, position)`, and rows only ever grow.
         drafts: list[int] = []
         rope = self.rope(state.device)
@@ -256,7 +259,7 @@ class LastTokenShapeUnchecked(SwappingMutant):
     rule = "a last_token tensor must be 0-d or (1,): others are a ValueError naming last_token"
 
     def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
-        return [(_proposer, "one_token", _reshape_any_token)]
+        return [(_contract, "one_token", _reshape_any_token)]
 
 
 def _library_sum(x: Tensor) -> Tensor:
@@ -293,12 +296,12 @@ class MisalignedCatchup(Mutant):
     rule = "a catch-up whose row_base != drafter_rows writes nothing and returns 0"
 
     def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
-        self._check_live(state, "catchup_drafter")
-        ids = self._tokens("tokens", tokens, state.device)
+        _contract.check_live(state, "catchup_drafter")
+        ids = _contract.token_ids("tokens", tokens, self.config.vocab_size, state.device)
         row_base = check_int("row_base", row_base)
         check_int("pos_base", pos_base)
-        self._hiddens("hiddens", hiddens, ids.shape[0], state)
-        self._check_capacity("catchup_drafter", row_base + ids.shape[0])
+        _contract.check_hiddens("hiddens", hiddens, ids.shape[0], self.weights, state.device)
+        _contract.check_capacity("catchup_drafter", row_base + ids.shape[0], self.capacity)
         if ids.shape[0] == 0:  # MUTATION: was `row_base != state.seq_len or ...`
             return 0
         self._write_rows(ids, hiddens, row_base, state)
@@ -320,7 +323,7 @@ class RewindBeforeValidate(Mutant):
     rule = "a refused call leaves the state byte-identical (propose validates before it rewinds)"
 
     def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
-        self._check_live(state, "propose")
+        _contract.check_live(state, "propose")
         if isinstance(position, int) and not isinstance(position, bool) and 0 <= position <= state.seq_len:
             state.seq_len = position  # MUTATION: rewinds before the arguments are checked
         return super().propose(last_token, target_hidden, position, num_drafts, state)

@@ -5,6 +5,8 @@ out-of-distribution text, with counts and bootstrap intervals over prompts.
     python -m glm_mtp.experiments.acceptance mode=teacher_forced source=ood    # natural contexts
     python -m glm_mtp.experiments.acceptance -m num_drafts=1,2,3,4,5 policy=first_row_kept,refeed
     python -m glm_mtp.experiments.report multirun/acceptance/<date>            # one table + plot
+    python -m glm_mtp.experiments.acceptance temperature=1 draft=sampled       # drafts sampled from q
+    python -m glm_mtp.experiments.acceptance model.dtype=bfloat16 target_numerics=pinned experiment.check_lossless=true
 
 Modes: ``speculative`` (default) runs the speculative loop from each prompt, so after the prompt
 the contexts are the target's own output; ``teacher_forced`` scores one speculative step at
@@ -16,6 +18,13 @@ Prints a table, writes ``summary.json`` (the counts per prompt and position, con
 cumulative acceptance with bootstrap 95% intervals; ``stats``) and ``acceptance.png`` into the
 Hydra run directory, and logs to W&B (offline unless ``logger.mode=online``; ``logger=none`` for
 no tracker).
+
+``draft``: ``argmax`` (default) or ``sampled`` (each draft drawn from the drafter's softmax at the
+temperature, verified by full rejection sampling; needs ``temperature > 0``). ``target_numerics``:
+``vendor`` (torch's kernels, default) or ``pinned`` (DESIGN.md §5: batch-invariant). With
+``experiment.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
+alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
+diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
 """
 
 from __future__ import annotations
@@ -193,9 +202,10 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     need = exp.prompt_tokens + exp.max_new_tokens + cfg.num_drafts + 1
     if need > max_seq_len:
         raise ValueError(f"prompt_tokens + max_new_tokens + num_drafts + 1 = {need} exceeds model.max_seq_len={max_seq_len}")
-    target = Target(model.target, max_seq_len)
+    draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
+    target = Target(model.target, max_seq_len, numerics=numerics)
     proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
-    decoder = SpeculativeDecoder(target, proposer, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed)
+    decoder = SpeculativeDecoder(target, proposer, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
     os.makedirs(run_dir, exist_ok=True)
     group = cfg.get("group", None)
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
@@ -203,13 +213,16 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
-    generated, lossless, grams, distinct = 0, None, 0, 0
+    generated, grams, distinct = 0, 0, 0
+    check_lossless = bool(exp.check_lossless) and mode == "speculative" and cfg.temperature == 0
+    divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
     for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, proposer, w, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen)
+            st = teacher_forced(target, proposer, w, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
+                                draft=draft)
             if len(samples) < 2:
                 samples.append({"prompt": decode(w[: exp.prompt_tokens]), "continuation": decode(w[exp.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
@@ -220,14 +233,20 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
             generated += len(res.tokens)
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
-            if exp.check_lossless and cfg.temperature == 0:
-                same = res.tokens == target_decode(target, p, exp.max_new_tokens)
-                lossless = same if lossless is None else (lossless and same)
+            if check_lossless:
+                plain = target_decode(target, p, exp.max_new_tokens)
+                if res.tokens != plain:
+                    at = next(i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y)
+                    divergences.append({"prompt": len(per_prompt), "token": at})
             if len(samples) < 2:
                 samples.append({"prompt": decode(p), "continuation": decode(res.tokens), "steps": st.steps, "accepted": st.accepted})
         stats.merge(st)
         per_prompt.append(st)
     wall = time.perf_counter() - t0
+    # Greedy speculative decoding against the target's own one-token greedy decode, per prompt:
+    # "token" is the first generated token (0-based) where the two part.
+    lossless = ({"prompts": len(windows), "identical": len(windows) - len(divergences), "diverged": divergences}
+                if check_lossless else None)
 
     counts_pp = {"reached": [s.reached for s in per_prompt], "accepted": [s.accepted for s in per_prompt],
                  "steps": [s.steps for s in per_prompt]}
@@ -275,7 +294,11 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "prefill_seconds": stats.prefill_s,
         "draft_share": stats.draft_share,
         "wall_seconds": wall,
-        "lossless_greedy": lossless,
+        "lossless_greedy": None if lossless is None else not divergences,
+        "lossless": lossless,
+        "draft": draft,
+        "target_numerics": numerics,
+        "dtype": cfg.model.dtype,
         "speedup": speedup,
         "checkpoint": model.path or f"random:{cfg.model.preset}",
         **provenance(model),
@@ -287,7 +310,10 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     print(table)
     what = f"{stats.steps} positions of {source} text" if mode == "teacher_forced" else f"{generated} tokens"
     print(f"τ = {stats.tau:.3f} tokens per target forward; {what} from {len(windows)} prompts in {wall:.1f}s "
-          f"(drafting {stats.draft_share:.0%} of the loop)" + ("" if lossless is None else f"; greedy output equals the target's: {lossless}"))
+          f"(drafting {stats.draft_share:.0%} of the loop)"
+          + ("" if lossless is None else f"; greedy output equals the target's on {lossless['identical']}/{lossless['prompts']} prompts"))
+    if divergences:
+        print("diverged (prompt, first differing token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in divergences))
     print(spd.format_line(speedup))
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

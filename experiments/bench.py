@@ -12,6 +12,15 @@ bytes one draft step must read (the active weights, the head, the rows attended)
 those bytes over the device's copy bandwidth, measured in the same run. Backends are timed
 alternately, round by round, so their ratio holds on a noisy machine.
 
+At the presets of ``--counters`` (default on CPU: tiny and small; on CUDA none) each record also
+carries the launch counters of one draft step, measured on CPU in a subprocess (``python -m
+glm_mtp.optimized.counters``, Triton's interpreter for the optimized backend's kernels):
+``launches_per_draft`` (kernel launches plus the torch operators that would launch one on a GPU),
+``kernel_bytes_per_draft`` (the bytes they load and store), ``floor_bytes_per_draft`` (the
+weights a draft step must read plus its attended rows) and ``kernel_floor_ratio``. They do not
+depend on k (the marginal draft step of a propose) nor on ``--device``. The reference backend is
+counted the same way (its torch operators); the 1.15x target of issue 11 is the optimized one's.
+
 Writes ``bench.json`` (one record per measurement), ``bench.md`` and ``bench.png`` into ``--out``.
 
 ``--target-costs`` measures instead the costs of the speedup model (``speedup.py``) for the
@@ -31,6 +40,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +56,11 @@ from .validate import unwritable_dir
 
 # The weight dtypes the bench runs (names of glm_mtp.registry.DTYPES).
 BENCH_DTYPES = ("bfloat16", "float16", "float32")
+# Presets whose draft step the launch counters measure by default (the interpreter is slow).
+COUNTER_PRESETS = ("tiny", "small")
+# The counter fields each record gains (None where a preset was not counted).
+COUNTER_FIELDS = ("launches_per_draft", "triton_launches_per_draft", "kernel_bytes_per_draft", "floor_bytes_per_draft",
+                  "kernel_floor_ratio", "launches_per_propose_overhead", "kernel_bytes_per_propose_overhead")
 # aten ops that make the host wait for the device.
 SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
 
@@ -172,6 +188,8 @@ class BenchConfig:
         copy_mib: size of the buffer the copy bandwidth is measured with.
         seed: weights and inputs.
         out: output folder.
+        counters: presets whose draft step the launch counters measure (a CPU subprocess each;
+            none unless named: the command line defaults to ``COUNTER_PRESETS``).
     """
 
     presets: list[str]
@@ -189,6 +207,24 @@ class BenchConfig:
     out: str = "outputs/bench"
     target_costs: bool = False
     checkpoint: str | None = None
+    counters: list[str] = dataclasses.field(default_factory=list)
+
+
+def draft_step_counters(bc: BenchConfig, preset: str, backend: str) -> dict[str, Any]:
+    """The launch counters of one draft step of ``backend`` at ``preset`` (see
+    ``glm_mtp.optimized.counters``), measured on CPU in a subprocess with ``TRITON_INTERPRET=1``
+    (the optimized backend forces its Triton kernels there), at this bench's dtype, context,
+    capacity and seed. Returns the counter fields of ``COUNTER_FIELDS``."""
+    argv = [sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", preset, "--dtype", bc.dtype, "--backend", backend,
+            "--kernels", "triton", "--context", str(bc.context), "--max-seq-len", str(bc.max_seq_len), "--seed", str(bc.seed), "--json"]
+    if bc.max_position_embeddings is not None:
+        argv += ["--max-position-embeddings", str(bc.max_position_embeddings)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {k: result[k] for k in COUNTER_FIELDS}
 
 
 def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) -> list[dict[str, Any]]:
@@ -214,6 +250,8 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
     def propose(name: str, k: int) -> Callable[[], Any]:
         return lambda: props[name].propose(token, hidden, P, k, states[name])
 
+    counts = {name: draft_step_counters(bc, preset, name) if preset in bc.counters else dict.fromkeys(COUNTER_FIELDS)
+              for name in bc.backends}
     records = []
     for k in bc.drafts:
         times: dict[str, list[float]] = {n: [] for n in bc.backends}
@@ -258,6 +296,7 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
                     floor_ms_per_draft=floor * 1e3,
                     floor_ratio=median / floor,
                     repeats=bc.repeats,
+                    **counts[name],
                 )
             )
         if "reference" in times:
@@ -270,14 +309,21 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    head = "| preset | backend | k | ms/draft (median) | p25-p75 | speedup vs ref | floor ms/draft | x floor | syncs | ops | catch-up ms | state MiB |"
+    head = ("| preset | backend | k | ms/draft (median) | p25-p75 | speedup vs ref | floor ms/draft | x floor | syncs | ops | "
+            "catch-up ms | state MiB | launches/draft | kernel KiB/draft | floor KiB/draft | kernel/floor bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def counter(r: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
+        return "-" if r.get(key) is None else fmt(r[key])
+
     for r in records:
         lines.append(
             f"| {r['preset']} | {r['backend']} | {r['num_drafts']} | {r['latency_per_draft_ms_median']:.3f} | "
             f"{r['latency_per_draft_ms_p25']:.3f}-{r['latency_per_draft_ms_p75']:.3f} | {r.get('speedup_vs_reference', float('nan')):.2f} | "
             f"{r['floor_ms_per_draft']:.4f} | {r['floor_ratio']:.1f} | {r['host_syncs_per_propose']} | {r['ops_per_propose']} | "
-            f"{r['catchup_row_ms_median']:.3f} | {r['state_bytes'] / 2**20:.2f} |"
+            f"{r['catchup_row_ms_median']:.3f} | {r['state_bytes'] / 2**20:.2f} | "
+            f"{counter(r, 'launches_per_draft', str)} | {counter(r, 'kernel_bytes_per_draft', lambda b: f'{b / 1024:.1f}')} | "
+            f"{counter(r, 'floor_bytes_per_draft', lambda b: f'{b / 1024:.1f}')} | {counter(r, 'kernel_floor_ratio', lambda x: f'{x:.2f}')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -399,6 +445,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--copy-mib", type=int, default=None, help="default: 256 on cpu, 2048 on cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--counters", nargs="*", default=None, metavar="PRESET",
+                   help="presets whose draft-step launches and bytes are counted in Triton's CPU interpreter "
+                        "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "
+                        "none: --counters with no preset)")
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
     p.add_argument("--target-costs", action="store_true", help="measure the speedup model's c and v(k) on the toy target (costs.json)")
     p.add_argument("--checkpoint", default=None, help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
@@ -427,6 +477,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
             MtpConfig.preset(name)
         except ValueError as e:
             p.error(str(e))
+    # The counters do not depend on the device (a CPU subprocess): a CUDA run leaves them to the CPU bench
+    # unless asked (scripts/gpu_check.sh gives the bench 200 s).
+    counted = ([] if cuda else [n for n in COUNTER_PRESETS if n in presets]) if a.counters is None else a.counters
+    for name in counted:
+        if name not in presets:
+            p.error(f"--counters {name}: not among the presets run ({' '.join(presets)})")
     if a.max_position_embeddings is not None and a.max_position_embeddings < 1:
         p.error(f"--max-position-embeddings must be >= 1, got {a.max_position_embeddings}")
     if a.context + max(a.drafts) + 2 > a.max_seq_len:
@@ -438,7 +494,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         presets=presets, backends=a.backends, drafts=a.drafts, device=a.device, dtype=a.dtype, context=a.context,
         max_seq_len=a.max_seq_len, max_position_embeddings=a.max_position_embeddings,
         repeats=a.repeats if a.repeats is not None else (30 if cuda else 7), warmup=a.warmup,
-        copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out,
+        copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out, counters=counted,
         target_costs=a.target_costs, checkpoint=a.checkpoint,
     )
 

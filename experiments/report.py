@@ -8,6 +8,8 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - one row per run: conditional ``α_i`` = P(draft i accepted | drafts 1..i-1 accepted) and
   cumulative ``P(acc ≥ i)`` = P(at least i drafts accepted), each with its bootstrap 95%
   interval over prompts, and ``τ`` (tokens per target forward);
+- greedy runs with ``experiment.check_lossless=true``: prompts whose speculative output equals
+  the target's own greedy decode, and where the others part;
 - paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
   for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
   difference's interval from resampling the prompts jointly (``stats.paired_difference``).
@@ -25,6 +27,8 @@ from typing import Any
 from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
+# Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
+EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor"}
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 
@@ -37,6 +41,8 @@ def load_summaries(root: str) -> list[dict[str, Any]]:
         s["_dir"] = os.path.relpath(os.path.dirname(path), root)
         s.setdefault("mode", "speculative")  # summaries written before the modes existed
         s.setdefault("source", "heldout")
+        s.setdefault("draft", "argmax")  # summaries written before sampled drafts and pinned targets
+        s.setdefault("target_numerics", "vendor")
         runs.append(s)
     if not runs:
         raise FileNotFoundError(f"no summary.json under {root}")
@@ -62,8 +68,8 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
     K = max(s["num_drafts"] for s in runs)
     cols = ([f"α_{i + 1}" for i in range(K)] if view != "cumulative" else []) + \
            ([f"P(acc ≥ {i + 1})" for i in range(K)] if view != "conditional" else [])
-    lines = ["| mode | source | backend | T | feed | policy | k | " + " | ".join(cols) + " | τ | best k: S(k) | prompts | tokens |",
-             "|" + "---|" * (7 + len(cols) + 4)]
+    lines = ["| mode | source | backend | T | draft | target | feed | policy | k | " + " | ".join(cols) + " | τ | best k: S(k) | prompts | tokens |",
+             "|" + "---|" * (9 + len(cols) + 4)]
     for s in runs:
         cells = []
         if view != "cumulative":
@@ -72,7 +78,8 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
             cum = s.get("cumulative", s.get("acceptance_cumulative", []))
             cells += [_cell(cum, s.get("cumulative_ci"), i) for i in range(K)]
         tokens = s.get("scored_positions") or s["generated_tokens"]
-        lines.append(f"| {s['mode']} | {s['source']} | {s['backend']} | {s['temperature']:g} | {s['feed_hidden']} | {s['policy']} | "
+        lines.append(f"| {s['mode']} | {s['source']} | {s['backend']} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
+                     f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
                      + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | {_best(s)} | {s['prompts']} | {tokens} |")
     return "\n".join(lines)
@@ -113,13 +120,14 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     """Differences ``run - baseline`` between runs equal in every setting but ``pair`` and run on
     the same prompts; the baseline is the group's first run in report order. Empty when no
     group has two runs with counts per prompt."""
-    if pair not in SETTINGS:
-        raise ValueError(f"pair must be one of {SETTINGS}, got {pair!r}")
+    if pair not in SETTINGS + tuple(EXTRA_SETTINGS):
+        raise ValueError(f"pair must be one of {SETTINGS + tuple(EXTRA_SETTINGS)}, got {pair!r}")
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in runs:
         if "counts_per_prompt" not in s:
             continue
-        key = tuple(s[k] for k in SETTINGS if k != pair) + (s.get("prompts_sha256"), s.get("checkpoint_sha256"))
+        key = (tuple(s[k] for k in SETTINGS if k != pair) + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items() if k != pair)
+               + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype")))
         groups.setdefault(key, []).append(s)
     K = max(s["num_drafts"] for s in runs)
     others = [k for k in SETTINGS if k != pair]  # what the paired runs share
@@ -133,7 +141,24 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
             shared = " | ".join(f"{s[k]:g}" if k == "temperature" else str(s[k]) for k in others)
-            lines.append(f"| {s[pair]} − {base[pair]} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+            lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def lossless_table(runs: list[dict[str, Any]]) -> str:
+    """One row per greedy run that checked losslessness (``experiment.check_lossless``): the
+    target's numerics and dtype, prompts, how many gave the target's own greedy decode token for
+    token, and where the others part (prompt index @ first differing generated token, 0-based).
+    Empty when no run checked."""
+    lines = ["| target numerics | dtype | backend | policy | k | prompts | identical | diverged (prompt @ token) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in runs:
+        ll = s.get("lossless")
+        if not ll:
+            continue
+        where = ", ".join(f"{d['prompt']} @ {d['token']}" for d in ll.get("diverged", [])) or "—"
+        lines.append(f"| {s.get('target_numerics', 'vendor')} | {s.get('dtype', '?')} | {s['backend']} | {s['policy']} | {s['num_drafts']} | "
+                     f"{ll['prompts']} | {ll['identical']} | {where} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -181,7 +206,7 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
-    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS} (default: policy)")
+    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS + tuple(EXTRA_SETTINGS)} (default: policy)")
     ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"), help="acceptance columns (default: both)")
     args = ap.parse_args(argv)
     runs = load_summaries(args.sweep_dir)
@@ -196,6 +221,10 @@ def main(argv: list[str] | None = None) -> str:
         pairs = paired_table(runs, pair)
         if pairs:
             text += f"\n\nPaired differences (same prompts, {pair} varied; 95% intervals over prompts):\n\n{pairs}"
+    lossless = lossless_table(runs)
+    if lossless:
+        text += ("\n\nGreedy speculative decoding against the target's own greedy decode (one token per forward), "
+                 f"per prompt:\n\n{lossless}")
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(f"# Acceptance sweep: {os.path.abspath(args.sweep_dir)}\n\n{text}\n")
     plot(runs, os.path.join(out, "report.png"))

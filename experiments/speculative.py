@@ -28,9 +28,16 @@ Verification:
   Chen et al. 2023): with target probabilities ``p = softmax(logits / T)`` and draft distribution
   ``q``, draft ``d`` is accepted with probability ``min(1, p(d) / q(d))``; on rejection the token is
   drawn from ``normalise(max(0, p - q))``; after k acceptances the bonus is drawn from ``p``. The
-  MTP drafter drafts greedily (its argmax, as production engines do), so ``q`` is one-hot at the
-  draft: accept with probability ``p(d)``, and on rejection draw from ``p`` with ``d`` removed. The
-  emitted tokens are distributed exactly as sampling from the target alone.
+  emitted tokens are distributed exactly as sampling from the target alone, for either way of
+  drafting (``draft``):
+
+  - ``argmax`` (default; the seed's, as production engines do): the drafter drafts its argmax, so
+    ``q`` is one-hot at the draft: accept with probability ``p(d)``, and on rejection draw from
+    ``p`` with ``d`` removed;
+  - ``sampled``: the drafter draws each draft from its own ``q = softmax(logits / T)`` (the
+    pinned softmax, ``propose_sampled``) with Exponential(1) noise the loop draws from its
+    generator and passes in, and returns ``q``; acceptance is ``min(1, p(d) / q(d))`` in full.
+    Greedy verification (T = 0) has no ``q``: ``sampled`` needs T > 0.
 
 Metrics: ``alpha_i`` = P(draft i accepted | drafts 1..i-1 accepted), per position;
 ``tau`` = tokens committed per verification forward (accepted drafts + the bonus), the mean
@@ -46,12 +53,15 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.proposer import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
 from glm_mtp.registry import backend_class
 
 Policy = Literal["first_row_kept", "refeed", "trim_all"]
 POLICIES = ("first_row_kept", "refeed", "trim_all")
+Draft = Literal["argmax", "sampled"]
+DRAFTS = ("argmax", "sampled")
 
 
 class TargetModel(Protocol):
@@ -60,6 +70,18 @@ class TargetModel(Protocol):
     def alloc_state(self) -> object: ...
     def forward(self, tokens: Tensor, state: object) -> object: ...  # .logits (T, V), .hidden (T, H)
     def rewind(self, state: object, length: int) -> None: ...
+
+
+def check_draft(draft: str, temperature: float, proposer: DraftProposer | None = None) -> None:
+    """``draft`` is ``argmax`` or ``sampled``; ``sampled`` needs ``temperature > 0`` and a drafter
+    with ``propose_sampled``. ``ValueError`` otherwise."""
+    if draft not in DRAFTS:
+        raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+    if draft == "sampled":
+        if not temperature > 0:
+            raise ValueError(f"draft='sampled' draws from the drafter's softmax at the temperature: it needs temperature > 0, got {temperature!r}")
+        if proposer is not None and not hasattr(proposer, "propose_sampled"):
+            raise ValueError(f"draft='sampled' needs a drafter with propose_sampled; {type(proposer).__name__} has none")
 
 
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm") -> DraftProposer:
@@ -85,17 +107,48 @@ def target_probs(logits: Tensor, temperature: float) -> Tensor:
     return torch.softmax(logits.double() / temperature, dim=-1)
 
 
-def stochastic_verify(logits: Tensor, drafts: list[int], temperature: float, gen: torch.Generator) -> tuple[int, int]:
-    """Rejection sampling against one-hot drafts (see the module docstring)."""
+def stochastic_verify(logits: Tensor, drafts: list[int], temperature: float, gen: torch.Generator,
+                      q: Tensor | None = None) -> tuple[int, int]:
+    """Rejection sampling (see the module docstring): against one-hot drafts when ``q`` is None
+    (argmax drafts), else against the drafter's distributions ``q`` (k, V) (sampled drafts):
+    accept draft i with probability ``min(1, p(d) / q(d))``, else draw from ``norm(max(0, p - q))``."""
     p = target_probs(logits, temperature)  # (k+1, V)
+    if q is not None:
+        q = q.detach().to(device="cpu", dtype=torch.float64)
     for i, d in enumerate(drafts):
         u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        if u < float(p[i, d]):
-            continue
-        residual = p[i].clone()
-        residual[d] = 0.0
+        if q is None:
+            if u < float(p[i, d]):
+                continue
+            residual = p[i].clone()
+            residual[d] = 0.0
+        else:
+            if u * float(q[i, d]) < float(p[i, d]):  # u < p(d) / q(d); q(d) > 0 for a drawn draft
+                continue
+            residual = torch.clamp(p[i] - q[i], min=0.0)
+            if not float(residual.sum()) > 0:  # p <= q everywhere only when they are equal up to rounding
+                residual = p[i]
         return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=gen))
+
+
+def exponential_noise(num_drafts: int, vocab_size: int, gen: torch.Generator, dtype: torch.dtype,
+                      device: torch.device | str = "cpu") -> Tensor:
+    """(num_drafts, vocab_size) i.i.d. Exponential(1) draws from ``gen`` in ``dtype`` (float64
+    first, then rounded; a rounded 0 becomes the smallest normal), on ``device``: the noise of a
+    sampled propose."""
+    e = torch.empty(num_drafts, vocab_size, dtype=torch.float64).exponential_(generator=gen).to(dtype)
+    return torch.clamp(e, min=torch.finfo(dtype).tiny).to(device)
+
+
+def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: Tensor, position: int, k: int, state: object,
+                 temperature: float, gen: torch.Generator) -> tuple[list[int], Tensor | None]:
+    """One propose: argmax drafts (``q`` None) or sampled drafts with their ``q`` (noise from ``gen``)."""
+    if draft == "argmax":
+        return proposer.propose(last_token, hidden, position, k, state), None
+    noise = exponential_noise(k, proposer.config.vocab_size, gen, acc_dtype(hidden.dtype), hidden.device)
+    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state)  # type: ignore[attr-defined]
+    return out.drafts, out.q
 
 
 def pick(logits: Tensor, temperature: float, gen: torch.Generator) -> int:
@@ -190,25 +243,28 @@ class SpeculativeDecoder:
         num_drafts: k >= 1 drafts per step.
         policy: ``first_row_kept`` | ``refeed`` | ``trim_all`` (module docstring).
         temperature: 0 for greedy verification, > 0 for rejection sampling at that temperature.
-        seed: the sampling generator's seed.
+        seed: the sampling generator's seed (rejection sampling and the sampled drafts' noise).
+        draft: ``argmax`` (default) or ``sampled`` (drafts drawn from the drafter's ``q`` at
+            ``temperature``; needs ``temperature > 0`` and a drafter with ``propose_sampled``).
     """
 
     def __init__(self, target: TargetModel, proposer: DraftProposer, num_drafts: int, policy: Policy = "first_row_kept",
-                 temperature: float = 0.0, seed: int = 0) -> None:
+                 temperature: float = 0.0, seed: int = 0, draft: Draft = "argmax") -> None:
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
             raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        check_draft(draft, temperature, proposer)
         self.target, self.proposer = target, proposer
-        self.k, self.policy, self.temperature = num_drafts, policy, float(temperature)
+        self.k, self.policy, self.temperature, self.draft = num_drafts, policy, float(temperature), draft
         self.gen = torch.Generator().manual_seed(seed)
 
-    def _verify(self, logits: Tensor, drafts: list[int]) -> tuple[int, int]:
+    def _verify(self, logits: Tensor, drafts: list[int], q: Tensor | None = None) -> tuple[int, int]:
         if self.temperature == 0:
             return greedy_verify(logits, drafts)
-        return stochastic_verify(logits, drafts, self.temperature, self.gen)
+        return stochastic_verify(logits, drafts, self.temperature, self.gen, q)
 
     def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu", free_state: bool = True) -> SpecResult:
         """Generate at least ``max_new_tokens`` tokens after ``prompt`` (>= 1 token); returns the
@@ -235,10 +291,10 @@ class SpeculativeDecoder:
 
         while len(tokens) - len(prompt) < max_new_tokens:
             t0 = clock()
-            drafts = prop.propose(tokens[m], h_prev, m - 1, k, dstate)
+            drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen)
             t1 = clock()
             out = tg.forward(torch.tensor([tokens[m], *drafts]), tstate)  # positions m..m+k
-            a, bonus = self._verify(out.logits, drafts)
+            a, bonus = self._verify(out.logits, drafts, q)
             tg.rewind(tstate, m + a + 1)
             t2 = clock()
             if self.policy == "first_row_kept":
@@ -281,7 +337,7 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
 
 def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int], prompt_len: int, num_drafts: int,
                    policy: Policy = "first_row_kept", temperature: float = 0.0, gen: torch.Generator | None = None,
-                   device: torch.device | str = "cpu") -> SpecStats:
+                   device: torch.device | str = "cpu", draft: Draft = "argmax") -> SpecStats:
     """Acceptance on natural text: at every position ``m`` in ``[prompt_len, len(text))`` the
     drafter proposes k drafts after the text ``t_0..t_m`` (its first row reads the target's
     hidden ``h_{m-1}``, later rows its own post-norm ``x``, as in the loop), and one verification
@@ -299,13 +355,16 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     Args:
         text: token ids, at least ``prompt_len + 1``; ``len(text) - prompt_len`` positions are scored.
         prompt_len: tokens of context before the first scored position (>= 1).
-        gen: the generator of rejection sampling (``temperature > 0``); device: the drafter state's.
+        gen: the generator of rejection sampling (``temperature > 0``) and of sampled drafts'
+            noise; device: the drafter state's.
+        draft: ``argmax`` or ``sampled`` (as ``SpeculativeDecoder``'s).
     Returns the counters (``steps`` = positions scored).
     """
     if not 1 <= prompt_len < len(text):
         raise ValueError(f"prompt_len must be in [1, len(text)) = [1, {len(text)}), got {prompt_len}")
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    check_draft(draft, temperature, proposer)
     gen = gen or torch.Generator().manual_seed(0)
     stats, clock, k = SpecStats(num_drafts), time.perf_counter, num_drafts
     t0 = clock()
@@ -319,13 +378,13 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     h_prev = out.hidden[-1:]  # h_{m-1}
     for m in range(prompt_len, len(text)):
         t0 = clock()
-        drafts = proposer.propose(text[m], h_prev, m - 1, k, dstate)
+        drafts, q = draft_tokens(proposer, draft, text[m], h_prev, m - 1, k, dstate, temperature, gen)
         t1 = clock()
         out = target.forward(torch.tensor([text[m], *drafts]), tstate)  # positions m..m+k
         if temperature == 0:
             a, _ = greedy_verify(out.logits, drafts)
         else:
-            a, _ = stochastic_verify(out.logits, drafts, temperature, gen)
+            a, _ = stochastic_verify(out.logits, drafts, temperature, gen, q)
         target.rewind(tstate, m + 1)
         t2 = clock()
         proposer.after_verify(0, dstate)  # keeps row m-1: (t_m, h_{m-1})

@@ -6,8 +6,11 @@
     logits = lm_head(hidden)
 
 Every layer is ``glm_mtp.reference.block.decoder_layer`` with the reference weights, caches
-(``LayerCache``) and RoPE table, so the target and the drafter share one implementation; the
-target computes with torch's kernels (``numerics.VENDOR``), the drafter with the pinned order. Rows are
+(``LayerCache``) and RoPE table, so the target and the drafter share one implementation. The
+target computes with torch's kernels (``numerics.VENDOR``, the default and what training uses) or,
+with ``numerics="pinned"``, in the drafter's pinned order (``numerics.PINNED``, DESIGN.md §5):
+then every row is computed exactly as if alone, so a (k+1)-token verification gives the bytes of
+k+1 one-token decodes and greedy speculative decoding equals greedy decoding in bf16 too. Rows are
 the target's positions: position p lives in slot p and rotates at p. Rolling back is lowering
 ``length``: a row past it is overwritten before any query can see it.
 
@@ -29,7 +32,7 @@ from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import MoeFn, decoder_layer
 from glm_mtp.reference.checkpoint import checkpoint_weight_map, read_tensors
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.numerics import VENDOR, Numerics, acc_dtype
+from glm_mtp.reference.numerics import PINNED, VENDOR, Numerics, acc_dtype
 from glm_mtp.reference.moe import moe_block, route
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import (
@@ -160,6 +163,18 @@ class TargetOutput:
     hidden: Tensor
 
 
+TARGET_NUMERICS = {"vendor": VENDOR, "pinned": PINNED}
+
+
+def target_numerics(numerics: str | Numerics) -> Numerics:
+    """``vendor`` -> ``numerics.VENDOR``, ``pinned`` -> ``numerics.PINNED`` (a ``Numerics`` as is)."""
+    if isinstance(numerics, Numerics):
+        return numerics
+    if numerics not in TARGET_NUMERICS:
+        raise ValueError(f"target numerics must be one of {tuple(TARGET_NUMERICS)}, got {numerics!r}")
+    return TARGET_NUMERICS[numerics]
+
+
 class Target:
     """The target model for inference: prefill, verify, roll back.
 
@@ -168,9 +183,12 @@ class Target:
         max_seq_len: the longest sequence a state serves; a state holds
             ``16 * (max_seq_len // 16 + 2)`` positions, like the drafter's pool.
         moe: the MoE computation (the reference ``moe_block`` by default).
+        numerics: ``vendor`` (torch's kernels; the default) or ``pinned`` (the pinned order of
+            DESIGN.md §5: batch-invariant, slower), by name or as a ``Numerics``.
     """
 
-    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block) -> None:
+    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block, numerics: str | Numerics = "vendor") -> None:
+        self.ops = target_numerics(numerics)
         self.weights = weights
         self.config = weights.config
         self.blocks = num_blocks(max_seq_len)
@@ -192,10 +210,10 @@ class Target:
         slots = torch.arange(state.length, state.length + T, device=w.device)
         h = F.embedding(tokens.to(w.device), w.embed_tokens)  # (T, H)
         for layer, cache in zip(w.layers, state.caches):
-            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe, ops=VENDOR)
-        hidden = VENDOR.rms_norm(h, w.norm, cfg.rms_norm_eps)  # (T, H)
+            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe, ops=self.ops)
+        hidden = self.ops.rms_norm(h, w.norm, cfg.rms_norm_eps)  # (T, H)
         state.length += T
-        return TargetOutput(logits=F.linear(hidden, w.lm_head).to(acc_dtype(hidden.dtype)), hidden=hidden)
+        return TargetOutput(logits=self.ops.linear(hidden, w.lm_head).to(acc_dtype(hidden.dtype)), hidden=hidden)
 
     def rewind(self, state: TargetState, length: int) -> None:
         """Forget positions ``>= length`` (nothing is copied: later writes overwrite them)."""

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm_mtp.reference.attention import Rope
-from glm_mtp.reference.block import MoeFn, decoder_layer
+from glm_mtp.reference.block import BlockHooks, MoeFn, embed_rows, mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.numerics import VENDOR
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
@@ -149,23 +149,25 @@ def moe_layers(target: TargetWeights, mtp: MtpWeights, frozen_target: bool = Fal
 # Forward passes
 
 
+def embed_unmasked(w: MtpWeights, tokens: Tensor, slots: Tensor) -> Tensor:
+    """``BlockHooks.embed`` of the unroll's deeper depths: ``embed_tokens[tokens]``, no row zeroed
+    (their row 0 is not the start of the text)."""
+    return F.embedding(tokens, w.embed_tokens)
+
+
 def mtp_forward(w: MtpWeights, tokens: Tensor, hiddens: Tensor, zero_first: bool, moe: MoeFn) -> tuple[Tensor, Tensor]:
-    """``reference.block.mtp_rows`` on a fresh cache with rows at slots ``[0, T)``, with an
-    injectable MoE: returns ``(x, logits)``. ``zero_first`` zeroes row 0's embedding, as the
-    block does at position 0 (depth 1 only; deeper rows of the unroll start later in the text)."""
+    """``reference.block.mtp_rows`` on a fresh cache with rows at slots ``[0, T)``, with torch's
+    kernels (``VENDOR``: autograd, dense MLA) and an injectable MoE: returns ``(x, logits)``.
+    ``zero_first`` zeroes row 0's embedding, as the block does at position 0 (depth 1 only;
+    deeper rows of the unroll start later in the text)."""
     cfg = w.config
     T = tokens.shape[0]
     blocks = num_blocks(T)
     cache = LayerCache.allocate(cfg, blocks, hiddens.dtype, hiddens.device)
     rope = Rope.build(cfg, BLOCK_ROWS * blocks, hiddens.device)
-    slots = torch.arange(T)
-    e = F.embedding(tokens, w.embed_tokens)  # (T, H)
-    if zero_first:
-        e = e.masked_fill((slots == 0)[:, None], 0.0)
-    u = F.linear(torch.cat((VENDOR.rms_norm(e, w.enorm, cfg.rms_norm_eps), VENDOR.rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)), dim=-1), w.eh_proj)
-    out = decoder_layer(w.layer, cfg, u, slots, cache, rope, moe=moe, ops=VENDOR)
-    x = VENDOR.rms_norm(out, w.shared_head_norm, cfg.rms_norm_eps)
-    return x, F.linear(x, w.lm_head)
+    hooks = BlockHooks(ops=VENDOR, embed=embed_rows if zero_first else embed_unmasked, moe=moe)
+    out = mtp_rows(w, tokens, hiddens, torch.arange(T), cache, rope, hooks=hooks)
+    return out.x, VENDOR.linear(out.x, w.lm_head)
 
 
 @dataclass

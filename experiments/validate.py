@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from glm_mtp.registry import BACKENDS
 
-from .speculative import POLICIES
+from .speculative import DRAFTS, POLICIES
+from .target import TARGET_NUMERICS
 
 FEED_HIDDEN = ("post_norm", "pre_norm")
 MODEL_KINDS = ("checkpoint", "random")
@@ -90,7 +91,11 @@ def check_acceptance(cfg: Any) -> None:
     need_choice(cfg, "source", SOURCES)
     need_int(cfg, "num_drafts", 1)
     need_choice(cfg, "policy", POLICIES)
-    need_float(cfg, "temperature", 0.0)
+    temperature = need_float(cfg, "temperature", 0.0)
+    if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
+        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax at the "
+                         "temperature: draft=sampled needs temperature > 0)")
+    need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
     need_int(cfg, "seed", 0)
     need_int(cfg, "threads", 1)

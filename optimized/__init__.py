@@ -23,6 +23,9 @@ final-normed hiddens, DESIGN.md §4)::
 
 ``propose_device`` returns the drafts as a device tensor without any host sync;
 ``reset_state`` readies a state for a new sequence keeping its captured graphs.
+``propose_sampled(token, h, position, k, temperature, noise, state)`` drafts by sampling (draft i
+= argmax(q_i / noise[i]), q_i the pinned softmax of its logits / temperature; the caller passes
+Exponential(1) noise (k, V) in float32) and returns the drafts with q (k, V), kept on the device.
 """
 
 from glm_mtp.reference import DraftProposer, MtpConfig, MtpWeights

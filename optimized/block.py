@@ -1,8 +1,8 @@
 """The MTP block for new rows, as the optimized drafter schedules it.
 
-The math is ``glm_mtp.reference.block.mtp_rows``: every reduction follows the pinned order of
-DESIGN.md §5 through the reference's own functions (``latent_query``, ``sparse_mla``,
-``moe_block``, ``numerics.rms_norm``, ...), in static shapes (attention reads the whole capacity,
+The block is ``glm_mtp.reference.block.mtp_rows`` itself, called with the optimized pieces
+(``reference.block.BlockHooks``): every reduction follows the pinned order of DESIGN.md §5
+through the reference's own functions, in static shapes (attention reads the whole capacity,
 which changes no result). Four pieces differ, all exact by construction:
 
 - the block's GEMVs (eh_proj, q_a/q_b, kv_a, the indexer's wq_b/wk/weights_proj and key scores,
@@ -13,7 +13,9 @@ which changes no result). Four pieces differ, all exact by construction:
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
   device, so a draft's argmax feeds the next lookup without a host round trip;
 - RoPE on the new keys fused with their paged cache write (``kernels.rope_cache_write``), every
-  store gated by a device flag ``ok`` so a propose can refuse a bad input without a host sync;
+  store gated by a device flag ``ok`` so a propose can refuse a bad input without a host sync
+  (the ``write_rows`` hook: it gets the raw projections, applies the reference's norms and hands
+  the normed latent and the layer-normed index key to the kernel, which rotates and stores);
 - the chosen experts' weights gathered on the device rather than read in place through host
   ids (``gathered_expert_outputs``): copies of the same values.
 
@@ -24,20 +26,20 @@ runs eagerly on CPU and under CUDA-graph capture.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope, latent_query, output_projection, sparse_mla
-from glm_mtp.reference.block import block_input
+from glm_mtp.reference.attention import Rope, normed_latent
+from glm_mtp.reference.block import BlockHooks, mtp_rows
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.indexer import K_NORM_EPS, index_queries, index_scores, select_rows
+from glm_mtp.reference.indexer import normed_index_keys
 from glm_mtp.reference.moe import moe_block
-from glm_mtp.reference.numerics import PINNED, Numerics, layer_norm, rms_norm, swiglu
+from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
 from glm_mtp.reference.state import LayerCache
-from glm_mtp.reference.weights import AttentionWeights, MlpWeights, MoeWeights, MtpWeights
+from glm_mtp.reference.weights import AttentionWeights, MoeWeights, MtpWeights
 
 from .kernels import (
     KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
@@ -103,28 +105,26 @@ class Fused:
         (built once per drafter, not once per draft step)."""
         return replace(PINNED, linear=self.linear, linear_acc=self.linear_acc, swiglu=self.swiglu)
 
+    # ---- the block's hooks (reference.block.BlockHooks) ----------------------------------------
+    def embed_hook(self, w: MtpWeights, tokens: Tensor, slots: Tensor) -> Tensor:
+        """``BlockHooks.embed``: ``embed`` on the weights' table."""
+        return self.embed(w.embed_tokens, tokens, slots)
 
-def attention_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-                   ok: Tensor, fused: Fused) -> Tensor:
-    """``glm_mtp.reference.attention.dsa_attention`` for new rows ``a`` (T, H) at ``slots`` (T,),
-    with the cache write fused and gated by ``ok`` (1,) bool. Returns ``(T, H)``.
+    def write_rows_hook(self, attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tensor, slots: Tensor, rope: Rope,
+                        cache: LayerCache, ops: Numerics, *, ok: Tensor) -> None:
+        """``BlockHooks.write_rows`` gated by ``ok`` (1,) bool: the reference's latent norm and
+        index-key norm on the raw projections, then RoPE and the paged write in one kernel."""
+        latent = normed_latent(attn, cfg, kv, ops)  # (T, Lkv)
+        k_normed = normed_index_keys(attn.indexer, k, ops)  # (T, D), RoPE comes in the write
+        self.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_normed, slots, rope, cache, ok)
 
-    The queries, the indexer's choice and the sparse MLA are the reference's own functions, over
-    the whole capacity (a static shape: no result depends on the rows read); only the new rows'
-    RoPE and cache write in between are the fused kernel."""
-    ops = fused.ops
-    cos, sin = rope.at(slots)  # (T, R/2)
-    q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin, ops)
+    def moe_hook(self, moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics) -> Tensor:
+        """``BlockHooks.moe``: ``moe_block`` with the experts' weights gathered on the device."""
+        return moe_block(moe, cfg, m, ops, outputs=gathered_expert_outputs)
 
-    kv = fused.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
-    latent = rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
-    ix = attn.indexer
-    k_raw = layer_norm(fused.linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D), RoPE comes in the write
-    fused.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_raw, slots, rope, cache, ok)
-
-    q_idx, w_idx = index_queries(ix, cfg, a, q_latent, cos, sin, ops)
-    rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(), ops), slots, cfg.index_topk)
-    return output_projection(attn, cfg, sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(), rows, count), ops)
+    def hooks(self, ok: Tensor) -> BlockHooks:
+        """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
+        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok), moe=self.moe_hook)
 
 
 def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:
@@ -141,17 +141,9 @@ def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Nu
 def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
                ok: Tensor, fused: Fused) -> tuple[Tensor, Tensor]:
     """``glm_mtp.reference.block.mtp_rows`` on rows pairing ``tokens`` (T,) with ``hiddens``
-    (T, H) at ``slots`` (T,); cache writes only where ``ok`` (1,) bool is set.
+    (T, H) at ``slots`` (T,), with ``fused``'s pieces; cache writes only where ``ok`` (1,) bool
+    is set. Reads the whole capacity (a static shape; no result depends on it).
 
     Returns ``(x, pre_norm)``, each (T, H): the post-norm output and the layer output."""
-    cfg, eps = w.config, w.config.rms_norm_eps
-    u = block_input(w, fused.embed(w.embed_tokens, tokens, slots), hiddens, fused.ops)  # (T, H)
-    layer = w.layer
-    a = rms_norm(u, layer.input_layernorm, eps)
-    h = u + attention_rows(layer.attn, cfg, a, slots, cache, rope, ok, fused)
-    m = rms_norm(h, layer.post_attention_layernorm, eps)
-    if isinstance(layer.mlp, MlpWeights):
-        out = h + fused.swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-    else:
-        out = h + moe_block(layer.mlp, cfg, m, fused.ops, outputs=gathered_expert_outputs)
-    return rms_norm(out, w.shared_head_norm, eps), out
+    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=fused.hooks(ok))
+    return out.x, out.pre_norm

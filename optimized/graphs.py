@@ -1,5 +1,5 @@
-"""CUDA-graph capture and replay of a state's static programs (the k draft steps, the one-row
-catch-up).
+"""CUDA-graph capture and replay of a state's static programs (the k draft steps, argmax or sampled,
+the one-row catch-up).
 
 A program reads only the state's static buffers and writes only into them, and running it twice
 on the same inputs gives the same bytes (each step rewrites the rows it later reads). So the
@@ -65,7 +65,8 @@ def _run_captured(state: OptimizedState, key: int, program: Callable[[], None]) 
             except Exception:
                 pass
             raise RuntimeError(
-                f"capturing program {key} (num_drafts, or -1 for the catch-up) failed ({e}); OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
+                f"capturing program {key} (num_drafts, -1 for the catch-up, -2 - num_drafts for a sampled propose) failed ({e}); "
+                "OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
             ) from e
         graph.capture_end()
     state.graphs[key] = graph

@@ -13,39 +13,48 @@ What differs from the reference is scheduling only:
   on the device as a flag ``ok`` that gates every state write, and are read back with the drafts:
   a refused propose leaves the state byte-identical, as in the reference, without an extra sync.
 
-Prefill and catch-up take the reference's host-side checks (a sync, as there) and run the same
-fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
+Every check and counter rule the two drafters share is ``glm_mtp.reference.contract``'s, called
+by both. Prefill and catch-up take the contract's host-side checks (a sync, as in the reference)
+and run the same fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
 loop, which runs from the static buffers as a captured program too.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import math
 
 import torch
 from torch import Tensor
 
+from glm_mtp.reference import contract
 from glm_mtp.reference.attention import Rope
-from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.proposer import (
-    FINGERPRINT_ENV, FeedHidden, ReferenceProposer, Tokens, check_int, check_token_dtype, check_token_id, hidden_fingerprint,
-    one_token,
-)
+from glm_mtp.reference.contract import FeedHidden, Tokens
+from glm_mtp.reference.layers import draft_probs, greedy_token, sampled_token
+from glm_mtp.reference.numerics import rms_norm
+from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_inputs
 from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing
 from glm_mtp.reference.weights import MtpWeights
 
 from .block import Fused, KernelMode, block_rows
+from .step import StepKernels, fusable, fused_head, fused_rows
 from .graphs import run_program
 from .state import OptimizedState, Unsettled
 
 logger = logging.getLogger(__name__)
 
-# Bits of the device-side check code (out[0]); all set means the propose's inputs were good.
-HIDDEN_FINITE, TOKEN_IN_RANGE = 1, 2
+# Bits of the device-side check code (out[0]); all set means the propose's inputs were good
+# (a sampled propose also sets NOISE_POSITIVE when its noise is positive and finite).
+HIDDEN_FINITE, TOKEN_IN_RANGE, NOISE_POSITIVE = 1, 2, 4
 CHECK_OK = HIDDEN_FINITE | TOKEN_IN_RANGE
+SAMPLED_CHECK_OK = CHECK_OK | NOISE_POSITIVE
 # The graph key of the one-row catch-up (propose graphs are keyed by num_drafts >= 1).
 CATCHUP_KEY = -1
+
+
+def sampled_key(k: int) -> int:
+    """The graph key of a sampled propose of ``k >= 1`` drafts: -2 - k (below the catch-up's -1)."""
+    return -2 - k
 
 
 def read_back(t: Tensor) -> list[int]:
@@ -71,18 +80,21 @@ class OptimizedProposer:
 
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm", *,
                  kernels: KernelMode = "auto", cuda_graphs: bool = True) -> None:
-        # The reference validates the arguments, caps max_seq_len and owns the RoPE table; this
-        # drafter reads the same table (one object per device), never a recomputed one.
-        self._ref = ReferenceProposer(weights, max_seq_len, feed_hidden)
+        # The contract's argument checks and sizes (the reference's, the same function).
+        sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         self.weights = weights
         self.config = weights.config
-        self.max_seq_len = self._ref.max_seq_len
-        self.blocks = self._ref.blocks
-        self.capacity = self._ref.capacity
+        self.max_seq_len = sizes.max_seq_len
+        self.blocks = sizes.blocks
+        self.capacity = sizes.capacity
         self.feed_hidden: FeedHidden = feed_hidden
+        self._rope: dict[torch.device, Rope] = {}
         self.fused = Fused(kernels)
+        # The fused step (optimized/step.py) runs GLM-5's MTP layer; other layers (a dense MLP,
+        # shards, float64) take the per-primitive block.
+        self.step = StepKernels(triton=self.fused.use_triton(weights.embed_tokens)) if fusable(weights) else None
         self.cuda_graphs = bool(cuda_graphs)
 
     # ---- the contract's simple queries ------------------------------------------------------
@@ -91,9 +103,9 @@ class OptimizedProposer:
         return min(max_seq_len, self.max_seq_len)
 
     def needs_comm(self) -> bool:
-        """True when the weights are sharded over ranks (the reference's rule): every propose
+        """True when the weights are sharded over ranks (``contract.needs_comm``): every propose
         then runs the reference's collectives, eagerly (a sharded drafter is never captured)."""
-        return self._ref.needs_comm()
+        return contract.needs_comm(self.weights)
 
     def prefill_uses_shared_buffers(self) -> bool:
         """True: context rows use the caller's workspace (``x`` is left as it is)."""
@@ -112,15 +124,13 @@ class OptimizedProposer:
             return st.seq_len - 1 if st.seq_len > 0 else None
 
     def rope(self, device: torch.device) -> Rope:
-        """The RoPE table of ``device`` (the reference's, shared)."""
-        return self._ref.rope(device)
+        """The RoPE table of ``device`` (the reference's table, built once per device)."""
+        return contract.rope_for(self._rope, self.weights, self.capacity, device)
 
     # ---- lifetime -----------------------------------------------------------------------
     def alloc_state(self, device: torch.device | str) -> OptimizedState:
         """A fresh state (``seq_len = 0``) with every buffer a propose will touch."""
-        device = torch.empty(0, device=device).device
-        if device != self.weights.device:
-            raise ValueError(f"device must be the weights' device {self.weights.device}, got {device} (move them with MtpWeights.to)")
+        device = contract.state_device(self.weights, device)
         self.rope(device)
         return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device, Owner(self.weights, self.capacity))
 
@@ -152,7 +162,7 @@ class OptimizedProposer:
         """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
         with self._use(state, "export_state") as st:
             self._settle(st)
-            return self._ref.snapshot(st)  # once settled, the state's fields are the reference's
+            return contract.snapshot(st, self.weights)  # once settled, the state's fields are the reference's
 
     # ---- validation ---------------------------------------------------------------------
     def _use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
@@ -175,11 +185,11 @@ class OptimizedProposer:
             )
 
     def _check_live(self, st: OptimizedState, call: str) -> None:
-        """The reference's lifecycle checks, after settling and raising a deferred error."""
+        """The contract's lifecycle checks, after settling and raising a deferred error."""
         self._settle(st)
         check_sound(st, call)
         self._raise_deferred(st)
-        self._ref._check_live(st, call)
+        contract.check_live(st, call)
 
     @staticmethod
     def _raise_deferred(st: OptimizedState) -> None:
@@ -194,60 +204,72 @@ class OptimizedProposer:
         return "target_hidden holds NaN or inf"
 
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
-                        position: int, num_drafts: int) -> tuple[int, int]:
-        """The reference's propose checks, in its order, minus the two that read the data (a
-        token tensor's range, the hidden's finiteness): those run on the device. Fills the
-        static inputs. Returns ``(position, num_drafts)``."""
+                        position: int, num_drafts: int, sample: tuple[object, object] | None = None) -> tuple[int, int]:
+        """The contract's propose checks (``contract.propose_args``), minus the ones that read
+        the data (a token tensor's range, the hidden's finiteness, a sampled propose's noise
+        values): those run on the device. Fills the static inputs (with ``sample = (temperature,
+        noise)``, the temperature and the noise too). Returns ``(position, num_drafts)``."""
         self._check_live(st, call)
-        position = check_int("position", position)
-        if st.seq_len < position:
-            raise RuntimeError(f"{call}: the drafter holds {st.seq_len} rows, behind position {position}; catch up first")
-        last_token = one_token(last_token)
-        if isinstance(last_token, Tensor):
-            token = last_token
-            check_token_dtype("last_token", token)
-        else:
-            check_token_id("last_token", last_token, self.config.vocab_size)
-            token = None
-        hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
-        self._ref._hiddens("target_hidden", hidden, 1, st, finite=False)
-        num_drafts = check_int("num_drafts", num_drafts)
-        self._ref._check_capacity(call, position + num_drafts)
-
-        if os.environ.get(FINGERPRINT_ENV) == "1":  # a debugging aid; it syncs
-            tok = int(token[0]) if token is not None else last_token
-            logger.info("GLM_MTP_DBG propose position=%d drafter_rows=%d tok=%d fp_target=%s",
-                        position, st.seq_len, tok, hidden_fingerprint(hidden))
+        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
+                                     device_checks=True)
+        if sample is not None:
+            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
-            if token is None:
-                st.tok_in.fill_(last_token)
+            if isinstance(args.token, Tensor):
+                st.tok_in.copy_(args.token)
             else:
-                st.tok_in.copy_(token)
-            st.hid_in.copy_(hidden)
-            st.pos.fill_(position)
-        return position, num_drafts
+                st.tok_in.fill_(args.token)
+            st.hid_in.copy_(args.hidden)
+            st.pos.fill_(args.position)
+            if sample is not None:
+                st.temp.fill_(temperature)  # rounded to A, as the reference's torch.tensor([temperature])
+                if args.num_drafts:
+                    st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
+        return args.position, args.num_drafts
 
     # ---- drafting ----------------------------------------------------------------------
-    def _program(self, st: OptimizedState, k: int) -> None:
+    def _program(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
         """The k draft steps on the state's static buffers: no host reads, so it is captured as is.
 
         Draft 1 writes slot ``pos`` from ``(tok_in, hid_in)``; draft i > 1 slot ``pos + i - 1``
         from the previous draft (straight from its argmax) and the drafter's own hidden. Every
-        write (rows, ``x``, the device row count) is gated by the input check ``ok``."""
+        write (rows, ``x``, the device row count) is gated by the input check ``ok``. ``sampled``:
+        draft i is ``argmax(q_i / noise[i])`` with ``q_i`` (the reference's ``draft_probs`` at
+        ``temp``) stored in ``q[i]``, and the check covers the noise too."""
         V = self.config.vocab_size
         tok_ok = (st.tok_in >= 0) & (st.tok_in < V)  # (1,)
         finite = torch.isfinite(st.hid_in).all().reshape(1)  # (1,)
-        st.ok.copy_(finite & tok_ok)
-        st.out[:1].copy_(finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE)
+        code = finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE
+        ok = finite & tok_ok
+        if sampled and k:
+            noise, q = st.sample_buffers(k, V)
+            noise_ok = ((noise > 0) & (noise < math.inf)).all().reshape(1)  # NaN fails both
+            code = code + noise_ok.long() * NOISE_POSITIVE
+            ok = ok & noise_ok
+        st.ok.copy_(ok)
+        st.out[:1].copy_(code)
         token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
         hidden = st.hid_in
         rope = self.rope(st.device)
         x = None
         for i in range(k):
             slot = st.pos + i  # (1,)
-            x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
-            token = greedy_token(self.fused.linear(x, self.weights.lm_head))  # (1,): the head, argmax on the device
+            if self.step is not None and not sampled:
+                pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
+            else:
+                if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
+                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                    x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
+                else:
+                    x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
+                logits = self.fused.linear(x, self.weights.lm_head)  # (1, V): the head
+                if sampled:
+                    q[i : i + 1].copy_(draft_probs(logits, st.temp))
+                    token = sampled_token(q[i : i + 1], noise[i : i + 1])  # (1,) on the device
+                else:
+                    token = greedy_token(logits)  # (1,): argmax on the device
             st.out[1 + i : 2 + i].copy_(token)
             hidden = x if self.feed_hidden == "post_norm" else pre_norm
         if x is not None:
@@ -261,9 +283,10 @@ class OptimizedProposer:
         (sharded weights all-gather / all-reduce, which this backend does not capture)."""
         return self.cuda_graphs and self.weights.shard_spec is None
 
-    def _run(self, st: OptimizedState, k: int) -> None:
+    def _run(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
         # num_drafts = 0 only rewinds: a handful of tiny ops, not worth a graph.
-        run_program(st, k, lambda: self._program(st, k), capture=self.captures and k > 0)
+        key = sampled_key(k) if sampled else k
+        run_program(st, key, lambda: self._program(st, k, sampled), capture=self.captures and k > 0)
 
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
@@ -277,13 +300,30 @@ class OptimizedProposer:
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             return self._finish_propose(st, values, position, k)
 
-    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int) -> list[int]:
+    def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts:
+        """``ReferenceProposer.propose_sampled``, the same bytes: the k steps (each draft's
+        ``q`` and its draw included) run on the device without a host sync, the drafts come back
+        in the one read at the end and ``q`` (k, V) stays on the device (a copy of the static
+        buffer). The noise's values are checked on the device, like the hidden."""
+        with self._use(state, "propose_sampled") as st:
+            position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
+                                               (temperature, noise))
+            with writing(st, "propose_sampled"):
+                self._run(st, k, sampled=True)
+                q = st.sample_buffers(k, self.config.vocab_size)[1].clone() if k else noise.new_zeros(0, self.config.vocab_size)
+                values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
+            return SampledDrafts(self._finish_propose(st, values, position, k, sampled=True), q)
+
+    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int, sampled: bool = False) -> list[int]:
         """``propose`` after its read-back: the refusal of bad data (nothing was written), or the counters."""
-        if values[0] != CHECK_OK:
+        if values[0] != (SAMPLED_CHECK_OK if sampled and k else CHECK_OK):
             if not values[0] & TOKEN_IN_RANGE:
                 bad = read_back(st.tok_in)[0]
                 raise ValueError(f"last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
-            raise ValueError("target_hidden holds NaN or inf")
+            if not values[0] & HIDDEN_FINITE:
+                raise ValueError("target_hidden holds NaN or inf")
+            raise ValueError(NOISE_MESSAGE)
         st.seq_len, st.pending, st.last_drafted = position + k, True, k
         return values[1:]
 
@@ -317,7 +357,7 @@ class OptimizedProposer:
             self._settle(st)
             check_sound(st, "after_verify")
             self._raise_deferred(st)
-            self._ref.apply_verify(num_accepted, st)  # the reference's checks and counters
+            contract.apply_verify(num_accepted, st)  # the contract's checks and counters
             with writing(st, "after_verify"):
                 st.seq_dev.fill_(st.seq_len)
 
@@ -325,7 +365,7 @@ class OptimizedProposer:
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         """Rows ``row_base + i`` from ``(tokens[i], hiddens[i])``: the reference's batch, one call."""
         slots = st.slots[row_base : row_base + tokens.shape[0]]  # (T,), a view: no allocation
-        block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
+        self._rows(tokens, hiddens, slots, st)
         st.seq_len = row_base + tokens.shape[0]
         st.seq_dev.fill_(st.seq_len)
 
@@ -334,14 +374,15 @@ class OptimizedProposer:
         (see ``ReferenceProposer.prefill_drafter``); checks as there, on the host."""
         with self._use(state, "prefill_drafter") as st:
             self._check_live(st, "prefill_drafter")
-            return self._ref.write_prefill(prompt_tokens, hiddens, st, self._write_rows)
+            return contract.write_prefill(prompt_tokens, hiddens, st, self._write_rows, self.weights, self.max_seq_len)
 
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
         """Write rows ``row_base + i`` from ``tokens[i] = t_{row_base+i+1}`` and ``hiddens[i] =
         h_{row_base+i}`` (see ``ReferenceProposer.catchup_drafter``); ``pos_base`` is ignored."""
         with self._use(state, "catchup_drafter") as st:
             self._check_live(st, "catchup_drafter")
-            return self._ref.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows)
+            return contract.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows, self.weights,
+                                          self.capacity)
 
     def _write_catchup_rows(self, ids: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         if ids.shape[0] == 1:  # the loop's catch-up after a fully accepted propose: a captured program
@@ -355,8 +396,15 @@ class OptimizedProposer:
 
     def _catchup_program(self, st: OptimizedState) -> None:
         """One context row from the static inputs, already checked on the host: slot ``pos``."""
-        block_rows(self.weights, st.tok_in, st.hid_in, st.pos, st.cache, self.rope(st.device), st.always, self.fused)
+        self._rows(st.tok_in, st.hid_in, st.pos, st)
         st.seq_dev.copy_(st.pos + 1)
+
+    def _rows(self, tokens: Tensor, hiddens: Tensor, slots: Tensor, st: OptimizedState) -> None:
+        """Context rows (no head): the fused block, or the per-primitive one."""
+        if self.step is not None:
+            fused_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.step)
+        else:
+            block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
 
 
 def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
@@ -364,3 +412,9 @@ def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedPropo
     interpreter: set ``TRITON_INTERPRET=1`` before triton is imported). A conformance backend:
     ``--candidate glm_mtp.optimized:with_triton_kernels``."""
     return OptimizedProposer(weights, max_seq_len, kernels="triton")
+
+
+def with_torch_twins(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
+    """An ``OptimizedProposer`` that runs the kernels' torch twins on every device (CUDA
+    included): ``--kernels torch`` of the conformance CLI."""
+    return OptimizedProposer(weights, max_seq_len, kernels="torch")

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.state import DrafterState, LayerCache, Owner
 
 
@@ -41,7 +42,10 @@ class OptimizedState(DrafterState):
         out: (capacity + 1,) int64, the read-back: ``out[0]`` the check's code (bit 0: hidden
             finite, bit 1: token in range), ``out[1:k+1]`` the drafts (-1 when the check failed).
         slots: (capacity,) int64, ``arange(capacity)``: context rows take slices of it.
-        graphs: captured CUDA graphs, one per ``num_drafts`` and one (key -1) for the one-row catch-up.
+        temp: (1,) in A, a sampled propose's temperature.
+        sample_bufs: per ``num_drafts`` k of a sampled propose, its static ``(noise, q)``, each
+            (k, V) in A: allocated at the first sampled propose of that k (as its graph is captured).
+        graphs: captured CUDA graphs, one per ``num_drafts`` (key k; a sampled propose -2 - k) and one (key -1) for the one-row catch-up.
         graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
         unsettled: a ``propose_device`` the host has not yet confirmed.
         deferred_error: the message of a discarded ``propose_device``, raised by the next
@@ -56,6 +60,8 @@ class OptimizedState(DrafterState):
     always: Tensor | None = None
     out: Tensor | None = None
     slots: Tensor | None = None
+    temp: Tensor | None = None
+    sample_bufs: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     graphs: dict[int, Any] = field(default_factory=dict)
     graph_pool: Any = None
     unsettled: Unsettled | None = None
@@ -80,14 +86,24 @@ class OptimizedState(DrafterState):
             always=torch.ones(1, dtype=torch.bool, device=device),
             out=torch.zeros(capacity + 1, dtype=torch.int64, device=device),
             slots=torch.arange(capacity, dtype=torch.int64, device=device),
+            temp=torch.ones(1, dtype=acc_dtype(dtype), device=device),
         )
+
+    def sample_buffers(self, k: int, vocab_size: int) -> tuple[Tensor, Tensor]:
+        """The static ``(noise, q)`` of a sampled propose of ``k`` drafts, allocated on first use."""
+        if k not in self.sample_bufs:
+            A = self.temp.dtype
+            self.sample_bufs[k] = (torch.ones(k, vocab_size, dtype=A, device=self.device),
+                                   torch.zeros(k, vocab_size, dtype=A, device=self.device))
+        return self.sample_bufs[k]
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the state holds (empty once freed)."""
         if self.released:
             return []
         found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x]
-        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots]
+        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots, self.temp]
+        found += [t for pair in self.sample_bufs.values() for t in pair]
         return [t for t in found if t is not None]
 
     def release(self) -> None:
@@ -99,7 +115,8 @@ class OptimizedState(DrafterState):
         self.cache = None  # type: ignore[assignment]
         self.x = None  # type: ignore[assignment]
         self.tok_in = self.hid_in = self.pos = self.seq_dev = None
-        self.ok = self.always = self.out = self.slots = None
+        self.ok = self.always = self.out = self.slots = self.temp = None
+        self.sample_bufs = {}
         self.unsettled = None
         self.deferred_error = None
         self.released = True

@@ -2,8 +2,8 @@
 
 from .checkpoint import CheckpointError
 from .config import MtpConfig
-from .proposer import DraftProposer, ReferenceProposer
+from .proposer import DraftProposer, ReferenceProposer, SampledDrafts, SamplingProposer
 from .state import DrafterState
 from .weights import MtpWeights
 
-__all__ = ["MtpConfig", "MtpWeights", "ReferenceProposer", "DraftProposer", "DrafterState", "CheckpointError"]
+__all__ = ["MtpConfig", "MtpWeights", "ReferenceProposer", "DraftProposer", "SamplingProposer", "SampledDrafts", "DrafterState", "CheckpointError"]

@@ -16,13 +16,14 @@ row capacity. Pinned (DESIGN.md §5): every sum is a ``psum`` in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
 from .config import MtpConfig
-from .indexer import index_keys, index_queries, index_scores, select_rows, selection_mask
+from .indexer import index_keys_from, index_queries, index_scores, select_rows, selection_mask
 from .layers import apply_rope, rope_table
 from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, psum, psum_prefix, up
 from .state import LayerCache
@@ -61,14 +62,43 @@ def latent_query(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor,
     return q_latent, q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
 
 
+def row_projections(attn: AttentionWeights, a: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """The raw projections of new rows ``a`` (T, H) that their cache rows are made of:
+    ``kv = kv_a_proj_with_mqa(a)`` (T, Lkv + R) and the indexer's ``k = wk(a)`` (T, D)."""
+    return ops.linear(a, attn.kv_a_proj_with_mqa), ops.linear(a, attn.indexer.wk)
+
+
+def normed_latent(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """``kv_a_layernorm`` of the latent part of ``kv`` (T, Lkv + R): the cached latent (T, Lkv)."""
+    return ops.rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
+
+
+def cache_rows(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+               ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """What new rows store, from their raw projections ``kv``/``k`` (``row_projections``): the
+    KV row (T, Lkv + R), the normalised latent then the rotated rope key shared by the heads,
+    and the indexer key (T, D)."""
+    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
+    return torch.cat((normed_latent(attn, cfg, kv, ops), k_pe), dim=-1), index_keys_from(attn.indexer, cfg, k, cos, sin, ops)
+
+
 def new_cache_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor,
                    ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
-    """What new rows ``a`` (T, H) store: the KV row (T, Lkv + R), the normalised latent then the
-    rotated rope key shared by the heads, and the indexer key (T, D)."""
-    kv = ops.linear(a, attn.kv_a_proj_with_mqa)  # (T, Lkv + R)
-    latent = ops.rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
-    k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
-    return torch.cat((latent, k_pe), dim=-1), index_keys(attn.indexer, cfg, a, cos, sin, ops)
+    """What new rows ``a`` (T, H) store: ``cache_rows`` of their ``row_projections``."""
+    return cache_rows(attn, cfg, *row_projections(attn, a, ops), cos, sin, ops)
+
+
+def write_cache_rows(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tensor, slots: Tensor, rope: Rope,
+                     cache: LayerCache, ops: Numerics = PINNED) -> None:
+    """The default ``WriteRowsFn``: ``cache_rows`` at the rows' angles, then ``cache.write``."""
+    cache.write(slots, *cache_rows(attn, cfg, kv, k, *rope.at(slots), ops))
+
+
+# How one call's new rows reach the cache, from their raw projections (``row_projections``):
+# ``write_rows(attn, cfg, kv (T, Lkv + R), k (T, D), slots (T,), rope, cache, ops) -> None``. It
+# must store exactly ``cache_rows``' values at ``slots`` (the default, ``write_cache_rows``); the
+# optimized drafter passes its fused RoPE + paged write, gated by a device flag.
+WriteRowsFn = Callable[[AttentionWeights, MtpConfig, Tensor, Tensor, Tensor, Rope, LayerCache, Numerics], None]
 
 
 def split_kv_b(attn: AttentionWeights, cfg: MtpConfig) -> tuple[Tensor, Tensor]:
@@ -78,30 +108,49 @@ def split_kv_b(attn: AttentionWeights, cfg: MtpConfig) -> tuple[Tensor, Tensor]:
     return w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
 
 
-def sparse_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor,
-               rows: Tensor, count: Tensor) -> Tensor:
-    """Pinned MLA of new rows over their lists: ``q_nope`` (T, nh, nope), ``q_pe`` (T, nh, R),
-    the cache's ``kv_rows`` (S, Lkv + R), the lists ``rows`` (T, K) and their lengths ``count``
-    (T,) from ``select_rows``. Returns the heads' outputs ``(T, nh * v)`` in S."""
+def absorb_query(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor) -> Tensor:
+    """The absorbed query ``q_abs`` (T, nh, Lkv) in A of ``q_nope`` (T, nh, nope):
+    ``q_abs[t, h, c] = dot(q_nope[t, h], W_uk[h, :, c])`` (a ``psum`` over nope)."""
+    w_uk = rearrange(split_kv_b(attn, cfg)[0], "h n c -> h c n")  # (nh, Lkv, nope)
+    nh, Lkv, nope = w_uk.shape
+    per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * Lkv * nope))
+    # rows are independent: chunks bound the products held
+    return torch.cat([dot(q_nope[t0 : t0 + per_chunk, :, None, :], w_uk) for t0 in range(0, q_nope.shape[0], per_chunk)])
+
+
+def mla_over_lists(attn: AttentionWeights, cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_rows: Tensor,
+                   rows: Tensor, count: Tensor) -> Tensor:
+    """Pinned MLA of new rows over their lists from the absorbed query: ``q_abs`` (T, nh, Lkv)
+    in A (``absorb_query``), ``q_pe`` (T, nh, R) in S, the cache's ``kv_rows`` (S, Lkv + R), the
+    lists ``rows`` (T, K) and their lengths ``count`` (T,) from ``select_rows``. Returns the
+    heads' outputs ``(T, nh * v)`` in S."""
     Lkv = cfg.kv_lora_rank
-    T, nh = q_nope.shape[:2]
+    T, nh = q_abs.shape[:2]
     K = rows.shape[1]
-    w_uk, w_uv = split_kv_b(attn, cfg)
+    w_uv = split_kv_b(attn, cfg)[1]
     scale = cfg.qk_head_dim**-0.5
     per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * K * Lkv))
     outs = []
     for t0 in range(0, T, per_chunk):  # rows are independent: chunks bound the products held
         t = slice(t0, t0 + per_chunk)
-        q_abs = dot(q_nope[t, :, None, :], rearrange(w_uk, "h n c -> h c n"))  # (t, nh, Lkv), A
         listed = kv_rows[rows[t]]  # (t, K, Lkv + R), ascending slots
         c, k_pe = listed[..., :Lkv], listed[..., Lkv:]
-        scores = (dot(q_abs[:, :, None, :], c[:, None]) + dot(q_pe[t, :, None, :], k_pe[:, None])) * scale  # (t, nh, K)
+        scores = (dot(q_abs[t, :, None, :], c[:, None]) + dot(q_pe[t, :, None, :], k_pe[:, None])) * scale  # (t, nh, K)
         n = count[t, None]  # (t, 1): every head of a row has that row's list
         scores = scores.masked_fill(torch.arange(K, device=rows.device) >= n[..., None], float("-inf"))
         p = list_softmax(scores, n)  # (t, nh, K), +0.0 past the list
         out_latent = psum_prefix(p[:, :, None, :] * rearrange(up(c), "t k c -> t 1 c k"), n[..., None])  # (t, nh, Lkv)
         outs.append(dot(out_latent[:, :, None, :], w_uv))  # (t, nh, v)
-    return rearrange(torch.cat(outs), "t h v -> t (h v)").to(q_nope.dtype)
+    return rearrange(torch.cat(outs), "t h v -> t (h v)").to(q_pe.dtype)
+
+
+def sparse_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor,
+               rows: Tensor, count: Tensor) -> Tensor:
+    """Pinned MLA of new rows over their lists: ``q_nope`` (T, nh, nope), ``q_pe`` (T, nh, R),
+    the cache's ``kv_rows`` (S, Lkv + R), the lists ``rows`` (T, K) and their lengths ``count``
+    (T,) from ``select_rows``. Returns the heads' outputs ``(T, nh * v)`` in S:
+    ``mla_over_lists`` of ``absorb_query``."""
+    return mla_over_lists(attn, cfg, absorb_query(attn, cfg, q_nope), q_pe, kv_rows, rows, count)
 
 
 def dense_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor, chosen: Tensor) -> Tensor:
@@ -141,15 +190,17 @@ def output_projection(attn: AttentionWeights, cfg: MtpConfig, out: Tensor, ops: 
 
 
 def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-                  rows_read: int | None = None, ops: Numerics = PINNED) -> Tensor:
+                  rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows) -> Tensor:
     """Attention for new rows ``a`` (T, H) at ``slots`` (T,): writes their rows into ``cache``,
     then each attends over the rows the indexer selects for it. Returns ``(T, H)``.
 
     ``rows_read``: the cache rows ``[0, rows_read)`` read, at least ``max(slots) + 1`` (the
-    default: the whole capacity). No result depends on it; the indexer's cost does."""
+    default: the whole capacity). No result depends on it; the indexer's cost does.
+    ``write_rows``: how the new rows are stored (``WriteRowsFn``; default ``write_cache_rows``)."""
     cos, sin = rope.at(slots)  # (T, R/2)
     q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin, ops)
-    cache.write(slots, *new_cache_rows(attn, cfg, a, cos, sin, ops))
+    kv, k = row_projections(attn, a, ops)  # (T, Lkv + R), (T, D)
+    write_rows(attn, cfg, kv, k, slots, rope, cache, ops)
 
     # 1. The indexer: each new row scores the rows it can see and keeps its index_topk best.
     S = cache.capacity if rows_read is None else rows_read

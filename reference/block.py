@@ -16,20 +16,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Rope, dsa_attention
+from .attention import Rope, WriteRowsFn, dsa_attention, write_cache_rows
 from .config import MtpConfig
 from .moe import moe_block
-from .numerics import PINNED, Numerics, linear, rms_norm
+from .numerics import PINNED, Numerics, linear
 from .state import LayerCache
 from .weights import DecoderLayerWeights, MlpWeights, MoeWeights, MtpWeights
 
 # How a layer's MoE turns its normed input into its output: (weights, config, m (T, H), ops) -> (T, H).
 MoeFn = Callable[[MoeWeights, MtpConfig, Tensor, Numerics], Tensor]
+# How the block looks up its rows' embeddings: (weights, tokens (T,), slots (T,)) -> (T, H), zero
+# in a row at slot 0 (whose token has no predecessor).
+EmbedFn = Callable[[MtpWeights, Tensor, Tensor], Tensor]
 
 
 def decoder_layer(
     layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED,
+    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
 ) -> Tensor:
     """One GLM-5 decoder layer on new rows ``h`` (T, H) at ``slots`` (T,); writes their cache rows.
 
@@ -39,9 +42,10 @@ def decoder_layer(
         rows_read: cache rows the attention reads, ``[0, rows_read)`` (default: the capacity);
             at least ``max(slots) + 1``. No result depends on it.
         ops: the primitives: ``PINNED`` (the drafter) or ``VENDOR`` (training, the target).
+        write_rows: how the new rows reach the cache (``attention.WriteRowsFn``).
     """
     a = ops.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
-    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops)
+    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops, write_rows)
     m = ops.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, MlpWeights):
         return h + ops.swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
@@ -67,13 +71,38 @@ def block_input(w: MtpWeights, e: Tensor, hiddens: Tensor, ops: Numerics = PINNE
     return ops.linear(torch.cat((ops.rms_norm(e, w.enorm, eps), ops.rms_norm(hiddens, w.hnorm, eps)), dim=-1), w.eh_proj)
 
 
+@dataclass(frozen=True)
+class BlockHooks:
+    """The pieces of ``mtp_rows`` a backend may swap; the defaults are the reference's own.
+    Every piece must compute the reference's values (bit for bit under ``PINNED``):
+
+    Args:
+        ops: the primitives (``numerics.Numerics``): ``PINNED`` (the drafter; the optimized
+            drafter passes ``PINNED`` with its GEMV kernel) or ``VENDOR`` (training).
+        embed: ``EmbedFn``, the rows' embeddings (default ``embed_rows``).
+        write_rows: ``attention.WriteRowsFn``, how new rows reach the cache from their raw
+            projections (default ``attention.write_cache_rows``).
+        moe: ``MoeFn``, the MoE of a sparse layer (default ``moe.moe_block``).
+    """
+
+    ops: Numerics = PINNED
+    embed: EmbedFn = embed_rows
+    write_rows: WriteRowsFn = write_cache_rows
+    moe: MoeFn = moe_block
+
+
+REFERENCE_HOOKS = BlockHooks()
+
+
 def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-             rows_read: int | None = None) -> BlockOutput:
-    """Run the block on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at ``slots`` (T,),
-    with the pinned numerics; ``rows_read`` as in ``decoder_layer``."""
-    u = block_input(w, embed_rows(w, tokens, slots), hiddens)
-    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, rows_read=rows_read)
-    return BlockOutput(x=rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
+             rows_read: int | None = None, hooks: BlockHooks = REFERENCE_HOOKS) -> BlockOutput:
+    """Run the block on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at ``slots`` (T,);
+    ``rows_read`` as in ``decoder_layer``; ``hooks`` the swappable pieces (default: the
+    reference's, with the pinned numerics)."""
+    ops = hooks.ops
+    u = block_input(w, hooks.embed(w, tokens, slots), hiddens, ops)
+    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows)
+    return BlockOutput(x=ops.rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
 
 
 def draft_logits(w: MtpWeights, x: Tensor) -> Tensor:

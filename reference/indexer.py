@@ -34,10 +34,19 @@ def rope_first(x: Tensor, cos: Tensor, sin: Tensor, cfg: MtpConfig) -> Tensor:
     return torch.cat((apply_rope(x[..., :R], cos, sin, cfg.indexer_rope_interleave), x[..., R:]), dim=-1)
 
 
+def normed_index_keys(ix: IndexerWeights, k: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """``k_norm`` of the raw keys ``k = wk(a)`` (T, D): the keys before their RoPE."""
+    return ops.layer_norm(k, ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)
+
+
+def index_keys_from(ix: IndexerWeights, cfg: MtpConfig, k: Tensor, cos: Tensor, sin: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """The cached indexer keys ``(T, D)`` of new rows from their raw keys ``k = wk(a)`` (T, D)."""
+    return rope_first(normed_index_keys(ix, k, ops), cos, sin, cfg)
+
+
 def index_keys(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor, ops: Numerics = PINNED) -> Tensor:
     """The indexer keys of new rows, as cached: ``(T, index_head_dim)``."""
-    k = ops.layer_norm(ops.linear(a, ix.wk), ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)  # (T, D)
-    return rope_first(k, cos, sin, cfg)
+    return index_keys_from(ix, cfg, ops.linear(a, ix.wk), cos, sin, ops)
 
 
 def index_queries(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor,

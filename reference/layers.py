@@ -1,5 +1,5 @@
 """The small building blocks with no reduction in them: the RoPE table and rotation, the draft
-argmax, the tie-pinned top-k. (Norms, GEMMs and the SwiGLU MLP are the pinned primitives of
+argmax and the sampled draft, the tie-pinned top-k. (Norms, GEMMs and the SwiGLU MLP are the pinned primitives of
 ``numerics``.)
 
 RoPE computes in A (float32, or float64 for float64 inputs): ``y1 = x1 cos - x2 sin``,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .numerics import acc_dtype
+from .numerics import acc_dtype, softmax, up
 
 
 # ------------------------------------------------------------------------------------------------
@@ -53,6 +53,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
 def greedy_token(logits: Tensor) -> Tensor:
     """Argmax over the vocabulary; ties go to the lower token id (torch.argmax returns the first)."""
     return torch.argmax(logits, dim=-1)
+
+
+def draft_probs(logits: Tensor, temperature: Tensor) -> Tensor:
+    """The draft distribution ``q = softmax(up(logits) / temperature)`` (T, V) in A, from the
+    head's logits (T, V) in S: one correctly rounded division per logit, then the pinned
+    ``numerics.softmax``. ``temperature`` is a tensor in A on the logits' device (the run's
+    temperature rounded to A once): a division by a host scalar may run on CUDA as a
+    multiplication by its reciprocal, which rounds differently."""
+    return softmax(up(logits) / temperature)
+
+
+def sampled_token(q: Tensor, noise: Tensor) -> Tensor:
+    """The sampled draft ``argmax(q / noise)`` (T,) for ``q`` (T, V) and positive noise (T, V)
+    in A; ties go to the lower token id. With ``noise`` i.i.d. Exponential(1) this is a draw from
+    ``q`` (the exponential race: ``noise_v / q_v`` is Exponential(q_v), and the smallest wins
+    with probability ``q_v``), and the caller's noise fixes it on every backend and device."""
+    return torch.argmax(q / noise, dim=-1)
 
 
 def topk_indices(scores: Tensor, k: int) -> Tensor:

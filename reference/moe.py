@@ -35,8 +35,14 @@ NORM_EPS = 1e-20
 def route(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
     """Experts and weights for rows ``m`` (T, H): ``(T, k)`` int64 ids in ascending order and
     ``(T, k)`` weights in acc dtype. Ties go to the lower group and the lower expert."""
-    scores = ops.sigmoid(ops.linear_acc(m, moe.router))  # (T, E), A
-    biased = scores + up(moe.e_score_correction_bias)
+    return choose_experts(cfg, ops.linear_acc(m, moe.router), moe.e_score_correction_bias, ops)
+
+
+def choose_experts(cfg: MtpConfig, logits: Tensor, bias: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """``route`` after the router's GEMV: experts and weights from the router's logits (T, E) in
+    A and the selection bias (E,) (optimized/kernels/moe.py's ``route_triton`` is its kernel)."""
+    scores = ops.sigmoid(logits)  # (T, E), A
+    biased = scores + up(bias)
     if cfg.n_group > 1:
         grouped = rearrange(biased, "t (g e) -> t g e", g=cfg.n_group)
         group_score = ops.psum(grouped.topk(2, dim=-1).values)  # (T, G): best + second best

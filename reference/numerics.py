@@ -238,8 +238,14 @@ def swiglu(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor,
            linear: Callable[[Tensor, Tensor], Tensor] = linear) -> Tensor:
     """``linear(round_S(silu(linear(x, gate)) * linear(x, up)), down)``: one rounding between.
     ``linear`` may be any implementation of the pinned ``linear`` (a fused kernel)."""
-    h = silu(up(linear(x, gate_proj))) * up(linear(x, up_proj))
-    return linear(h.to(x.dtype), down_proj)
+    return linear(swiglu_hidden(x, gate_proj, up_proj, linear), down_proj)
+
+
+def swiglu_hidden(x: Tensor, gate_proj: Tensor, up_proj: Tensor,
+                  linear: Callable[[Tensor, Tensor], Tensor] = linear) -> Tensor:
+    """``swiglu``'s hidden, before ``down``: ``round_S(silu(up(linear(x, gate))) * up(linear(x, up)))``
+    (optimized/kernels/moe.py fuses it for the chosen experts)."""
+    return (silu(up(linear(x, gate_proj))) * up(linear(x, up_proj))).to(x.dtype)
 
 
 def rms_norm_vendor(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,6 +1,7 @@
 """RoPE on the new rows' keys fused with their paged cache write, as one kernel.
 
-Replaces, in ``glm_mtp.reference.attention.dsa_attention`` (with ``index_keys``)::
+Replaces ``glm_mtp.reference.attention.write_cache_rows`` after its norms (the optimized
+block's ``write_rows`` hook, ``glm_mtp.optimized.block.Fused.write_rows_hook``)::
 
     k_pe = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
     ikey = rope_first(k_raw, cos, sin, cfg)            # RoPE on the first R dims of the index key
@@ -9,6 +10,18 @@ Replaces, in ``glm_mtp.reference.attention.dsa_attention`` (with ``index_keys``)
 and adds one thing the reference does not need: every store is conditional on a device flag
 ``ok``, so a propose can refuse a non-finite hidden without a host sync (nothing is written when
 ``ok`` is false).
+
+``cache_rows_write_triton`` is the same kernel with the two norms before it fused in: from the
+raw GEMV outputs ``kv`` (kv_a_proj, (T, Lkv + R)) and ``k`` (the indexer's wk, (T, D)) it stores
+exactly what ``attention.cache_rows`` computes from them::
+
+    latent = rms_norm(kv[:, :Lkv], kv_a_layernorm, LATENT_NORM_EPS)
+    k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
+    key    = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
+
+The norms' sums are ``psum`` trees over the row (lanes past the width are ``+0.0``, and so is
+``x - mu`` there), divisions ``div_rn`` and roots ``sqrt_rn``, the epsilons passed as float32
+bits; each normed value is rounded to S where the reference rounds it, before RoPE reads it.
 
 Exact by construction: RoPE is ``y1 = x1 * cos - x2 * sin``, ``y2 = x2 * cos + x1 * sin`` in
 float32, each product and sum rounded on its own (``enable_fp_fusion=False``: no FMA), from the
@@ -27,13 +40,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_mtp.reference.attention import LATENT_NORM_EPS
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.indexer import rope_first
+from glm_mtp.reference.indexer import K_NORM_EPS, rope_first
 from glm_mtp.reference.layers import apply_rope
+from glm_mtp.reference.numerics import layer_norm, rms_norm
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
-from .rounding import round_to_storage
+from .rounding import float32_bits, round_to_storage
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -122,6 +137,110 @@ def _rope_cache_write_kernel(
     rest = (cd >= R) & (cd < D)
     k = tl.load(ikey_ptr + t * ikey_stride + cd, mask=rest)
     tl.store(ix_row + cd, k, mask=rest & ((cd * 0 + ok) != 0))
+
+
+@triton.jit
+def _tree1(x, W: tl.constexpr, LEVELS: tl.constexpr):
+    """``psum`` of ``x`` (W,), ``W = 2 ** LEVELS``: level by level ``x[i] = x[2i] + x[2i + 1]``."""
+    for level in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (W >> (level + 1), 2)))
+        x = a + b
+    return tl.reshape(x, ())
+
+
+@triton.jit
+def _layer_norm_at(k_row, w_ptr, b_ptr, idx, mask, mu, inv, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
+    """``layer_norm``'s output at lanes ``idx`` of one row, from its statistics: ``round_S((d * inv)
+    * w + b)`` with ``d = x - mu``, back in float32 (exact). Elementwise, so any lane order gives
+    the same values."""
+    x = tl.load(k_row + idx, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    return round_to_storage(((x - mu) * inv) * w + b, TO_BF16, NAN_BITS).to(tl.float32)
+
+
+@triton.jit
+def _cache_rows_write_kernel(
+    kv_ptr,  # (T, Lkv + R) S, kv_a_proj's raw output, row stride kv_stride
+    k_ptr,  # (T, D) S, the indexer wk's raw output, row stride k_stride
+    kv_norm_ptr,  # (Lkv,) S, kv_a_layernorm
+    k_norm_w_ptr,  # (D,) S, k_norm weight
+    k_norm_b_ptr,  # (D,) S, k_norm bias
+    slots_ptr,  # (T,) int64
+    cos_ptr,  # (C, R/2) float32 table
+    sin_ptr,
+    block_table_ptr,  # (blocks,) int32
+    kv_pool_ptr,  # (blocks, 16, Lkv + R)
+    index_pool_ptr,  # (blocks, 16, D)
+    ok_ptr,  # (1,) uint8 (the bool flag's byte): write only when nonzero
+    kv_stride,
+    k_stride,
+    Lkv,
+    R,
+    D,
+    latent_eps_bits,  # int32: the bits of float32(LATENT_NORM_EPS)
+    k_eps_bits,  # int32: the bits of float32(K_NORM_EPS)
+    KV_INTERLEAVE: tl.constexpr,
+    INDEX_INTERLEAVE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    LEVELS_L: tl.constexpr,
+    BLOCK_R2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LEVELS_D: tl.constexpr,
+    TO_BF16: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+    ROWS_PER_BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ok = tl.load(ok_ptr).to(tl.int32)
+    slot = tl.load(slots_ptr + t)
+    block = tl.load(block_table_ptr + slot // ROWS_PER_BLOCK).to(tl.int64)
+    phys = block * ROWS_PER_BLOCK + slot % ROWS_PER_BLOCK  # physical row in the pools
+    half = R // 2
+    cos_row = cos_ptr + slot * half
+    sin_row = sin_ptr + slot * half
+    kv_row = kv_pool_ptr + phys * (Lkv + R)
+    ix_row = index_pool_ptr + phys * D
+    kv_in = kv_ptr + t * kv_stride
+    k_in = k_ptr + t * k_stride
+
+    # The latent: rms_norm(kv[:Lkv]): r = 1 / sqrt(psum(x * x) / n + eps); round_S(w * round_S(x * r)).
+    cl = tl.arange(0, BLOCK_L)
+    lm = cl < Lkv
+    x = tl.load(kv_in + cl, mask=lm, other=0.0).to(tl.float32)  # +0.0 past Lkv: the tree's padding
+    ss = _tree1(x * x, BLOCK_L, LEVELS_L)
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, Lkv.to(tl.float32)) + latent_eps_bits.to(tl.float32, bitcast=True)))
+    normed = round_to_storage(x * r, TO_BF16, NAN_BITS).to(tl.float32)
+    wl = tl.load(kv_norm_ptr + cl, mask=lm, other=0.0).to(tl.float32)
+    tl.store(kv_row + cl, round_to_storage(wl * normed, TO_BF16, NAN_BITS), mask=lm & ((cl * 0 + ok) != 0))
+    # The rope key, rotated, after the latent.
+    _rotate_store(kv_in + Lkv, kv_row + Lkv, cos_row, sin_row, half, ok, KV_INTERLEAVE, BLOCK_R2, TO_BF16, NAN_BITS)
+
+    # The index key: layer_norm(k) (mu = psum(x) / n; d = x - mu; var = psum(d * d) / n;
+    # inv = 1 / sqrt(var + eps)), then RoPE on its first R dims (rope_first), the rest as normed.
+    cd = tl.arange(0, BLOCK_D)
+    dm = cd < D
+    xk = tl.load(k_in + cd, mask=dm, other=0.0).to(tl.float32)
+    n_d = D.to(tl.float32)
+    mu = tl.math.div_rn(_tree1(xk, BLOCK_D, LEVELS_D), n_d)
+    dev = tl.where(dm, xk - mu, 0.0)  # +0.0 past D
+    var = tl.math.div_rn(_tree1(dev * dev, BLOCK_D, LEVELS_D), n_d)
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + k_eps_bits.to(tl.float32, bitcast=True)))
+    rot = cd < R
+    if INDEX_INTERLEAVE:  # pairs (2i, 2i + 1)
+        first = (cd % 2) == 0
+        pair = cd // 2
+        partner = tl.where(first, cd + 1, cd - 1)
+    else:  # pairs (i, i + R/2)
+        first = cd < half
+        pair = tl.where(first, cd, cd - half)
+        partner = tl.where(first, cd + half, cd - half)
+    y0 = _layer_norm_at(k_in, k_norm_w_ptr, k_norm_b_ptr, cd, dm, mu, inv, TO_BF16, NAN_BITS)
+    yp = _layer_norm_at(k_in, k_norm_w_ptr, k_norm_b_ptr, partner, rot, mu, inv, TO_BF16, NAN_BITS)
+    c = tl.load(cos_row + pair, mask=rot, other=0.0)
+    s = tl.load(sin_row + pair, mask=rot, other=0.0)
+    y = tl.where(rot, tl.where(first, y0 * c - yp * s, y0 * c + yp * s), y0)  # x1: x1 c - x2 s; x2: x2 c + x1 s
+    tl.store(ix_row + cd, round_to_storage(y, TO_BF16, NAN_BITS), mask=dm & ((cd * 0 + ok) != 0))
 
 
 def rope_cache_write_torch(
@@ -225,9 +344,125 @@ def rope_cache_write_triton(
                             block_table, ok).run()
 
 
+def cache_rows_write_torch(
+    cfg: MtpConfig,
+    kv: Tensor,
+    k: Tensor,
+    kv_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    k_norm_bias: Tensor,
+    slots: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    kv_pool: Tensor,
+    index_pool: Tensor,
+    block_table: Tensor,
+    ok: Tensor,
+) -> None:
+    """The twin: ``attention.cache_rows``' math from the raw GEMV outputs, then
+    ``LayerCache.write``, each row's write kept only where ``ok`` is set.
+
+    Args:
+        kv: (T, Lkv + R) S, ``kv_a_proj_with_mqa``'s raw output.
+        k: (T, D) S, the indexer ``wk``'s raw output.
+        kv_norm_weight: (Lkv,) ``kv_a_layernorm``; k_norm_weight / k_norm_bias: (D,) ``k_norm``.
+        slots: (T,) int64 slots (= RoPE positions).
+        cos_table / sin_table: (C, R/2) the drafter's RoPE table.
+        kv_pool / index_pool / block_table: the paged cache (``LayerCache``'s tensors).
+        ok: (1,) or () bool; nothing is written when it is false.
+    """
+    Lkv = cfg.kv_lora_rank
+    cos, sin = cos_table[slots], sin_table[slots]  # (T, R/2)
+    latent = rms_norm(kv[:, :Lkv], kv_norm_weight, LATENT_NORM_EPS)
+    k_pe = apply_rope(kv[:, Lkv:], cos, sin, cfg.rope_interleave)
+    key = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
+    cache = LayerCache(kv_pool=kv_pool, index_pool=index_pool, block_table=block_table)
+    block, offset = block_table[slots // BLOCK_ROWS].long(), slots % BLOCK_ROWS
+    keep = ok.reshape(())
+    cache.write(slots, torch.where(keep, torch.cat((latent, k_pe), dim=-1), kv_pool[block, offset]),
+                torch.where(keep, key, index_pool[block, offset]))
+
+
+def cache_rows_write_launch(
+    cfg: MtpConfig,
+    kv: Tensor,
+    k: Tensor,
+    kv_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    k_norm_bias: Tensor,
+    slots: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    kv_pool: Tensor,
+    index_pool: Tensor,
+    block_table: Tensor,
+    ok: Tensor,
+    cuda: bool | None = None,
+) -> Launch:
+    """The kernel's launch, arguments checked (see ``cache_rows_write_triton``): the one place its
+    grid and constexprs are computed. ``cuda``: whether it runs on CUDA (it picks the NaN payload);
+    ``None`` reads it off ``kv_pool``."""
+    Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    dtype = kv_pool.dtype
+    if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
+        raise TypeError(f"cache_rows_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
+    T = slots.shape[0]
+    if kv.shape != (T, Lkv + R) or k.shape != (T, D):
+        raise ValueError(f"cache_rows_write_triton: kv {tuple(kv.shape)} / k {tuple(k.shape)} must be ({T}, {Lkv + R}) / ({T}, {D})")
+    for name, x in (("kv", kv), ("k", k), ("kv_norm_weight", kv_norm_weight), ("k_norm_weight", k_norm_weight),
+                    ("k_norm_bias", k_norm_bias)):
+        if x.stride(-1) != 1 or x.dtype != dtype:
+            raise ValueError(f"cache_rows_write_triton: {name} must be {dtype} with a contiguous last dim")
+    cuda = kv_pool.is_cuda if cuda is None else cuda
+    block_l, block_d = triton.next_power_of_2(Lkv), triton.next_power_of_2(D)
+    args = (
+        kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table, block_table, kv_pool, index_pool,
+        ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
+        kv.stride(0), k.stride(0), Lkv, R, D, float32_bits(LATENT_NORM_EPS), float32_bits(K_NORM_EPS),
+    )
+    meta = dict(
+        KV_INTERLEAVE=cfg.rope_interleave,
+        INDEX_INTERLEAVE=cfg.indexer_rope_interleave,
+        BLOCK_L=block_l,
+        LEVELS_L=block_l.bit_length() - 1,
+        BLOCK_R2=triton.next_power_of_2(max(R // 2, 1)),
+        BLOCK_D=block_d,
+        LEVELS_D=block_d.bit_length() - 1,
+        TO_BF16=dtype == torch.bfloat16,
+        NAN_BITS=0x7FFF if cuda else 0xFFFF,
+        ROWS_PER_BLOCK=BLOCK_ROWS,
+        enable_fp_fusion=False,
+    )
+    return Launch(_cache_rows_write_kernel, (T,), args, meta)
+
+
+def cache_rows_write_triton(
+    cfg: MtpConfig,
+    kv: Tensor,
+    k: Tensor,
+    kv_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    k_norm_bias: Tensor,
+    slots: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    kv_pool: Tensor,
+    index_pool: Tensor,
+    block_table: Tensor,
+    ok: Tensor,
+) -> None:
+    """``rope_cache_write_triton`` with the two norms fused in: the latent's ``rms_norm`` and the
+    index key's ``k_norm`` (``layer_norm``); arguments as ``cache_rows_write_torch``, byte-equal to
+    it. ``kv``/``k`` may be row-strided views (contiguous last dim); weights contiguous."""
+    if slots.shape[0] == 0:
+        return
+    cache_rows_write_launch(cfg, kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table,
+                            kv_pool, index_pool, block_table, ok).run()
+
+
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches the drafter makes at ``cfg`` with a ``dtype`` cache, on abstract tensors
-    shaped as ``glm_mtp.optimized.block.attention_rows`` passes them: the rope key a view of
+    shaped as ``glm_mtp.optimized.block.Fused.write_rows_hook`` passes them: the rope key a view of
     ``kv`` (T, Lkv + R) after the latent, the pools from ``LayerCache.allocate``, float32 tables
     (see ``glm_mtp.optimized.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
 
@@ -245,7 +480,14 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         return rope_cache_write_launch(cfg, abstract((T, Lkv), dtype), kv[:, Lkv:], abstract((T, D), dtype), slots,
                                        table, table, cache.kv_pool, cache.index_pool, cache.block_table, ok, cuda=True)
 
+    def fused(T: int, slots: Tensor) -> Launch:
+        return cache_rows_write_launch(cfg, abstract((T, Lkv + R), dtype), abstract((T, D), dtype), abstract((Lkv,), dtype),
+                                       abstract((D,), dtype), abstract((D,), dtype), slots, table, table, cache.kv_pool,
+                                       cache.index_pool, cache.block_table, ok, cuda=True)
+
     return [
         AuditLaunch("rope_cache_write", "aligned", launch(1, abstract((1,), torch.int64))),
         AuditLaunch("rope_cache_write", "unaligned", launch(rows, abstract((rows + 1,), torch.int64)[1:])),
+        AuditLaunch("cache_rows_write", "aligned", fused(1, abstract((1,), torch.int64))),
+        AuditLaunch("cache_rows_write", "unaligned", fused(rows, abstract((rows + 1,), torch.int64)[1:])),
     ]

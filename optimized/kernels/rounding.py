@@ -9,6 +9,9 @@ writes different NaN payloads on different code paths, so payloads are not pinne
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -25,3 +28,10 @@ def round_to_storage(y, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
         return hi.to(tl.bfloat16, bitcast=True)
     else:
         return y
+
+
+@functools.lru_cache(maxsize=None)
+def float32_bits(value: float) -> int:
+    """The bits of ``value`` rounded once to float32 (as ``torch.tensor(value, dtype=float32)``),
+    as a signed int32: kernels take constants this way so no launcher rounds them differently."""
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))

@@ -39,7 +39,7 @@ def test_bench_writes_records_table_and_plot(tmp_path):
     except ImportError:
         pass
     bench.main(["--presets", "tiny", "--backends", *backends, "--drafts", "1", "2", "--repeats", "2", "--warmup", "1",
-                "--context", "16", "--max-seq-len", "64", "--copy-mib", "8", "--out", str(tmp_path)])
+                "--context", "16", "--max-seq-len", "64", "--copy-mib", "8", "--counters", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench.json").read_text())
     recs = data["records"]
     assert len(recs) == 2 * len(backends) and data["meta"]["copy_bandwidth_gb_s"] > 0
@@ -50,6 +50,41 @@ def test_bench_writes_records_table_and_plot(tmp_path):
         assert r["latency_per_draft_ms_median"] > 0 and r["floor_ratio"] > 0
     assert (tmp_path / "bench.md").read_text().count("| tiny |") == len(recs)
     assert (tmp_path / "bench.png").stat().st_size > 1000
+    for r in recs:  # --counters with no preset: the fields are there, empty
+        assert all(r[key] is None for key in bench.COUNTER_FIELDS)
+
+
+@pytest.mark.slow
+def test_bench_records_the_draft_step_counters(tmp_path):
+    """Each record carries its backend's launches and bytes per draft step (a CPU subprocess in
+    Triton's interpreter), the same for every k, and the table shows them."""
+    from glm_mtp.optimized.counters import floor_bytes_per_draft
+
+    bench.main(["--presets", "tiny", "--backends", "reference", "optimized", "--drafts", "1", "2", "--repeats", "1",
+                "--warmup", "0", "--context", "8", "--max-seq-len", "32", "--copy-mib", "8", "--dtype", "float32",
+                "--out", str(tmp_path)])
+    recs = json.loads((tmp_path / "bench.json").read_text())["records"]
+    floor = floor_bytes_per_draft(MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32), 8 + 2)
+    for backend in ("reference", "optimized"):
+        rs = [r for r in recs if r["backend"] == backend]
+        assert len(rs) == 2 and all({k: r[k] for k in bench.COUNTER_FIELDS} == {k: rs[0][k] for k in bench.COUNTER_FIELDS} for r in rs)
+        r = rs[0]
+        assert r["launches_per_draft"] > 0 and r["kernel_bytes_per_draft"] > 0 and r["floor_bytes_per_draft"] == floor
+        assert r["kernel_floor_ratio"] == pytest.approx(r["kernel_bytes_per_draft"] / floor)
+        assert (r["triton_launches_per_draft"] > 0) == (backend == "optimized")
+        assert r["latency_per_draft_ms_median"] > 0  # the CPU step time stays
+    table = (tmp_path / "bench.md").read_text()
+    assert "launches/draft" in table and "kernel/floor bytes" in table
+    assert f"| {recs[0]['launches_per_draft']} | " in table
+
+
+def test_counters_default_to_tiny_and_small_among_the_presets_run(tmp_path):
+    assert bench.parse_args(["--out", str(tmp_path)]).counters == ["tiny", "small"]
+    assert bench.parse_args(["--presets", "small", "glm5_shape", "--out", str(tmp_path)]).counters == ["small"]
+    assert bench.parse_args(["--counters", "--out", str(tmp_path)]).counters == []
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--presets", "tiny", "--counters", "small", "--out", str(tmp_path)])
+    assert e.value.code == 2
 
 
 def test_bad_arguments_exit_2():

@@ -26,3 +26,16 @@ def test_pairs_vary_one_setting_on_the_same_prompts():
     assert by_mode[0].split(" | ")[7] == "-0.200 [-0.20, -0.20]"
     with pytest.raises(ValueError, match="pair"):
         report.paired_table(runs, "colour")
+
+
+def test_pairs_on_the_draft_and_never_across_it():
+    """Runs that differ in ``draft`` (or ``target_numerics``) pair on it, and not when another
+    setting is paired; a summary without the key counts as the default."""
+    argmax = summary("teacher_forced", "first_row_kept", [[2, 1], [3, 1], [2, 0]])
+    sampled = dict(summary("teacher_forced", "first_row_kept", [[7, 4], [6, 3], [8, 5]]), draft="sampled")
+    refeed_sampled = dict(summary("teacher_forced", "refeed", [[7, 4], [6, 3], [8, 5]]), draft="sampled")
+    rows = report.paired_table([argmax, sampled, refeed_sampled], "draft").splitlines()[2:]
+    assert len(rows) == 1 and rows[0].startswith("| sampled − argmax | teacher_forced | heldout")
+    by_policy = report.paired_table([argmax, sampled, refeed_sampled], "policy").splitlines()[2:]
+    assert len(by_policy) == 1 and by_policy[0].startswith("| refeed − first_row_kept")  # the sampled pair only
+    assert report.paired_table([argmax, dict(argmax, target_numerics="pinned")], "target_numerics").count("pinned − vendor") == 1

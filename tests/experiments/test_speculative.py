@@ -133,10 +133,10 @@ def bigram():
     return BigramTarget(logp, emb), MtpWeights.random(cfg, seed=12, dtype=torch.float64)
 
 
-def sample_sequences(bigram, temperature, n_seqs=50, length=40, k=3):
+def sample_sequences(bigram, temperature, n_seqs=50, length=40, k=3, draft="argmax"):
     target, mw = bigram
     prop = ReferenceProposer(mw, 64)
-    dec = SpeculativeDecoder(target, prop, k, temperature=temperature, seed=123)
+    dec = SpeculativeDecoder(target, prop, k, temperature=temperature, seed=123, draft=draft)
     seqs, stats = [], SpecStats(k)
     for i in range(n_seqs):
         prompt = [i % 8]
@@ -146,21 +146,85 @@ def sample_sequences(bigram, temperature, n_seqs=50, length=40, k=3):
     return seqs, stats
 
 
+@pytest.mark.parametrize("draft", ["argmax", pytest.param("sampled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_rejection_sampling_reproduces_the_target_distribution(bigram, temperature):
-    seqs, stats = sample_sequences(bigram, temperature)
+def test_rejection_sampling_reproduces_the_target_distribution(bigram, temperature, draft):
+    seqs, stats = sample_sequences(bigram, temperature, draft=draft)
     assert 0.05 < stats.alpha[0] < 0.95  # drafts are accepted and rejected
     p = chi_square_p(seqs, target_probs(bigram[0].logp, temperature))
     assert p > 1e-3, p
 
 
 def test_chi_square_catches_a_lossy_verifier(bigram, monkeypatch):
-    def accept_all(logits, drafts, temperature, gen):
+    def accept_all(logits, drafts, temperature, gen, q=None):
         return len(drafts), int(torch.multinomial(target_probs(logits[-1], temperature), 1, generator=gen))
 
     monkeypatch.setattr(speculative, "stochastic_verify", accept_all)
     seqs, _ = sample_sequences(bigram, 1.0, n_seqs=20)
     assert chi_square_p(seqs, target_probs(bigram[0].logp, 1.0)) < 1e-6
+
+
+@pytest.mark.slow
+def test_chi_square_catches_a_lossy_sampled_verifier(bigram, monkeypatch):
+    """Sampled drafts with a classic mistake, a rejection resampled from p instead of from
+    norm(max(0, p - q)): the output is no longer the target's distribution, and the test sees it.
+    (Verifying sampled drafts as if one-hot is not such a mistake: accept with p(d), else draw
+    from p without d, gives p for any draft distribution; it only accepts less.)"""
+    real = speculative.stochastic_verify
+
+    def resample_from_p(logits, drafts, temperature, gen, q=None):
+        a, bonus = real(logits, drafts, temperature, gen, q)
+        if a < len(drafts):  # rejected: redraw from p itself
+            bonus = int(torch.multinomial(target_probs(logits[a], temperature), 1, generator=gen))
+        return a, bonus
+
+    monkeypatch.setattr(speculative, "stochastic_verify", resample_from_p)
+    seqs, _ = sample_sequences(bigram, 1.0, draft="sampled")
+    assert chi_square_p(seqs, target_probs(bigram[0].logp, 1.0)) < 1e-4
+
+
+def test_single_step_with_q_accepts_sum_min_p_q_and_emits_p():
+    """One draft drawn from q (the exponential race), verified against q: accepted with
+    probability sum_x min(p(x), q(x)); the emitted token (accepted draft or residual draw) ~ p."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0, 1.0], [0.0] * 5], dtype=torch.float64)
+    p = target_probs(logits, 1.0)
+    q = torch.softmax(torch.tensor([[0.0, 1.5, 0.5, -0.5, 1.0]], dtype=torch.float64), -1)
+    gen = torch.Generator().manual_seed(1)
+    n = 12000
+    accepted, emitted = 0, torch.zeros(5, dtype=torch.float64)
+    for _ in range(n):
+        e = torch.empty(1, 5, dtype=torch.float64).exponential_(generator=gen)
+        d = int(torch.argmax(q / e, dim=-1)[0])
+        a, b = stochastic_verify(logits, [d], 1.0, gen, q)
+        accepted += a
+        emitted[d if a else b] += 1
+    beta = float(torch.minimum(p[0], q[0]).sum())
+    assert abs(accepted / n - beta) < 4 * math.sqrt(beta * (1 - beta) / n)
+    stat = float(((emitted - n * p[0]) ** 2 / (n * p[0])).sum())
+    assert stat < 18.5, stat  # chi-square, 4 degrees of freedom: P(> 18.5) < 1e-3
+
+
+def test_sampled_drafts_need_a_temperature_and_a_sampling_drafter(tiny64, target64):
+    prop = ReferenceProposer(tiny64.mtp, 128)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        SpeculativeDecoder(target64, prop, 2, draft="sampled")
+    with pytest.raises(ValueError, match="draft"):
+        SpeculativeDecoder(target64, prop, 2, temperature=1.0, draft="topk")
+
+    class ArgmaxOnly:
+        config = tiny64.mtp.config
+
+    with pytest.raises(ValueError, match="propose_sampled"):
+        SpeculativeDecoder(target64, ArgmaxOnly(), 2, temperature=1.0, draft="sampled")
+
+
+def test_sampled_noise_comes_from_the_loop_generator(tiny64, target64, random_prompt):
+    """The same seed gives the same sampled run; another seed another one."""
+    prompt = random_prompt(96, 10, 4)
+    runs = [SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 3, temperature=1.0, seed=s, draft="sampled").generate(prompt, 16)
+            for s in (1, 1, 2)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].stats.accepted == runs[1].stats.accepted
+    assert runs[0].tokens != runs[2].tokens
 
 
 def test_single_step_acceptance_probability_is_p_of_the_draft():
@@ -195,10 +259,11 @@ def test_backends_resolve_by_name(tiny64):
     assert isinstance(prop, ReferenceProposer) and prop.feed_hidden == "pre_norm"
 
 
+@pytest.mark.parametrize("draft", ["argmax", "sampled"])
 @pytest.mark.parametrize("policy", ["first_row_kept", "refeed"])
-def test_backends_draft_alike_through_the_loop(tiny64, target64, random_prompt, policy):
+def test_backends_draft_alike_through_the_loop(tiny64, target64, random_prompt, policy, draft):
     # The optimized drafter is equal to the reference bit for bit, so the loop sees the same drafts.
     prompt = random_prompt(96, 10, 9)
-    runs = [SpeculativeDecoder(target64, make_proposer(b, tiny64.mtp, 128), 3, policy, temperature=1.0, seed=4).generate(prompt, 20)
+    runs = [SpeculativeDecoder(target64, make_proposer(b, tiny64.mtp, 128), 3, policy, temperature=1.0, seed=4, draft=draft).generate(prompt, 20)
             for b in ("reference", "optimized")]
     assert runs[0].tokens == runs[1].tokens and runs[0].stats.accepted == runs[1].stats.accepted

@@ -19,6 +19,7 @@ def config(name, overrides=()):
 def test_the_shipped_configs_pass():
     validate.check_acceptance(config("config"))
     validate.check_acceptance(config("config", ["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1"]))
+    validate.check_acceptance(config("config", ["temperature=0.5", "draft=sampled", "target_numerics=pinned"]))
     validate.check_train(config("train"))
 
 
@@ -33,6 +34,9 @@ def test_the_shipped_configs_pass():
     ("temperature=-1", "temperature"),
     ("temperature=inf", "temperature"),
     ("feed_hidden=mid", "feed_hidden"),
+    ("draft=topk", "draft"),
+    ("draft=sampled", "draft"),  # at the default temperature 0
+    ("target_numerics=fast", "target_numerics"),
     ("threads=0", "threads"),
     ("model.max_seq_len=0", "model.max_seq_len"),
     ("model.dtype=int8", "model.dtype"),

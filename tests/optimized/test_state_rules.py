@@ -17,9 +17,23 @@ from glm_mtp.reference import MtpWeights, ReferenceProposer
 from .conftest import state_bytes
 
 BACKENDS = {"reference": ReferenceProposer, "optimized": OptimizedProposer}
-# Where each backend computes a row, and where it turns a row's output into a draft.
-ROW_FN = {"reference": (ref_module, "mtp_rows"), "optimized": (opt_module, "block_rows")}
-DRAFT_FN = {"reference": (ref_module, "greedy_token"), "optimized": (opt_module, "greedy_token")}
+
+
+def row_fn(prop):
+    """Where a drafter computes a row: the reference's ``mtp_rows``; the optimized drafter's
+    fused step (``fused_rows``) where it takes one, else its per-primitive ``block_rows``."""
+    if isinstance(prop, ReferenceProposer):
+        return ref_module, "mtp_rows"
+    return opt_module, "fused_rows" if prop.step is not None else "block_rows"
+
+
+def draft_fn(prop):
+    """Where a drafter turns a row's output into a draft (the fused step: ``fused_head``)."""
+    if isinstance(prop, ReferenceProposer):
+        return ref_module, "greedy_token"
+    return opt_module, "fused_head" if prop.step is not None else "greedy_token"
+
+
 CAUSE = "injected failure 7f3a"
 
 
@@ -93,7 +107,7 @@ def test_a_propose_failing_at_any_draft_step_poisons_the_state(weights, inputs, 
     for step in range(k):
         st = ready(prop, inputs)
         with monkeypatch.context() as m:
-            module, name = (ROW_FN if where == "row" else DRAFT_FN)[backend]
+            module, name = (row_fn if where == "row" else draft_fn)(prop)
             fail_on_call(m, module, name, step)
             with pytest.raises(InjectedFailure):
                 prop.propose(inputs.token(), inputs.hiddens(1), 10, k, st)  # rewinds: rows 10, 11 are overwritten
@@ -115,7 +129,7 @@ def test_a_context_write_failing_midway_poisons_the_state(weights, inputs, backe
     prop = BACKENDS[backend](weights, 64)
     st = prop.alloc_state("cpu") if call == "prefill" else ready(prop, inputs)
     with monkeypatch.context() as m:
-        fail_on_call(m, *ROW_FN[backend], 0)
+        fail_on_call(m, *row_fn(prop), 0)
         with pytest.raises(InjectedFailure):
             if call == "prefill":
                 prop.prefill_drafter(inputs.tokens(8), inputs.hiddens(8), st)
@@ -136,7 +150,7 @@ def test_reset_state_clears_the_poison(weights, inputs, monkeypatch):
     prop = OptimizedProposer(weights, 64)
     st = ready(prop, inputs)
     with monkeypatch.context() as m:
-        fail_on_call(m, opt_module, "block_rows", 1)
+        fail_on_call(m, *row_fn(prop), 1)
         with pytest.raises(InjectedFailure):
             prop.propose(inputs.token(), inputs.hiddens(1), 10, 3, st)
     prop.reset_state(st)
@@ -165,7 +179,7 @@ def test_a_concurrent_call_is_refused(weights, inputs, backend, monkeypatch):
     want = prop.propose(tok, hid, 9, 3, twin)
 
     inside, release = threading.Event(), threading.Event()
-    module, name = ROW_FN[backend]
+    module, name = row_fn(prop)
     real, first = getattr(module, name), [True]
 
     def held(*args, **kwargs):

@@ -102,6 +102,23 @@ def test_propose_device_never_syncs(weights, inputs, read_backs):
     assert seen == [0]
 
 
+def test_propose_sampled_syncs_only_at_the_read_back(weights, inputs, read_backs):
+    """A sampled propose: the noise's check, each q and each draw on the device; the one sync
+    is the read-back of the check code and the drafts (q stays on the device)."""
+    seen, counter = read_backs
+    opt, ref = OptimizedProposer(weights, 64), ReferenceProposer(weights, 64)
+    so, sr = _ready([opt, ref], inputs)
+    tok, hidden = inputs.token(), inputs.hiddens(1)
+    A = torch.float32  # the acc dtype of fp32 and bf16 weights
+    e = torch.empty(3, weights.config.vocab_size, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(4)).to(A)
+    want = ref.propose_sampled(tok, hidden, 11, 3, 0.9, e, sr)
+    with SyncCounter() as c:
+        counter.append(c)
+        got = opt.propose_sampled(tok, hidden, 11, 3, 0.9, e, so)
+    assert got == want
+    assert seen == [0] and c.syncs == [], c.syncs
+
+
 def test_the_counter_sees_syncs(weights, inputs):
     """The counter is not blind: an explicit item() and the reference's checks are counted."""
     with SyncCounter() as c:

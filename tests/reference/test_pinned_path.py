@@ -26,7 +26,7 @@ ALLOWED = {
     "cat.default", "stack.default", "embedding.default", "gather.default", "index.Tensor",
     "index_put_.default", "index_select.default", "select.int", "slice.Tensor", "view.default",
     "view.dtype", "permute.default", "unsqueeze.default", "expand.default", "empty.memory_format",
-    "zeros_like.default", "ones_like.default", "full_like.default", "zeros.default", "fill_.Scalar",
+    "zeros_like.default", "ones_like.default", "full_like.default", "full.default", "zeros.default", "fill_.Scalar",
 }
 # Library reductions and transcendental kernels: the ones the issue names, for a clear message.
 FORBIDDEN = {"mm.default", "addmm.default", "bmm.default", "matmul.default", "dot.default", "mv.default",

@@ -1,0 +1,300 @@
+"""The drafter contract's rules that every backend applies the same way (DESIGN.md §3-§4), once:
+the constructor's arguments and the row capacity, the argument checks of each call, the no-op
+rules and row bookkeeping of prefill and catch-up, the counters of ``after_verify``, and the
+exported snapshot. ``ReferenceProposer`` and ``OptimizedProposer`` both call these plain
+functions; what differs between them (where rows are computed, which data checks run on the
+device) stays in each backend.
+
+Every check raises before anything changes (``ValueError`` for arguments, ``RuntimeError`` for
+the lifecycle), naming the argument, in the order the contract documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .attention import Rope
+from .state import BLOCK_ROWS, DrafterState, check_sound, num_blocks, writing
+from .weights import MtpWeights
+
+logger = logging.getLogger(__name__)
+
+# Set to 1 to log a fingerprint (hash of the bytes) of the target hidden at every propose.
+FINGERPRINT_ENV = "GLM_MTP_DEBUG_FINGERPRINT"
+
+Tokens = Union[Sequence[int], Tensor]
+FeedHidden = Literal["post_norm", "pre_norm"]
+# write_rows(tokens (T,), hiddens (T, H), row_base, state): store context rows, set seq_len.
+WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]
+
+
+# ---- values ------------------------------------------------------------------------------------
+
+
+def hidden_fingerprint(hidden: Tensor) -> str:
+    """16 hex digits of a hash of the tensor's bytes."""
+    data = hidden.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``; ``ValueError`` naming the argument otherwise."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_token_id(name: str, value: object, vocab_size: int) -> int:
+    """A Python token id checked on the host: an int in ``[0, vocab_size)``, else ``ValueError``
+    naming the argument (before torch sees it: an id past int64 would be torch's overflow error)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must hold integer token ids, got {type(value).__name__}")
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{name}: token id {value} is outside [0, vocab_size={vocab_size})")
+    return value
+
+
+def check_token_dtype(name: str, tokens: Tensor) -> None:
+    """A token tensor must hold integers (not floats, complex numbers or booleans)."""
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+
+
+def one_token(last_token: int | Tensor) -> int | Tensor:
+    """``last_token`` as an int, or as a (1,) tensor when a tensor of one id was given (0-d or
+    (1,)); any other tensor shape is a ``ValueError`` naming the argument. The range is checked
+    by the caller (on the host, or on the device by the optimized backend)."""
+    if isinstance(last_token, Tensor):
+        if last_token.dim() > 1 or last_token.numel() != 1:
+            raise ValueError(f"last_token must be an int or a tensor of one token id (0-d or (1,)), got shape {tuple(last_token.shape)}")
+        return last_token.reshape(1)
+    return last_token
+
+
+def token_ids(name: str, tokens: Tokens, vocab_size: int, device: torch.device) -> Tensor:
+    """``tokens`` as an int64 tensor (n,) on ``device``, every id in [0, vocab_size) (a tensor's
+    range is read on the host: a sync)."""
+    if not isinstance(tokens, Tensor):
+        values = [check_token_id(name, v, vocab_size) for v in tokens]
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    check_token_dtype(name, tokens)
+    if tokens.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
+    ids = tokens.to(device=device, dtype=torch.int64)
+    if ids.numel() and not bool(((ids >= 0) & (ids < vocab_size)).all()):
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0].item()
+        raise ValueError(f"{name}: token id {bad} is outside [0, vocab_size={vocab_size})")
+    return ids
+
+
+def check_hiddens(name: str, hiddens: object, rows: int, weights: MtpWeights, device: torch.device, finite: bool = True) -> Tensor:
+    """``hiddens`` checked to be ``(rows, H)`` of the weights' dtype on ``device`` (the state's),
+    and finite unless ``finite`` is false (the optimized propose checks that on the device)."""
+    H = weights.config.hidden_size
+    if not isinstance(hiddens, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(hiddens).__name__}")
+    if tuple(hiddens.shape) != (rows, H):
+        raise ValueError(f"{name} must have shape ({rows}, {H}), got {tuple(hiddens.shape)}")
+    if hiddens.dtype != weights.dtype:
+        raise ValueError(f"{name} must have the weights' dtype {weights.dtype}, got {hiddens.dtype}")
+    if hiddens.device != device:
+        raise ValueError(f"{name} must be on the state's device {device}, got {hiddens.device}")
+    if finite and rows and not bool(torch.isfinite(hiddens).all()):
+        raise ValueError(f"{name} holds NaN or inf")
+    return hiddens
+
+
+def check_capacity(name: str, end: int, capacity: int) -> None:
+    """Rows up to ``end`` must fit the state's ``capacity``."""
+    if end > capacity:
+        raise ValueError(f"{name}: rows up to {end} would run past the state's capacity of {capacity} rows")
+
+
+# ---- the drafter and its states ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A drafter's row budget: ``max_seq_len`` (capped at the model's DSA context), the
+    ``blocks`` of 16 rows a state claims and their ``capacity`` in rows."""
+
+    max_seq_len: int
+    blocks: int
+    capacity: int
+
+
+def drafter_sizes(weights: MtpWeights, max_seq_len: object, feed_hidden: object) -> Sizes:
+    """The constructor's checks (``max_seq_len`` >= 1, ``feed_hidden`` one of ``FeedHidden``)
+    and its sizes: ``max_seq_len`` capped at ``max_position_embeddings``, ``num_blocks`` of it."""
+    max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+    if feed_hidden not in ("post_norm", "pre_norm"):
+        raise ValueError(f"feed_hidden must be 'post_norm' or 'pre_norm', got {feed_hidden!r}")
+    capped = min(max_seq_len, weights.config.max_position_embeddings)
+    blocks = num_blocks(capped)
+    return Sizes(capped, blocks, BLOCK_ROWS * blocks)
+
+
+def needs_comm(weights: MtpWeights) -> bool:
+    """True when the weights are sharded over ranks (``MtpWeights.shard``): every propose then
+    runs collectives. ``GLM_MTP_NO_EP_PROPOSE=1`` keeps weights replicated at sharding time, so
+    such a drafter needs no communicator."""
+    return weights.shard_spec is not None
+
+
+def state_device(weights: MtpWeights, device: torch.device | str) -> torch.device:
+    """``alloc_state``'s device, which must be the weights' device."""
+    device = torch.empty(0, device=device).device
+    if device != weights.device:
+        raise ValueError(f"device must be the weights' device {weights.device}, got {device} (move them with MtpWeights.to)")
+    return device
+
+
+def rope_for(tables: dict[torch.device, Rope], weights: MtpWeights, capacity: int, device: torch.device) -> Rope:
+    """The drafter's RoPE table on ``device`` from its cache ``tables`` (built once per device)."""
+    if device not in tables:
+        tables[device] = Rope.build(weights.config, capacity, device, weights.dtype)
+    return tables[device]
+
+
+def check_live(state: DrafterState, call: str) -> None:
+    """The lifecycle checks of a mutating call: a sound state with no propose pending."""
+    check_sound(state, call)
+    if state.pending:
+        raise RuntimeError(f"{call}: a propose of {state.last_drafted} drafts is pending; call after_verify first")
+
+
+def snapshot(state: DrafterState, weights: MtpWeights) -> dict[str, Tensor]:
+    """``export_state``'s bytes (after the owner checks): every byte the conformance suite
+    compares; rows past ``seq_len`` are never exported. Works on a freed or a poisoned state."""
+    cfg, dt, dev = weights.config, weights.dtype, state.device
+    scalars = {
+        "seq_len": torch.tensor(state.seq_len, dtype=torch.int64, device=dev),
+        "last_drafted": torch.tensor(state.last_drafted, dtype=torch.int64, device=dev),
+        "pending": torch.tensor(state.pending, dtype=torch.bool, device=dev),
+    }
+    if state.released:
+        return {
+            "kv_rows": torch.zeros(0, cfg.kv_row_width, dtype=dt, device=dev),
+            "index_rows": torch.zeros(0, cfg.index_head_dim, dtype=dt, device=dev),
+            "x": torch.zeros(cfg.hidden_size, dtype=dt, device=dev),
+            **scalars,
+            "block_table": torch.zeros(0, dtype=torch.int32, device=dev),
+        }
+    n = state.seq_len
+    return {
+        "kv_rows": state.cache.kv_rows()[:n].clone(),
+        "index_rows": state.cache.index_rows()[:n].clone(),
+        "x": state.x.clone(),
+        **scalars,
+        "block_table": state.cache.block_table.clone(),
+    }
+
+
+# ---- the calls, after their owner and lifecycle checks ------------------------------------------
+
+
+def write_prefill(prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState, write_rows: WriteRows,
+                  weights: MtpWeights, max_seq_len: int) -> int:
+    """``prefill_drafter`` after its lifecycle checks: the argument checks, the no-op rule
+    (rows already held, or fewer than 2 prompt tokens: returns 0), rows ``[0, n-1)`` written
+    through ``write_rows`` (which sets ``seq_len``) and the log. Returns the rows written."""
+    tokens = token_ids("prompt_tokens", prompt_tokens, weights.config.vocab_size, state.device)
+    n = tokens.shape[0]
+    if n > max_seq_len:
+        raise ValueError(f"prompt_tokens: a prompt of {n} tokens is longer than max_seq_len={max_seq_len}")
+    check_hiddens("hiddens", hiddens, n, weights, state.device)
+    if state.seq_len > 0 or n < 2:
+        return 0
+    t0 = time.perf_counter()
+    with writing(state, "prefill_drafter"):
+        write_rows(tokens[1:], hiddens[:-1], 0, state)
+    rows = n - 1
+    logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n, (time.perf_counter() - t0) * 1e3)
+    return rows
+
+
+def write_catchup(tokens: Tokens, hiddens: Tensor, row_base: object, pos_base: object, state: DrafterState,
+                  write_rows: WriteRows, weights: MtpWeights, capacity: int) -> int:
+    """``catchup_drafter`` after its lifecycle checks: the argument checks, the no-op rule
+    (``row_base != seq_len`` or no tokens: returns 0), then rows ``row_base + i`` through
+    ``write_rows``. ``pos_base`` is checked and ignored (a row's position is its slot)."""
+    ids = token_ids("tokens", tokens, weights.config.vocab_size, state.device)
+    row_base = check_int("row_base", row_base)
+    check_int("pos_base", pos_base)
+    check_hiddens("hiddens", hiddens, ids.shape[0], weights, state.device)
+    check_capacity("catchup_drafter", row_base + ids.shape[0], capacity)
+    if row_base != state.seq_len or ids.shape[0] == 0:
+        return 0
+    with writing(state, "catchup_drafter"):
+        write_rows(ids, hiddens, row_base, state)
+    return ids.shape[0]
+
+
+@dataclass
+class ProposeArgs:
+    """A propose's checked arguments: ``token`` is a Python int (range checked) or a (1,)
+    integer tensor (range checked on the host unless the caller checks it on the device),
+    ``hidden`` the (1, H) target hidden."""
+
+    position: int
+    token: int | Tensor
+    hidden: Tensor
+    num_drafts: int
+
+
+def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, position: object, num_drafts: object,
+                 state: DrafterState, weights: MtpWeights, capacity: int, device_checks: bool = False) -> ProposeArgs:
+    """A propose's argument checks, in the contract's order, after its lifecycle checks:
+    ``position``, the rows held, ``last_token``, ``target_hidden``, ``num_drafts``, the capacity.
+
+    ``device_checks``: leave the two checks that read the data (a token tensor's range, the
+    hidden's finiteness) to the caller, which runs them on the device. Logs the hidden's
+    fingerprint when ``FINGERPRINT_ENV`` is 1 (a debugging aid; it syncs)."""
+    position = check_int("position", position)
+    if state.seq_len < position:
+        raise RuntimeError(f"{call}: the drafter holds {state.seq_len} rows, behind position {position}; catch up first")
+    token = one_token(last_token)
+    vocab = weights.config.vocab_size
+    if not isinstance(token, Tensor):
+        check_token_id("last_token", token, vocab)
+    elif device_checks:
+        check_token_dtype("last_token", token)
+    else:
+        token = token_ids("last_token", token, vocab, state.device)
+    hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
+    check_hiddens("target_hidden", hidden, 1, weights, state.device, finite=not device_checks)
+    num_drafts = check_int("num_drafts", num_drafts)
+    check_capacity(call, position + num_drafts, capacity)
+    if os.environ.get(FINGERPRINT_ENV) == "1":
+        tok = int(token[0]) if isinstance(token, Tensor) else token
+        logger.info("GLM_MTP_DBG propose position=%d drafter_rows=%d tok=%d fp_target=%s",
+                    position, state.seq_len, tok, hidden_fingerprint(hidden))
+    return ProposeArgs(position, token, hidden, num_drafts)
+
+
+def apply_verify(num_accepted: object, state: DrafterState) -> None:
+    """``after_verify`` after its owner checks: its lifecycle and argument checks, then the
+    counters: keep the first ``num_accepted + 1`` rows of the pending propose (never fewer than
+    one) and trim the rest by lowering ``seq_len``."""
+    check_sound(state, "after_verify")
+    if not state.pending:
+        raise RuntimeError("after_verify: no propose is pending (a second after_verify would trim the kept first row)")
+    num_accepted = check_int("num_accepted", num_accepted)
+    if num_accepted > state.last_drafted:
+        raise ValueError(f"num_accepted must be in [0, {state.last_drafted}] (the drafts proposed), got {num_accepted}")
+    keep = min(state.last_drafted, num_accepted + 1)
+    state.seq_len -= state.last_drafted - keep
+    state.pending = False
+    state.last_drafted = 0

@@ -1,0 +1,199 @@
+"""The launch counter (glm_mtp.optimized.counters): Triton launches through the CPU interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1), torch operators through a dispatch mode, the
+analytic floor, and a measured draft step."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from glm_mtp.optimized import counters
+from glm_mtp.optimized.counters import Footprint, LaunchCounter, floor_bytes_per_draft, measure_draft_step, tensors_bytes
+from glm_mtp.optimized.kernels import embed_rows_triton, linear_triton
+from glm_mtp.reference import MtpConfig, MtpWeights
+
+pytestmark = pytest.mark.skipif(not counters.interpreting(), reason="Triton launches are counted through the CPU interpreter")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_embed_rows_is_one_launch_of_the_rows_it_gathers(dtype):
+    gen = torch.Generator().manual_seed(11)
+    V, H = 40, 70  # H < BLOCK_H: a masked tail the counter must not count
+    embed = torch.randn(V, H, generator=gen).to(dtype)
+    tokens = torch.tensor([5, 17, 5, 33])  # row 5 twice: read once
+    slots = torch.tensor([3, 4, 5, 6])
+    with LaunchCounter() as c:
+        out = embed_rows_triton(embed, tokens, slots)
+    assert [(r.kind, r.name) for r in c.records] == [("triton", "_embed_rows_kernel")]
+    es = embed.element_size()
+    rows = 3 * H * es  # distinct rows 5, 17, 33
+    assert c.records[0].bytes_loaded == rows + 4 * 8 + 4 * 8  # rows + token ids + slots (int64)
+    assert c.records[0].bytes_stored == out.numel() * es
+    assert c.launches == 1 and c.kernel_bytes == rows + 64 + 4 * H * es
+    assert c.records[0].grid == (4, 1, 1)
+
+
+@triton.jit
+def _gated_copy_kernel(src_ptr, dst_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < n
+    go = tl.load(flag_ptr).to(tl.int32)
+    x = tl.load(src_ptr + (cols % 5), mask=inside)  # five distinct elements, re-read
+    tl.store(dst_ptr + cols, x, mask=inside & ((cols * 0 + go) != 0))  # as rope_cache gates its stores
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_masked_lanes_rereads_and_a_bool_flag(flag):
+    src, dst = torch.randn(8), torch.zeros(37, dtype=torch.float32)
+    with LaunchCounter() as c:
+        _gated_copy_kernel[(3,)](src, dst, torch.tensor([flag]).view(torch.uint8), 37, BLOCK=16, enable_fp_fusion=False)
+    (r,) = c.records
+    assert r.grid == (3, 1, 1) and r.name == "_gated_copy_kernel"
+    assert r.bytes_loaded == 5 * 4 + 1  # five floats, however often read, and the flag's byte
+    assert r.bytes_stored == (37 * 4 if flag else 0)  # 48 lanes, 37 inside; none when the gate is off
+
+
+def test_a_slot_zero_row_loads_nothing_more_and_masked_lanes_are_free():
+    # Changing which rows are gathered changes the bytes: the counter reads the addresses.
+    embed = torch.randn(10, 16)
+    with LaunchCounter() as one:
+        embed_rows_triton(embed, torch.tensor([2, 2, 2]), torch.tensor([1, 2, 3]))
+    with LaunchCounter() as three:
+        embed_rows_triton(embed, torch.tensor([2, 3, 4]), torch.tensor([1, 2, 3]))
+    assert three.records[0].bytes_loaded - one.records[0].bytes_loaded == 2 * 16 * 4
+
+
+def test_a_gemv_reads_its_weight_once():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 300, generator=gen), torch.randn(50, 300, generator=gen).to(torch.bfloat16)
+    with LaunchCounter() as c:
+        linear_triton(x, w)
+    assert c.triton_launches == c.launches >= 1
+    # At least the weight, the input and the output, and not the weight once per row.
+    assert w.numel() * 2 + x.numel() * 4 <= c.kernel_bytes < 2 * w.numel() * 2
+
+
+def test_torch_ops_count_launches_and_bytes_views_count_zero():
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    with LaunchCounter(triton=False) as c:
+        s = a + b
+    assert c.launches == 1 and c.records[0].name == "aten.add.Tensor"
+    assert c.kernel_bytes == 3 * 8 * 16 * 4  # two inputs read, one output written
+    with LaunchCounter(triton=False) as v:
+        a.view(16, 8).t()[2:5].unsqueeze(0).expand(3, -1, -1)
+        a.reshape(-1)
+        a[1]
+        torch.empty(5, 5)
+    assert v.launches == 0 and v.kernel_bytes == 0 and sum(v.excluded.values()) >= 6
+    with LaunchCounter(triton=False) as same:
+        a + a  # one input twice: read once
+    assert same.kernel_bytes == 2 * 8 * 16 * 4
+    with LaunchCounter(triton=False) as strided:
+        s[:, :4].clone()  # reads a quarter of each row, not the span
+    assert strided.launches == 1 and strided.kernel_bytes == 2 * 8 * 4 * 4
+    with LaunchCounter(triton=False) as inplace:
+        s.copy_(a)  # the destination is written, not read
+        s.add_(b)  # read and written
+    assert [r.bytes for r in inplace.records] == [2 * 512, 3 * 512]
+
+
+def test_a_gather_reads_only_its_rows_and_syncs_are_not_launches():
+    table = torch.randn(100, 32)
+    ids = torch.tensor([3, 7])
+    with LaunchCounter(triton=False) as c:
+        rows = torch.index_select(table, 0, ids)
+        rows.sum().item()
+    assert c.records[0].bytes == 2 * 32 * 4 + 2 * 8 + 2 * 32 * 4
+    assert c.launches == 2 and c.syncs == 1  # index_select, sum; the .item() is a host read
+    rows, column = torch.ones(2, 32), torch.zeros(100, 1, dtype=torch.int64)
+    with LaunchCounter(triton=False) as s:
+        table.index_copy_(0, ids, rows)  # reads the ids and the rows, writes the rows
+        table.scatter_(1, column, 0.5)  # one element per row
+    assert [r.bytes for r in s.records] == [2 * 8 + 2 * 2 * 32 * 4, 100 * 8 + 100 * 4]
+
+
+def test_footprint_merges_overlaps():
+    fp = Footprint()
+    fp.add_elements(torch.tensor([0, 4, 8, 4]).numpy(), 4)
+    fp.add_elements(torch.tensor([6]).numpy(), 4)  # overlaps [4, 12)
+    fp.add_elements(torch.tensor([100]).numpy(), 2)
+    assert fp.nbytes == 12 + 2
+    assert tensors_bytes([torch.zeros(4, 4)[:, 1], torch.zeros(3)]) == 4 * 4 + 3 * 4
+
+
+def test_patches_are_restored_even_after_an_error():
+    from triton.runtime import interpreter as interp
+
+    before = (interp.GridExecutor.__call__, interp.InterpreterBuilder.create_masked_load,
+              interp.InterpreterBuilder.create_masked_store, torch._C._len_torch_dispatch_stack())
+    with pytest.raises(RuntimeError, match="boom"):
+        with LaunchCounter():
+            raise RuntimeError("boom")
+    after = (interp.GridExecutor.__call__, interp.InterpreterBuilder.create_masked_load,
+             interp.InterpreterBuilder.create_masked_store, torch._C._len_torch_dispatch_stack())
+    assert before == after
+    with LaunchCounter() as c:
+        pass
+    embed_rows_triton(torch.randn(4, 8), torch.tensor([1]), torch.tensor([1]))  # outside: not counted
+    assert c.launches == 0
+
+
+def test_floor_bytes_of_tiny_by_hand():
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.bfloat16)
+    H, V = 64, 96
+    weights = (
+        3 * H + 2 * H * H  # enorm, hnorm, shared_head.norm; eh_proj (64, 128)
+        + 2 * H  # input / post-attention norms
+        + 32 * H + 32 + 4 * (16 + 8) * 32  # q_a (32, 64), q_a norm, q_b (96, 32)
+        + (16 + 8) * H + 16 + 4 * (16 + 16) * 16  # kv_a (24, 64), kv_a norm, kv_b (128, 16)
+        + H * 4 * 16  # o_proj (64, 64)
+        + 2 * 16 * 32 + 16 * H + 2 * 16 + 2 * H  # indexer wq_b (32, 32), wk (16, 64), k_norm w+b, weights_proj (2, 64)
+        + 8 * H  # router
+        + 2 * 3 * 32 * H  # the two chosen experts
+        + 3 * 32 * H  # the shared expert
+        + H + V * H  # one embedding row, the head
+    )
+    rows = 10 * 16 + 6 * 24  # index keys of 10 rows, kv rows of min(6, 10)
+    assert floor_bytes_per_draft(w, 10) == 2 * (weights + rows) + 8 * 4  # + the float32 router bias
+    assert floor_bytes_per_draft(w, 3) == 2 * (weights + 3 * 16 + 3 * 24) + 32
+    w32 = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
+    assert floor_bytes_per_draft(w32, 10) == 4 * (weights + rows) + 32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_measure_draft_step_tiny(dtype):
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=dtype)
+    r = measure_draft_step(w, "triton", context=8, max_seq_len=32)
+    assert r["launches_per_draft"] > 0 and r["triton_launches_per_draft"] > 0
+    assert r["kernel_bytes_per_draft"] > 0 and r["floor_bytes_per_draft"] == floor_bytes_per_draft(w, 10)
+    assert r["launches_propose_2"] == r["launches_propose_1"] + r["launches_per_draft"]
+    assert r["preset"] == "tiny" and r["visible_rows"] == 10
+    json.dumps(r)
+
+
+def test_measure_draft_step_reference_counts_torch_ops():
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
+    r = measure_draft_step(w, backend="reference", context=4, max_seq_len=32)
+    assert r["launches_per_draft"] > 50 and r["triton_launches_per_draft"] == 0 and r["kernel_bytes_per_draft"] > 0
+
+
+def test_measure_refuses_triton_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        measure_draft_step(w, "triton")
+
+
+@pytest.mark.slow
+def test_cli_json_sets_the_interpreter_itself():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", "tiny", "--dtype", "float32", "--json",
+                          "--context", "4", "--max-seq-len", "32"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["triton_launches_per_draft"] > 0 and r["launches_per_draft"] > 0

@@ -1,0 +1,363 @@
+"""The indexer's kernels against their twins (the reference's own functions), byte for byte,
+through Triton's CPU interpreter: the cache write with the norms fused in, the index scores over
+a shuffled paged pool, and the top-k selection. Mutants show each comparison can fail."""
+
+import pytest
+import torch
+from einops import rearrange
+
+from glm_mtp.optimized.kernels import (
+    cache_rows_write_torch,
+    cache_rows_write_triton,
+    index_scores_torch,
+    index_scores_triton,
+    select_rows_torch,
+    select_rows_triton,
+)
+from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope, new_cache_rows
+from glm_mtp.reference.indexer import index_queries, index_scores, index_weight_scale, rope_first
+from glm_mtp.reference.numerics import linear, linear_acc, psum, recip, sqrt, up
+from glm_mtp.reference.state import LayerCache
+
+DTYPES = [torch.float32, torch.bfloat16]
+TINY = MtpConfig.preset("tiny")  # Hi = 2, D = 16, R = 8, topk 6, interleaved RoPE
+SMALL = MtpConfig.preset("small")  # Hi = 4, D = 32, R = 16, topk 32
+# Nothing a power of two: Hi = 3, D = 20, R = 6, Lkv = 24 (masked tails everywhere); RoPE on halves.
+ODD = TINY.replace(index_n_heads=3, index_head_dim=20, qk_rope_head_dim=6, kv_lora_rank=24, index_topk=5,
+                   rope_interleave=False, indexer_rope_interleave=False)
+MIXED = TINY.replace(rope_interleave=True, indexer_rope_interleave=False)
+CONFIGS = {"tiny": TINY, "small": SMALL, "odd": ODD, "mixed": MIXED}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The integer view the comparisons use: -0.0 != +0.0, each NaN payload its own."""
+    return x.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int64: torch.int64}[x.dtype])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool((bits(a) == bits(b)).all())
+
+
+def _pool(cfg, dtype, blocks, gen, quantised=False):
+    """A random index pool (never zeros) over a shuffled block table."""
+    D = cfg.index_head_dim
+    if quantised:
+        pool = torch.randint(-1, 2, (blocks, 16, D), generator=gen).float()
+    else:
+        pool = torch.randn(blocks, 16, D, generator=gen) * 2
+    return pool.to(dtype), torch.randperm(blocks, generator=gen).to(torch.int32)
+
+
+def _queries(cfg, dtype, T, gen, quantised=False):
+    Hi, D = cfg.index_n_heads, cfg.index_head_dim
+    if quantised:
+        return torch.randint(-1, 2, (T, Hi * D), generator=gen).float().to(dtype), torch.ones(T, Hi).to(dtype)
+    return (torch.randn(T, Hi * D, generator=gen) * 2).to(dtype), torch.randn(T, Hi, generator=gen).to(dtype)
+
+
+# ---- index scores ---------------------------------------------------------------------------------
+
+SCORE_CASES = [
+    ("tiny", 3, [15]),
+    ("tiny", 3, [0, 16, 47]),
+    ("small", 32, [511]),
+    ("small", 32, [15, 16, 300]),
+    ("odd", 5, [79]),
+    ("odd", 5, [0, 40, 17]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name,blocks,slots", SCORE_CASES)
+def test_index_scores(dtype, name, blocks, slots):
+    cfg = CONFIGS[name]
+    gen = torch.Generator().manual_seed(blocks * 100 + len(slots) + sum(slots))
+    slots = torch.tensor(slots)
+    T = slots.shape[0]
+    pool, table = _pool(cfg, dtype, blocks, gen)
+    q, w = _queries(cfg, dtype, T, gen)
+    rope = Rope.build(cfg, 16 * blocks, "cpu")
+    cos, sin = rope.at(slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    assert same(want, got)
+    C = 16 * blocks
+    visible = torch.arange(C)[None, :] <= slots[:, None]
+    assert torch.isfinite(got[visible]).all() and (got[~visible] == float("-inf")).all()
+    assert (got[visible] != 0).any()
+    # Each row is scored as if alone (T = 1 gives the same bytes).
+    for t in range(T):
+        alone = index_scores_triton(cfg, q[t : t + 1], w[t : t + 1], cos[t : t + 1], sin[t : t + 1], pool, table, slots[t : t + 1])
+        assert same(alone, got[t : t + 1])
+
+
+def test_index_scores_twin_is_the_reference_path():
+    """The twin from raw GEMV outputs equals ``index_queries`` + ``index_scores`` on real weights."""
+    cfg, dtype = SMALL, torch.bfloat16
+    attn = MtpWeights.random(cfg, seed=3, dtype=dtype).layer.attn
+    gen = torch.Generator().manual_seed(5)
+    T, blocks = 3, 4
+    a = torch.randn(T, cfg.hidden_size, generator=gen).to(dtype)
+    q_latent = torch.randn(T, cfg.q_lora_rank, generator=gen).to(dtype)
+    slots = torch.tensor([0, 17, 63])
+    rope = Rope.build(cfg, 16 * blocks, "cpu")
+    cos, sin = rope.at(slots)
+    pool, table = _pool(cfg, dtype, blocks, gen)
+    q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin)
+    want = index_scores(q_idx, w_idx, LayerCache(pool, pool, table).index_rows())
+    want = want.masked_fill(torch.arange(16 * blocks)[None, :] > slots[:, None], float("-inf"))
+    q, w = linear(q_latent, attn.indexer.wq_b), linear(a, attn.indexer.weights_proj)
+    assert same(want, index_scores_torch(cfg, q, w, cos, sin, pool, table, slots))
+    assert same(want, index_scores_triton(cfg, q, w, cos, sin, pool, table, slots))
+
+
+def test_index_scores_relu_keeps_negative_zero():
+    """torch.relu(-0.0) is -0.0: a row whose every product is -0.0 scores -0.0, not +0.0."""
+    cfg, dtype = TINY, torch.float32
+    gen = torch.Generator().manual_seed(9)
+    pool, table = _pool(cfg, dtype, 2, gen)
+    pool[:, 3] = -0.0  # physical row 3 of every block: slot 3 and slot 19
+    q, w = _queries(cfg, dtype, 1, gen)
+    q, w = q.abs() + 0.5, w.abs() + 0.25
+    slots = torch.tensor([31])
+    cos, sin = torch.ones(1, cfg.qk_rope_head_dim // 2), torch.zeros(1, cfg.qk_rope_head_dim // 2)  # RoPE keeps q > 0
+    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    assert same(want, got)
+    assert int(bits(got)[0, 3]) == int(bits(torch.tensor(-0.0))) and int(bits(got)[0, 19]) == int(bits(torch.tensor(-0.0)))
+
+
+def test_index_scores_mutants():
+    """The comparison catches an unrotated query (the kernel run with cos = 1, sin = 0) and a
+    sum over heads in another order (a left fold, as a plain loop or a library sum might)."""
+    cfg, dtype = SMALL, torch.float32
+    gen = torch.Generator().manual_seed(21)
+    blocks = 4
+    slots = torch.tensor([63, 20, 33])
+    pool, table = _pool(cfg, dtype, blocks, gen)
+    q, w = _queries(cfg, dtype, 3, gen)
+    cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
+    assert same(want, index_scores_triton(cfg, q, w, cos, sin, pool, table, slots))
+    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), pool, table, slots)
+    assert not same(want, unrotated)
+    # Heads summed left to right instead of the psum tree.
+    qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
+    per_head = rearrange(linear_acc(rearrange(qh, "t h d -> (t h) d"), pool[table.long()].flatten(0, 1)),
+                         "(t h) s -> t s h", h=cfg.index_n_heads)
+    v = (up(w) * index_weight_scale(cfg))[:, None, :] * torch.relu(per_head)
+    folded = v[..., 0]
+    for h in range(1, cfg.index_n_heads):
+        folded = folded + v[..., h]
+    assert same(want[0], psum(v)[0])  # the tree is what the twin computes
+    visible = torch.arange(16 * blocks)[None, :] <= slots[:, None]
+    assert not same(want[visible], folded[visible])
+
+
+# ---- selection ------------------------------------------------------------------------------------
+
+
+def _scores(kind, T, S, gen):
+    if kind == "random":
+        return torch.randn(T, S, generator=gen)
+    s = torch.randint(-3, 4, (T, S), generator=gen).float()  # many ties
+    if kind == "special":
+        pick = torch.randint(0, 12, (T, S), generator=gen)
+        s = torch.where(pick == 0, float("nan"), s)
+        s = torch.where(pick == 1, -float("nan"), s)
+        s = torch.where(pick == 2, float("inf"), s)
+        s = torch.where(pick == 3, float("-inf"), s)
+        s = torch.where(pick == 4, -0.0, s)
+        s = torch.where(pick == 5, 0.0, s)
+        s = torch.where(pick == 6, 1e-45, s)  # a denormal
+    return s
+
+
+SELECT_CASES = [
+    (48, [15]),
+    (48, [0, 16, 47]),
+    (512, [511]),
+    (512, [15, 16, 300]),
+    (300, [299, 5, 310]),  # a width that is no multiple of 16; a slot past it sees every row
+]
+
+
+@pytest.mark.parametrize("kind", ["random", "quantised", "special"])
+@pytest.mark.parametrize("topk", [6, 32, 1000])
+@pytest.mark.parametrize("S,slots", SELECT_CASES)
+def test_select_rows(kind, topk, S, slots):
+    gen = torch.Generator().manual_seed(S + topk + len(slots) + sum(slots))
+    slots = torch.tensor(slots)
+    scores = _scores(kind, slots.shape[0], S, gen)
+    want_rows, want_count = select_rows_torch(scores, slots, topk)
+    rows, count = select_rows_triton(scores, slots, topk)
+    assert same(want_rows, rows) and same(want_count, count)
+
+
+def test_select_rows_nan_goes_first():
+    """torch's stable descending sort puts NaNs first, in index order, ±0.0 tie: mirrored."""
+    scores = torch.tensor([[1.0, float("nan"), 5.0, -0.0, -float("nan"), 0.0, float("inf"), float("nan")]])
+    slots = torch.tensor([6])
+    rows, count = select_rows_triton(scores, slots, 3)
+    want_rows, want_count = select_rows_torch(scores, slots, 3)
+    assert rows.tolist() == [[1, 4, 6]] and count.tolist() == [3]
+    assert same(want_rows, rows) and same(want_count, count)
+    rows, _ = select_rows_triton(scores, slots, 6)  # -0.0 at row 3 before +0.0 at row 5
+    assert rows.tolist() == [[0, 1, 2, 3, 4, 6]] == select_rows_torch(scores, slots, 6)[0].tolist()
+
+
+def test_select_rows_mutant_ties_to_higher():
+    """With many ties, taking the higher row of a tie gives other lists: the comparison sees it."""
+    gen = torch.Generator().manual_seed(4)
+    S, topk = 96, 6
+    slots = torch.tensor([95, 40, 16])
+    scores = _scores("quantised", 3, S, gen)
+    rows, count = select_rows_triton(scores, slots, topk)
+    assert same(rows, select_rows_torch(scores, slots, topk)[0])
+    masked = scores.masked_fill(torch.arange(S)[None, :] > slots[:, None], float("-inf"))
+    higher = (S - 1) - torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True).indices[:, :topk]
+    listed = torch.arange(topk)[None, :] < count[:, None]
+    mutant = torch.where(listed, torch.where(listed, higher, S).sort(dim=-1).values, 0)
+    assert not same(rows, mutant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_scores_then_selection_with_ties(dtype):
+    """Quantised queries and keys (integer scores, ties everywhere) through both kernels."""
+    cfg = SMALL
+    gen = torch.Generator().manual_seed(77)
+    blocks = 8
+    slots = torch.tensor([127, 0, 16])
+    pool, table = _pool(cfg, dtype, blocks, gen, quantised=True)
+    q, w = _queries(cfg, dtype, 3, gen, quantised=True)
+    cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
+    cos, sin = torch.ones_like(cos), torch.zeros_like(sin)  # keep the integer queries integer
+    scores = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    assert same(scores, index_scores_torch(cfg, q, w, cos, sin, pool, table, slots))
+    visible = scores[0, :128]
+    assert visible.unique().numel() < 40  # ties
+    rows, count = select_rows_triton(scores, slots, cfg.index_topk)
+    want_rows, want_count = select_rows_torch(scores, slots, cfg.index_topk)
+    assert same(want_rows, rows) and same(want_count, count)
+    assert count.tolist() == [32, 1, 17]
+
+
+# ---- the cache write with the norms fused ---------------------------------------------------------
+
+
+def _write_inputs(cfg, dtype, slots, blocks, gen):
+    """Fresh raw GEMV outputs, norm weights, a shuffled block table and randomly filled pools."""
+    Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    T = slots.shape[0]
+    rope = Rope.build(cfg, 16 * blocks, "cpu")
+    kv = (torch.randn(T, Lkv + R, generator=gen) * 3).to(dtype)
+    k = (torch.randn(T, D, generator=gen) * 3 + 1).to(dtype)
+    kv_norm = (torch.randn(Lkv, generator=gen) * 0.5 + 1).to(dtype)
+    k_w = (torch.randn(D, generator=gen) * 0.5 + 1).to(dtype)
+    k_b = (torch.randn(D, generator=gen) * 0.1).to(dtype)
+    table = torch.randperm(blocks, generator=gen).to(torch.int32)
+    pools = [torch.randn(blocks, 16, Lkv + R, generator=gen).to(dtype), torch.randn(blocks, 16, D, generator=gen).to(dtype)]
+    return (kv, k, kv_norm, k_w, k_b, slots, rope.cos, rope.sin), pools, table
+
+
+def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
+    """Both implementations on the same fresh inputs: (twin's pools, kernel's pools, the pools
+    before, the inputs, the block table)."""
+    args, pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
+    before = [p.clone() for p in pools]
+    mine = [p.clone() for p in pools]
+    ok = torch.tensor([ok_value])
+    cache_rows_write_torch(cfg, *args, pools[0], pools[1], table, ok)
+    cache_rows_write_triton(cfg, *args, mine[0], mine[1], table, ok)
+    return pools, mine, before, args, table
+
+
+WRITE_CASES = [("tiny", 3, [0, 15, 16]), ("tiny", 3, [47]), ("odd", 4, [63, 2, 16]), ("mixed", 2, [31]), ("small", 2, [5, 16, 31])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name,blocks,slots", WRITE_CASES)
+def test_cache_rows_write(dtype, name, blocks, slots):
+    cfg = CONFIGS[name]
+    slots = torch.tensor(slots)
+    for ok_value in (True, False):
+        gen = torch.Generator().manual_seed(blocks * 10 + len(slots))
+        want, got, before, _, _ = _write_both(cfg, dtype, slots, blocks, gen, ok_value)
+        assert same(want[0], got[0]) and same(want[1], got[1])
+        if ok_value:
+            assert not same(before[0], got[0]) and not same(before[1], got[1])
+        else:  # nothing written: the pools keep every byte
+            assert same(before[0], got[0]) and same(before[1], got[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_cache_rows_write_is_new_cache_rows(dtype):
+    """From the real GEMV outputs, the kernel stores what ``new_cache_rows`` + ``LayerCache.write`` store."""
+    cfg = TINY
+    attn = MtpWeights.random(cfg, seed=11, dtype=dtype).layer.attn
+    gen = torch.Generator().manual_seed(12)
+    a = torch.randn(3, cfg.hidden_size, generator=gen).to(dtype)
+    slots = torch.tensor([16, 0, 47])
+    rope = Rope.build(cfg, 48, "cpu")
+    ref = LayerCache.allocate(cfg, 3, dtype, "cpu")
+    ref.block_table = torch.randperm(3, generator=gen).to(torch.int32)
+    ref.kv_pool.normal_(generator=gen)
+    ref.index_pool.normal_(generator=gen)
+    mine = LayerCache(ref.kv_pool.clone(), ref.index_pool.clone(), ref.block_table)
+    cos, sin = rope.at(slots)
+    ref.write(slots, *new_cache_rows(attn, cfg, a, cos, sin))
+    ix = attn.indexer
+    kv, k = linear(a, attn.kv_a_proj_with_mqa), linear(a, ix.wk)
+    cache_rows_write_triton(cfg, kv, k, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos, rope.sin,
+                            mine.kv_pool, mine.index_pool, mine.block_table, torch.tensor([True]))
+    assert same(ref.kv_pool, mine.kv_pool) and same(ref.index_pool, mine.index_pool)
+
+
+def test_cache_rows_write_mutant_dropped_rounding():
+    """RMSNorm without its rounding of ``x * r`` to bfloat16 stores other latents: caught."""
+    cfg, dtype = TINY, torch.bfloat16
+    slots = torch.tensor([0, 15, 16])
+    gen = torch.Generator().manual_seed(31)
+    want, got, _, (kv, _, kv_norm, *_rest), table = _write_both(cfg, dtype, slots, 3, gen, True)
+    assert same(want[0], got[0])
+    Lkv = cfg.kv_lora_rank
+    xf = up(kv[:, :Lkv])
+    r = recip(sqrt(psum(xf * xf) / torch.tensor(float(Lkv)) + torch.tensor(LATENT_NORM_EPS)))
+    mutant = (up(kv_norm) * (xf * r[:, None])).to(dtype)  # one rounding, not two
+    stored = got[0][table[slots // 16].long(), slots % 16, :Lkv]
+    assert not same(stored, mutant)
+
+
+# ---- compiled for the GPU -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_indexer_bytes_on_cuda(dtype):
+    """Compiled for the GPU at GLM-5's indexer widths (Hi = 32, D = 128, R = 64, topk 2048,
+    Lkv = 512) over 4096 rows: the same bytes as the twins on the CPU."""
+    cfg = MtpConfig.preset("glm5")
+    gen = torch.Generator().manual_seed(2048)
+    blocks, T = 256, 3
+    C = 16 * blocks
+    slots = torch.tensor([0, 2500, C - 1])
+    rope = Rope.build(cfg, C, "cpu")
+    cos, sin = rope.at(slots)
+    pool, table = _pool(cfg, dtype, blocks, gen)
+    q, w = _queries(cfg, dtype, T, gen)
+    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
+    cuda = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
+    got = index_scores_triton(cfg, *cuda).cpu()
+    assert same(want, got)
+    for kind in ("random", "quantised", "special"):
+        scores = want if kind == "random" else _scores(kind, T, C, gen)
+        want_rows, want_count = select_rows_torch(scores, slots, cfg.index_topk)
+        rows, count = select_rows_triton(scores.cuda(), slots.cuda(), cfg.index_topk)
+        assert same(want_rows, rows.cpu()) and same(want_count, count.cpu())
+    for ok_value in (True, False):
+        args, want_pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
+        mine = [p.cuda() for p in want_pools]
+        cache_rows_write_torch(cfg, *args, *want_pools, table, torch.tensor([ok_value]))
+        cache_rows_write_triton(cfg, *[a.cuda() for a in args], *mine, table.cuda(), torch.tensor([ok_value]).cuda())
+        assert same(want_pools[0], mine[0].cpu()) and same(want_pools[1], mine[1].cpu())

@@ -1,0 +1,85 @@
+"""The fused draft step (``glm_mtp.optimized.step``) against the reference's block and head, byte
+for byte: the twins' composition on CPU, and every kernel through Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm_mtp.optimized.step import StepKernels, fused_head, fused_rows, fusable
+from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.block import draft_logits, mtp_rows
+from glm_mtp.reference.layers import greedy_token
+from glm_mtp.reference.state import LayerCache
+
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(BITS.get(t.dtype, torch.uint8))
+
+
+def caches(cfg: MtpConfig, dtype: torch.dtype, blocks: int, seed: int) -> tuple[LayerCache, LayerCache]:
+    """Two equal caches over a shuffled block table (rows live in scattered pool blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    a = LayerCache.allocate(cfg, blocks, dtype, "cpu")
+    a.block_table.copy_(torch.randperm(blocks, generator=g).to(torch.int32))
+    b = LayerCache(a.kv_pool.clone(), a.index_pool.clone(), a.block_table.clone())
+    return a, b
+
+
+def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
+    diff = (bits(got) != bits(want)).reshape(-1)
+    assert not diff.any(), f"{name}: {int(diff.sum())} of {diff.numel()} values differ"
+
+
+def run_both(w: MtpWeights, k: StepKernels, context: int, new_rows: int, seed: int) -> None:
+    """Write ``context`` rows with the reference into both caches, then ``new_rows`` more rows
+    (one call) with the reference on one and the fused step on the other; compare everything."""
+    cfg = w.config
+    g = torch.Generator().manual_seed(seed)
+    blocks = (context + new_rows) // 16 + 2
+    ref_cache, opt_cache = caches(cfg, w.dtype, blocks, seed)
+    rope = Rope.build(cfg, blocks * 16, "cpu", w.dtype)
+    n = context + new_rows
+    tokens = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+    hiddens = (torch.randn(n, cfg.hidden_size, generator=g) * 2).to(w.dtype)
+    slots = torch.arange(n)
+    if context:
+        for c in (ref_cache, opt_cache):
+            mtp_rows(w, tokens[:context], hiddens[:context], slots[:context], c, rope)
+    new = slice(context, n)
+    want = mtp_rows(w, tokens[new], hiddens[new], slots[new], ref_cache, rope)
+    ok = torch.ones(1, dtype=torch.bool)
+    got = fused_rows(w, tokens[new], hiddens[new], slots[new], opt_cache, rope, ok, k)
+    assert_same("pre_norm", got, want.pre_norm)
+    assert_same("kv_pool", opt_cache.kv_pool, ref_cache.kv_pool)
+    assert_same("index_pool", opt_cache.index_pool, ref_cache.index_pool)
+    x, token = fused_head(w, got, k)
+    assert_same("x", x, want.x)
+    assert torch.equal(token, greedy_token(draft_logits(w, want.x))), "drafts differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context,new_rows", [(0, 1), (5, 1), (21, 3)])
+def test_twins_compose_to_the_reference(dtype, context, new_rows):
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=3, dtype=dtype)
+    assert fusable(w)
+    run_both(w, StepKernels(triton=False), context, new_rows, seed=context * 7 + new_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context,new_rows", [(0, 1), (21, 1), (9, 3)])
+def test_interpreted_kernels_equal_the_reference_tiny(dtype, context, new_rows):
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=5, dtype=dtype)
+    run_both(w, StepKernels(triton=True), context, new_rows, seed=100 + context)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_kernels_equal_the_reference_small(dtype):
+    # 40 context rows > index_topk 32: the indexer's choice matters.
+    w = MtpWeights.random(MtpConfig.preset("small"), seed=9, dtype=dtype)
+    run_both(w, StepKernels(triton=True), 40, 1, seed=11)
