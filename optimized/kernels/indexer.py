@@ -186,7 +186,7 @@ def _select_rows_kernel(
             m = s < V
             key = _order_key(tl.load(row + s, mask=m, other=0.0))
             ge = (key[:, None] >= cand[None, :]) & m[:, None]
-            cnt += tl.sum(ge.to(tl.int64), axis=0)
+            cnt += tl.sum(ge.to(tl.int64), axis=0)  # integer
         best = tl.max(tl.where(cnt >= n, digits, 0), axis=0)
         theta = theta + (best.to(tl.int64) << shift)
 
@@ -196,7 +196,7 @@ def _select_rows_kernel(
         s = ch * BLOCK + lanes
         m = s < V
         key = _order_key(tl.load(row + s, mask=m, other=0.0))
-        above += tl.sum(((key > theta) & m).to(tl.int64), axis=0)
+        above += tl.sum(((key > theta) & m).to(tl.int64), axis=0)  # integer
     equal_wanted = n - above
     equal_seen = tl.zeros((), tl.int64)
     listed = tl.zeros((), tl.int64)
@@ -206,12 +206,12 @@ def _select_rows_kernel(
         m = s < V
         key = _order_key(tl.load(row + s, mask=m, other=0.0))
         eq = ((key == theta) & m).to(tl.int64)
-        eq_rank = tl.cumsum(eq, axis=0) - eq + equal_seen  # equal rows at lower indices
+        eq_rank = tl.cumsum(eq, axis=0) - eq + equal_seen  # integer; equal rows at lower indices
         take = (((key > theta) & m) | ((eq != 0) & (eq_rank < equal_wanted))).to(tl.int64)
-        pos = tl.cumsum(take, axis=0) - take + listed  # ascending slot order
+        pos = tl.cumsum(take, axis=0) - take + listed  # integer; ascending slot order
         tl.store(out + pos, s.to(tl.int64), mask=take != 0)
-        equal_seen += tl.sum(eq, axis=0)
-        listed += tl.sum(take, axis=0)
+        equal_seen += tl.sum(eq, axis=0)  # integer
+        listed += tl.sum(take, axis=0)  # integer
     # Padding past the list: slot 0.
     for ch in range(n // BLOCK, tl.cdiv(K, BLOCK)):
         j = ch * BLOCK + lanes
