@@ -49,7 +49,7 @@ from glm_mtp.reference.layers import greedy_token
 from .embed import embed_rows_torch
 from .launch import AuditLaunch, Launch, abstract
 from .linear import LINEAR_DTYPES, MAX_BLOCK_K, _tree, linear_blocks
-from .rounding import round_to_storage
+from .rounding import to_storage
 
 # At most this many weights share one norm_linear launch.
 MAX_WEIGHTS = 4
@@ -67,18 +67,9 @@ NO_INDEX = tl.constexpr(1 << 62)
 
 
 @triton.jit
-def _to_storage(y, S_BF16: tl.constexpr, S_F16: tl.constexpr, NAN_BITS: tl.constexpr):
-    """float32 ``y`` rounded to S (bfloat16 on the bits, float16 by Triton's RNE cast, float32 as is)."""
-    if S_F16:
-        return y.to(tl.float16)
-    else:
-        return round_to_storage(y, S_BF16, NAN_BITS)
-
-
-@triton.jit
 def _round_s(y, S_BF16: tl.constexpr, S_F16: tl.constexpr, NAN_BITS: tl.constexpr):
     """``up(round_S(y))``: float32 ``y`` rounded to S and back to float32 (exact)."""
-    return _to_storage(y, S_BF16, S_F16, NAN_BITS).to(tl.float32)
+    return to_storage(y, S_BF16, S_F16, NAN_BITS).to(tl.float32)
 
 
 @triton.jit
@@ -236,7 +227,7 @@ def _fused_linear_kernel(
         if STORE_NORMED:
             if pid == 0:  # the programs of the first output block store the normed rows
                 tl.store(normed_ptr + t64[:, None] * stride_normed + k[None, :],
-                         _to_storage(a, S_BF16, S_F16, NAN_BITS), mask=inside)
+                         to_storage(a, S_BF16, S_F16, NAN_BITS), mask=inside)
         wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         p = a[:, None, :] * wv[None, :, :]  # (BLOCK_T, BLOCK_N, BLOCK_K), +0.0 past K
         root = _tree(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N)
@@ -249,11 +240,11 @@ def _fused_linear_kernel(
         if OUT_ACC:
             tl.store(dst, y, mask=out_in)
         else:
-            tl.store(dst, _to_storage(y, S_BF16, S_F16, NAN_BITS), mask=out_in)
+            tl.store(dst, to_storage(y, S_BF16, S_F16, NAN_BITS), mask=out_in)
     elif EPI == 1:
         res = tl.load(res_ptr + t64[:, None] * stride_res + n[None, :], mask=out_in, other=0.0).to(tl.float32)
         z = res + _round_s(y, S_BF16, S_F16, NAN_BITS)
-        tl.store(o_ptr + t64[:, None] * stride_o + n[None, :], _to_storage(z, S_BF16, S_F16, NAN_BITS), mask=out_in)
+        tl.store(o_ptr + t64[:, None] * stride_o + n[None, :], to_storage(z, S_BF16, S_F16, NAN_BITS), mask=out_in)
     else:
         logits = _round_s(y, S_BF16, S_F16, NAN_BITS)
         idx = tl.broadcast_to(n.to(tl.int64)[None, :], (BLOCK_T, BLOCK_N))

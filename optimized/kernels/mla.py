@@ -60,18 +60,9 @@ from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
+from .pinned_math import exp_f32
 from .rope_cache import KERNEL_DTYPES, _rotate_store
 from .rounding import round_to_storage
-
-# numerics.exp's constants, as the kernels see them (each a float32 value exactly).
-_LOG2E = tl.constexpr(numerics.LOG2E)
-_LN2_HI = tl.constexpr(numerics.LN2_HI)
-_LN2_LO = tl.constexpr(numerics.LN2_LO)
-_ROUND_MAGIC = tl.constexpr(numerics.ROUND_MAGIC)
-_EXP_MAX_IN = tl.constexpr(numerics.EXP_MAX_IN)
-_EXP_MIN_IN = tl.constexpr(numerics.EXP_MIN_IN)
-_P7, _P6, _P5, _P4, _P3, _P2, _P1, _P0 = (tl.constexpr(c) for c in numerics.EXP_POLY)
-assert len(numerics.EXP_POLY) == 8, "the kernel's Horner chain is written out for degree 7"
 
 
 # ---- block sizes --------------------------------------------------------------------------------
@@ -128,29 +119,6 @@ def _log2(n: int) -> int:
 
 
 # ---- shared pieces --------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exp(x):
-    """``numerics.exp`` on float32, step by step: clamp, ``k`` by the magic-number rounding,
-    Cody-Waite ``r``, Horner of degree 7, ``p * 2^(k // 2) * 2^(k - k // 2)`` with both powers
-    built from their exponent bits; NaN stays NaN."""
-    c = tl.minimum(tl.maximum(x, _EXP_MIN_IN), _EXP_MAX_IN)
-    k = (c * _LOG2E + _ROUND_MAGIC) - _ROUND_MAGIC
-    r = (c - k * _LN2_HI) - k * _LN2_LO
-    p = r * 0.0 + _P7
-    p = p * r + _P6
-    p = p * r + _P5
-    p = p * r + _P4
-    p = p * r + _P3
-    p = p * r + _P2
-    p = p * r + _P1
-    p = p * r + _P0
-    ki = k.to(tl.int32)
-    k1 = ki >> 1  # floor(k / 2): an arithmetic shift
-    k2 = ki - k1
-    y = (p * ((k1 + 127) << 23).to(tl.float32, bitcast=True)) * ((k2 + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, y)
 
 
 @triton.jit
@@ -411,7 +379,7 @@ def _mla_softmax_kernel(
     for c in range(0, tl.cdiv(span, BLOCK_K)):
         k = c * BLOCK_K + kk
         s = tl.load(rows + k[None, :], mask=h_in[:, None] & (k < count)[None, :], other=float("-inf"))
-        e = tl.where((k < K)[None, :], _exp(s - m[:, None]), 0.0)  # past K: the tree's +0.0 padding
+        e = tl.where((k < K)[None, :], exp_f32(s - m[:, None]), 0.0)  # past K: the tree's +0.0 padding
         root = _prefix_tree(tl.reshape(e, (1, BLOCK_H, BLOCK_K)), 1, BLOCK_H, BLOCK_K, LEVELS_K, level, 0)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     den = tl.reshape(_prefix_tree(roots, 1, BLOCK_H, NCHUNK, LEVELS_C, level, LEVELS_K), (BLOCK_H,))
@@ -421,7 +389,7 @@ def _mla_softmax_kernel(
     for c in range(0, tl.cdiv(span, BLOCK_K)):
         k = c * BLOCK_K + kk
         s = tl.load(rows + k[None, :], mask=h_in[:, None] & (k < count)[None, :], other=float("-inf"))
-        p = tl.math.div_rn(_exp(s - m[:, None]), den[:, None])
+        p = tl.math.div_rn(exp_f32(s - m[:, None]), den[:, None])
         tl.store(out + k[None, :], p, mask=h_in[:, None] & (k < span)[None, :])
 
 

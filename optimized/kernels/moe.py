@@ -38,7 +38,7 @@ from glm_mtp.reference.numerics import PINNED, up
 from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
 from .pinned_math import sigmoid_f32, silu_f32
-from .rounding import round_to_storage
+from .rounding import to_storage
 
 # Storage dtypes of the expert kernels (activations and weights).
 MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,15 +54,6 @@ _NEG_INF_KEY = tl.constexpr(int(torch.tensor([0xFF800000 ^ 0x7FFFFFFF], dtype=to
 
 
 # ---- shared pieces ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _to_storage(y, TO_BF16: tl.constexpr, TO_F16: tl.constexpr, NAN_BITS: tl.constexpr):
-    """float32 ``y`` rounded to the storage dtype (to nearest even)."""
-    if TO_F16:
-        return y.to(tl.float16)
-    else:
-        return round_to_storage(y, TO_BF16, NAN_BITS)
 
 
 @triton.jit
@@ -269,10 +260,10 @@ def _gate_up_kernel(
     gate = _dot_cols(m_row, g_rows, n_in, H, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C)
     upv = _dot_cols(m_row, u_rows, n_in, H, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C)
     # swiglu_hidden: round_S(silu(up(round_S(gate))) * up(round_S(up)))
-    g_s = _to_storage(gate, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
-    u_s = _to_storage(upv, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+    g_s = to_storage(gate, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+    u_s = to_storage(upv, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
     h = silu_f32(g_s) * u_s
-    tl.store(dst, _to_storage(h, TO_BF16, TO_F16, NAN_BITS), mask=n_in)
+    tl.store(dst, to_storage(h, TO_BF16, TO_F16, NAN_BITS), mask=n_in)
 
 
 def _check_stack(name: str, arg: str, w: Tensor, dims: int, dtype: torch.dtype) -> None:
@@ -429,17 +420,17 @@ def _down_combine_kernel(
         rows = down_ptr + e * stride_de + n.to(tl.int64)[:, None] * stride_dn
         y = _dot_cols(hidden_ptr + t * stride_ht + j * stride_hj, rows, n_in, I, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK,
                       LEVELS_C)
-        term = w * _to_storage(y, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)  # weights * up(round_S(y))
+        term = w * to_storage(y, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)  # weights * up(round_S(y))
         terms = tl.where(slot[None, None, :] == j, term[None, :, None], terms)
     moe = tl.reshape(_tree(terms, 1, BLOCK_N, BLOCK_KS, LEVELS_KS), (BLOCK_N,))  # combine: psum over slots
     if HAS_SHARED:
         rows = sdown_ptr + n.to(tl.int64)[:, None] * stride_sd
         ysh = _dot_cols(shidden_ptr + t * stride_st, rows, n_in, Is, BLOCK_N, BLOCK_KSH, LEVELS_KSH, NCHUNK_SH,
                         LEVELS_CSH)
-        moe = moe + _to_storage(ysh, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
-    moe_s = _to_storage(moe, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+        moe = moe + to_storage(ysh, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+    moe_s = to_storage(moe, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
     res = tl.load(res_ptr + t * stride_r + n, mask=n_in, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + n, _to_storage(res + moe_s, TO_BF16, TO_F16, NAN_BITS), mask=n_in)
+    tl.store(out_ptr + t * stride_o + n, to_storage(res + moe_s, TO_BF16, TO_F16, NAN_BITS), mask=n_in)
 
 
 def experts_down_combine_launch(hidden: Tensor, shared_hidden: Tensor | None, experts: Tensor, weights: Tensor,

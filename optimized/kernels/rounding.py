@@ -30,6 +30,17 @@ def round_to_storage(y, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
         return y
 
 
+@triton.jit
+def to_storage(y, TO_BF16: tl.constexpr, TO_F16: tl.constexpr, NAN_BITS: tl.constexpr):
+    """float32 ``y`` rounded to the storage dtype S, to nearest even: bfloat16 on the bits
+    (``round_to_storage``), float16 by Triton's cast (round to nearest even, numpy's in the
+    interpreter), float32 as is."""
+    if TO_F16:
+        return y.to(tl.float16)
+    else:
+        return round_to_storage(y, TO_BF16, NAN_BITS)
+
+
 @functools.lru_cache(maxsize=None)
 def float32_bits(value: float) -> int:
     """The bits of ``value`` rounded once to float32 (as ``torch.tensor(value, dtype=float32)``),

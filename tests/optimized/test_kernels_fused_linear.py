@@ -311,6 +311,15 @@ def _truncate_bf16(y, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
 
 
 @triton.jit
+def _truncating_storage(y, TO_BF16: tl.constexpr, TO_F16: tl.constexpr, NAN_BITS: tl.constexpr):
+    """A mutant of ``rounding.to_storage`` with the truncating bfloat16 cast."""
+    if TO_F16:
+        return y.to(tl.float16)
+    else:
+        return _truncate_bf16(y, TO_BF16, NAN_BITS)
+
+
+@triton.jit
 def _keep_f32(y, S_BF16: tl.constexpr, S_F16: tl.constexpr, NAN_BITS: tl.constexpr):
     """A mutant of ``_round_s``: the intermediate rounding to S dropped."""
     return y
@@ -350,7 +359,7 @@ def test_mutant_left_to_right_sum_is_caught(monkeypatch):
 def test_mutant_truncating_bf16_cast_is_caught(monkeypatch):
     x, nw, ws = _norm_inputs(3, 96, [37], BF16, seed=23)
     want, want_normed = norm_linear_torch(x, nw, EPS, ws, acc=True, store_normed=True)
-    monkeypatch.setattr(fl, "round_to_storage", _truncate_bf16)
+    monkeypatch.setattr(fl, "to_storage", _truncating_storage)
     (got,), normed = norm_linear_triton(x, nw, EPS, ws, acc=True, store_normed=True)
     assert not _equal(normed, want_normed) and not _equal(got, want[0])
 

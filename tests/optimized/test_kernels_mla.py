@@ -20,8 +20,9 @@ from glm_mtp.optimized.kernels import absorbed_query_torch, absorbed_query_trito
 from glm_mtp.optimized.kernels import mla
 from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.mla import (
-    MlaBlocks, MlaScratch, _exp, _list_level, _physical_rows, _prefix_tree, sparse_mla_launches,
+    MlaBlocks, MlaScratch, _list_level, _physical_rows, _prefix_tree, sparse_mla_launches,
 )
+from glm_mtp.optimized.kernels.pinned_math import exp_f32 as _exp
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope, absorb_query, latent_query, sparse_mla
 from glm_mtp.reference.numerics import exp, linear
