@@ -39,8 +39,9 @@ def test_optimized_equals_reference_with_the_pre_norm_ablation():
 
 
 def test_optimized_with_interpreted_triton_kernels_equals_reference():
-    # Triton's CPU interpreter is slow: one realistic and one adversarial scenario.
-    r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=2, seed=5)
+    # Triton's CPU interpreter is slow (~0.5 s a row at tiny): one realistic and one adversarial
+    # scenario over short sequences.
+    r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=2, seed=5, max_seq_len=24)
     assert r.ok, r.first_difference
 
 
