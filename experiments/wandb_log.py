@@ -136,9 +136,31 @@ def _records(path: str) -> list[bytes]:
     return out
 
 
-def read_offline_run(run_dir: str) -> dict[str, Any]:
+def read_offline_run(run_dir: str, wait_s: float = 30.0) -> dict[str, Any]:
     """``{"config", "summary", "history"}`` of the newest offline W&B run under ``run_dir`` (the
-    folder given to ``wandb.init(dir=...)``), decoded from its ``.wandb`` file."""
+    folder given to ``wandb.init(dir=...)``), decoded from its ``.wandb`` file.
+
+    W&B's service process writes the file on its own schedule: ``finish()`` has been seen to
+    return while the file held only its header. Until the run's summary is in it, this reads it
+    again, for at most ``wait_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            run = _read_offline_run_once(run_dir)
+        except FileNotFoundError:
+            raise
+        except Exception:  # a record caught half written
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if run["summary"] or time.monotonic() > deadline:
+                return run
+        time.sleep(0.2)
+
+
+def _read_offline_run_once(run_dir: str) -> dict[str, Any]:
     import glob
     import json
 
