@@ -136,7 +136,8 @@ def test_kernels_choice_reaches_the_optimized_backend(kernels, tmp_path):
     """``--kernels`` picks the optimized backend's kernels (the Triton interpreter on CPU, or the
     torch twins) and the report names that backend, so its replay command runs it again."""
     out = tmp_path / "r.json"
-    assert main(["--kernels", kernels, "--scenarios", "1", "--max-drafts", "2", "--seed", "5", "--json", str(out)]) == 0
+    assert main(["--kernels", kernels, "--scenarios", "1", "--max-drafts", "2", "--max-seq-len", "24", "--seed", "5",
+                 "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     want = "with_triton_kernels" if kernels == "triton" else "with_torch_twins"
     assert rep["ok"] is True and rep["candidate"].endswith(want), rep["candidate"]
