@@ -42,6 +42,7 @@ from glm_mtp.reference.numerics import up
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
+from .pinned_math import order_key
 from .rounding import float32_bits, round_to_storage
 
 # The storage dtypes the index-score kernel reads (queries, head weights, cached keys).
@@ -144,13 +145,8 @@ def _index_scores_kernel(
 
 @triton.jit
 def _order_key(x):
-    """float32 ``x`` as an int64 in [0, 2^32) that orders as torch's descending sort does:
-    ``-0.0`` and ``+0.0`` equal, every NaN (any sign, any payload) equal and above ``+inf``."""
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(x == 0.0, 0, key)
-    key = tl.where(x != x, 0x7FFFFFFF, key)
-    return key.to(tl.int64) + 2147483648
+    """``pinned_math.order_key`` moved to [0, 2^32) as an int64 (the radix select's digits)."""
+    return order_key(x).to(tl.int64) + 2147483648
 
 
 @triton.jit

@@ -37,7 +37,7 @@ from glm_mtp.reference.numerics import PINNED, up
 
 from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
-from .pinned_math import sigmoid_f32, silu_f32
+from .pinned_math import key_value, order_key, sigmoid_f32, silu_f32
 from .rounding import to_storage
 
 # Storage dtypes of the expert kernels (activations and weights).
@@ -49,7 +49,7 @@ NORM_EPS = ref_moe.NORM_EPS
 # The expert kernels' rows run on a CUDA grid's second/third axis (at most 65535 blocks).
 MAX_ROWS = 65535
 _INT_MIN = tl.constexpr(-2147483648)
-# _order_key(-inf): where masked_fill puts the experts of the groups left out.
+# order_key(-inf): where masked_fill puts the experts of the groups left out.
 _NEG_INF_KEY = tl.constexpr(int(torch.tensor([0xFF800000 ^ 0x7FFFFFFF], dtype=torch.int64).to(torch.int32).item()))
 
 
@@ -74,22 +74,6 @@ def _dot_cols(x_row, w_rows, n_in, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
         root = _tree(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     return tl.reshape(_tree(roots, 1, BLOCK_N, NCHUNK, LEVELS_C), (BLOCK_N,))
-
-
-@triton.jit
-def _order_key(v):
-    """An int32 that orders as torch's sort orders float32 ``v``: ``-0.0`` equal to ``+0.0``,
-    every NaN above ``+inf`` (and equal to each other)."""
-    v = tl.where(v == 0.0, 0.0, v)
-    bits = v.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude's order
-    return tl.where(v != v, 0x7FFFFFFF, key)
-
-
-@triton.jit
-def _key_value(key):
-    """The float32 of an ``_order_key`` (the map is its own inverse on the bits; NaN stays NaN)."""
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 # ---- 1. the expert choice -----------------------------------------------------------------------
@@ -125,14 +109,14 @@ def _route_kernel(
     logit = tl.load(logits_ptr + t * stride_l + ids, mask=valid, other=0.0)
     bias = tl.load(bias_ptr + ids, mask=valid, other=0.0).to(tl.float32)
     biased = sigmoid_f32(logit) + bias  # the scores plus the bias, as route: scores + up(bias)
-    key = tl.where(valid, _order_key(biased), _INT_MIN)
+    key = tl.where(valid, order_key(biased), _INT_MIN)
     BIG: tl.constexpr = BLOCK_G * BLOCK_EG
     if G > 1:
         # Group score: best + second best biased score (topk(2).values, psum of two).
         k1 = tl.max(key, axis=1)  # (BLOCK_G,)
         i1 = tl.min(tl.where(key == k1[:, None], i[None, :], BLOCK_EG), axis=1)
         k2 = tl.max(tl.where(i[None, :] == i1[:, None], _INT_MIN, key), axis=1)
-        gkey = tl.where(g < G, _order_key(_key_value(k1) + _key_value(k2)), _INT_MIN)
+        gkey = tl.where(g < G, order_key(key_value(k1) + key_value(k2)), _INT_MIN)
         # The TOPK_GROUP best groups, ties to the lower group.
         keep = g < 0
         for _ in tl.static_range(TOPK_GROUP):

@@ -87,6 +87,23 @@ def silu_f32(x):
 
 
 @triton.jit
+def order_key(v):
+    """An int32 that orders as torch's sort orders float32 ``v``: ``-0.0`` equal to ``+0.0``,
+    every NaN (any sign, any payload) above ``+inf`` and equal to each other. Integer compares
+    and max/min on these keys are exact, so top-k choices built on them follow torch's order."""
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude's order
+    return tl.where(v != v, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def key_value(key):
+    """The float32 of an ``order_key`` (the map is its own inverse on the bits; NaN stays NaN)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _exp_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
