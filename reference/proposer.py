@@ -53,6 +53,9 @@ class DraftProposer(Protocol):
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int: ...
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]: ...
     def after_verify(self, num_accepted: int, state: DrafterState) -> None: ...
+    def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
+                      states: list[DrafterState]) -> list[list[int]]: ...
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]: ...
     def export_state(self, state: DrafterState) -> dict[str, Tensor]: ...
 
 
@@ -243,10 +246,49 @@ class ReferenceProposer:
         """``sampling_inputs`` for this drafter's weights and ``state``'s device."""
         return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device)
 
+    def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
+                      states: list[DrafterState]) -> list[list[int]]:
+        """``propose`` for many states at once: state b drafts ``num_drafts`` tokens after
+        ``last_tokens[b]`` from ``target_hiddens[b]`` (B, H) at ``positions[b]``. Every state's
+        drafts and bytes are those of ``propose`` on it alone (this reference is that loop).
+
+        Checks: every state's guard first, then the batch's shapes, then each state's
+        ``propose`` checks in index order; a refusal names ``states[b]`` and changes no state."""
+        call = "propose_batch"
+        states = contract.batch_states(call, states)
+        with contract.guard_all(call, states, self.use):
+            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states, self.weights,
+                                                self.capacity, contract.check_live)
+            with contract.writing_all(states, call):
+                return [self._draft(args, st, call)[0] for args, st in zip(batch.args, states)]
+
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]:
+        """``catchup_drafter`` of one row for many states: state b gets row ``row_bases[b]`` from
+        ``tokens[b]`` and ``hiddens[b]`` (B, H), the row a fully accepted propose owes. Returns the
+        rows written per state (0 where ``row_bases[b]`` is not the state's ``drafter_rows``).
+        Checks as ``propose_batch``'s."""
+        call = "catchup_batch"
+        states = contract.batch_states(call, states)
+        with contract.guard_all(call, states, self.use):
+            rows = contract.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights, self.capacity,
+                                               contract.check_live)
+            with contract.writing_all(states, call):
+                for r in rows:
+                    self._write_rows(r.token, r.hidden, r.row_base, states[r.b])
+            written = [0] * len(states)
+            for r in rows:
+                written[r.b] = 1
+            return written
+
     def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState,
                  sample: tuple[object, object] | None = None, call: str = "propose") -> tuple[list[int], Tensor | None]:
         contract.check_live(state, call)
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, state, self.weights, self.capacity)
+        return self._draft(args, state, call, sample)
+
+    def _draft(self, args: contract.ProposeArgs, state: DrafterState, call: str,
+               sample: tuple[object, object] | None = None) -> tuple[list[int], Tensor | None]:
+        """A propose after its checks: the rewind, the draft steps, the counters."""
         position, num_drafts, hidden = args.position, args.num_drafts, args.hidden
         token = args.token if isinstance(args.token, Tensor) else torch.tensor([args.token], dtype=torch.int64, device=state.device)
         temp = noise = None
