@@ -321,7 +321,6 @@ class SpeculativeDecoder:
             prop.free_state(dstate)
         return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats, tokens, None if free_state else dstate)
 
-
     def generate_batch(self, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int],
                        device: torch.device | str = "cpu") -> list[SpecResult]:
         """``generate`` for many prompts at once: one ``SpecResult`` per prompt, in order.
@@ -331,7 +330,9 @@ class SpeculativeDecoder:
         ``catchup_batch`` writes the row each fully accepted sequence owes (``after_verify`` stays
         per state). A sequence leaves the batch as soon as it has its ``max_new_tokens``
         (an int for all, or one per prompt): its drafter state is freed before the next round.
-        Prompts may differ in length.
+        Prompts may differ in length. A drafter with a ``max_batch`` (the optimized one's) gets
+        the live sequences in calls of at most that many states (still one call per round when
+        they fit).
 
         Greedy verification (``temperature == 0``): each sequence's tokens and counters (every
         ``SpecStats`` field but the seconds) equal ``generate`` on its prompt alone, bit for bit
@@ -380,14 +381,19 @@ class SpeculativeDecoder:
                 s.done = s.generated >= s.want
             self._leave(seqs)
 
+            cap = getattr(prop, "max_batch", None) or B  # the most states one batched call takes
             while live := [s for s in seqs if not s.done]:
-                t0 = clock()
-                drafts = prop.propose_batch([s.tokens[s.m] for s in live], torch.cat([s.h_prev for s in live]),
-                                            [s.m - 1 for s in live], k, [s.dstate for s in live])
-                share = (clock() - t0) / len(live)
+                drafts = []
+                for i in range(0, len(live), cap):
+                    part = live[i : i + cap]
+                    t0 = clock()
+                    drafts += prop.propose_batch([s.tokens[s.m] for s in part], torch.cat([s.h_prev for s in part]),
+                                                 [s.m - 1 for s in part], k, [s.dstate for s in part])
+                    share = (clock() - t0) / len(part)
+                    for s in part:
+                        s.stats.draft_s += share
                 owed: list[tuple[_Seq, int, Tensor, int]] = []  # fully accepted: (seq, d_k, h_{m+k-1}, row m+k-1)
                 for s, d in zip(live, drafts):
-                    s.stats.draft_s += share
                     t1 = clock()
                     out = tg.forward(torch.tensor([s.tokens[s.m], *d]), s.tstate)  # positions m..m+k
                     a, bonus = self._verify(out.logits, d)
@@ -402,12 +408,13 @@ class SpeculativeDecoder:
                     s.tokens += [*d[:a], bonus]
                     s.h_prev = out.hidden[a : a + 1]  # h_{m+a}
                     s.m += a + 1
-                if owed:
+                for i in range(0, len(owed), cap):
+                    part = owed[i : i + cap]
                     t0 = clock()
-                    written = prop.catchup_batch([o[1] for o in owed], torch.cat([o[2] for o in owed]), [o[3] for o in owed],
-                                                 [o[0].dstate for o in owed])
-                    share = (clock() - t0) / len(owed)
-                    for (s, _, _, row), w in zip(owed, written):
+                    written = prop.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]), [o[3] for o in part],
+                                                 [o[0].dstate for o in part])
+                    share = (clock() - t0) / len(part)
+                    for (s, _, _, row), w in zip(part, written):
                         s.stats.draft_s += share
                         if w != 1:
                             raise RuntimeError(f"catchup_batch wrote {w} rows for a fully accepted sequence at row {row}; "

@@ -122,6 +122,16 @@ def test_real_drafter_batch_equals_single_on_the_shipped_model(shipped32, backen
     assert sum(r.stats.steps - r.stats.accepted[k - 1] for r in batch) > 0
 
 
+def test_a_batch_past_max_batch_goes_in_parts(shipped32):
+    # The optimized drafter takes at most max_batch states per call: 4 sequences, max_batch 3.
+    k = 3
+    target = Target(shipped32.target, 128)
+    make = lambda: Spy(backend_class("optimized")(shipped32.mtp, 128, max_batch=3))  # noqa: E731
+    single, batch, spy = check_batch_equals_single(make, target, prompts_of(shipped32.target.config.vocab_size, seed=2), k, 20)
+    sizes = [len(sts) for ev, sts in spy.events if ev in ("propose_batch", "catchup_batch")]
+    assert max(sizes) == 3 and 1 in sizes
+
+
 class Spy:
     """Wraps a drafter and logs the calls that allocate, batch and free states."""
 
