@@ -90,7 +90,7 @@ def check_batch_equals_single(make_prop, target, prompts, k, new):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_oracle_drafts_batch_equals_single_at_tiny(tiny64, target64, backend):
     # Oracle drafts at tiny: a mix of every accept count, the catch-ups of a == k included.
-    k, new = 3, 24
+    k, new = 3, 16
     prompts = prompts_of(tiny64.target.config.vocab_size)
     conts = [p + target_decode(target64, p, new + k + 8) for p in prompts]
     make = lambda: oracle_class(backend)(tiny64.mtp, 128, conts, p_wrong=0.25)  # noqa: E731
@@ -107,7 +107,7 @@ def test_oracle_drafts_batch_equals_single_at_tiny(tiny64, target64, backend):
 def test_real_drafter_batch_equals_single_at_tiny(tiny64, target64, backend):
     # The drafter's own drafts (a random tiny model: mostly rejected).
     check_batch_equals_single(lambda: make_proposer(backend, tiny64.mtp, 128), target64,
-                              prompts_of(tiny64.target.config.vocab_size, seed=1), 3, 16)
+                              prompts_of(tiny64.target.config.vocab_size, seed=1), 3, 10)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
