@@ -226,6 +226,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    batch_size = check_batch_size(cfg.get("batch_size", 1), mode, cfg.policy, cfg.get("draft", "argmax"))
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
@@ -243,8 +244,6 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     target = Target(model.target, max_seq_len, numerics=numerics)
     proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
     decoder = SpeculativeDecoder(target, proposer, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
-    batch_size = cfg.get("batch_size", 1)
-    check_batch_size(batch_size, mode, cfg.policy, draft)
     os.makedirs(run_dir, exist_ok=True)
     group = cfg.get("group", None)
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
