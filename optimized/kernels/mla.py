@@ -18,7 +18,9 @@ do not depend on the others):
 - ``_mla_scores_kernel``: the scores of a block of heads for a chunk of listed rows, into a
   float32 scratch (T, nh, K). A chunk wholly past the row's ``count`` returns at once: the cost
   is O(count), not O(K). The rows are read from the PAGED pool through ``block_table`` (slot r
-  lives in ``kv_pool[block_table[r // 16], r % 16]``), never from a gathered copy.
+  lives in ``kv_pool[block_table[r // 16], r % 16]``), never from a gathered copy; row t's pool
+  and block table come from line t of a ``RowCaches`` address table (``paged.row_pools``; stride
+  0 when every row is in one sequence's cache), so one launch serves rows of many sequences.
 - ``_mla_softmax_kernel``: ``m = max`` over the listed scores, ``e = exp(s - m)`` by the pinned
   algorithm (``numerics.exp``, step by step; never ``tl.exp``), the denominator ``psum_prefix``,
   ``p = div_rn(e, denominator)`` into a second scratch (T, nh, K).
@@ -59,8 +61,8 @@ from glm_mtp.reference.layers import apply_rope
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
-from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
 from .linear import _tree
+from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
 from .pinned_math import exp_f32
 from .rope_cache import KERNEL_DTYPES, _rotate_store
 from .rounding import round_to_storage

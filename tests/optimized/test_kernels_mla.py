@@ -5,9 +5,11 @@ random inputs through Triton's CPU interpreter (tests/conftest.py sets TRITON_IN
 Shapes: tiny (nh=4, Lkv=16, R=8), small-like (nh=8, Lkv=64, R=16) and an odd one (nh=6: a
 masked head block; Lkv=24 and nope=12: non-power-of-two trees; v=20). Lists of width K up to 40
 with counts 1..K over a multi-block paged pool whose block table is shuffled; float32 and
-bfloat16; T = 1 and 3; both RoPE layouts; default blocks and small blocks (many chunks). Then
-kernels with one plausible mistake each (a library-order denominator, ``tl.exp``, padding
-entries loaded as +0.0, the whole-width tree in place of ``psum_prefix``) are caught."""
+bfloat16; T = 1 and 3; both RoPE layouts; default blocks and small blocks (many chunks); rows
+of several states, each row in its own paged cache (a per-row ``RowCaches``), equal to the twin
+and to each row run alone. Then kernels with one plausible mistake each (a library-order
+denominator, ``tl.exp``, padding entries loaded as +0.0, the whole-width tree in place of
+``psum_prefix``, every row reading line 0 of a per-row address table) are caught."""
 
 import zlib
 
