@@ -79,8 +79,8 @@ def test_index_scores(dtype, name, blocks, slots):
     q, w = _queries(cfg, dtype, T, gen)
     rope = Rope.build(cfg, 16 * blocks, "cpu")
     cos, sin = rope.at(slots)
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    got = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     assert same(want, got)
     C = 16 * blocks
     visible = torch.arange(C)[None, :] <= slots[:, None]
@@ -88,7 +88,7 @@ def test_index_scores(dtype, name, blocks, slots):
     assert (got[visible] != 0).any()
     # Each row is scored as if alone (T = 1 gives the same bytes).
     for t in range(T):
-        alone = index_scores_triton(cfg, q[t : t + 1], w[t : t + 1], cos[t : t + 1], sin[t : t + 1], pool, table, slots[t : t + 1])
+        alone = index_scores_triton(cfg, q[t : t + 1], w[t : t + 1], cos[t : t + 1], sin[t : t + 1], LayerCache(pool, pool, table), slots[t : t + 1])
         assert same(alone, got[t : t + 1])
 
 
@@ -108,8 +108,8 @@ def test_index_scores_twin_is_the_reference_path():
     want = index_scores(q_idx, w_idx, LayerCache(pool, pool, table).index_rows())
     want = want.masked_fill(torch.arange(16 * blocks)[None, :] > slots[:, None], float("-inf"))
     q, w = linear(q_latent, attn.indexer.wq_b), linear(a, attn.indexer.weights_proj)
-    assert same(want, index_scores_torch(cfg, q, w, cos, sin, pool, table, slots))
-    assert same(want, index_scores_triton(cfg, q, w, cos, sin, pool, table, slots))
+    assert same(want, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    assert same(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
 
 
 def test_index_scores_relu_keeps_negative_zero():
@@ -122,8 +122,8 @@ def test_index_scores_relu_keeps_negative_zero():
     q, w = q.abs() + 0.5, w.abs() + 0.25
     slots = torch.tensor([31])
     cos, sin = torch.ones(1, cfg.qk_rope_head_dim // 2), torch.zeros(1, cfg.qk_rope_head_dim // 2)  # RoPE keeps q > 0
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    got = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     assert same(want, got)
     assert int(bits(got)[0, 3]) == int(bits(torch.tensor(-0.0))) and int(bits(got)[0, 19]) == int(bits(torch.tensor(-0.0)))
 
@@ -138,9 +138,9 @@ def test_index_scores_mutants():
     pool, table = _pool(cfg, dtype, blocks, gen)
     q, w = _queries(cfg, dtype, 3, gen)
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    assert same(want, index_scores_triton(cfg, q, w, cos, sin, pool, table, slots))
-    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), pool, table, slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    assert same(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), LayerCache(pool, pool, table), slots)
     assert not same(want, unrotated)
     # Heads summed left to right instead of the psum tree.
     qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
@@ -233,8 +233,8 @@ def test_scores_then_selection_with_ties(dtype):
     q, w = _queries(cfg, dtype, 3, gen, quantised=True)
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
     cos, sin = torch.ones_like(cos), torch.zeros_like(sin)  # keep the integer queries integer
-    scores = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
-    assert same(scores, index_scores_torch(cfg, q, w, cos, sin, pool, table, slots))
+    scores = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    assert same(scores, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
     visible = scores[0, :128]
     assert visible.unique().numel() < 40  # ties
     rows, count = select_rows_triton(scores, slots, cfg.index_topk)
@@ -268,8 +268,8 @@ def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
     before = [p.clone() for p in pools]
     mine = [p.clone() for p in pools]
     ok = torch.tensor([ok_value])
-    cache_rows_write_torch(cfg, *args, pools[0], pools[1], table, ok)
-    cache_rows_write_triton(cfg, *args, mine[0], mine[1], table, ok)
+    cache_rows_write_torch(cfg, *args, LayerCache(pools[0], pools[1], table), ok)
+    cache_rows_write_triton(cfg, *args, LayerCache(mine[0], mine[1], table), ok)
     return pools, mine, before, args, table
 
 
@@ -310,7 +310,7 @@ def test_cache_rows_write_is_new_cache_rows(dtype):
     ix = attn.indexer
     kv, k = linear(a, attn.kv_a_proj_with_mqa), linear(a, ix.wk)
     cache_rows_write_triton(cfg, kv, k, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos, rope.sin,
-                            mine.kv_pool, mine.index_pool, mine.block_table, torch.tensor([True]))
+                            mine, torch.tensor([True]))
     assert same(ref.kv_pool, mine.kv_pool) and same(ref.index_pool, mine.index_pool)
 
 
@@ -346,9 +346,9 @@ def test_indexer_bytes_on_cuda(dtype):
     cos, sin = rope.at(slots)
     pool, table = _pool(cfg, dtype, blocks, gen)
     q, w = _queries(cfg, dtype, T, gen)
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    cuda = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
-    got = index_scores_triton(cfg, *cuda).cpu()
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    q_, w_, cos_, sin_, pool_, table_, slots_ = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
+    got = index_scores_triton(cfg, q_, w_, cos_, sin_, LayerCache(pool_, pool_, table_), slots_).cpu()
     assert same(want, got)
     for kind in ("random", "quantised", "special"):
         scores = want if kind == "random" else _scores(kind, T, C, gen)
@@ -358,6 +358,6 @@ def test_indexer_bytes_on_cuda(dtype):
     for ok_value in (True, False):
         args, want_pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
         mine = [p.cuda() for p in want_pools]
-        cache_rows_write_torch(cfg, *args, *want_pools, table, torch.tensor([ok_value]))
-        cache_rows_write_triton(cfg, *[a.cuda() for a in args], *mine, table.cuda(), torch.tensor([ok_value]).cuda())
+        cache_rows_write_torch(cfg, *args, LayerCache(*want_pools, table), torch.tensor([ok_value]))
+        cache_rows_write_triton(cfg, *[a.cuda() for a in args], LayerCache(*mine, table.cuda()), torch.tensor([ok_value]).cuda())
         assert same(want_pools[0], mine[0].cpu()) and same(want_pools[1], mine[1].cpu())
