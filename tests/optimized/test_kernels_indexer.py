@@ -361,3 +361,186 @@ def test_indexer_bytes_on_cuda(dtype):
         cache_rows_write_torch(cfg, *args, LayerCache(*want_pools, table), torch.tensor([ok_value]))
         cache_rows_write_triton(cfg, *[a.cuda() for a in args], LayerCache(*mine, table.cuda()), torch.tensor([ok_value]).cuda())
         assert same(want_pools[0], mine[0].cpu()) and same(want_pools[1], mine[1].cpu())
+
+
+# ---- per-row caches: one launch over rows of many sequences ---------------------------------------
+
+
+def _random_cache(cfg, dtype, blocks, gen):
+    """A state's cache (``LayerCache.allocate``) with random contents over a shuffled block table."""
+    c = LayerCache.allocate(cfg, blocks, dtype, "cpu")
+    c.kv_pool.copy_(torch.randn(c.kv_pool.shape, generator=gen) * 2)
+    c.index_pool.copy_(torch.randn(c.index_pool.shape, generator=gen) * 2)
+    c.block_table.copy_(torch.randperm(blocks, generator=gen).to(torch.int32))
+    return c
+
+
+def _clone(c):
+    return LayerCache(c.kv_pool.clone(), c.index_pool.clone(), c.block_table.clone())
+
+
+def _same_caches(a, b):
+    return all(same(x.kv_pool, y.kv_pool) and same(x.index_pool, y.index_pool) for x, y in zip(a, b, strict=True))
+
+
+# Row t in state ORDER[t]: rows 1, 2 share a state (one run), rows 0 and 4 another (two runs).
+ORDER = [0, 1, 1, 2, 0]
+ROW_SLOTS = [0, 7, 20, 33, 47]
+BLOCKS = 3  # 48 rows per state
+
+
+def _with_stride(launch, stride):
+    """``launch`` with the address table read at another row stride (a broken variant)."""
+    from glm_mtp.optimized.kernels import Launch
+
+    args = list(launch.args)
+    i = next(j for j, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a.dim() == 2)
+    assert args[i + 1] == 3
+    args[i + 1] = stride
+    return Launch(launch.kernel, launch.grid, tuple(args), launch.meta)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny", "odd"])
+def test_index_scores_per_row_caches(dtype, name):
+    """Rows of 3 states in one launch: byte-equal to the twin (each run of rows scored in its own
+    state's cache) and to the kernel called row by row on each state's cache alone."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg = CONFIGS[name]
+    gen = torch.Generator().manual_seed(len(name) * 13 + (dtype == torch.bfloat16))
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    slots = torch.tensor(ROW_SLOTS)
+    T = slots.shape[0]
+    q, w = _queries(cfg, dtype, T, gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    caches = RowCaches.per_row([states[i] for i in ORDER], table=torch.zeros(8, 3, dtype=torch.int64))
+    want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, caches, slots)
+    assert same(want, got)
+    visible = torch.arange(16 * BLOCKS)[None, :] <= slots[:, None]
+    assert torch.isfinite(got[visible]).all() and (got[~visible] == float("-inf")).all()
+    for t in range(T):  # batch invariance: each row as if alone, in its own state's cache
+        r = slice(t, t + 1)
+        alone = index_scores_triton(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r])
+        assert same(alone, got[r])
+        assert same(alone, index_scores_torch(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r]))
+
+
+def test_index_scores_per_row_mutant_every_row_reads_line_zero():
+    """A kernel that reads line 0 of a per-row table for every row (stride 0) scores the other
+    states' rows against state 0's keys: the comparison sees it."""
+    from glm_mtp.optimized.kernels.indexer import index_scores_launch
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg, dtype = TINY, torch.float32
+    gen = torch.Generator().manual_seed(41)
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    slots = torch.tensor(ROW_SLOTS)
+    q, w = _queries(cfg, dtype, slots.shape[0], gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    caches = RowCaches.per_row([states[i] for i in ORDER])
+    want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
+    launch = index_scores_launch(cfg, q, w, cos, sin, caches, slots, torch.empty_like(want))
+    launch.run()
+    assert same(want, launch.args[7])
+    broken = torch.empty_like(want)
+    args = list(_with_stride(launch, 0).args)
+    args[7] = broken
+    type(launch)(launch.kernel, launch.grid, tuple(args), launch.meta).run()
+    rows_elsewhere = torch.tensor([ORDER[t] != 0 for t in range(len(ORDER))])
+    assert same(want[~rows_elsewhere], broken[~rows_elsewhere])  # the rows in state 0 are right
+    assert not same(want[rows_elsewhere], broken[rows_elsewhere])
+
+
+def _written(cache, slots):
+    """A bool mask over ``cache``'s pool rows (blocks, 16): the rows at ``slots``."""
+    mask = torch.zeros(cache.block_table.shape[0], 16, dtype=torch.bool)
+    if len(slots):
+        s = torch.tensor(slots)
+        mask[cache.block_table[s // 16].long(), s % 16] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny", "odd"])
+def test_cache_rows_write_per_row_caches(dtype, name):
+    """Rows of 3 states written in one launch: byte-equal to the twin, and to the kernel called
+    row by row on each state's cache alone; every byte but the written rows stays (a state the
+    batch does not name is untouched); nothing at all is written when ok is false."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg = CONFIGS[name]
+    slots = torch.tensor(ROW_SLOTS)
+    T = slots.shape[0]
+    for ok_value in (True, False):
+        gen = torch.Generator().manual_seed(len(name) * 7 + (dtype == torch.bfloat16))
+        states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(4)]  # state 3: in no row
+        args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+        kv, k = args[0], args[1]
+        ok = torch.tensor([ok_value])
+        before = [_clone(c) for c in states]
+        twin = [_clone(c) for c in states]
+        alone = [_clone(c) for c in states]
+        cache_rows_write_torch(cfg, *args[:-3], *args[-3:], RowCaches.per_row([twin[i] for i in ORDER]), ok)
+        cache_rows_write_triton(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
+        assert _same_caches(twin, states)
+        for t in range(T):  # batch invariance
+            r = slice(t, t + 1)
+            cache_rows_write_triton(cfg, kv[r], k[r], *args[2:5], slots[r], *args[6:], alone[ORDER[t]], ok)
+        assert _same_caches(alone, states)
+        for i, (c, b) in enumerate(zip(states, before)):
+            mine = [ROW_SLOTS[t] for t in range(T) if ORDER[t] == i] if ok_value else []
+            kept = ~_written(c, mine)
+            assert same(c.kv_pool[kept], b.kv_pool[kept]) and same(c.index_pool[kept], b.index_pool[kept])
+            if mine:  # the written rows changed (fresh random values over random contents)
+                w = _written(c, mine)
+                assert not same(c.kv_pool[w], b.kv_pool[w]) and not same(c.index_pool[w], b.index_pool[w])
+        if not ok_value:
+            assert _same_caches(before, states)
+
+
+def test_cache_rows_write_per_row_mutant_every_row_writes_line_zero():
+    """Every row written through line 0 of a per-row table (stride 0) lands in state 0: caught."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+    from glm_mtp.optimized.kernels.rope_cache import cache_rows_write_launch
+
+    cfg, dtype = TINY, torch.bfloat16
+    gen = torch.Generator().manual_seed(43)
+    slots = torch.tensor(ROW_SLOTS)
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+    ok = torch.tensor([True])
+    twin = [_clone(c) for c in states]
+    cache_rows_write_torch(cfg, *args, RowCaches.per_row([twin[i] for i in ORDER]), ok)
+    launch = cache_rows_write_launch(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
+    _with_stride(launch, 0).run()
+    assert not _same_caches(twin, states)
+    fixed = [_clone(c) for c in twin]
+    cache_rows_write_triton(cfg, *args, RowCaches.per_row([fixed[i] for i in ORDER]), ok)
+    assert _same_caches(twin, fixed)
+
+
+def test_per_row_caches_are_checked():
+    """A table that is neither one cache nor one per row, or states of other dtypes or sizes, is
+    refused on the host (no device read) before any launch."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg, dtype = TINY, torch.float32
+    gen = torch.Generator().manual_seed(45)
+    slots = torch.tensor([3, 9, 12])
+    args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+    q, w = _queries(cfg, dtype, 3, gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    a, b = _random_cache(cfg, dtype, BLOCKS, gen), _random_cache(cfg, dtype, BLOCKS, gen)
+    ok = torch.tensor([True])
+    bad = {
+        "2 caches for 3 rows": RowCaches.per_row([a, b]),
+        "every cache must hold": RowCaches.per_row([a, b, _random_cache(cfg, torch.bfloat16, BLOCKS, gen)]),
+        "every block table": RowCaches.per_row([a, b, _random_cache(cfg, dtype, BLOCKS + 1, gen)]),
+    }
+    for message, caches in bad.items():
+        with pytest.raises(ValueError, match=message):
+            cache_rows_write_triton(cfg, *args, caches, ok)
+        with pytest.raises(ValueError, match=message):
+            index_scores_triton(cfg, q, w, cos, sin, caches, slots)
