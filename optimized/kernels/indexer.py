@@ -14,10 +14,13 @@ Replaces, in ``glm_mtp.reference.attention.dsa_attention``::
     w[h]    = up(w_raw[h]) * (Hi * D)^-1/2         (a float32 constant, rounded once)
     I(t, s) = psum_h(w[h] * relu(psum_d(up(q[h, d]) * up(k[s, d]))))
 
-with ``relu(x) = x < 0 ? +0.0 : x`` exactly as ``torch.relu`` (it keeps ``-0.0`` and NaN), each
-sum the ``psum`` tree (padded with ``+0.0`` to the next power of two, adjacent pairs first) and
-no FMA (``enable_fp_fusion=False``). Rows past ``slots[t]`` get ``-inf``; the programs that hold
-only such rows load nothing (one program per 16 cached rows), so the loads are O(visible rows).
+each row against its own cache (``caches``: a ``LayerCache`` for every row, or
+``paged.RowCaches``, one per row: a program reads its row's index pool and block table from the
+address table, so one launch scores a batch of sequences), with ``relu(x) = x < 0 ? +0.0 : x``
+exactly as ``torch.relu`` (it keeps ``-0.0`` and NaN), each sum the ``psum`` tree (padded with
+``+0.0`` to the next power of two, adjacent pairs first) and no FMA (``enable_fp_fusion=False``).
+Rows past ``slots[t]`` get ``-inf``; the programs that hold only such rows load nothing (one
+program per 16 cached rows), so the loads are O(visible rows).
 
 ``select_rows_triton`` is ``indexer.select_rows`` exactly: the ``count[t] = min(topk, slots[t] + 1)``
 best visible rows, ties to the lower row, listed in ascending slot order, padding 0. Scores become

@@ -19,6 +19,11 @@ exactly what ``attention.cache_rows`` computes from them::
     k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
     key    = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
 
+It takes the pools as ``caches`` (a ``LayerCache``, or ``paged.RowCaches``: row t in its own
+sequence's cache, so one launch writes a batch of sequences' rows): each program reads its row's
+``(kv_pool, index_pool, block_table)`` from the address table (``paged.row_pools``; stride 0 when
+every row shares one cache), and the twin writes each run of rows into its cache as if alone.
+
 The norms' sums are ``psum`` trees over the row (lanes past the width are ``+0.0``, and so is
 ``x - mu`` there), divisions ``div_rn`` and roots ``sqrt_rn``, the epsilons passed as float32
 bits; each normed value is rounded to S where the reference rounds it, before RoPE reads it.
@@ -410,7 +415,8 @@ def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, ind
     for c in rc.caches:
         if c.kv_pool.dtype != dtype or c.index_pool.dtype != dtype:
             raise ValueError(f"{name}: every cache must hold {dtype}")
-        if c.block_table.dtype != torch.int32 or c.block_table.shape != first.block_table.shape or not c.block_table.is_contiguous():
+        bt = c.block_table
+        if bt.dtype != torch.int32 or bt.shape != first.block_table.shape or not bt.is_contiguous():
             raise ValueError(f"{name}: every block table must be contiguous int32 {tuple(first.block_table.shape)}")
         blocks = first.block_table.shape[0]
         for pool, width in ((c.kv_pool, kv_width), (c.index_pool, index_width)):

@@ -88,7 +88,8 @@ def test_index_scores(dtype, name, blocks, slots):
     assert (got[visible] != 0).any()
     # Each row is scored as if alone (T = 1 gives the same bytes).
     for t in range(T):
-        alone = index_scores_triton(cfg, q[t : t + 1], w[t : t + 1], cos[t : t + 1], sin[t : t + 1], LayerCache(pool, pool, table), slots[t : t + 1])
+        r = slice(t, t + 1)
+        alone = index_scores_triton(cfg, q[r], w[r], cos[r], sin[r], LayerCache(pool, pool, table), slots[r])
         assert same(alone, got[t : t + 1])
 
 
@@ -482,7 +483,7 @@ def test_cache_rows_write_per_row_caches(dtype, name):
         before = [_clone(c) for c in states]
         twin = [_clone(c) for c in states]
         alone = [_clone(c) for c in states]
-        cache_rows_write_torch(cfg, *args[:-3], *args[-3:], RowCaches.per_row([twin[i] for i in ORDER]), ok)
+        cache_rows_write_torch(cfg, *args, RowCaches.per_row([twin[i] for i in ORDER]), ok)
         cache_rows_write_triton(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
         assert _same_caches(twin, states)
         for t in range(T):  # batch invariance
@@ -544,3 +545,30 @@ def test_per_row_caches_are_checked():
             cache_rows_write_triton(cfg, *args, caches, ok)
         with pytest.raises(ValueError, match=message):
             index_scores_triton(cfg, q, w, cos, sin, caches, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_per_row_caches_on_cuda(dtype):
+    """Compiled for the GPU, rows of 3 states in one launch (an address table of device
+    pointers): the same bytes as the twins on the CPU, for the scores and the cache write."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg = SMALL
+    gen = torch.Generator().manual_seed(99)
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    on_gpu = [LayerCache(c.kv_pool.cuda(), c.index_pool.cuda(), c.block_table.cuda()) for c in states]
+    slots = torch.tensor(ROW_SLOTS)
+    T = slots.shape[0]
+    q, w = _queries(cfg, dtype, T, gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, RowCaches.per_row([states[i] for i in ORDER]), slots)
+    got = index_scores_triton(cfg, q.cuda(), w.cuda(), cos.cuda(), sin.cuda(),
+                              RowCaches.per_row([on_gpu[i] for i in ORDER]), slots.cuda()).cpu()
+    assert same(want, got)
+    args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+    ok = torch.tensor([True])
+    cache_rows_write_torch(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
+    cache_rows_write_triton(cfg, *[a.cuda() for a in args], RowCaches.per_row([on_gpu[i] for i in ORDER]), ok.cuda())
+    for c, g in zip(states, on_gpu, strict=True):
+        assert same(c.kv_pool, g.kv_pool.cpu()) and same(c.index_pool, g.index_pool.cpu())
