@@ -20,7 +20,7 @@ class Batched:
     """N sequences drafted two ways: batched on the optimized drafter, alone on the reference."""
 
     def __init__(self, weights, kernels="auto", max_seq_len=48, seed=0, max_batch=16):
-        self.w, self.cfg = weights, weights.config
+        self.w, self.cfg, self.device = weights, weights.config, weights.device
         self.opt = OptimizedProposer(weights, max_seq_len, kernels=kernels, max_batch=max_batch)
         self.ref = ReferenceProposer(weights, max_seq_len)
         self.rng = random.Random(seed)
@@ -28,13 +28,13 @@ class Batched:
         self.seqs: list[dict] = []
 
     def hiddens(self, n):
-        return torch.randn(n, self.cfg.hidden_size, generator=self.gen).to(self.w.dtype)
+        return torch.randn(n, self.cfg.hidden_size, generator=self.gen).to(self.w.dtype).to(self.device)
 
     def tokens(self, n):
-        return torch.randint(0, self.cfg.vocab_size, (n,), generator=self.gen)
+        return torch.randint(0, self.cfg.vocab_size, (n,), generator=self.gen).to(self.device)
 
     def join(self, prompt_len):
-        s = {"opt": self.opt.alloc_state("cpu"), "ref": self.ref.alloc_state("cpu")}
+        s = {"opt": self.opt.alloc_state(self.device), "ref": self.ref.alloc_state(self.device)}
         toks, hs = self.tokens(prompt_len), self.hiddens(prompt_len)
         assert self.opt.prefill_drafter(toks, hs, s["opt"]) == self.ref.prefill_drafter(toks, hs, s["ref"])
         s["pos"] = max(prompt_len - 1, 0)
@@ -244,3 +244,24 @@ def test_padded_buckets_and_their_graph_keys(weights, monkeypatch):
     proposes = [k for k in keys if k[0][1] != -1]
     assert proposes == [((4, 2), True), ((8, 1), True), ((1, 0), False)]
     assert all(key[0] in (1, 2, 4, 8) and capture for key, capture in keys if key[1] == -1)  # catch-ups, bucketed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_batch_on_cuda_with_graphs(dtype):
+    """On a GPU: the Triton kernels and a CUDA graph per (bucket, num_drafts), replayed for other
+    states than the ones it was captured with; each state equal to the reference alone."""
+    from glm_mtp.reference import MtpConfig, MtpWeights
+
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=9, dtype=dtype, device="cuda")
+    bt = Batched(w, seed=9)
+    for n in (3, 17, 8, 1, 25, 12):
+        bt.join(n)
+    for r in range(8):
+        live = [s for s in bt.seqs if s["pos"] + 4 < bt.opt.capacity]
+        bt.round(bt.rng.sample(live, bt.rng.randint(1, len(live))), bt.rng.choice([1, 2, 3]))
+        if r == 4:
+            bt.leave(bt.seqs[0])
+            bt.join(9)
+    bb = bt.opt._batch[torch.device("cuda", torch.cuda.current_device())]
+    assert bb.graphs and all(n in (1, 2, 4, 8, 16) for n, _ in bb.graphs)
