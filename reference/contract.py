@@ -409,12 +409,27 @@ def batch_propose_args(call: str, last_tokens: object, target_hiddens: object, p
     hiddens = batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
     pos = batch_ints(call, "positions", positions, B)
     num_drafts = check_int("num_drafts", num_drafts)
-    args = []
+    args: list[ProposeArgs] = []
     for b, st in enumerate(states):
-        with batch_item(call, b):
-            check_live_state(st, call)
-            args.append(propose_args(call, tokens[b], hiddens[b], pos[b], num_drafts, st, weights, capacity, device_checks))
+        try:
+            with batch_item(call, b):
+                check_live_state(st, call)
+                args.append(propose_args(call, tokens[b], hiddens[b], pos[b], num_drafts, st, weights, capacity, device_checks))
+        except (TypeError, ValueError, RuntimeError):
+            if device_checks:  # an earlier state's data refuses first (index order): read it now, on refusal only
+                check_data(call, args, weights)
+            raise
     return BatchPropose(states, args, num_drafts)
+
+
+def check_data(call: str, args: Sequence[ProposeArgs], weights: MtpWeights) -> None:
+    """The data checks ``propose_args`` leaves to the device (a token tensor's range, the hidden's
+    finiteness), on the host, for states ``0..len(args)-1`` in order: the first failure raises."""
+    for b, a in enumerate(args):
+        with batch_item(call, b):
+            if isinstance(a.token, Tensor):
+                token_ids("last_token", a.token, weights.config.vocab_size, a.token.device)
+            check_hiddens("target_hidden", a.hidden, 1, weights, a.hidden.device)
 
 
 @dataclass
