@@ -578,6 +578,67 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     )
 
 
+def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16, max_seq_len: int = 64,
+                       seed: int = 0) -> dict[str, Any]:
+    """Launches and bytes of one batched draft step (``propose_batch``) over ``batch`` states,
+    measured as ``measure_draft_step`` measures one state's: counts(k=2) - counts(k=1), after an
+    uncounted warm-up. State b holds ``context + 3 * b`` rows (sequences at different lengths).
+
+    Returns ``launches_per_step``, ``kernel_bytes_per_step`` (distinct bytes each launch reads or
+    writes, summed over the launches: a weight read for every row of the batch counts once),
+    ``kernel_bytes_per_row`` (per state), ``syncs_per_step`` and the settings."""
+    from glm_mtp.registry import backend_class
+
+    device = weights.device
+    if kernels == "triton" and device.type == "cpu" and not interpreting():
+        raise RuntimeError("measure_batch_step: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
+    prop = backend_class("optimized")(weights, max_seq_len, kernels=kernels, max_batch=max(batch, 1))
+    prefiller = backend_class("optimized")(weights, max_seq_len, kernels="torch")
+    cfg = weights.config
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    states = [prop.alloc_state(device) for _ in range(batch)]
+    try:
+        held = []
+        for b, st in enumerate(states):
+            n = context + 3 * b + 1
+            if n + 3 > prop.capacity:
+                raise ValueError(f"measure_batch_step: state {b} holds {n - 1} rows, past the capacity {prop.capacity}; raise max_seq_len")
+            prompt = torch.randint(cfg.vocab_size, (n,), generator=gen, device=device)
+            hiddens = torch.randn(n, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
+            prefiller.prefill_drafter(prompt, hiddens, st)
+            held.append(prop.drafter_rows(st))
+        tokens = torch.randint(cfg.vocab_size, (batch,), generator=gen, device=device).tolist()
+        hidden = torch.randn(batch, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
+
+        def propose(k: int) -> Any:
+            def go() -> None:
+                prop.propose_batch(tokens, hidden, held, k, states)
+            return go
+
+        def verify() -> None:
+            for st in states:
+                prop.after_verify(0, st)
+
+        propose(1)()
+        verify()
+        c1 = counted(propose(1))
+        verify()
+        c2 = counted(propose(2))
+        verify()
+    finally:
+        for st in states:
+            prop.free_state(st)
+    step_bytes = c2.kernel_bytes - c1.kernel_bytes
+    return dict(
+        kernels=kernels, preset=cfg_name(weights), dtype=str(weights.dtype).removeprefix("torch."), batch=batch,
+        context_rows=held, max_seq_len=prop.max_seq_len,
+        launches_per_step=c2.launches - c1.launches, triton_launches_per_step=c2.triton_launches - c1.triton_launches,
+        kernel_bytes_per_step=step_bytes, kernel_bytes_per_row=step_bytes / max(batch, 1), syncs_per_step=c2.syncs - c1.syncs,
+        launches_per_propose_overhead=2 * c1.launches - c2.launches,
+        by_name_2=c2.by_name(),
+    )
+
+
 def cfg_name(weights: MtpWeights) -> str | None:
     """The preset whose values ``weights.config`` has, if any."""
     from glm_mtp.reference.config import PRESETS, MtpConfig
@@ -603,6 +664,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (else a short table)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="measure one batched draft step (propose_batch) over this many states instead (optimized backend)")
     a = p.parse_args(argv)
     from glm_mtp.reference import MtpConfig
     from glm_mtp.registry import parse_dtype
@@ -617,6 +680,17 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--context must be >= 1 and --max-seq-len >= --context + 4")
     torch.set_num_threads(1)
     weights = MtpWeights.random(cfg, seed=a.seed, dtype=parse_dtype(a.dtype), device="cpu")
+    if a.batch is not None:
+        if a.batch < 1 or a.backend != "optimized":
+            p.error("--batch must be >= 1, with --backend optimized")
+        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+        result["preset"] = a.preset
+        if a.json:
+            print(json.dumps(result))
+        else:
+            print(f"{a.preset} {a.dtype} batch {a.batch}: {result['launches_per_step']} launches/step, "
+                  f"{result['kernel_bytes_per_step']} bytes/step ({result['kernel_bytes_per_row']:.0f} per row)")
+        return
     result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
     result["preset"] = a.preset
     if a.json:

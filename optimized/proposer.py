@@ -38,6 +38,7 @@ from glm_mtp.reference.weights import MtpWeights
 
 from .block import Fused, KernelMode, block_rows
 from .step import StepKernels, fusable, fused_head, fused_rows
+from .batch import CATCHUP, BatchBuffers, BatchRows, bucket
 from .graphs import run_program
 from .state import OptimizedState, Unsettled
 
@@ -76,10 +77,12 @@ class OptimizedProposer:
             imported) or ``torch`` (twins everywhere).
         cuda_graphs: capture and replay the k-draft propose on CUDA (the default); off runs the
             same program eagerly.
+        max_batch: the most states one ``propose_batch`` / ``catchup_batch`` takes; the static
+            batch buffers hold this many rows.
     """
 
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm", *,
-                 kernels: KernelMode = "auto", cuda_graphs: bool = True) -> None:
+                 kernels: KernelMode = "auto", cuda_graphs: bool = True, max_batch: int = 16) -> None:
         # The contract's argument checks and sizes (the reference's, the same function).
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         if kernels not in ("auto", "triton", "torch"):
@@ -96,6 +99,8 @@ class OptimizedProposer:
         # shards, float64) take the per-primitive block.
         self.step = StepKernels(triton=self.fused.use_triton(weights.embed_tokens)) if fusable(weights) else None
         self.cuda_graphs = bool(cuda_graphs)
+        self.max_batch = contract.check_int("max_batch", max_batch, 1)
+        self._batch: dict[torch.device, BatchBuffers] = {}
 
     # ---- the contract's simple queries ------------------------------------------------------
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
@@ -132,6 +137,8 @@ class OptimizedProposer:
         """A fresh state (``seq_len = 0``) with every buffer a propose will touch."""
         device = contract.state_device(self.weights, device)
         self.rope(device)
+        if self.step is not None and device not in self._batch:  # the batch programs' static buffers, once per device
+            self._batch[device] = BatchBuffers.allocate(self.config, self.blocks, self.weights.dtype, device, self.max_batch)
         return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device, Owner(self.weights, self.capacity))
 
     def free_state(self, state: DrafterState) -> None:
@@ -216,17 +223,22 @@ class OptimizedProposer:
             temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
-            if isinstance(args.token, Tensor):
-                st.tok_in.copy_(args.token)
-            else:
-                st.tok_in.fill_(args.token)
-            st.hid_in.copy_(args.hidden)
-            st.pos.fill_(args.position)
+            self._fill_inputs(st, args)
             if sample is not None:
                 st.temp.fill_(temperature)  # rounded to A, as the reference's torch.tensor([temperature])
                 if args.num_drafts:
                     st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
         return args.position, args.num_drafts
+
+    @staticmethod
+    def _fill_inputs(st: OptimizedState, args: contract.ProposeArgs) -> None:
+        """A propose's static inputs: the token, the hidden, the position."""
+        if isinstance(args.token, Tensor):
+            st.tok_in.copy_(args.token)
+        else:
+            st.tok_in.fill_(args.token)
+        st.hid_in.copy_(args.hidden)
+        st.pos.fill_(args.position)
 
     # ---- drafting ----------------------------------------------------------------------
     def _program(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
@@ -349,6 +361,149 @@ class OptimizedProposer:
             st.seq_len, st.pending, st.last_drafted = position + k, True, k
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
             return st.out[1 : k + 1]
+
+    # ---- batches --------------------------------------------------------------------------
+    def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
+                      states: list[DrafterState]) -> list[list[int]]:
+        """``ReferenceProposer.propose_batch``, the same bytes per state: the B states' rows run
+        through each fused launch together (one read of every weight per draft step for all of
+        them), each row on its own state's cache; on CUDA one captured program per (bucket,
+        ``num_drafts``) replays. The data checks (token tensors in range, hiddens finite) run on
+        the device and gate every write of every state: a bad row refuses the whole batch,
+        naming ``states[b]``, with every state byte-identical. One read-back at the end.
+
+        A layer the fused step does not run (``step.fusable``) drafts the states one by one,
+        after checking every state's data on the host."""
+        call = "propose_batch"
+        states = self._batch_states(call, states)
+        with contract.guard_all(call, states, self._use):
+            fused = self.step is not None
+            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states, self.weights,
+                                                self.capacity, self._check_live, device_checks=fused)
+            k = batch.num_drafts
+            if not states:
+                return []
+            if not fused:
+                return self._propose_each(states, batch.args, k, call)
+            bb = self._batch[states[0].device]
+            rows = self._bucket(len(states), bb, k)
+            with bb.claim(call):
+                with contract.writing_all(states, call):
+                    loaded = bb.load(states, self._batch_tokens(batch.args, bb.device), target_hiddens,
+                                     [a.position for a in batch.args], rows)
+                    run_program(bb, (rows, k), lambda: self._batch_program(bb, loaded, k), capture=self._batch_captures(bb) and k > 0)
+                    values = read_back(bb.out(k)[: len(states)].flatten())  # the one sync: codes and drafts
+                return self._finish_batch(call, bb, states, batch.args, values, k)
+
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]:
+        """``ReferenceProposer.catchup_batch``, the same bytes: the rows owed (one per state whose
+        ``row_bases[b]`` is its ``drafter_rows``) written by one pass of the fused block, each on
+        its own state's cache; checks on the host, as ``catchup_drafter``'s."""
+        call = "catchup_batch"
+        states = self._batch_states(call, states)
+        with contract.guard_all(call, states, self._use):
+            rows = contract.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights, self.capacity,
+                                               self._check_live)
+            owed = [states[r.b] for r in rows]
+            written = [0] * len(states)
+            if not rows:
+                return written
+            if self.step is None:
+                with contract.writing_all(owed, call):
+                    for r, st in zip(rows, owed):
+                        self._write_rows(r.token, r.hidden, r.row_base, st)
+            else:
+                bb = self._batch[owed[0].device]
+                n = self._bucket(len(owed), bb, CATCHUP)
+                with bb.claim(call), contract.writing_all(owed, call):
+                    loaded = bb.load(owed, torch.cat([r.token for r in rows]), torch.cat([r.hidden for r in rows]),
+                                     [r.row_base for r in rows], n)
+                    run_program(bb, (n, CATCHUP), lambda: self._batch_program(bb, loaded, CATCHUP),
+                                capture=self._batch_captures(bb))
+            for r, st in zip(rows, owed):
+                st.seq_len = r.row_base + 1
+                written[r.b] = 1
+            return written
+
+    def _batch_states(self, call: str, states: object) -> list[DrafterState]:
+        states = contract.batch_states(call, states)
+        if len(states) > self.max_batch:
+            raise ValueError(f"{call}: {len(states)} states, more than this drafter's max_batch={self.max_batch}")
+        return states
+
+    def _batch_captures(self, bb: BatchBuffers) -> bool:
+        """Whether batch programs are captured: only with the Triton kernels, which read the
+        per-row address tables on the device (the twins index the states' tensors on the host,
+        which a replay would not follow)."""
+        return self.captures and self.step is not None and self.step.triton and bb.device.type == "cuda"
+
+    def _bucket(self, rows: int, bb: BatchBuffers, k: int) -> int:
+        """Rows the program runs: the captured bucket on CUDA, exactly ``rows`` otherwise."""
+        return bucket(rows, bb.max_batch) if self._batch_captures(bb) and k != 0 else rows
+
+    @staticmethod
+    def _batch_tokens(args: list[contract.ProposeArgs], device: torch.device) -> Tensor:
+        """The batch's last tokens as one (B,) int64 tensor (one copy for Python ints)."""
+        if all(not isinstance(a.token, Tensor) for a in args):
+            return torch.tensor([a.token for a in args], dtype=torch.int64)
+        return torch.cat([a.token.to(device=device, dtype=torch.int64).reshape(1) if isinstance(a.token, Tensor)
+                          else torch.tensor([a.token], dtype=torch.int64, device=device) for a in args])
+
+    def _batch_program(self, bb: BatchBuffers, loaded: BatchRows, k: int) -> None:
+        """The batch's k draft steps (``k == CATCHUP``: one context row each) on the static
+        buffers: the single-state program's steps with rows for states. No host reads."""
+        n = loaded.rows
+        tok, hid, pos = bb.tok_in[:n], bb.hid_in[:n], bb.pos[:n]
+        rope = self.rope(bb.device)
+        if k == CATCHUP:  # checked on the host: the gate is constant true
+            fused_rows(self.weights, tok, hid, pos, loaded.caches, rope, bb.always, self.step)
+            self.step.scatter_rows((pos + 1)[:, None], loaded.seqs, bb.always)
+            return
+        V = self.config.vocab_size
+        out = bb.out(k)[:n]  # (n, k + 1)
+        tok_ok = (tok >= 0) & (tok < V)  # (n,)
+        finite = torch.isfinite(hid).all(dim=1)  # (n,)
+        out[:, 0].copy_(finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE)
+        bb.ok.copy_((finite & tok_ok).all().reshape(1))  # one bad row refuses the batch
+        token = torch.where(tok_ok, tok, 0)
+        hidden, x = hid, None
+        for i in range(k):
+            pre_norm = fused_rows(self.weights, token, hidden, pos + i, loaded.caches, rope, bb.ok, self.step)
+            x, token = fused_head(self.weights, pre_norm, self.step)  # (n, H), (n,)
+            out[:, 1 + i].copy_(token)
+            hidden = x if self.feed_hidden == "post_norm" else pre_norm
+        if x is not None:
+            self.step.scatter_rows(x, loaded.xs, bb.ok)
+            out[:, 1:].copy_(torch.where(bb.ok, out[:, 1:], -1))
+        self.step.scatter_rows((pos + k)[:, None], loaded.seqs, bb.ok)
+
+    def _finish_batch(self, call: str, bb: BatchBuffers, states: list[DrafterState], args: list[contract.ProposeArgs],
+                      values: list[int], k: int) -> list[list[int]]:
+        """``propose_batch`` after its read-back: the refusal naming the first bad row (nothing
+        was written), or every state's counters and drafts."""
+        rows = [values[b * (k + 1) : (b + 1) * (k + 1)] for b in range(len(states))]
+        for b, row in enumerate(rows):
+            if row[0] != CHECK_OK:
+                if not row[0] & TOKEN_IN_RANGE:
+                    bad = read_back(bb.tok_in[b : b + 1])[0]
+                    raise ValueError(f"{call}: states[{b}]: last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
+                raise ValueError(f"{call}: states[{b}]: target_hidden holds NaN or inf")
+        for st, a in zip(states, args):
+            st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
+        return [row[1:] for row in rows]
+
+    def _propose_each(self, states: list[DrafterState], args: list[contract.ProposeArgs], k: int, call: str) -> list[list[int]]:
+        """A batch on the per-primitive path: each state's own program in turn (its data was
+        checked on the host, so no state can refuse midway)."""
+        drafts = []
+        with contract.writing_all(states, call):
+            for st, a in zip(states, args):
+                self._fill_inputs(st, a)
+                self._run(st, k)
+                drafts.append(read_back(st.out[: k + 1]))
+        for st, a, d in zip(states, args, drafts):
+            st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
+        return [d[1:] for d in drafts]
 
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         """Keep the first ``num_accepted + 1`` rows of the pending propose (at least one) and

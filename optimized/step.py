@@ -46,6 +46,7 @@ PIECES = (
     "block_input", "norm_linear", "cache_rows_write", "absorbed_query", "index_scores", "select_rows",
     "sparse_mla", "linear_residual", "route", "experts_gate_up", "experts_down_combine", "head_partials",
     "argmax_reduce",
+    "scatter_rows",  # the batched programs' last write: each row into its own state's tensors
 )
 
 

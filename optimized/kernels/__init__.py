@@ -11,7 +11,7 @@ CUDA and, by default, the twin on CPU (the interpreter is slow).
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, fused_linear, indexer, linear, mla, moe, pinned_math, rope_cache
+from . import embed, fused_linear, indexer, linear, mla, moe, paged, pinned_math, rope_cache
 from .embed import embed_rows_torch, embed_rows_triton
 from .fused_linear import (
     argmax_reduce_torch, argmax_reduce_triton, block_input_torch, block_input_triton, head_partials_torch,
@@ -25,6 +25,7 @@ from .moe import (
     experts_down_combine_torch, experts_down_combine_triton, experts_gate_up_torch, experts_gate_up_triton, route_torch,
     route_triton,
 )
+from .paged import RowCaches, RowTargets, row_caches, scatter_rows_torch, scatter_rows_triton
 from .pinned_math import exp_torch, exp_triton
 from .rope_cache import (
     KERNEL_DTYPES, cache_rows_write_torch, cache_rows_write_triton, rope_cache_write_torch, rope_cache_write_triton,
@@ -34,8 +35,8 @@ from .rope_cache import (
 # its launches at a config and weight dtype built by the same function its launcher calls;
 # ``python -m glm_mtp.optimized.audit`` compiles them for the GPU and checks the PTX. A new
 # kernel module joins this tuple (tests/optimized/test_audit.py audits every entry).
-AUDITED = (embed, rope_cache, linear, fused_linear, mla, indexer, pinned_math, moe)
+AUDITED = (embed, rope_cache, linear, fused_linear, mla, indexer, pinned_math, moe, paged)
 
 __all__ = [name for name in dir() if name.endswith(("_torch", "_triton"))] + [
-    "KERNEL_DTYPES", "AUDITED", "AuditLaunch", "Launch",
+    "KERNEL_DTYPES", "AUDITED", "AuditLaunch", "Launch", "RowCaches", "RowTargets", "row_caches",
 ]

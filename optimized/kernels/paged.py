@@ -22,7 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.state import LayerCache
+
+from .launch import AuditLaunch, Launch, abstract
 
 # The columns of an address table: each row's kv pool, index pool and block table.
 KV_POOL, INDEX_POOL, BLOCK_TABLE = 0, 1, 2
@@ -118,3 +121,107 @@ def row_pools(addresses_ptr, t, stride, TO_BF16: tl.constexpr):
         return kv.to(tl.pointer_type(tl.bfloat16)), ix.to(tl.pointer_type(tl.bfloat16)), bt
     else:
         return kv.to(tl.pointer_type(tl.float32)), ix.to(tl.pointer_type(tl.float32)), bt
+
+
+# ---- per-row destinations: the batched programs' writes into each state's own tensors -----------
+
+
+@dataclass(frozen=True)
+class RowTargets:
+    """Per-row destination tensors of a scatter: row t of the values goes to ``tensors[t]``.
+
+    Args:
+        tensors: T contiguous tensors, each with N elements of the values' dtype (the twin
+            writes these).
+        addresses: (T,) int64 on the device (a column view of a table may be strided): each
+            tensor's ``data_ptr`` (the kernel writes through these).
+    """
+
+    tensors: tuple[Tensor, ...]
+    addresses: Tensor
+
+    @classmethod
+    def of(cls, tensors: Sequence[Tensor], column: Tensor) -> "RowTargets":
+        """``tensors``' addresses written into ``column`` (a static (>= T,) int64 device view)."""
+        tensors = tuple(tensors)
+        view = column[: len(tensors)]
+        view.copy_(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), non_blocking=True)
+        return cls(tensors, view)
+
+
+# Integer views that carry each storage dtype's bits unchanged.
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.int64: torch.int64,
+         torch.int32: torch.int32}
+
+
+@triton.jit
+def _scatter_rows_kernel(
+    values_ptr,  # (T, N) integer bits, row stride v_stride
+    addresses_ptr,  # (T,) int64 destination addresses, stride a_stride
+    ok_ptr,  # (1,) uint8: write only when nonzero
+    N,
+    v_stride,
+    a_stride,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ok = tl.load(ok_ptr).to(tl.int32)
+    address = tl.load(addresses_ptr + t * a_stride)
+    if BITS == 16:
+        dst = address.to(tl.pointer_type(tl.int16))
+    elif BITS == 32:
+        dst = address.to(tl.pointer_type(tl.int32))
+    else:
+        dst = address.to(tl.pointer_type(tl.int64))
+    for c in range(0, N, BLOCK):
+        i = c + tl.arange(0, BLOCK)
+        m = i < N
+        v = tl.load(values_ptr + t * v_stride + i, mask=m)
+        tl.store(dst + i, v, mask=m & ((i * 0 + ok) != 0))
+
+
+def scatter_rows_torch(values: Tensor, targets: RowTargets, ok: Tensor) -> None:
+    """The twin: ``targets.tensors[t] = values[t]`` where ``ok`` (1,) bool is set, else unchanged.
+    ``values`` (T, N) of the targets' dtype."""
+    keep = ok.reshape(())
+    for t, dst in enumerate(targets.tensors):
+        dst.copy_(torch.where(keep, values[t].reshape(dst.shape), dst))
+
+
+def scatter_rows_launch(values: Tensor, targets: RowTargets, ok: Tensor) -> Launch:
+    """The kernel's launch (see ``scatter_rows_triton``), arguments checked."""
+    T = len(targets.tensors)
+    if values.dim() != 2 or values.shape[0] != T or values.stride(-1) != 1:
+        raise ValueError(f"scatter_rows_triton: values must be (T={T}, N) with a contiguous last dim, got {tuple(values.shape)}")
+    if values.dtype not in _BITS:
+        raise TypeError(f"scatter_rows_triton: dtype {values.dtype} is not supported")
+    for t, dst in enumerate(targets.tensors):
+        if dst.dtype != values.dtype or dst.numel() != values.shape[1] or not dst.is_contiguous():
+            raise ValueError(f"scatter_rows_triton: targets.tensors[{t}] must be a contiguous {values.dtype} tensor of "
+                             f"{values.shape[1]} elements")
+    bits = _BITS[values.dtype]
+    N = values.shape[1]
+    args = (values.view(bits), targets.addresses, ok.view(torch.uint8), N, values.stride(0), targets.addresses.stride(0))
+    meta = dict(BITS=torch.iinfo(bits).bits, BLOCK=min(1024, triton.next_power_of_2(max(N, 1))), enable_fp_fusion=False)
+    return Launch(_scatter_rows_kernel, (T,), args, meta)
+
+
+def scatter_rows_triton(values: Tensor, targets: RowTargets, ok: Tensor) -> None:
+    """``scatter_rows_torch`` as one launch: each row's values written through its address
+    (bits copied, no arithmetic), byte-equal to the twin."""
+    if not targets.tensors:
+        return
+    scatter_rows_launch(values, targets, ok).run()
+
+
+def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
+    """The batched programs' scatters at a batch of 16: each state's ``x`` (H,) in ``dtype`` and
+    its device row count (1,) int64."""
+    T = 16
+    ok = abstract((1,), torch.bool)
+    out = []
+    for name, values in (("x", abstract((T, cfg.hidden_size), dtype)), ("seq", abstract((T, 1), torch.int64))):
+        targets = RowTargets(tuple(abstract((values.shape[1],), values.dtype) for _ in range(T)), abstract((T,), torch.int64))
+        out.append(AuditLaunch("scatter_rows", name, scatter_rows_launch(values, targets, ok)))
+    return out

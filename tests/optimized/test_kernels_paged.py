@@ -1,0 +1,81 @@
+"""The per-row address tables (optimized/kernels/paged.py): ``RowCaches`` (where each row of a
+cache kernel finds its sequence's paged pools) and ``scatter_rows`` (the batched programs' write
+of each row into its own state's tensor), the kernel against its twin byte for byte through the
+interpreter, on fresh random values; a mutant that writes every row through line 0 is caught."""
+
+import pytest
+import torch
+
+from glm_mtp.optimized.kernels import paged
+from glm_mtp.optimized.kernels.paged import RowCaches, RowTargets, cache_addresses, row_caches, scatter_rows_torch, scatter_rows_triton
+from glm_mtp.reference import MtpConfig
+from glm_mtp.reference.state import LayerCache
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=["fp32", "bf16", "int64"])
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _values(gen, T, N, dtype):
+    if dtype == torch.int64:
+        return torch.randint(-2**62, 2**62, (T, N), generator=gen, dtype=torch.int64)
+    v = torch.randn(T, N, generator=gen).to(dtype)
+    v[0, 0] = float("nan")
+    v[-1, -1] = -0.0
+    return v
+
+
+@DTYPES
+@pytest.mark.parametrize("ok", [True, False])
+def test_scatter_rows_kernel_equals_twin(dtype, ok):
+    gen = torch.Generator().manual_seed(7)
+    T, N = 5, 1100  # N past one block of 1024: the loop's masked tail
+    values = _values(gen, T, N, dtype)
+    dst_k = [_values(gen, 1, N, dtype).reshape(N) for _ in range(T)]
+    dst_t = [d.clone() for d in dst_k]
+    before = [d.clone() for d in dst_k]
+    flag = torch.tensor([ok])
+    column = torch.zeros(8, 2, dtype=torch.int64)[:, 1]  # a strided column of a table
+    scatter_rows_triton(values, RowTargets.of(dst_k, column), flag)
+    scatter_rows_torch(values, RowTargets.of(dst_t, column), flag)
+    for t in range(T):
+        assert torch.equal(_bits(dst_k[t]), _bits(dst_t[t]))
+        assert torch.equal(_bits(dst_k[t]), _bits(values[t] if ok else before[t]))
+
+
+def test_scatter_rows_mutant_every_row_through_line_zero_is_caught():
+    gen = torch.Generator().manual_seed(8)
+    values = _values(gen, 3, 16, torch.float32)
+    dst = [torch.zeros(16) for _ in range(3)]
+    good = RowTargets.of(dst, torch.zeros(3, dtype=torch.int64))
+    broken = RowTargets(good.tensors, good.addresses[:1].expand(3))  # stride 0: every row to dst[0]
+    scatter_rows_triton(values, broken, torch.tensor([True]))
+    assert not torch.equal(_bits(dst[1]), _bits(values[1]))
+    scatter_rows_triton(values, good, torch.tensor([True]))
+    assert all(torch.equal(_bits(dst[t]), _bits(values[t])) for t in range(3))
+
+
+def test_scatter_rows_refuses_mismatched_targets():
+    values = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="targets.tensors\\[1\\]"):
+        paged.scatter_rows_launch(values, RowTargets((torch.zeros(4), torch.zeros(5)), torch.zeros(2, dtype=torch.int64)),
+                                  torch.tensor([True]))
+
+
+def test_row_caches_tables_and_runs():
+    cfg = MtpConfig.preset("tiny")
+    caches = [LayerCache.allocate(cfg, 3, torch.float32, "cpu") for _ in range(3)]
+    one = row_caches(caches[0])
+    assert one.stride == 0 and one.addresses.tolist() == [cache_addresses(caches[0])]
+    rows = [caches[0], caches[0], caches[2], caches[1], caches[1]]
+    table = torch.full((8, 3), -1, dtype=torch.int64)
+    rc = RowCaches.per_row(rows, table)
+    assert rc.stride == 3 and rc.addresses.data_ptr() == table.data_ptr()
+    assert table[:5].tolist() == [cache_addresses(c) for c in rows] and table[5:].eq(-1).all()
+    assert [(c is caches[i], s) for (c, s), i in zip(rc.runs(5), (0, 2, 1))] == [
+        (True, slice(0, 2)), (True, slice(2, 3)), (True, slice(3, 5))]
+    assert rc.cache_of(3) is caches[1] and one.cache_of(4) is caches[0]
+    with pytest.raises(ValueError, match="table must be int64"):
+        RowCaches.per_row(rows, torch.zeros(4, 3, dtype=torch.int64))
