@@ -67,10 +67,10 @@ class Lockstep:
         if out_c.error is None and not _same_value(out_c.value, out_b.value):
             f = Finding("return", state=state, candidate=repr(out_c.value), baseline=repr(out_b.value), detail="the calls returned different values")
             if op.kind in BATCH_KINDS and isinstance(out_c.value, list) and isinstance(out_b.value, list):
-                b = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if not _same_value(x, y)), None)
-                if b is not None and b < len(op.args["states"]):
-                    f.state = op.args["states"][b] if isinstance(op.args["states"][b], int) else None
-                    f.detail = f"the batch returned different values for states[{b}]: {out_c.value[b]!r} vs {out_b.value[b]!r}"
+                at = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if not _same_value(x, y)), None)
+                if at is not None and at < len(op.args["states"]):
+                    f.state = op.args["states"][at] if isinstance(op.args["states"][at], int) else None
+                    f.detail = f"the batch returned different values for states[{at}]: {out_c.value[at]!r} vs {out_b.value[at]!r}"
                 else:
                     f.detail = f"the batch returned {len(out_c.value)} entries vs {len(out_b.value)}"
             elif isinstance(out_c.value, list) and isinstance(out_b.value, list):
