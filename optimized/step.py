@@ -92,7 +92,7 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
     scores = k.index_scores(cfg, q_idx, w_raw, cos, sin, cache.index_pool, cache.block_table, slots)  # (T, C) A
     rows, count = k.select_rows(scores, slots, cfg.index_topk)  # (T, K), (T,)
-    heads = k.sparse_mla(cfg, q_abs, q_pe, cache.kv_pool, cache.block_table, rows, count, attn.kv_b_proj)  # (T, nh*v)
+    heads = k.sparse_mla(cfg, q_abs, q_pe, cache, rows, count, attn.kv_b_proj)  # (T, nh*v)
     h = k.linear_residual(heads, attn.o_proj, u)  # (T, H)
 
     # MoE.

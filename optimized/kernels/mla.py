@@ -18,7 +18,9 @@ do not depend on the others):
 - ``_mla_scores_kernel``: the scores of a block of heads for a chunk of listed rows, into a
   float32 scratch (T, nh, K). A chunk wholly past the row's ``count`` returns at once: the cost
   is O(count), not O(K). The rows are read from the PAGED pool through ``block_table`` (slot r
-  lives in ``kv_pool[block_table[r // 16], r % 16]``), never from a gathered copy.
+  lives in ``kv_pool[block_table[r // 16], r % 16]``), never from a gathered copy; row t's pool
+  and block table come from line t of a ``RowCaches`` address table (``paged.row_pools``; stride
+  0 when every row is in one sequence's cache), so one launch serves rows of many sequences.
 - ``_mla_softmax_kernel``: ``m = max`` over the listed scores, ``e = exp(s - m)`` by the pinned
   algorithm (``numerics.exp``, step by step; never ``tl.exp``), the denominator ``psum_prefix``,
   ``p = div_rn(e, denominator)`` into a second scratch (T, nh, K).
@@ -60,6 +62,7 @@ from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
+from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
 from .pinned_math import exp_f32
 from .rope_cache import KERNEL_DTYPES, _rotate_store
 from .rounding import round_to_storage
@@ -288,8 +291,8 @@ def absorbed_query_triton(cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Ten
 def _mla_scores_kernel(
     qabs_ptr,  # (T, nh, Lkv) float32, strides stride_at, stride_ah, 1
     qpe_ptr,  # (T, nh, R) S, strides stride_pt, stride_ph, 1
-    kv_pool_ptr,  # (blocks, 16, Lkv + R) S, contiguous
-    block_table_ptr,  # (blocks,) int32
+    addresses_ptr,  # row t's (kv_pool, index_pool, block_table) at addresses_ptr + t * addr_stride (paged.py)
+    addr_stride,  # 0: every row in one cache; 3: one line per row
     rows_ptr,  # (T, K) int64, row stride stride_rows
     count_ptr,  # (T,) int64
     s_ptr,  # (T, nh, K) float32 scratch, contiguous
@@ -312,12 +315,14 @@ def _mla_scores_kernel(
     BLOCK_R: tl.constexpr,  # next_pow2(R): one chunk
     LEVELS_R: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    TO_BF16: tl.constexpr,  # the pools' dtype: bfloat16, else float32
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     k0 = tl.program_id(2) * BLOCK_K
     count = tl.load(count_ptr + t)
     if k0 < count:  # a chunk wholly past the list is never read (the softmax masks it)
+        kv_pool_ptr, _, block_table_ptr = row_pools(addresses_ptr, t, addr_stride, TO_BF16)  # (blocks, 16, Lkv + R)
         h_in = h < nh
         k = k0 + tl.arange(0, BLOCK_K)
         k_in = k < K
@@ -396,8 +401,8 @@ def _mla_softmax_kernel(
 @triton.jit
 def _mla_latent_kernel(
     p_ptr,  # (T, nh, K) float32 probabilities
-    kv_pool_ptr,  # (blocks, 16, Lkv + R) S
-    block_table_ptr,  # (blocks,) int32
+    addresses_ptr,  # row t's (kv_pool, index_pool, block_table) at addresses_ptr + t * addr_stride (paged.py)
+    addr_stride,  # 0: every row in one cache; 3: one line per row
     rows_ptr,  # (T, K) int64, row stride stride_rows
     count_ptr,  # (T,) int64
     o_ptr,  # (T, nh, Lkv) float32 out, contiguous
@@ -413,12 +418,14 @@ def _mla_latent_kernel(
     NCHUNK: tl.constexpr,  # next_pow2(K) / BLOCK_K
     LEVELS_C: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    TO_BF16: tl.constexpr,  # the pools' dtype: bfloat16, else float32
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     h_in = h < nh
     l_in = l < Lkv
+    kv_pool_ptr, _, block_table_ptr = row_pools(addresses_ptr, t, addr_stride, TO_BF16)  # (blocks, 16, Lkv + R)
     count = tl.minimum(tl.maximum(tl.load(count_ptr + t), 0), K)
     level = _list_level(count, LEVELS_K + LEVELS_C)
     span = tl.minimum(1 << level, K)
@@ -441,12 +448,17 @@ def _mla_latent_kernel(
     tl.store(o_ptr + (t * nh + h[:, None]) * Lkv + l[None, :], o, mask=h_in[:, None] & l_in[None, :])
 
 
-def sparse_mla_torch(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Tensor, block_table: Tensor, rows: Tensor,
+def sparse_mla_torch(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: LayerCache | RowCaches, rows: Tensor,
                      count: Tensor, kv_b_proj: Tensor) -> Tensor:
     """The twin: ``mla_over_lists`` (the reference's own code) over ``LayerCache.kv_rows()``,
-    the pool gathered by its block table. Arguments as ``sparse_mla_triton``."""
-    kv_rows = LayerCache(kv_pool, kv_pool[..., :0], block_table).kv_rows()
-    return mla_over_lists(_KvB(kv_b_proj), cfg, q_abs, q_pe, kv_rows, rows, count)
+    the pool gathered by its block table; with a cache per row, over each run of rows in one
+    cache (``RowCaches.runs``), the runs' outputs concatenated (each row as if alone).
+    Arguments as ``sparse_mla_triton``."""
+    T = rows.shape[0]
+    runs = [(caches, slice(0, T))] if isinstance(caches, LayerCache) else caches.runs(T)
+    outs = [mla_over_lists(_KvB(kv_b_proj), cfg, q_abs[t], q_pe[t], cache.kv_rows(), rows[t], count[t])
+            for cache, t in runs]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @dataclass(frozen=True)
@@ -465,7 +477,7 @@ class MlaScratch:
                    torch.empty(T, nh, Lkv, dtype=f32, device=device))
 
 
-def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Tensor, block_table: Tensor, rows: Tensor,
+def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: LayerCache | RowCaches, rows: Tensor,
                         count: Tensor, kv_b_proj: Tensor, scratch: MlaScratch, out: Tensor,
                         blocks: MlaBlocks = DEFAULT_BLOCKS, cuda: bool | None = None) -> list[Launch]:
     """The four launches of ``sparse_mla_triton`` (scores, softmax, latent, output), arguments
@@ -475,15 +487,13 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Te
                            cfg.v_head_dim)
     T, K = rows.shape
     name = "sparse_mla_triton"
+    rc = row_caches(caches)
+    kv_pool = _check_caches(name, rc, T, Lkv + R)
     _check_dtype(name, q_pe, kv_b_proj, kv_pool, out)
     if q_abs.shape != (T, nh, Lkv) or q_abs.dtype != torch.float32 or q_abs.stride(2) != 1:
         raise ValueError(f"{name}: q_abs must be float32 (T, nh, Lkv) = ({T}, {nh}, {Lkv}), last dim contiguous")
     if q_pe.shape != (T, nh, R) or q_pe.stride(2) != 1:
         raise ValueError(f"{name}: q_pe must be (T, nh, R) = ({T}, {nh}, {R}), last dim contiguous")
-    if kv_pool.dim() != 3 or kv_pool.shape[1:] != (BLOCK_ROWS, Lkv + R) or not kv_pool.is_contiguous():
-        raise ValueError(f"{name}: kv_pool must be contiguous (blocks, {BLOCK_ROWS}, {Lkv + R})")
-    if block_table.dtype != torch.int32 or block_table.dim() != 1 or not block_table.is_contiguous():
-        raise ValueError(f"{name}: block_table must be a contiguous (blocks,) int32 tensor")
     if rows.dtype != torch.int64 or (K > 1 and rows.stride(1) != 1) or count.dtype != torch.int64 or count.shape != (T,):
         raise ValueError(f"{name}: rows must be (T, K) int64 (last dim contiguous) and count (T,) int64")
     if count.stride(0) != 1 and T > 1:
@@ -500,16 +510,17 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Te
     cuda = out.is_cuda if cuda is None else cuda
     b = blocks
     PK = _p2(K)
+    pool_bf16 = kv_pool.dtype == torch.bfloat16
 
     # Scores.
     sh, sk, sl = min(_p2(nh), b.score_heads), min(PK, b.score_rows), min(_p2(Lkv), b.score_l)
     scores = Launch(
         _mla_scores_kernel, (T, triton.cdiv(nh, sh), triton.cdiv(K, sk)),
-        (q_abs, q_pe, kv_pool, block_table, rows, count, scratch.scores, nh, K, Lkv, R, q_abs.stride(0),
+        (q_abs, q_pe, rc.addresses, rc.stride, rows, count, scratch.scores, nh, K, Lkv, R, q_abs.stride(0),
          q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), rows.stride(0), float(cfg.qk_head_dim**-0.5)),
         dict(BLOCK_H=sh, BLOCK_K=sk, BLOCK_L=sl, LEVELS_L=_log2(sl), NCHUNK_L=_p2(Lkv) // sl,
              LEVELS_CL=_log2(_p2(Lkv) // sl), BLOCK_R=_p2(R), LEVELS_R=_log2(_p2(R)), ROWS_PER_BLOCK=BLOCK_ROWS,
-             enable_fp_fusion=False))
+             TO_BF16=pool_bf16, enable_fp_fusion=False))
     # Softmax.
     fh, fk = min(_p2(nh), b.soft_heads), min(PK, b.soft_k)
     softmax = Launch(
@@ -520,9 +531,9 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Te
     lh, ll, lk = min(_p2(nh), b.latent_heads), min(_p2(Lkv), b.latent_l), min(PK, b.latent_k)
     latent = Launch(
         _mla_latent_kernel, (T, triton.cdiv(nh, lh), triton.cdiv(Lkv, ll)),
-        (scratch.probs, kv_pool, block_table, rows, count, scratch.latent, nh, K, Lkv, R, rows.stride(0)),
+        (scratch.probs, rc.addresses, rc.stride, rows, count, scratch.latent, nh, K, Lkv, R, rows.stride(0)),
         dict(BLOCK_H=lh, BLOCK_L=ll, BLOCK_K=lk, LEVELS_K=_log2(lk), NCHUNK=PK // lk, LEVELS_C=_log2(PK // lk),
-             ROWS_PER_BLOCK=BLOCK_ROWS, enable_fp_fusion=False))
+             ROWS_PER_BLOCK=BLOCK_ROWS, TO_BF16=pool_bf16, enable_fp_fusion=False))
     # out[t, h] = round_S(dot(o[t, h], W_uv[h])): W_uv[h] row n is kv_b_proj row h * (nope + v) + nope + n.
     block_n, meta = _gemv_meta(v, Lkv, b.gemv_k, b.tile, out.dtype == torch.bfloat16, cuda)
     meta.update(ROPE=False, INTERLEAVE=False, BLOCK_R2=1, PE_BF16=False)
@@ -535,13 +546,16 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Te
     return [scores, softmax, latent, output]
 
 
-def sparse_mla_triton(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Tensor, block_table: Tensor, rows: Tensor,
+def sparse_mla_triton(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: LayerCache | RowCaches, rows: Tensor,
                       count: Tensor, kv_b_proj: Tensor, blocks: MlaBlocks = DEFAULT_BLOCKS) -> Tensor:
     """The kernels for ``sparse_mla_torch`` (byte-equal): ``q_abs`` (T, nh, Lkv) float32 and
-    ``q_pe`` (T, nh, R) S from ``absorbed_query_triton``; the layer's paged ``kv_pool`` (blocks,
-    16, Lkv + R) and ``block_table`` (blocks,) int32; the lists ``rows`` (T, K) int64 ascending
-    (padding entries slot 0) and ``count`` (T,) int64, on the device (never read by the host);
-    ``kv_b_proj`` (nh * (nope + v), Lkv). Returns ``(T, nh * v)`` in S. float32 or bfloat16."""
+    ``q_pe`` (T, nh, R) S from ``absorbed_query_triton``; ``caches`` the layer's paged cache of
+    every row (a ``LayerCache``) or of each row (a ``RowCaches``, one line per row): its
+    ``kv_pool`` (blocks, 16, Lkv + R) read through its ``block_table`` (blocks,) int32; the lists
+    ``rows`` (T, K) int64 ascending (padding entries slot 0) and ``count`` (T,) int64, on the
+    device (never read by the host); ``kv_b_proj`` (nh * (nope + v), Lkv). Returns
+    ``(T, nh * v)`` in S. float32 or bfloat16. A lone ``LayerCache`` costs a host-to-device copy
+    of its address line; capturable callers pass a ``RowCaches`` made once."""
     T, K = rows.shape
     nh = cfg.num_attention_heads
     out = torch.empty(T, nh * cfg.v_head_dim, dtype=q_pe.dtype, device=q_pe.device)
@@ -553,11 +567,14 @@ def sparse_mla_triton(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_pool: Tens
     # host read of the data, so the loop is the same at capture and replay).
     per_pass = max(1, min(T, MLA_SCRATCH_ELEMENTS // (nh * max(K, cfg.kv_lora_rank))))
     full = MlaScratch.empty(per_pass, nh, K, cfg.kv_lora_rank, q_pe.device)
+    rc = row_caches(caches)
+    if len(rc.caches) not in (1, T):  # checked before the passes slice the table
+        raise ValueError(f"sparse_mla_triton: caches must be one LayerCache or one per row ({T}), got {len(rc.caches)}")
     for t0 in range(0, T, per_pass):
         t = slice(t0, min(T, t0 + per_pass))
         n = t.stop - t.start
         scratch = MlaScratch(full.scores[:n], full.probs[:n], full.latent[:n])
-        for launch in sparse_mla_launches(cfg, q_abs[t], q_pe[t], kv_pool, block_table, rows[t], count[t], kv_b_proj,
+        for launch in sparse_mla_launches(cfg, q_abs[t], q_pe[t], _rows_of(rc, t), rows[t], count[t], kv_b_proj,
                                           scratch, out[t], blocks):
             launch.run()
     return out
@@ -574,6 +591,35 @@ class _KvB:
     kv_b_proj: Tensor
 
 
+def _rows_of(rc: RowCaches, t: slice) -> RowCaches:
+    """The caches of rows ``t`` (a view of the address table; the shared line when stride 0)."""
+    return rc if rc.stride == 0 else RowCaches(rc.caches[t], rc.addresses[t])
+
+
+def _check_caches(name: str, rc: RowCaches, T: int, width: int) -> Tensor:
+    """Checks a call's caches on the host (shapes and dtypes of the tuple's tensors, never a
+    device read): one cache, or one per row, each kv pool contiguous (blocks, 16, ``width``)
+    of one dtype and one shape, each block table a contiguous (blocks,) int32; the address table
+    contiguous int64 (len(caches), 3). Returns the first cache's kv pool."""
+    n = len(rc.caches)
+    if n not in (1, T):
+        raise ValueError(f"{name}: caches must be one LayerCache or one per row ({T}), got {n}")
+    table = rc.addresses
+    if table.dtype != torch.int64 or table.shape != (n, ADDRESS_COLUMNS) or not table.is_contiguous():
+        raise ValueError(f"{name}: the address table must be a contiguous int64 ({n}, {ADDRESS_COLUMNS}), got "
+                         f"{table.dtype} {tuple(table.shape)}")
+    first = rc.caches[0]
+    for cache in rc.caches:
+        pool, bt = cache.kv_pool, cache.block_table
+        if pool.dim() != 3 or pool.shape[1:] != (BLOCK_ROWS, width) or not pool.is_contiguous():
+            raise ValueError(f"{name}: kv_pool must be contiguous (blocks, {BLOCK_ROWS}, {width})")
+        if pool.dtype != first.kv_pool.dtype or pool.shape != first.kv_pool.shape:
+            raise ValueError(f"{name}: every cache's kv_pool must have one dtype and shape")
+        if bt.dtype != torch.int32 or bt.dim() != 1 or not bt.is_contiguous() or bt.shape != first.block_table.shape:
+            raise ValueError(f"{name}: block_table must be a contiguous (blocks,) int32 tensor, one shape for all caches")
+    return first.kv_pool
+
+
 def _check_dtype(name: str, *tensors: Tensor) -> None:
     dtype = tensors[0].dtype
     if dtype not in KERNEL_DTYPES or any(t.dtype != dtype for t in tensors):
@@ -584,7 +630,9 @@ def _check_dtype(name: str, *tensors: Tensor) -> None:
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches a drafter at ``cfg`` with ``dtype`` weights makes, on abstract tensors (see
     ``glm_mtp.optimized.audit``): ``step`` (one row) and ``rows`` (8 rows), lists of width
-    ``index_topk`` over a pool from ``LayerCache.allocate``, q as ``q_b_proj``'s output."""
+    ``index_topk`` over a pool from ``LayerCache.allocate``, q as ``q_b_proj``'s output, every
+    row in that cache (an address table of one line); and ``batch`` (16 rows, each in its own
+    cache: one address line per row, stride 3)."""
     if dtype not in KERNEL_DTYPES:
         return []
     nh, nope, R, Lkv, v, K = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
@@ -592,13 +640,16 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     cache = LayerCache.allocate(cfg, 2, dtype, "meta")
     kv_b = abstract((nh * (nope + v), Lkv), dtype)
     out = []
-    for variant, T in (("step", 1), ("rows", 8)):
+    for variant, T in (("step", 1), ("rows", 8), ("batch", 16)):
         q_abs, q_pe = abstract((T, nh, Lkv), torch.float32), abstract((T, nh, R), dtype)
         angles = abstract((T, max(R // 2, 1)), torch.float32)
         out.append(AuditLaunch("mla:absorbed_query", variant, absorbed_query_launch(
             cfg, abstract((T, nh * (nope + R)), dtype), kv_b, angles, angles, q_abs, q_pe, cuda=True)))
         scratch = MlaScratch.empty(T, nh, K, Lkv, "meta")
-        launches = sparse_mla_launches(cfg, q_abs, q_pe, cache.kv_pool, cache.block_table,
+        lines = T if variant == "batch" else 1
+        caches = RowCaches((cache,) * lines, abstract((lines, ADDRESS_COLUMNS), torch.int64))
+        assert caches.stride == (ADDRESS_COLUMNS if variant == "batch" else 0)
+        launches = sparse_mla_launches(cfg, q_abs, q_pe, caches,
                                        abstract((T, K), torch.int64), abstract((T,), torch.int64), kv_b, scratch,
                                        abstract((T, nh * v), dtype), cuda=True)
         for part, launch in zip(("scores", "softmax", "latent", "out"), launches):

@@ -5,9 +5,11 @@ random inputs through Triton's CPU interpreter (tests/conftest.py sets TRITON_IN
 Shapes: tiny (nh=4, Lkv=16, R=8), small-like (nh=8, Lkv=64, R=16) and an odd one (nh=6: a
 masked head block; Lkv=24 and nope=12: non-power-of-two trees; v=20). Lists of width K up to 40
 with counts 1..K over a multi-block paged pool whose block table is shuffled; float32 and
-bfloat16; T = 1 and 3; both RoPE layouts; default blocks and small blocks (many chunks). Then
-kernels with one plausible mistake each (a library-order denominator, ``tl.exp``, padding
-entries loaded as +0.0, the whole-width tree in place of ``psum_prefix``) are caught."""
+bfloat16; T = 1 and 3; both RoPE layouts; default blocks and small blocks (many chunks); rows
+of several states, each row in its own paged cache (a per-row ``RowCaches``), equal to the twin
+and to each row run alone. Then kernels with one plausible mistake each (a library-order
+denominator, ``tl.exp``, padding entries loaded as +0.0, the whole-width tree in place of
+``psum_prefix``, every row reading line 0 of a per-row address table) are caught."""
 
 import zlib
 
@@ -22,6 +24,7 @@ from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.mla import (
     MlaBlocks, MlaScratch, _list_level, _physical_rows, _prefix_tree, sparse_mla_launches,
 )
+from glm_mtp.optimized.kernels.paged import RowCaches, row_pools
 from glm_mtp.optimized.kernels.pinned_math import exp_f32 as _exp
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope, absorb_query, latent_query, sparse_mla
@@ -92,7 +95,12 @@ def _mla_inputs(cfg, dtype, counts, K, gen, blocks=6, score_scale=4.0):
     block_table = torch.randperm(blocks, generator=gen).to(torch.int32)  # shuffled pages
     assert not torch.equal(block_table, torch.arange(blocks, dtype=torch.int32))
     rows, count = _lists(T, K, counts, blocks * 16, gen)
-    return q_abs, q_pe, kv_pool, block_table, rows, count, kv_b
+    return q_abs, q_pe, _cache(cfg, kv_pool, block_table), rows, count, kv_b
+
+
+def _cache(cfg, kv_pool, block_table):
+    """A LayerCache around a kv pool (the index pool, which sparse_mla never reads, zeros)."""
+    return LayerCache(kv_pool, torch.zeros(*kv_pool.shape[:2], cfg.index_head_dim, dtype=kv_pool.dtype), block_table)
 
 
 # ---- the absorbed query -----------------------------------------------------------------------------
@@ -173,10 +181,9 @@ def test_sparse_mla_every_count():
     got = sparse_mla_triton(cfg, *args, blocks=MlaBlocks(soft_k=8, latent_k=8))
     assert _same(got, want)
     # Each row alone gives its bytes of the batch.
-    q_abs, q_pe, pool, table, rows, count, kv_b = args
+    q_abs, q_pe, cache, rows, count, kv_b = args
     for t in (0, 16, 32, 39):
-        alone = sparse_mla_triton(cfg, q_abs[t : t + 1], q_pe[t : t + 1], pool, table, rows[t : t + 1], count[t : t + 1],
-                                  kv_b)
+        alone = sparse_mla_triton(cfg, q_abs[t : t + 1], q_pe[t : t + 1], cache, rows[t : t + 1], count[t : t + 1], kv_b)
         assert _same(alone, want[t : t + 1])
 
 
@@ -205,7 +212,7 @@ def test_sparse_mla_is_the_reference_on_a_layer_cache():
     q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
     want = sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(), rows, count)
     q_abs, q_pe2 = absorbed_query_triton(cfg, linear(q_latent, attn.q_b_proj), attn.kv_b_proj, cos, sin)
-    got = sparse_mla_triton(cfg, q_abs, q_pe2, cache.kv_pool, cache.block_table, rows, count, attn.kv_b_proj)
+    got = sparse_mla_triton(cfg, q_abs, q_pe2, cache, rows, count, attn.kv_b_proj)
     assert _same(got, want)
 
 
@@ -217,10 +224,10 @@ def test_sparse_mla_edge_counts_and_specials():
     cfg = _cfg("tiny")
     gen = torch.Generator().manual_seed(7)
     args = list(_mla_inputs(cfg, F32, [0, 7, 8, 8], 8, gen))
-    args[5] = torch.tensor([0, 7, 9, 8])
+    args[4] = torch.tensor([0, 7, 9, 8])
     assert _same(sparse_mla_triton(cfg, *args), sparse_mla_torch(cfg, *args))
-    pool, table, rows = args[2], args[3], args[4]
-    args[5] = torch.tensor([3, 7, 8, 4])
+    pool, table, rows = args[2].kv_pool, args[2].block_table, args[3]
+    args[4] = torch.tensor([3, 7, 8, 4])
     rows[:, 3:] = 0
     rows[:, :3] = torch.tensor([5, 9, 30])
     rows[1, 3:7] = torch.tensor([33, 34, 40, 41])
@@ -237,16 +244,129 @@ def test_sparse_mla_edge_counts_and_specials():
 def test_bad_arguments():
     cfg = _cfg("tiny")
     gen = torch.Generator().manual_seed(1)
-    q_abs, q_pe, pool, table, rows, count, kv_b = _mla_inputs(cfg, BF16, [2, 3], 4, gen)
+    q_abs, q_pe, cache, rows, count, kv_b = _mla_inputs(cfg, BF16, [2, 3], 4, gen)
+    pool, table = cache.kv_pool, cache.block_table
     with pytest.raises(TypeError, match="share one dtype"):
-        sparse_mla_triton(cfg, q_abs, q_pe.float(), pool, table, rows, count, kv_b)
+        sparse_mla_triton(cfg, q_abs, q_pe.float(), cache, rows, count, kv_b)
     with pytest.raises(ValueError, match="block_table"):
-        sparse_mla_triton(cfg, q_abs, q_pe, pool, table.long(), rows, count, kv_b)
+        sparse_mla_triton(cfg, q_abs, q_pe, _cache(cfg, pool, table.long()), rows, count, kv_b)
     with pytest.raises(ValueError, match="rows must be"):
-        sparse_mla_triton(cfg, q_abs, q_pe, pool, table, rows.int(), count, kv_b)
+        sparse_mla_triton(cfg, q_abs, q_pe, cache, rows.int(), count, kv_b)
+    # Per-row caches: one per row, every pool of one dtype and shape, every table of one length.
+    with pytest.raises(ValueError, match="one per row"):
+        sparse_mla_triton(cfg, q_abs, q_pe, RowCaches.per_row([cache, cache, cache]), rows, count, kv_b)
+    other = _cache(cfg, pool.float(), table)
+    with pytest.raises(ValueError, match="one dtype and shape"):
+        sparse_mla_triton(cfg, q_abs, q_pe, RowCaches.per_row([cache, other]), rows, count, kv_b)
+    bigger = _cache(cfg, torch.cat((pool, pool)), torch.cat((table, table + table.shape[0])))
+    with pytest.raises(ValueError, match="one dtype and shape"):
+        sparse_mla_triton(cfg, q_abs, q_pe, RowCaches.per_row([bigger, cache]), rows, count, kv_b)
+    longer = _cache(cfg, pool, torch.cat((table, table)))
+    with pytest.raises(ValueError, match="block_table"):
+        sparse_mla_triton(cfg, q_abs, q_pe, RowCaches.per_row([cache, longer]), rows, count, kv_b)
     with pytest.raises(TypeError, match="share one dtype"):
         absorbed_query_triton(cfg, torch.zeros(1, 96, dtype=torch.float16), kv_b.half(), *Rope.build(cfg, 4, "cpu").at(
             torch.tensor([0])))
+
+
+# ---- per-row caches: one launch over rows of many sequences (a batched draft step) -----------------
+
+OWNER = [0, 1, 1, 2, 0]  # row t's state: rows 1 and 2 share one, row 4 is back in row 0's
+VISIBLE = [1, 8, 21, 40, 64]  # row t's visible length (its newest slot: 0, 7, 20, 39, 63)
+
+
+def _states(cfg, dtype, n, blocks, gen):
+    """``n`` states' caches (``LayerCache.allocate``, the same number of blocks), each with its own
+    random pools and shuffled block table."""
+    states = []
+    for _ in range(n):
+        c = LayerCache.allocate(cfg, blocks, dtype, "cpu")
+        c.kv_pool.copy_(_mixed(gen, *c.kv_pool.shape).to(dtype))
+        c.index_pool.copy_(_mixed(gen, *c.index_pool.shape).to(dtype))
+        c.block_table = torch.randperm(blocks, generator=gen).to(torch.int32)
+        states.append(c)
+    return states
+
+
+def _batch_inputs(cfg, dtype, K, counts, gen, blocks=4):
+    """Rows ``OWNER`` of three states, row t's list drawn from its first ``VISIBLE[t]`` slots."""
+    T = len(OWNER)
+    states = _states(cfg, dtype, 3, blocks, gen)
+    q, kv_b, cos, sin = _query_inputs(cfg, dtype, T, gen)
+    q_abs, q_pe = absorbed_query_torch(cfg, q, kv_b, cos, sin)
+    q_abs = q_abs * 4.0
+    rows = torch.zeros(T, K, dtype=torch.int64)
+    for t, (n, visible) in enumerate(zip(counts, VISIBLE)):
+        assert n <= min(visible, K)
+        rows[t, :n] = torch.randperm(visible, generator=gen)[:n].sort().values
+    return states, q_abs, q_pe, rows, torch.tensor(counts, dtype=torch.int64), kv_b
+
+
+BATCH_CASES = [("tiny", 24, [1, 8, 17, 24, 5], MlaBlocks()), ("odd", 13, [1, 5, 13, 9, 13], SMALL)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,K,counts,blocks", BATCH_CASES, ids=["tiny", "odd_small_blocks"])
+def test_sparse_mla_per_row_caches(shape, K, counts, blocks, dtype):
+    """Row t reads its own state's pool: the kernel equals the twin (runs of rows per cache), and
+    each row equals the same kernel called on its state alone (batch invariance)."""
+    cfg = _cfg(shape)
+    gen = torch.Generator().manual_seed(_seed("batch", shape, K))
+    states, q_abs, q_pe, rows, count, kv_b = _batch_inputs(cfg, dtype, K, counts, gen)
+    table = torch.full((8, 3), -1, dtype=torch.int64)  # a static buffer, longer than the batch
+    caches = RowCaches.per_row([states[o] for o in OWNER], table)
+    assert caches.stride == 3
+    want = sparse_mla_torch(cfg, q_abs, q_pe, caches, rows, count, kv_b)
+    got = sparse_mla_triton(cfg, q_abs, q_pe, caches, rows, count, kv_b, blocks=blocks)
+    assert got.shape == (len(OWNER), cfg.num_attention_heads * cfg.v_head_dim) and got.dtype == dtype
+    assert _same(got, want)
+    for t, o in enumerate(OWNER):
+        one = (q_abs[t : t + 1], q_pe[t : t + 1])
+        alone = sparse_mla_triton(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b, blocks=blocks)
+        assert _same(alone, got[t : t + 1]), t
+        assert _same(sparse_mla_torch(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b), want[t : t + 1])
+    # A one-row RowCaches (stride 0) is the same as its LayerCache.
+    t = 3
+    one = RowCaches.per_row([states[OWNER[t]]])
+    assert one.stride == 0
+    assert _same(sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], one, rows[t:], count[t:], kv_b, blocks=blocks),
+                 sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], states[OWNER[t]], rows[t:], count[t:], kv_b, blocks=blocks))
+
+
+def test_sparse_mla_per_row_passes(monkeypatch):
+    """Passes of 2 rows over a per-row table (each pass a slice of the table): the same bytes."""
+    cfg = _cfg("tiny")
+    gen = torch.Generator().manual_seed(78)
+    states, q_abs, q_pe, rows, count, kv_b = _batch_inputs(cfg, BF16, 9, [1, 8, 9, 3, 9], gen)
+    caches = RowCaches.per_row([states[o] for o in OWNER])
+    monkeypatch.setattr(mla, "MLA_SCRATCH_ELEMENTS", 2 * cfg.num_attention_heads * 16)  # 2 rows a pass
+    assert _same(sparse_mla_triton(cfg, q_abs, q_pe, caches, rows, count, kv_b),
+                 sparse_mla_torch(cfg, q_abs, q_pe, caches, rows, count, kv_b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("which", [0, 2], ids=["scores", "latent"])
+def test_per_row_mutant_is_caught(which, dtype):
+    """A launch that reads every row's caches from line 0 of a per-row table (stride 0) gives
+    other bytes for the rows whose state is not row 0's, and the same for those that are."""
+    cfg = _cfg("tiny")
+    gen = torch.Generator().manual_seed(_seed("mutant", which))
+    states, q_abs, q_pe, rows, count, kv_b = _batch_inputs(cfg, dtype, 24, [1, 8, 17, 24, 5], gen)
+    caches = RowCaches.per_row([states[o] for o in OWNER])
+    want = sparse_mla_torch(cfg, q_abs, q_pe, caches, rows, count, kv_b)
+    T, K = rows.shape
+    out = torch.empty_like(want)
+    scratch = MlaScratch.empty(T, cfg.num_attention_heads, K, cfg.kv_lora_rank, "cpu")
+    launches = sparse_mla_launches(cfg, q_abs, q_pe, caches, rows, count, kv_b, scratch, out)
+    args = list(launches[which].args)
+    stride_at = next(i for i, a in enumerate(args) if a is caches.addresses) + 1
+    assert args[stride_at] == 3
+    args[stride_at] = 0
+    launches[which] = Launch(launches[which].kernel, launches[which].grid, tuple(args), launches[which].meta)
+    for launch in launches:
+        launch.run()
+    for t, o in enumerate(OWNER):
+        assert _same(out[t], want[t]) == (o == OWNER[0]), t
 
 
 # ---- the tests can fail: kernels with one plausible mistake -------------------------------------------
@@ -298,9 +418,10 @@ def _softmax_mutant(s_ptr, p_ptr, count_ptr, nh, K, BLOCK_H: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _latent_mutant(p_ptr, kv_pool_ptr, block_table_ptr, rows_ptr, count_ptr, o_ptr, nh, K, Lkv, R, stride_rows,
+def _latent_mutant(p_ptr, addresses_ptr, addr_stride, rows_ptr, count_ptr, o_ptr, nh, K, Lkv, R, stride_rows,
                    BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, LEVELS_K: tl.constexpr,
-                   NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr, MODE: tl.constexpr):
+                   NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr, TO_BF16: tl.constexpr,
+                   MODE: tl.constexpr):
     """The latent outputs with, MODE 0: the padding entries' rows loaded as +0.0 (a mask at
     count) instead of read as listed; MODE 1: the whole-width tree instead of psum_prefix."""
     t = tl.program_id(0).to(tl.int64)
@@ -308,6 +429,7 @@ def _latent_mutant(p_ptr, kv_pool_ptr, block_table_ptr, rows_ptr, count_ptr, o_p
     l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     h_in = h < nh
     l_in = l < Lkv
+    kv_pool_ptr, _, block_table_ptr = row_pools(addresses_ptr, t, addr_stride, TO_BF16)
     count = tl.minimum(tl.maximum(tl.load(count_ptr + t), 0), K)
     level = _list_level(count, LEVELS_K + LEVELS_C)
     if MODE == 1:
@@ -336,7 +458,7 @@ def _latent_mutant(p_ptr, kv_pool_ptr, block_table_ptr, rows_ptr, count_ptr, o_p
 def _run_with(cfg, args, blocks, which, kernel, mode):
     """sparse_mla_triton's launches with launch ``which`` (1: softmax, 2: latent) swapped for a
     mutant kernel on the same grid and arguments."""
-    q_abs, q_pe, pool, table, rows, count, kv_b = args
+    q_abs, q_pe, caches, rows, count, kv_b = args
     T, K = rows.shape
     out = torch.empty(T, cfg.num_attention_heads * cfg.v_head_dim, dtype=q_pe.dtype)
     scratch = MlaScratch.empty(T, cfg.num_attention_heads, K, cfg.kv_lora_rank, "cpu")
@@ -365,13 +487,14 @@ def _signed_zero_case(cfg, dtype):
     next_pow2(3) = 4 gives +0.0 * negative = -0.0; the lanes past 5 are +0.0 outside that subtree)."""
     gen = torch.Generator().manual_seed(5)
     args = list(_mla_inputs(cfg, dtype, [3, 3], 5, gen))
-    q_abs, q_pe, pool, table, rows, count, kv_b = args
+    q_abs, q_pe, cache, rows, count, kv_b = args
+    pool, table = cache.kv_pool, cache.block_table
     Lkv = cfg.kv_lora_rank
     rows[:, :3] = torch.tensor([[4, 20, 33], [1, 2, 3]])
     for slot in (1, 2, 3, 4, 20, 33):
         pool[table[slot // 16], slot % 16, :Lkv] = -0.0
     pool[table[0], 0, :Lkv] = -(torch.rand(Lkv, generator=gen) + 0.5).to(dtype)
-    args[6] = kv_b.abs()
+    args[5] = kv_b.abs()
     return args
 
 
