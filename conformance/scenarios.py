@@ -548,11 +548,11 @@ def batched(ch: Chooser, m: SpecModel, max_drafts: int = MAX_DRAFTS) -> list[Op]
         if s.seq_len != loop.m - 1 or s.seq_len + 1 >= m.capacity:
             leave(i)
 
-    for _ in range(min(target, ch.int(2, 3))):
+    for _ in range(ch.int(2, target)):
         join()
     for _ in range(ch.int(4, 10)):
         r = ch.int(0, 99)
-        if r < 15 and len(m.seqs) < target:
+        if r < 20 and len(m.seqs) < target:
             join()
         elif r < 25 and len(token) > 2:
             leave(ch.choice(sorted(token)))
