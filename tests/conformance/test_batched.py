@@ -185,3 +185,27 @@ def test_the_spec_model_follows_the_check_order_of_a_batch():
     c = m.catchup_batch([0, 2, 1], TokenIds((4, "d3", 5)), Hidden(9, 3), TokenIds((rows[0] - 2, rows[2] + 3, rows[1])))
     assert c.expect == "ok" and c.returns == [0, 1, 1]
     assert Op.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("kind", ["propose_batch", "catchup_batch"])
+def test_a_refusal_follows_index_order_across_data_and_host_checks(kind, preset):
+    """DESIGN.md §4: a batch runs each state's own checks in index order, so with a NaN in row 0's
+    hidden (a check that reads data) and a host-side fault in row 1 (a position ahead of the rows;
+    a pending state), the refusal is row 0's ValueError, as the per-state calls give, not row 1's
+    RuntimeError: a backend that checks data on the device must still report by index order."""
+    m = SpecModel(MtpConfig.preset(preset), 64)
+    ops = [m.info()]
+    for i in range(2):
+        ops += [m.alloc(), m.prefill(i, TokenIds(tuple(range(1, 12 + 3 * i))), Hidden(10 + i, 11 + 3 * i))]
+    rows = [s.seq_len for s in m.seqs]
+    if kind == "propose_batch":
+        ops.append(m.propose_batch([0, 1], TokenIds((3, 4)), Hidden(20, 2, fault="nan@0"), TokenIds((rows[0], rows[1] + 2)), 2))
+    else:
+        ops.append(m.propose(1, TokenIds((5,), "int"), Hidden(21, 1), rows[1], 2))  # state 1 pending
+        ops.append(m.catchup_batch([0, 1], TokenIds((3, 4)), Hidden(20, 2, fault="nan@0"), TokenIds((rows[0], rows[1] + 2))))
+    assert ops[-1].expect == "ValueError"
+    ls = Harness("optimized", "reference", preset, torch.bfloat16).lockstep()
+    for op in ops:
+        finding = ls.step(op)
+        assert finding is None, f"{op.call()}: {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n  baseline: {finding.baseline}"
