@@ -331,7 +331,11 @@ def adversarial(ch: Chooser, m: SpecModel, max_drafts: int = MAX_DRAFTS) -> list
 # ------------------------------------------------------------------------------------------------
 # The batched generator: many sequences drafted in lockstep (issue 12).
 
-# Misuse a batch may carry (one, sometimes two at once; the spec model predicts which refusal).
+# Misuse a batch may carry (one, sometimes two at once; the spec model predicts which refusal):
+# a state whose propose is pending, a freed state, a state twice, a state of another drafter, a
+# list or the hiddens of the wrong length, a token id outside the vocabulary in one row, NaN/inf
+# in one row's hidden, a position ahead of the state's rows (for catchup_batch: a row base < 0),
+# one state's rows past its capacity.
 BATCH_MISUSE = ("pending", "freed", "duplicate", "foreign", "lengths", "token", "nan", "ahead", "capacity")
 
 
@@ -409,11 +413,9 @@ def _misuse(ch: Chooser, m: SpecModel, kind: str, states: list, tokens: list, hi
         else:
             pos[b] = m.seqs[i].seq_len + ch.int(1, 3)
         return states, tokens, hid, pos, num_drafts
-    # capacity: one row past the state's last one
+    # capacity: rows past the state's last one
     if num_drafts is None:
-        pos[b] = m.capacity - ch.int(0, 1)  # base + 1 > capacity
-        if pos[b] + 1 <= m.capacity:
-            pos[b] = m.capacity
+        pos[b] = m.capacity + ch.int(0, 1)  # row_base + 1 > capacity
         return states, tokens, hid, pos, num_drafts
     room = m.capacity - pos[b]
     return states, tokens, hid, pos, room + 1 if valid_int(pos[b]) else num_drafts
@@ -424,8 +426,9 @@ def _misused(ch: Chooser, m: SpecModel, states: list, tokens: list, hid: Hidden,
     """A batch broken once (sometimes twice: the spec's check order decides the refusal), and
     how (the op's note)."""
     names = []
+    kinds = [k for k in BATCH_MISUSE if pending or k != "pending"]
     for _ in range(1 + ch.chance(0.25)):
-        kind = ch.choice(BATCH_MISUSE)
+        kind = ch.choice(kinds)
         broken = _misuse(ch, m, kind, states, tokens, hid, pos, num_drafts, pending)
         if broken is None:
             continue
@@ -436,8 +439,10 @@ def _misused(ch: Chooser, m: SpecModel, states: list, tokens: list, hid: Hidden,
     return states, tokens, hid, pos, num_drafts, "batched misuse: " + " + ".join(names)
 
 
-def _ids(ch: Chooser, values: Sequence[int | str], tensor_ok: bool = True) -> TokenIds:
-    return TokenIds(tuple(values), ch.choice(TokenIds.LIST_FORMS) if tensor_ok else "list")
+def _ids(ch: Chooser, values: Sequence[int | str]) -> TokenIds:
+    """A batch's ids (tokens, positions or row bases) in a random valid form: a list, or an
+    integer tensor (int64 or int32 on the device, int64 on the CPU)."""
+    return TokenIds(tuple(values), ch.choice(TokenIds.LIST_FORMS))
 
 
 def batched(ch: Chooser, m: SpecModel, max_drafts: int = MAX_DRAFTS) -> list[Op]:
