@@ -268,11 +268,11 @@ class OptimizedProposer:
         for i in range(k):
             slot = st.pos + i  # (1,)
             if self.step is not None and not sampled:
-                pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step)
                 x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
             else:
                 if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
-                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.step)
+                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step)
                     x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
                 else:
                     x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
@@ -557,7 +557,7 @@ class OptimizedProposer:
     def _rows(self, tokens: Tensor, hiddens: Tensor, slots: Tensor, st: OptimizedState) -> None:
         """Context rows (no head): the fused block, or the per-primitive one."""
         if self.step is not None:
-            fused_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.step)
+            fused_rows(self.weights, tokens, hiddens, slots, st.row_table, self.rope(st.device), st.always, self.step)
         else:
             block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
 

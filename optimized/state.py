@@ -18,6 +18,8 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.state import DrafterState, LayerCache, Owner
 
+from .kernels.paged import RowCaches
+
 
 @dataclass
 class Unsettled:
@@ -37,6 +39,8 @@ class OptimizedState(DrafterState):
         hid_in: (1, H), the propose's ``target_hidden``.
         pos: (1,) int64, the propose's ``position`` (draft i writes slot ``pos + i``).
         seq_dev: (1,) int64, the device's copy of ``seq_len``.
+        row_table: ``cache`` as the cache kernels take it (``kernels.paged.RowCaches``: a one-line
+            address table on the device), made once so a captured program reads no host data.
         ok: (1,) bool, this propose's device-side input check; gates every state write.
         always: (1,) bool, constant true: the gate of context rows, checked on the host.
         out: (capacity + 1,) int64, the read-back: ``out[0]`` the check's code (bit 0: hidden
@@ -55,6 +59,7 @@ class OptimizedState(DrafterState):
     tok_in: Tensor | None = None
     hid_in: Tensor | None = None
     pos: Tensor | None = None
+    row_table: RowCaches | None = None
     seq_dev: Tensor | None = None
     ok: Tensor | None = None
     always: Tensor | None = None
@@ -81,6 +86,7 @@ class OptimizedState(DrafterState):
             tok_in=torch.zeros(1, dtype=torch.int64, device=device),
             hid_in=torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device),
             pos=torch.zeros(1, dtype=torch.int64, device=device),
+            row_table=RowCaches.of(cache),
             seq_dev=torch.zeros(1, dtype=torch.int64, device=device),
             ok=torch.zeros(1, dtype=torch.bool, device=device),
             always=torch.ones(1, dtype=torch.bool, device=device),
@@ -101,7 +107,7 @@ class OptimizedState(DrafterState):
         """Every tensor the state holds (empty once freed)."""
         if self.released:
             return []
-        found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x]
+        found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
         found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots, self.temp]
         found += [t for pair in self.sample_bufs.values() for t in pair]
         return [t for t in found if t is not None]
@@ -113,6 +119,7 @@ class OptimizedState(DrafterState):
         self.graphs.clear()
         self.graph_pool = None
         self.cache = None  # type: ignore[assignment]
+        self.row_table = None
         self.x = None  # type: ignore[assignment]
         self.tok_in = self.hid_in = self.pos = self.seq_dev = None
         self.ok = self.always = self.out = self.slots = self.temp = None

@@ -40,6 +40,7 @@ from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import MoeWeights, MtpWeights
 
 from . import kernels
+from .kernels.paged import RowCaches, row_caches
 
 # The fused pieces, in schedule order: each is ``kernels.<name>_triton`` or its twin ``_torch``.
 PIECES = (
@@ -69,30 +70,34 @@ class StepKernels:
         return getattr(kernels, f"{name}_{'triton' if self.triton else 'torch'}")
 
 
-def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-               ok: Tensor, k: StepKernels) -> Tensor:
+def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, caches: LayerCache | RowCaches,
+               rope: Rope, ok: Tensor, k: StepKernels) -> Tensor:
     """The block (launches 1-13) on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at
     ``slots`` (T,), all on the device; cache rows are written only where ``ok`` (1,) bool is set.
+    ``caches``: the paged cache of every row (a ``LayerCache``), or row t's in line t of a
+    ``RowCaches`` (a batch of sequences; a capturable caller passes a ``RowCaches`` made once, as
+    a lone ``LayerCache`` becomes a one-line address table by a host-to-device copy).
     Returns the layer output ``pre_norm`` (T, H)."""
     cfg, eps = w.config, w.config.rms_norm_eps
     layer = w.layer
     attn, moe = layer.attn, layer.mlp
     ix = attn.indexer
     assert isinstance(moe, MoeWeights)
+    rc = row_caches(caches)  # one address table for the call's cache kernels
 
     u = k.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
     (q_a, kv, k_raw, w_raw), _ = k.norm_linear(
         u, layer.input_layernorm, eps, [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj])
     (q, q_idx), _ = k.norm_linear(q_a, attn.q_a_layernorm, LATENT_NORM_EPS, [attn.q_b_proj, ix.wq_b])
     k.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
-                       rope.sin, cache.kv_pool, cache.index_pool, cache.block_table, ok)
+                       rope.sin, rc, ok)
 
     # Attention over the rows the indexer lists: this call's rows are in the cache already.
     cos, sin = rope.at(slots)  # (T, R/2)
     q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
-    scores = k.index_scores(cfg, q_idx, w_raw, cos, sin, cache.index_pool, cache.block_table, slots)  # (T, C) A
+    scores = k.index_scores(cfg, q_idx, w_raw, cos, sin, rc, slots)  # (T, C) A
     rows, count = k.select_rows(scores, slots, cfg.index_topk)  # (T, K), (T,)
-    heads = k.sparse_mla(cfg, q_abs, q_pe, cache, rows, count, attn.kv_b_proj)  # (T, nh*v)
+    heads = k.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
     h = k.linear_residual(heads, attn.o_proj, u)  # (T, H)
 
     # MoE.

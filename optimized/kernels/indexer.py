@@ -14,10 +14,13 @@ Replaces, in ``glm_mtp.reference.attention.dsa_attention``::
     w[h]    = up(w_raw[h]) * (Hi * D)^-1/2         (a float32 constant, rounded once)
     I(t, s) = psum_h(w[h] * relu(psum_d(up(q[h, d]) * up(k[s, d]))))
 
-with ``relu(x) = x < 0 ? +0.0 : x`` exactly as ``torch.relu`` (it keeps ``-0.0`` and NaN), each
-sum the ``psum`` tree (padded with ``+0.0`` to the next power of two, adjacent pairs first) and
-no FMA (``enable_fp_fusion=False``). Rows past ``slots[t]`` get ``-inf``; the programs that hold
-only such rows load nothing (one program per 16 cached rows), so the loads are O(visible rows).
+each row against its own cache (``caches``: a ``LayerCache`` for every row, or
+``paged.RowCaches``, one per row: a program reads its row's index pool and block table from the
+address table, so one launch scores a batch of sequences), with ``relu(x) = x < 0 ? +0.0 : x``
+exactly as ``torch.relu`` (it keeps ``-0.0`` and NaN), each sum the ``psum`` tree (padded with
+``+0.0`` to the next power of two, adjacent pairs first) and no FMA (``enable_fp_fusion=False``).
+Rows past ``slots[t]`` get ``-inf``; the programs that hold only such rows load nothing (one
+program per 16 cached rows), so the loads are O(visible rows).
 
 ``select_rows_triton`` is ``indexer.select_rows`` exactly: the ``count[t] = min(topk, slots[t] + 1)``
 best visible rows, ties to the lower row, listed in ascending slot order, padding 0. Scores become
@@ -42,7 +45,9 @@ from glm_mtp.reference.numerics import up
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
+from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
 from .pinned_math import order_key
+from .rope_cache import check_row_caches
 from .rounding import float32_bits, round_to_storage
 
 # The storage dtypes the index-score kernel reads (queries, head weights, cached keys).
@@ -54,6 +59,8 @@ SELECT_BLOCK = 256
 RADIX_BITS = 4
 # The capacity the audit's launches score (a runtime integer: any multiple of 16 compiles the same).
 AUDIT_CAPACITY = 4096
+# The rows of the audit's batched launch: one per sequence of a batched draft step.
+BATCH_ROWS = 16
 
 
 @triton.jit
@@ -71,8 +78,8 @@ def _index_scores_kernel(
     w_ptr,  # (T, Hi) S, the raw weights_proj output, row stride w_stride
     cos_ptr,  # (T, R/2) float32, the rows' angles, row stride cos_stride
     sin_ptr,
-    pool_ptr,  # (blocks, 16, D) S, the index pool (contiguous)
-    block_table_ptr,  # (blocks,) int32
+    addresses_ptr,  # (1 or T, 3) int64: each row's (kv_pool, index_pool, block_table) (paged.RowCaches)
+    addr_stride,  # the address table's row stride: 0 (one cache for every row) or 3 (one per row)
     slots_ptr,  # (T,) int64
     out_ptr,  # (T, C) float32, row stride out_stride
     C,
@@ -103,6 +110,8 @@ def _index_scores_kernel(
     if b * BLOCK_S > slot:  # every row here is past the slot: -inf, nothing loaded
         tl.store(dst, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=s < C)
     else:
+        # Row t's cache: its index pool (blocks, 16, D) S, contiguous, and block table (blocks,) int32.
+        _kv, pool_ptr, block_table_ptr = row_pools(addresses_ptr, t, addr_stride, TO_BF16)
         visible = (s <= slot) & (s < C)
         block = tl.load(block_table_ptr + s // ROWS_PER_BLOCK, mask=visible, other=0).to(tl.int64)
         phys = block * ROWS_PER_BLOCK + s % ROWS_PER_BLOCK
@@ -218,13 +227,19 @@ def _select_rows_kernel(
 # ---- index scores ---------------------------------------------------------------------------------
 
 
-def _index_rows(index_pool: Tensor, block_table: Tensor) -> Tensor:
-    """``LayerCache.index_rows()`` of a cache with these tensors (its kv pool is not read)."""
-    return LayerCache(kv_pool=index_pool, index_pool=index_pool, block_table=block_table).index_rows()
+def _index_scores_one(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, cache: LayerCache,
+                      slots: Tensor) -> Tensor:
+    """The twin for rows that all read ``cache``."""
+    qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
+    wh = up(w) * index_weight_scale(cfg)
+    scores = index_scores(qh, wh, cache.index_rows())  # (T, C)
+    C = scores.shape[-1]
+    visible = torch.arange(C, device=scores.device)[None, :] <= slots[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
 
 
-def index_scores_torch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, index_pool: Tensor,
-                       block_table: Tensor, slots: Tensor) -> Tensor:
+def index_scores_torch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, caches: LayerCache | RowCaches,
+                       slots: Tensor) -> Tensor:
     """The twin, from the reference's functions: ``index_queries``' tail (RoPE on the queries,
     the head weights' scale), ``index_scores`` over ``cache.index_rows()``, rows past each slot
     ``-inf``.
@@ -233,46 +248,47 @@ def index_scores_torch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: T
         q: (T, Hi * D) S, ``wq_b``'s raw output (unrotated).
         w: (T, Hi) S, ``weights_proj``'s raw output.
         cos / sin: (T, R/2) float32, the new rows' angles.
-        index_pool / block_table: the paged cache's tensors.
+        caches: the paged cache every row reads (a ``LayerCache``), or one per row
+            (``paged.RowCaches``: each run of rows in one cache scored as if alone; every cache
+            has the same capacity).
         slots: (T,) int64, the new rows' slots.
 
     Returns ``(T, C)`` float32 scores, C the capacity."""
-    qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
-    wh = up(w) * index_weight_scale(cfg)
-    scores = index_scores(qh, wh, _index_rows(index_pool, block_table))  # (T, C)
-    C = scores.shape[-1]
-    visible = torch.arange(C, device=scores.device)[None, :] <= slots[:, None]
-    return scores.masked_fill(~visible, float("-inf"))
+    parts = [_index_scores_one(cfg, q[rows], w[rows], cos[rows], sin[rows], cache, slots[rows])
+             for cache, rows in row_caches(caches).runs(slots.shape[0])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def index_scores_launch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, index_pool: Tensor,
-                        block_table: Tensor, slots: Tensor, out: Tensor, cuda: bool | None = None) -> Launch:
+def index_scores_launch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, caches: LayerCache | RowCaches,
+                        slots: Tensor, out: Tensor, cuda: bool | None = None) -> Launch:
     """The kernel's launch (see ``index_scores_triton``), arguments checked: the one place its grid
     and constexprs are computed. ``cuda``: whether it runs on CUDA (the NaN payload of a rounded
     query); ``None`` reads it off ``out``."""
     Hi, D, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-    dtype = index_pool.dtype
+    rc = row_caches(caches)
+    dtype = rc.caches[0].index_pool.dtype
     if dtype not in INDEX_DTYPES or cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise TypeError(f"index_scores_triton: cache dtype {dtype} / angle dtype {cos.dtype} is not supported")
     T = q.shape[0]
     if q.shape != (T, Hi * D) or w.shape != (T, Hi) or cos.shape != (T, max(R // 2, 1)) or sin.shape != cos.shape:
         raise ValueError(f"index_scores_triton: q {tuple(q.shape)}, w {tuple(w.shape)}, cos {tuple(cos.shape)} do not fit "
                          f"Hi={Hi}, D={D}, R={R}, T={T}")
+    if slots.shape != (T,):
+        raise ValueError(f"index_scores_triton: slots must be ({T},), got {tuple(slots.shape)}")
     for name, x in (("q", q), ("w", w)):
         if x.dtype != dtype or x.stride(-1) != 1:
             raise ValueError(f"index_scores_triton: {name} must be {dtype} with a contiguous last dim")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("index_scores_triton: cos/sin must have a contiguous last dim")
-    if index_pool.shape[1:] != (BLOCK_ROWS, D) or not index_pool.is_contiguous():
-        raise ValueError(f"index_scores_triton: index_pool must be contiguous (blocks, {BLOCK_ROWS}, {D})")
-    C = block_table.shape[0] * BLOCK_ROWS
+    check_row_caches("index_scores_triton", rc, T, None, D)  # the index pools: contiguous (blocks, 16, D)
+    C = rc.caches[0].block_table.shape[0] * BLOCK_ROWS
     if out.shape != (T, C) or out.dtype != torch.float32 or out.stride(-1) != 1:
         raise ValueError(f"index_scores_triton: out must be float32 (T, C) = ({T}, {C})")
     cuda = out.is_cuda if cuda is None else cuda
     block_d = triton.next_power_of_2(D)
     block_h = triton.next_power_of_2(Hi)
     args = (
-        q, w, cos, sin, index_pool, block_table, slots, out,
+        q, w, cos, sin, rc.addresses, rc.stride, slots, out,
         C, Hi, D, R, q.stride(0), w.stride(0), cos.stride(0), sin.stride(0), out.stride(0),
         float32_bits(index_weight_scale(cfg)),
     )
@@ -291,14 +307,18 @@ def index_scores_launch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: 
     return Launch(_index_scores_kernel, (triton.cdiv(C, SCORE_BLOCK_S), T), args, meta)
 
 
-def index_scores_triton(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, index_pool: Tensor,
-                        block_table: Tensor, slots: Tensor) -> Tensor:
+def index_scores_triton(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: Tensor, caches: LayerCache | RowCaches,
+                        slots: Tensor) -> Tensor:
     """The kernel; arguments and result as ``index_scores_torch``, byte-equal to it. ``q``/``w``
-    may be row-strided views (contiguous last dim); the pool contiguous; float32 angles."""
-    C = block_table.shape[0] * BLOCK_ROWS
+    may be row-strided views (contiguous last dim); the pools contiguous; float32 angles. Each
+    program reads its row's index pool and block table from the address table
+    (``paged.row_pools``), so one launch scores rows of many sequences; a lone ``LayerCache``
+    becomes a one-line table (a host-to-device copy: capturable callers pass a ``RowCaches``)."""
+    rc = row_caches(caches)
+    C = rc.caches[0].block_table.shape[0] * BLOCK_ROWS
     out = torch.empty(q.shape[0], C, dtype=torch.float32, device=q.device)
     if out.numel() > 0:
-        index_scores_launch(cfg, q, w, cos, sin, index_pool, block_table, slots, out).run()
+        index_scores_launch(cfg, q, w, cos, sin, rc, slots, out).run()
     return out
 
 
@@ -345,7 +365,9 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The drafter's launches at ``cfg`` with a ``dtype`` cache, on abstract tensors (see
     ``glm_mtp.optimized.audit``): ``step`` one new row, ``rows`` 8 (catch-up, a batched drafter);
     queries and head weights as fresh GEMV outputs, angles gathered per row, the pool from
-    ``LayerCache.allocate`` at ``AUDIT_CAPACITY`` rows. Only ``INDEX_DTYPES`` caches take them."""
+    ``LayerCache.allocate`` at ``AUDIT_CAPACITY`` rows; ``batch`` (``index_scores``): a batched
+    draft step, ``BATCH_ROWS`` rows each in its own cache (an address table of one line per row,
+    stride 3). Only ``INDEX_DTYPES`` caches take them."""
     if dtype not in INDEX_DTYPES:
         return []
     Hi, D, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
@@ -353,13 +375,17 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     C = cache.capacity
     K = min(cfg.index_topk, C)
     out = []
-    for variant, T in (("step", 1), ("rows", 8)):
+    for variant, T in (("step", 1), ("rows", 8), ("batch", BATCH_ROWS)):
         slots = abstract((T,), torch.int64)
         angles = abstract((T, max(R // 2, 1)), torch.float32)
         scores = abstract((T, C), torch.float32)
+        # One cache for every row: a one-line address table read with stride 0; a batch: one line per row.
+        caches = RowCaches((cache,) * T, abstract((T, ADDRESS_COLUMNS), torch.int64)) if variant == "batch" else \
+            RowCaches((cache,), abstract((1, ADDRESS_COLUMNS), torch.int64))
         out.append(AuditLaunch("index_scores", variant, index_scores_launch(
-            cfg, abstract((T, Hi * D), dtype), abstract((T, Hi), dtype), angles, angles, cache.index_pool,
-            cache.block_table, slots, scores, cuda=True)))
-        out.append(AuditLaunch("select_rows", variant, select_rows_launch(
-            scores, slots, abstract((T, K), torch.int64), abstract((T,), torch.int64))))
+            cfg, abstract((T, Hi * D), dtype), abstract((T, Hi), dtype), angles, angles, caches, slots, scores,
+            cuda=True)))
+        if variant != "batch":  # select_rows reads no cache: a batch launches it as ``rows`` does
+            out.append(AuditLaunch("select_rows", variant, select_rows_launch(
+                scores, slots, abstract((T, K), torch.int64), abstract((T,), torch.int64))))
     return out

@@ -19,6 +19,11 @@ exactly what ``attention.cache_rows`` computes from them::
     k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
     key    = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
 
+It takes the pools as ``caches`` (a ``LayerCache``, or ``paged.RowCaches``: row t in its own
+sequence's cache, so one launch writes a batch of sequences' rows): each program reads its row's
+``(kv_pool, index_pool, block_table)`` from the address table (``paged.row_pools``; stride 0 when
+every row shares one cache), and the twin writes each run of rows into its cache as if alone.
+
 The norms' sums are ``psum`` trees over the row (lanes past the width are ``+0.0``, and so is
 ``x - mu`` there), divisions ``div_rn`` and roots ``sqrt_rn``, the epsilons passed as float32
 bits; each normed value is rounded to S where the reference rounds it, before RoPE reads it.
@@ -48,9 +53,12 @@ from glm_mtp.reference.numerics import layer_norm, rms_norm
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
+from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
 from .rounding import float32_bits, round_to_storage
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The rows of the audit's batched launch: one per sequence of a batched draft step.
+BATCH_ROWS = 16
 
 
 @triton.jit
@@ -169,9 +177,8 @@ def _cache_rows_write_kernel(
     slots_ptr,  # (T,) int64
     cos_ptr,  # (C, R/2) float32 table
     sin_ptr,
-    block_table_ptr,  # (blocks,) int32
-    kv_pool_ptr,  # (blocks, 16, Lkv + R)
-    index_pool_ptr,  # (blocks, 16, D)
+    addresses_ptr,  # (1 or T, 3) int64: each row's (kv_pool, index_pool, block_table) (paged.RowCaches)
+    addr_stride,  # the address table's row stride: 0 (one cache for every row) or 3 (one per row)
     ok_ptr,  # (1,) uint8 (the bool flag's byte): write only when nonzero
     kv_stride,
     k_stride,
@@ -193,6 +200,8 @@ def _cache_rows_write_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     ok = tl.load(ok_ptr).to(tl.int32)
+    # Row t's cache: its pools (blocks, 16, Lkv + R) / (blocks, 16, D) and block table (blocks,) int32.
+    kv_pool_ptr, index_pool_ptr, block_table_ptr = row_pools(addresses_ptr, t, addr_stride, TO_BF16)
     slot = tl.load(slots_ptr + t)
     block = tl.load(block_table_ptr + slot // ROWS_PER_BLOCK).to(tl.int64)
     phys = block * ROWS_PER_BLOCK + slot % ROWS_PER_BLOCK  # physical row in the pools
@@ -344,6 +353,21 @@ def rope_cache_write_triton(
                             block_table, ok).run()
 
 
+def _cache_rows_write_one(cfg: MtpConfig, kv: Tensor, k: Tensor, kv_norm_weight: Tensor, k_norm_weight: Tensor,
+                          k_norm_bias: Tensor, slots: Tensor, cos_table: Tensor, sin_table: Tensor, cache: LayerCache,
+                          ok: Tensor) -> None:
+    """The twin for rows that all live in ``cache``."""
+    Lkv = cfg.kv_lora_rank
+    cos, sin = cos_table[slots], sin_table[slots]  # (T, R/2)
+    latent = rms_norm(kv[:, :Lkv], kv_norm_weight, LATENT_NORM_EPS)
+    k_pe = apply_rope(kv[:, Lkv:], cos, sin, cfg.rope_interleave)
+    key = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
+    block, offset = cache.block_table[slots // BLOCK_ROWS].long(), slots % BLOCK_ROWS
+    keep = ok.reshape(())
+    cache.write(slots, torch.where(keep, torch.cat((latent, k_pe), dim=-1), cache.kv_pool[block, offset]),
+                torch.where(keep, key, cache.index_pool[block, offset]))
+
+
 def cache_rows_write_torch(
     cfg: MtpConfig,
     kv: Tensor,
@@ -354,9 +378,7 @@ def cache_rows_write_torch(
     slots: Tensor,
     cos_table: Tensor,
     sin_table: Tensor,
-    kv_pool: Tensor,
-    index_pool: Tensor,
-    block_table: Tensor,
+    caches: LayerCache | RowCaches,
     ok: Tensor,
 ) -> None:
     """The twin: ``attention.cache_rows``' math from the raw GEMV outputs, then
@@ -366,21 +388,42 @@ def cache_rows_write_torch(
         kv: (T, Lkv + R) S, ``kv_a_proj_with_mqa``'s raw output.
         k: (T, D) S, the indexer ``wk``'s raw output.
         kv_norm_weight: (Lkv,) ``kv_a_layernorm``; k_norm_weight / k_norm_bias: (D,) ``k_norm``.
-        slots: (T,) int64 slots (= RoPE positions).
+        slots: (T,) int64 slots (= RoPE positions), each in its row's cache.
         cos_table / sin_table: (C, R/2) the drafter's RoPE table.
-        kv_pool / index_pool / block_table: the paged cache (``LayerCache``'s tensors).
+        caches: the paged cache every row is written to (a ``LayerCache``), or one per row
+            (``paged.RowCaches``): each run of rows in one cache is written as if alone.
         ok: (1,) or () bool; nothing is written when it is false.
     """
-    Lkv = cfg.kv_lora_rank
-    cos, sin = cos_table[slots], sin_table[slots]  # (T, R/2)
-    latent = rms_norm(kv[:, :Lkv], kv_norm_weight, LATENT_NORM_EPS)
-    k_pe = apply_rope(kv[:, Lkv:], cos, sin, cfg.rope_interleave)
-    key = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
-    cache = LayerCache(kv_pool=kv_pool, index_pool=index_pool, block_table=block_table)
-    block, offset = block_table[slots // BLOCK_ROWS].long(), slots % BLOCK_ROWS
-    keep = ok.reshape(())
-    cache.write(slots, torch.where(keep, torch.cat((latent, k_pe), dim=-1), kv_pool[block, offset]),
-                torch.where(keep, key, index_pool[block, offset]))
+    for cache, rows in row_caches(caches).runs(slots.shape[0]):
+        _cache_rows_write_one(cfg, kv[rows], k[rows], kv_norm_weight, k_norm_weight, k_norm_bias, slots[rows], cos_table,
+                              sin_table, cache, ok)
+
+
+def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, index_width: int | None) -> torch.dtype:
+    """The host-side checks of a cache kernel's ``RowCaches`` (no device reads): one cache or T,
+    the address table int64 ``(len(caches), 3)``, every cache's pools contiguous with the widths
+    given (``None``: that pool is not read) and the same dtype, shape and block count as the first.
+    Returns the pools' dtype."""
+    n = len(rc.caches)
+    if n not in (1, T):
+        raise ValueError(f"{name}: {n} caches for {T} rows (one for every row, or one per row)")
+    if rc.addresses.dtype != torch.int64 or tuple(rc.addresses.shape) != (n, ADDRESS_COLUMNS):
+        raise ValueError(f"{name}: the address table must be int64 ({n}, {ADDRESS_COLUMNS}), got "
+                         f"{rc.addresses.dtype} {tuple(rc.addresses.shape)}")
+    first = rc.caches[0]
+    dtype = first.kv_pool.dtype
+    for c in rc.caches:
+        if c.kv_pool.dtype != dtype or c.index_pool.dtype != dtype:
+            raise ValueError(f"{name}: every cache must hold {dtype}")
+        bt = c.block_table
+        if bt.dtype != torch.int32 or bt.shape != first.block_table.shape or not bt.is_contiguous():
+            raise ValueError(f"{name}: every block table must be contiguous int32 {tuple(first.block_table.shape)}")
+        blocks = first.block_table.shape[0]
+        for pool, width in ((c.kv_pool, kv_width), (c.index_pool, index_width)):
+            if width is not None and (tuple(pool.shape) != (blocks, BLOCK_ROWS, width) or not pool.is_contiguous()):
+                raise ValueError(f"{name}: every pool must be contiguous ({blocks}, {BLOCK_ROWS}, {width}), got "
+                                 f"{tuple(pool.shape)}")
+    return dtype
 
 
 def cache_rows_write_launch(
@@ -393,30 +436,30 @@ def cache_rows_write_launch(
     slots: Tensor,
     cos_table: Tensor,
     sin_table: Tensor,
-    kv_pool: Tensor,
-    index_pool: Tensor,
-    block_table: Tensor,
+    caches: LayerCache | RowCaches,
     ok: Tensor,
     cuda: bool | None = None,
 ) -> Launch:
     """The kernel's launch, arguments checked (see ``cache_rows_write_triton``): the one place its
     grid and constexprs are computed. ``cuda``: whether it runs on CUDA (it picks the NaN payload);
-    ``None`` reads it off ``kv_pool``."""
+    ``None`` reads it off the address table."""
     Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-    dtype = kv_pool.dtype
+    rc = row_caches(caches)
+    T = slots.shape[0]
+    dtype = rc.caches[0].kv_pool.dtype
     if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
         raise TypeError(f"cache_rows_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
-    T = slots.shape[0]
+    check_row_caches("cache_rows_write_triton", rc, T, Lkv + R, D)
     if kv.shape != (T, Lkv + R) or k.shape != (T, D):
         raise ValueError(f"cache_rows_write_triton: kv {tuple(kv.shape)} / k {tuple(k.shape)} must be ({T}, {Lkv + R}) / ({T}, {D})")
     for name, x in (("kv", kv), ("k", k), ("kv_norm_weight", kv_norm_weight), ("k_norm_weight", k_norm_weight),
                     ("k_norm_bias", k_norm_bias)):
         if x.stride(-1) != 1 or x.dtype != dtype:
             raise ValueError(f"cache_rows_write_triton: {name} must be {dtype} with a contiguous last dim")
-    cuda = kv_pool.is_cuda if cuda is None else cuda
+    cuda = rc.addresses.is_cuda if cuda is None else cuda
     block_l, block_d = triton.next_power_of_2(Lkv), triton.next_power_of_2(D)
     args = (
-        kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table, block_table, kv_pool, index_pool,
+        kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table, rc.addresses, rc.stride,
         ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
         kv.stride(0), k.stride(0), Lkv, R, D, float32_bits(LATENT_NORM_EPS), float32_bits(K_NORM_EPS),
     )
@@ -446,18 +489,19 @@ def cache_rows_write_triton(
     slots: Tensor,
     cos_table: Tensor,
     sin_table: Tensor,
-    kv_pool: Tensor,
-    index_pool: Tensor,
-    block_table: Tensor,
+    caches: LayerCache | RowCaches,
     ok: Tensor,
 ) -> None:
     """``rope_cache_write_triton`` with the two norms fused in: the latent's ``rms_norm`` and the
     index key's ``k_norm`` (``layer_norm``); arguments as ``cache_rows_write_torch``, byte-equal to
-    it. ``kv``/``k`` may be row-strided views (contiguous last dim); weights contiguous."""
+    it. ``kv``/``k`` may be row-strided views (contiguous last dim); weights contiguous. Each
+    program reads its row's pools from the address table (``paged.row_pools``), so one launch
+    writes rows of many sequences; a lone ``LayerCache`` becomes a one-line table (a host-to-device
+    copy: capturable callers pass a ``RowCaches`` made once)."""
     if slots.shape[0] == 0:
         return
     cache_rows_write_launch(cfg, kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table,
-                            kv_pool, index_pool, block_table, ok).run()
+                            caches, ok).run()
 
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
@@ -467,7 +511,9 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     (see ``glm_mtp.optimized.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
 
     ``aligned``: a draft step or the one-row catch-up (``slots`` a fresh (1,) tensor).
-    ``unaligned``: context rows from an odd row, ``slots[row:]`` 8 bytes off a 16-byte boundary."""
+    ``unaligned``: context rows from an odd row, ``slots[row:]`` 8 bytes off a 16-byte boundary.
+    ``batch`` (``cache_rows_write``): a batched draft step, ``BATCH_ROWS`` rows each in its own
+    cache (an address table of one line per row, stride 3)."""
     if dtype not in KERNEL_DTYPES:
         return []
     Lkv, R, D, rows = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, 4
@@ -480,14 +526,18 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         return rope_cache_write_launch(cfg, abstract((T, Lkv), dtype), kv[:, Lkv:], abstract((T, D), dtype), slots,
                                        table, table, cache.kv_pool, cache.index_pool, cache.block_table, ok, cuda=True)
 
-    def fused(T: int, slots: Tensor) -> Launch:
+    def fused(T: int, slots: Tensor, batch: bool = False) -> Launch:
+        # One cache for every row: a one-line address table read with stride 0; a batch: one line per row.
+        caches = RowCaches((cache,) * T, abstract((T, ADDRESS_COLUMNS), torch.int64)) if batch else \
+            RowCaches((cache,), abstract((1, ADDRESS_COLUMNS), torch.int64))
         return cache_rows_write_launch(cfg, abstract((T, Lkv + R), dtype), abstract((T, D), dtype), abstract((Lkv,), dtype),
-                                       abstract((D,), dtype), abstract((D,), dtype), slots, table, table, cache.kv_pool,
-                                       cache.index_pool, cache.block_table, ok, cuda=True)
+                                       abstract((D,), dtype), abstract((D,), dtype), slots, table, table, caches, ok,
+                                       cuda=True)
 
     return [
         AuditLaunch("rope_cache_write", "aligned", launch(1, abstract((1,), torch.int64))),
         AuditLaunch("rope_cache_write", "unaligned", launch(rows, abstract((rows + 1,), torch.int64)[1:])),
         AuditLaunch("cache_rows_write", "aligned", fused(1, abstract((1,), torch.int64))),
         AuditLaunch("cache_rows_write", "unaligned", fused(rows, abstract((rows + 1,), torch.int64)[1:])),
+        AuditLaunch("cache_rows_write", "batch", fused(BATCH_ROWS, abstract((BATCH_ROWS,), torch.int64), batch=True)),
     ]

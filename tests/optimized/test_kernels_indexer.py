@@ -79,8 +79,8 @@ def test_index_scores(dtype, name, blocks, slots):
     q, w = _queries(cfg, dtype, T, gen)
     rope = Rope.build(cfg, 16 * blocks, "cpu")
     cos, sin = rope.at(slots)
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    got = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     assert same(want, got)
     C = 16 * blocks
     visible = torch.arange(C)[None, :] <= slots[:, None]
@@ -88,7 +88,8 @@ def test_index_scores(dtype, name, blocks, slots):
     assert (got[visible] != 0).any()
     # Each row is scored as if alone (T = 1 gives the same bytes).
     for t in range(T):
-        alone = index_scores_triton(cfg, q[t : t + 1], w[t : t + 1], cos[t : t + 1], sin[t : t + 1], pool, table, slots[t : t + 1])
+        r = slice(t, t + 1)
+        alone = index_scores_triton(cfg, q[r], w[r], cos[r], sin[r], LayerCache(pool, pool, table), slots[r])
         assert same(alone, got[t : t + 1])
 
 
@@ -108,8 +109,8 @@ def test_index_scores_twin_is_the_reference_path():
     want = index_scores(q_idx, w_idx, LayerCache(pool, pool, table).index_rows())
     want = want.masked_fill(torch.arange(16 * blocks)[None, :] > slots[:, None], float("-inf"))
     q, w = linear(q_latent, attn.indexer.wq_b), linear(a, attn.indexer.weights_proj)
-    assert same(want, index_scores_torch(cfg, q, w, cos, sin, pool, table, slots))
-    assert same(want, index_scores_triton(cfg, q, w, cos, sin, pool, table, slots))
+    assert same(want, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    assert same(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
 
 
 def test_index_scores_relu_keeps_negative_zero():
@@ -122,8 +123,8 @@ def test_index_scores_relu_keeps_negative_zero():
     q, w = q.abs() + 0.5, w.abs() + 0.25
     slots = torch.tensor([31])
     cos, sin = torch.ones(1, cfg.qk_rope_head_dim // 2), torch.zeros(1, cfg.qk_rope_head_dim // 2)  # RoPE keeps q > 0
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    got = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     assert same(want, got)
     assert int(bits(got)[0, 3]) == int(bits(torch.tensor(-0.0))) and int(bits(got)[0, 19]) == int(bits(torch.tensor(-0.0)))
 
@@ -138,9 +139,9 @@ def test_index_scores_mutants():
     pool, table = _pool(cfg, dtype, blocks, gen)
     q, w = _queries(cfg, dtype, 3, gen)
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    assert same(want, index_scores_triton(cfg, q, w, cos, sin, pool, table, slots))
-    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), pool, table, slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    assert same(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), LayerCache(pool, pool, table), slots)
     assert not same(want, unrotated)
     # Heads summed left to right instead of the psum tree.
     qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
@@ -233,8 +234,8 @@ def test_scores_then_selection_with_ties(dtype):
     q, w = _queries(cfg, dtype, 3, gen, quantised=True)
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
     cos, sin = torch.ones_like(cos), torch.zeros_like(sin)  # keep the integer queries integer
-    scores = index_scores_triton(cfg, q, w, cos, sin, pool, table, slots)
-    assert same(scores, index_scores_torch(cfg, q, w, cos, sin, pool, table, slots))
+    scores = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    assert same(scores, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
     visible = scores[0, :128]
     assert visible.unique().numel() < 40  # ties
     rows, count = select_rows_triton(scores, slots, cfg.index_topk)
@@ -268,8 +269,8 @@ def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
     before = [p.clone() for p in pools]
     mine = [p.clone() for p in pools]
     ok = torch.tensor([ok_value])
-    cache_rows_write_torch(cfg, *args, pools[0], pools[1], table, ok)
-    cache_rows_write_triton(cfg, *args, mine[0], mine[1], table, ok)
+    cache_rows_write_torch(cfg, *args, LayerCache(pools[0], pools[1], table), ok)
+    cache_rows_write_triton(cfg, *args, LayerCache(mine[0], mine[1], table), ok)
     return pools, mine, before, args, table
 
 
@@ -310,7 +311,7 @@ def test_cache_rows_write_is_new_cache_rows(dtype):
     ix = attn.indexer
     kv, k = linear(a, attn.kv_a_proj_with_mqa), linear(a, ix.wk)
     cache_rows_write_triton(cfg, kv, k, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos, rope.sin,
-                            mine.kv_pool, mine.index_pool, mine.block_table, torch.tensor([True]))
+                            mine, torch.tensor([True]))
     assert same(ref.kv_pool, mine.kv_pool) and same(ref.index_pool, mine.index_pool)
 
 
@@ -346,9 +347,9 @@ def test_indexer_bytes_on_cuda(dtype):
     cos, sin = rope.at(slots)
     pool, table = _pool(cfg, dtype, blocks, gen)
     q, w = _queries(cfg, dtype, T, gen)
-    want = index_scores_torch(cfg, q, w, cos, sin, pool, table, slots)
-    cuda = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
-    got = index_scores_triton(cfg, *cuda).cpu()
+    want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
+    q_, w_, cos_, sin_, pool_, table_, slots_ = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
+    got = index_scores_triton(cfg, q_, w_, cos_, sin_, LayerCache(pool_, pool_, table_), slots_).cpu()
     assert same(want, got)
     for kind in ("random", "quantised", "special"):
         scores = want if kind == "random" else _scores(kind, T, C, gen)
@@ -358,6 +359,216 @@ def test_indexer_bytes_on_cuda(dtype):
     for ok_value in (True, False):
         args, want_pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
         mine = [p.cuda() for p in want_pools]
-        cache_rows_write_torch(cfg, *args, *want_pools, table, torch.tensor([ok_value]))
-        cache_rows_write_triton(cfg, *[a.cuda() for a in args], *mine, table.cuda(), torch.tensor([ok_value]).cuda())
+        cache_rows_write_torch(cfg, *args, LayerCache(*want_pools, table), torch.tensor([ok_value]))
+        cache_rows_write_triton(cfg, *[a.cuda() for a in args], LayerCache(*mine, table.cuda()), torch.tensor([ok_value]).cuda())
         assert same(want_pools[0], mine[0].cpu()) and same(want_pools[1], mine[1].cpu())
+
+
+# ---- per-row caches: one launch over rows of many sequences ---------------------------------------
+
+
+def _random_cache(cfg, dtype, blocks, gen):
+    """A state's cache (``LayerCache.allocate``) with random contents over a shuffled block table."""
+    c = LayerCache.allocate(cfg, blocks, dtype, "cpu")
+    c.kv_pool.copy_(torch.randn(c.kv_pool.shape, generator=gen) * 2)
+    c.index_pool.copy_(torch.randn(c.index_pool.shape, generator=gen) * 2)
+    c.block_table.copy_(torch.randperm(blocks, generator=gen).to(torch.int32))
+    return c
+
+
+def _clone(c):
+    return LayerCache(c.kv_pool.clone(), c.index_pool.clone(), c.block_table.clone())
+
+
+def _same_caches(a, b):
+    return all(same(x.kv_pool, y.kv_pool) and same(x.index_pool, y.index_pool) for x, y in zip(a, b, strict=True))
+
+
+# Row t in state ORDER[t]: rows 1, 2 share a state (one run), rows 0 and 4 another (two runs).
+ORDER = [0, 1, 1, 2, 0]
+ROW_SLOTS = [0, 7, 20, 33, 47]
+BLOCKS = 3  # 48 rows per state
+
+
+def _with_stride(launch, stride):
+    """``launch`` with the address table read at another row stride (a broken variant)."""
+    from glm_mtp.optimized.kernels import Launch
+
+    args = list(launch.args)
+    i = next(j for j, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a.dim() == 2)
+    assert args[i + 1] == 3
+    args[i + 1] = stride
+    return Launch(launch.kernel, launch.grid, tuple(args), launch.meta)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny", "odd"])
+def test_index_scores_per_row_caches(dtype, name):
+    """Rows of 3 states in one launch: byte-equal to the twin (each run of rows scored in its own
+    state's cache) and to the kernel called row by row on each state's cache alone."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg = CONFIGS[name]
+    gen = torch.Generator().manual_seed(len(name) * 13 + (dtype == torch.bfloat16))
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    slots = torch.tensor(ROW_SLOTS)
+    T = slots.shape[0]
+    q, w = _queries(cfg, dtype, T, gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    caches = RowCaches.per_row([states[i] for i in ORDER], table=torch.zeros(8, 3, dtype=torch.int64))
+    want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
+    got = index_scores_triton(cfg, q, w, cos, sin, caches, slots)
+    assert same(want, got)
+    visible = torch.arange(16 * BLOCKS)[None, :] <= slots[:, None]
+    assert torch.isfinite(got[visible]).all() and (got[~visible] == float("-inf")).all()
+    for t in range(T):  # batch invariance: each row as if alone, in its own state's cache
+        r = slice(t, t + 1)
+        alone = index_scores_triton(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r])
+        assert same(alone, got[r])
+        assert same(alone, index_scores_torch(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r]))
+
+
+def test_index_scores_per_row_mutant_every_row_reads_line_zero():
+    """A kernel that reads line 0 of a per-row table for every row (stride 0) scores the other
+    states' rows against state 0's keys: the comparison sees it."""
+    from glm_mtp.optimized.kernels.indexer import index_scores_launch
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg, dtype = TINY, torch.float32
+    gen = torch.Generator().manual_seed(41)
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    slots = torch.tensor(ROW_SLOTS)
+    q, w = _queries(cfg, dtype, slots.shape[0], gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    caches = RowCaches.per_row([states[i] for i in ORDER])
+    want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
+    launch = index_scores_launch(cfg, q, w, cos, sin, caches, slots, torch.empty_like(want))
+    launch.run()
+    assert same(want, launch.args[7])
+    broken = torch.empty_like(want)
+    args = list(_with_stride(launch, 0).args)
+    args[7] = broken
+    type(launch)(launch.kernel, launch.grid, tuple(args), launch.meta).run()
+    rows_elsewhere = torch.tensor([ORDER[t] != 0 for t in range(len(ORDER))])
+    assert same(want[~rows_elsewhere], broken[~rows_elsewhere])  # the rows in state 0 are right
+    assert not same(want[rows_elsewhere], broken[rows_elsewhere])
+
+
+def _written(cache, slots):
+    """A bool mask over ``cache``'s pool rows (blocks, 16): the rows at ``slots``."""
+    mask = torch.zeros(cache.block_table.shape[0], 16, dtype=torch.bool)
+    if len(slots):
+        s = torch.tensor(slots)
+        mask[cache.block_table[s // 16].long(), s % 16] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny", "odd"])
+def test_cache_rows_write_per_row_caches(dtype, name):
+    """Rows of 3 states written in one launch: byte-equal to the twin, and to the kernel called
+    row by row on each state's cache alone; every byte but the written rows stays (a state the
+    batch does not name is untouched); nothing at all is written when ok is false."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg = CONFIGS[name]
+    slots = torch.tensor(ROW_SLOTS)
+    T = slots.shape[0]
+    for ok_value in (True, False):
+        gen = torch.Generator().manual_seed(len(name) * 7 + (dtype == torch.bfloat16))
+        states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(4)]  # state 3: in no row
+        args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+        kv, k = args[0], args[1]
+        ok = torch.tensor([ok_value])
+        before = [_clone(c) for c in states]
+        twin = [_clone(c) for c in states]
+        alone = [_clone(c) for c in states]
+        cache_rows_write_torch(cfg, *args, RowCaches.per_row([twin[i] for i in ORDER]), ok)
+        cache_rows_write_triton(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
+        assert _same_caches(twin, states)
+        for t in range(T):  # batch invariance
+            r = slice(t, t + 1)
+            cache_rows_write_triton(cfg, kv[r], k[r], *args[2:5], slots[r], *args[6:], alone[ORDER[t]], ok)
+        assert _same_caches(alone, states)
+        for i, (c, b) in enumerate(zip(states, before)):
+            mine = [ROW_SLOTS[t] for t in range(T) if ORDER[t] == i] if ok_value else []
+            kept = ~_written(c, mine)
+            assert same(c.kv_pool[kept], b.kv_pool[kept]) and same(c.index_pool[kept], b.index_pool[kept])
+            if mine:  # the written rows changed (fresh random values over random contents)
+                w = _written(c, mine)
+                assert not same(c.kv_pool[w], b.kv_pool[w]) and not same(c.index_pool[w], b.index_pool[w])
+        if not ok_value:
+            assert _same_caches(before, states)
+
+
+def test_cache_rows_write_per_row_mutant_every_row_writes_line_zero():
+    """Every row written through line 0 of a per-row table (stride 0) lands in state 0: caught."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+    from glm_mtp.optimized.kernels.rope_cache import cache_rows_write_launch
+
+    cfg, dtype = TINY, torch.bfloat16
+    gen = torch.Generator().manual_seed(43)
+    slots = torch.tensor(ROW_SLOTS)
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+    ok = torch.tensor([True])
+    twin = [_clone(c) for c in states]
+    cache_rows_write_torch(cfg, *args, RowCaches.per_row([twin[i] for i in ORDER]), ok)
+    launch = cache_rows_write_launch(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
+    _with_stride(launch, 0).run()
+    assert not _same_caches(twin, states)
+    fixed = [_clone(c) for c in twin]
+    cache_rows_write_triton(cfg, *args, RowCaches.per_row([fixed[i] for i in ORDER]), ok)
+    assert _same_caches(twin, fixed)
+
+
+def test_per_row_caches_are_checked():
+    """A table that is neither one cache nor one per row, or states of other dtypes or sizes, is
+    refused on the host (no device read) before any launch."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg, dtype = TINY, torch.float32
+    gen = torch.Generator().manual_seed(45)
+    slots = torch.tensor([3, 9, 12])
+    args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+    q, w = _queries(cfg, dtype, 3, gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    a, b = _random_cache(cfg, dtype, BLOCKS, gen), _random_cache(cfg, dtype, BLOCKS, gen)
+    ok = torch.tensor([True])
+    bad = {
+        "2 caches for 3 rows": RowCaches.per_row([a, b]),
+        "every cache must hold": RowCaches.per_row([a, b, _random_cache(cfg, torch.bfloat16, BLOCKS, gen)]),
+        "every block table": RowCaches.per_row([a, b, _random_cache(cfg, dtype, BLOCKS + 1, gen)]),
+    }
+    for message, caches in bad.items():
+        with pytest.raises(ValueError, match=message):
+            cache_rows_write_triton(cfg, *args, caches, ok)
+        with pytest.raises(ValueError, match=message):
+            index_scores_triton(cfg, q, w, cos, sin, caches, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_per_row_caches_on_cuda(dtype):
+    """Compiled for the GPU, rows of 3 states in one launch (an address table of device
+    pointers): the same bytes as the twins on the CPU, for the scores and the cache write."""
+    from glm_mtp.optimized.kernels.paged import RowCaches
+
+    cfg = SMALL
+    gen = torch.Generator().manual_seed(99)
+    states = [_random_cache(cfg, dtype, BLOCKS, gen) for _ in range(3)]
+    on_gpu = [LayerCache(c.kv_pool.cuda(), c.index_pool.cuda(), c.block_table.cuda()) for c in states]
+    slots = torch.tensor(ROW_SLOTS)
+    T = slots.shape[0]
+    q, w = _queries(cfg, dtype, T, gen)
+    cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
+    want = index_scores_torch(cfg, q, w, cos, sin, RowCaches.per_row([states[i] for i in ORDER]), slots)
+    got = index_scores_triton(cfg, q.cuda(), w.cuda(), cos.cuda(), sin.cuda(),
+                              RowCaches.per_row([on_gpu[i] for i in ORDER]), slots.cuda()).cpu()
+    assert same(want, got)
+    args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
+    ok = torch.tensor([True])
+    cache_rows_write_torch(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
+    cache_rows_write_triton(cfg, *[a.cuda() for a in args], RowCaches.per_row([on_gpu[i] for i in ORDER]), ok.cuda())
+    for c, g in zip(states, on_gpu, strict=True):
+        assert same(c.kv_pool, g.kv_pool.cpu()) and same(c.index_pool, g.index_pool.cpu())
