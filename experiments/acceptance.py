@@ -7,6 +7,7 @@ out-of-distribution text, with counts and bootstrap intervals over prompts.
     python -m glm_mtp.experiments.report multirun/acceptance/<date>            # one table + plot
     python -m glm_mtp.experiments.acceptance temperature=1 draft=sampled       # drafts sampled from q
     python -m glm_mtp.experiments.acceptance model.dtype=bfloat16 target_numerics=pinned experiment.check_lossless=true
+    python -m glm_mtp.experiments.acceptance batch_size=4                      # 4 prompts per propose_batch
 
 Modes: ``speculative`` (default) runs the speculative loop from each prompt, so after the prompt
 the contexts are the target's own output; ``teacher_forced`` scores one speculative step at
@@ -25,6 +26,13 @@ temperature, verified by full rejection sampling; needs ``temperature > 0``). ``
 ``experiment.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
 alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
 diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
+
+``batch_size`` (default 1): the loop runs that many prompts together
+(``SpeculativeDecoder.generate_batch``: one ``propose_batch`` per round for every live prompt);
+greedy, its counts and tokens are those of ``batch_size=1`` (only the timings differ). Batches
+need the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. At ``temperature > 0``
+the batched loop draws from the generator in another order, so its samples differ from
+``batch_size=1``'s (distributed alike).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -46,7 +54,7 @@ from . import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
 from .checkpoint import LoadedModel, load_checkpoint, random_model
-from .speculative import SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
+from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
 
 MODES = ("speculative", "teacher_forced")
@@ -178,6 +186,35 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
+    """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
+    needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
+    naming the option otherwise."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if batch_size > 1:
+        if mode != "speculative":
+            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time (batch_size=1)")
+        if policy != "first_row_kept":
+            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence (batch_size=1)")
+        if draft != "argmax":
+            raise ValueError(f"batch_size > 1 runs draft=argmax only; draft={draft} is single-sequence (batch_size=1)")
+    return batch_size
+
+
+def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
+                        batch_size: int) -> Iterator[tuple[list[int], SpecResult]]:
+    """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
+    ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
+    ``batch_size`` prompts (the last batch may be shorter)."""
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        if batch_size == 1:
+            yield chunk[0], decoder.generate(chunk[0], max_new_tokens)
+        else:
+            yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens))
+
+
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     """Run the experiment of ``cfg`` (conf/config.yaml); write its files into ``run_dir``."""
     from omegaconf import OmegaConf
@@ -189,6 +226,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    batch_size = check_batch_size(cfg.get("batch_size", 1), mode, cfg.policy, cfg.get("draft", "argmax"))
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
@@ -219,6 +257,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
+    results = speculative_results(decoder, [w[: exp.prompt_tokens] for w in windows], exp.max_new_tokens, batch_size)
     for w in windows:
         if mode == "teacher_forced":
             st = teacher_forced(target, proposer, w, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
@@ -227,8 +266,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
                 samples.append({"prompt": decode(w[: exp.prompt_tokens]), "continuation": decode(w[exp.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
-            p = w[: exp.prompt_tokens]
-            res = decoder.generate(p, exp.max_new_tokens)
+            p, res = next(results)
             st = res.stats
             generated += len(res.tokens)
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
@@ -279,6 +317,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "temperature": float(cfg.temperature),
         "feed_hidden": cfg.feed_hidden,
         "prompts": len(windows),
+        "batch_size": batch_size,
         "prompt_tokens": exp.prompt_tokens,
         "scored_positions": stats.steps if mode == "teacher_forced" else None,
         "generated_tokens": generated,

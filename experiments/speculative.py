@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -320,6 +320,144 @@ class SpeculativeDecoder:
         if free_state:
             prop.free_state(dstate)
         return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats, tokens, None if free_state else dstate)
+
+    def generate_batch(self, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int],
+                       device: torch.device | str = "cpu") -> list[SpecResult]:
+        """``generate`` for many prompts at once: one ``SpecResult`` per prompt, in order.
+
+        The target runs per sequence (its API is per state); the drafter runs once per round for
+        every live sequence: ONE ``propose_batch`` drafts for all of them and ONE
+        ``catchup_batch`` writes the row each fully accepted sequence owes (``after_verify`` stays
+        per state). A sequence leaves the batch as soon as it has its ``max_new_tokens``
+        (an int for all, or one per prompt): its drafter state is freed before the next round.
+        Prompts may differ in length. A drafter with a ``max_batch`` (the optimized one's) gets
+        the live sequences in calls of at most that many states (still one call per round when
+        they fit).
+
+        Greedy verification (``temperature == 0``): each sequence's tokens and counters (every
+        ``SpecStats`` field but the seconds) equal ``generate`` on its prompt alone, bit for bit
+        (the drafter's batch invariance). At ``temperature > 0`` the loop's one generator is
+        drawn from sequence by sequence within each round: the emitted tokens are still
+        distributed as the target's, but they are not the draws ``generate`` makes prompt
+        after prompt (with one prompt they are). Time in a batched drafter call is split
+        evenly over the sequences in it.
+
+        Only ``policy='first_row_kept'`` and ``draft='argmax'`` are batched; others raise
+        ``ValueError`` (use ``generate``).
+        """
+        if self.policy != "first_row_kept":
+            raise ValueError(f"generate_batch runs policy='first_row_kept' only, got policy={self.policy!r} "
+                             "(refeed and trim_all are single-sequence: use generate)")
+        if self.draft != "argmax":
+            raise ValueError(f"generate_batch runs draft='argmax' only, got draft={self.draft!r} "
+                             "(sampled drafts are single-sequence: use generate)")
+        prompts = [list(p) for p in prompts]
+        B = len(prompts)
+        if B < 1:
+            raise ValueError("generate_batch needs at least one prompt")
+        wants = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(wants) != B:
+            raise ValueError(f"max_new_tokens has {len(wants)} entries for {B} prompts")
+        for b, (p, n) in enumerate(zip(prompts, wants)):
+            if len(p) < 1:
+                raise ValueError(f"prompts[{b}] must hold at least one token")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {n!r} for prompts[{b}]")
+        tg, prop, k = self.target, self.proposer, self.k
+        clock = time.perf_counter
+        seqs = [_Seq(p, n, SpecStats(k)) for p, n in zip(prompts, wants)]
+        try:
+            for s in seqs:  # prefill, prompt by prompt (the order generate draws from the generator in)
+                t0 = clock()
+                s.tstate = tg.alloc_state()
+                out = tg.forward(torch.tensor(s.tokens), s.tstate)  # h_0..h_{n-1}
+                s.tokens.append(pick(out.logits[-1], self.temperature, self.gen))
+                s.stats.prefill_s += clock() - t0
+                t0 = clock()
+                s.dstate = prop.alloc_state(device)
+                prop.prefill_drafter(s.prompt, out.hidden, s.dstate)  # rows [0, n-1)
+                s.stats.draft_s += clock() - t0
+                s.m, s.h_prev = len(s.prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
+                s.done = s.generated >= s.want
+            self._leave(seqs)
+
+            cap = getattr(prop, "max_batch", None) or B  # the most states one batched call takes
+            while live := [s for s in seqs if not s.done]:
+                drafts = []
+                for i in range(0, len(live), cap):
+                    part = live[i : i + cap]
+                    t0 = clock()
+                    drafts += prop.propose_batch([s.tokens[s.m] for s in part], torch.cat([s.h_prev for s in part]),
+                                                 [s.m - 1 for s in part], k, [s.dstate for s in part])
+                    share = (clock() - t0) / len(part)
+                    for s in part:
+                        s.stats.draft_s += share
+                owed: list[tuple[_Seq, int, Tensor, int]] = []  # fully accepted: (seq, d_k, h_{m+k-1}, row m+k-1)
+                for s, d in zip(live, drafts):
+                    t1 = clock()
+                    out = tg.forward(torch.tensor([s.tokens[s.m], *d]), s.tstate)  # positions m..m+k
+                    a, bonus = self._verify(out.logits, d)
+                    tg.rewind(s.tstate, s.m + a + 1)
+                    t2 = clock()
+                    prop.after_verify(a, s.dstate)
+                    s.stats.verify_s += t2 - t1
+                    s.stats.draft_s += clock() - t2
+                    if a == k:  # one row behind: (d_k, h_{m+k-1}) at row m+k-1, in the batch's catch-up
+                        owed.append((s, d[-1], out.hidden[k - 1 : k], s.m + k - 1))
+                    s.stats.record(a)
+                    s.tokens += [*d[:a], bonus]
+                    s.h_prev = out.hidden[a : a + 1]  # h_{m+a}
+                    s.m += a + 1
+                for i in range(0, len(owed), cap):
+                    part = owed[i : i + cap]
+                    t0 = clock()
+                    written = prop.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]), [o[3] for o in part],
+                                                 [o[0].dstate for o in part])
+                    share = (clock() - t0) / len(part)
+                    for (s, _, _, row), w in zip(part, written):
+                        s.stats.draft_s += share
+                        if w != 1:
+                            raise RuntimeError(f"catchup_batch wrote {w} rows for a fully accepted sequence at row {row}; "
+                                               "the drafter is not where the loop left it")
+                for s in live:
+                    s.done = s.generated >= s.want
+                self._leave(live)
+        finally:  # an error midway frees every state still held
+            for s in seqs:
+                if s.dstate is not None:
+                    prop.free_state(s.dstate)
+                    s.dstate = None
+        return [SpecResult(s.tokens[len(s.prompt) : len(s.prompt) + s.want], s.stats, s.tokens) for s in seqs]
+
+    def _leave(self, seqs: list["_Seq"]) -> None:
+        """Finished sequences leave the batch: their drafter state is freed, their target state dropped."""
+        for s in seqs:
+            if s.done and s.dstate is not None:
+                self.proposer.free_state(s.dstate)
+                s.dstate, s.tstate = None, None
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One sequence of ``generate_batch``: ``tokens`` = prompt + committed, ``m`` the index of the
+    newest committed token t_m (not yet fed to the target), ``h_prev`` = h_{m-1}."""
+
+    prompt: list[int]
+    want: int
+    stats: SpecStats
+    tokens: list[int] = field(init=False)
+    m: int = 0
+    h_prev: Tensor | None = None
+    tstate: object | None = None
+    dstate: object | None = None
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
 
 
 def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,

@@ -85,7 +85,7 @@ def check_logger(cfg: Any) -> None:
 
 def check_acceptance(cfg: Any) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups)."""
-    from .acceptance import MODES, SOURCES
+    from .acceptance import MODES, SOURCES, check_batch_size
 
     need_choice(cfg, "mode", MODES)
     need_choice(cfg, "source", SOURCES)
@@ -99,6 +99,7 @@ def check_acceptance(cfg: Any) -> None:
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
     need_int(cfg, "seed", 0)
     need_int(cfg, "threads", 1)
+    check_batch_size(_get(cfg, "batch_size"), _get(cfg, "mode"), _get(cfg, "policy"), _get(cfg, "draft"))
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
     need_choice(cfg, "model.dtype", MODEL_DTYPES)

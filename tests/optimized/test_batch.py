@@ -105,7 +105,6 @@ def test_batch_with_interpreted_kernels(weights):
     for n in (3, 12, 1):
         bt.join(n)
     bt.round(bt.seqs[::-1], 2)
-    bt.round([bt.seqs[1], bt.seqs[0]], 1)
 
 
 def _snapshot(bt):
@@ -186,8 +185,9 @@ def test_catchup_batch_no_op_rows_and_refusals(weights):
 
 def test_mutant_every_row_on_the_first_state_cache_is_caught(weights, monkeypatch):
     """A batch whose rows all read and write the first state's cache (the address table's stride
-    dropped): the comparison against each state alone must fail."""
-    bt = Batched(weights, kernels="triton", max_seq_len=32, seed=5)
+    dropped; the twins follow the table's runs, so they take the same wrong caches): the
+    comparison against each state alone must fail."""
+    bt = Batched(weights, max_seq_len=32, seed=5)
     for n in (4, 10):
         bt.join(n)
     monkeypatch.setattr(paged.RowCaches, "stride", property(lambda self: 0))
@@ -219,3 +219,28 @@ def test_one_batched_call_at_a_time(weights):
         with pytest.raises(RuntimeError, match="one at a time"):
             bt.opt.propose_batch([1], bt.hiddens(1), [bt.seqs[0]["pos"]], 1, [bt.seqs[0]["opt"]])
     assert bt.opt.propose_batch([1], bt.hiddens(1), [bt.seqs[0]["pos"]], 1, [bt.seqs[0]["opt"]])
+
+
+def test_padded_buckets_and_their_graph_keys(weights, monkeypatch):
+    """As on CUDA with graphs: a batch of B runs its bucket's rows (the spare ones on the scratch
+    state) under the key (bucket, num_drafts); the real rows' bytes stay those of each state alone.
+    On CPU the programs run eagerly, so the padding is what this checks."""
+    import glm_mtp.optimized.proposer as proposer
+
+    keys = []
+
+    def record(owner, key, program, capture):
+        keys.append((key, capture))
+        program()
+
+    monkeypatch.setattr(proposer, "run_program", record)
+    monkeypatch.setattr(OptimizedProposer, "_batch_captures", lambda self, bb: True)
+    bt = Batched(weights, seed=8, max_batch=8)
+    for n in (3, 8, 5, 12, 1):
+        bt.join(n)
+    bt.round(bt.seqs[:3], 2)  # 3 rows -> bucket 4
+    bt.round(bt.seqs, 1)  # 5 -> 8
+    bt.round(bt.seqs[1:2], 0)  # num_drafts 0 only rewinds: never captured, its own row count
+    proposes = [k for k in keys if k[0][1] != -1]
+    assert proposes == [((4, 2), True), ((8, 1), True), ((1, 0), False)]
+    assert all(key[0] in (1, 2, 4, 8) and capture for key, capture in keys if key[1] == -1)  # catch-ups, bucketed

@@ -197,3 +197,19 @@ def test_cli_json_sets_the_interpreter_itself():
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["triton_launches_per_draft"] > 0 and r["launches_per_draft"] > 0
+
+
+def test_a_batched_step_reads_each_weight_once_for_all_rows(dtype=torch.bfloat16):
+    """One batched draft step over 1 and 3 states (different lengths): the same launches per step,
+    and the bytes grow only by what is per row (each state's attended rows, its routed experts,
+    its activations), far below three separate steps; each weight is read once."""
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=3, dtype=dtype)
+    one = counters.measure_batch_step(w, 1, context=8, max_seq_len=32)
+    three = counters.measure_batch_step(w, 3, context=8, max_seq_len=32)
+    single = measure_draft_step(w, context=8, max_seq_len=32)
+    assert one["launches_per_step"] == three["launches_per_step"] == single["launches_per_draft"]
+    assert one["syncs_per_step"] == single["syncs_per_draft"]  # the read-back's one more element (per row)
+    assert 0.95 < one["kernel_bytes_per_step"] / single["kernel_bytes_per_draft"] < 1.1  # the scatters: a few hundred bytes
+    lm_head = w.lm_head.numel() * w.lm_head.element_size()
+    assert three["kernel_bytes_per_step"] < one["kernel_bytes_per_step"] + 2 * (one["kernel_bytes_per_step"] - lm_head)
+    assert three["kernel_bytes_per_step"] < 1.6 * one["kernel_bytes_per_step"]

@@ -1,0 +1,36 @@
+"""The batched-drafting bench (experiments/bench_batch.py): records, table and plot for each
+batch size; counters from the interpreter; bad arguments exit 2 before any work."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glm_mtp.experiments import bench_batch
+
+
+def test_bench_batch_writes_records_table_and_plot(tmp_path):
+    out = tmp_path / "bb"
+    bench_batch.main(["--preset", "tiny", "--batch-sizes", "1", "3", "--drafts", "2", "--context", "4", "--max-seq-len", "32",
+                      "--repeats", "2", "--warmup", "1", "--out", str(out)])
+    data = json.loads((out / "bench_batch.json").read_text())
+    records = data["records"]
+    assert [r["batch"] for r in records] == [1, 3]
+    for r in records:
+        assert len(r["batched_s"]) == len(r["sequential_s"]) == 2
+        assert r["batched_tokens_per_s"] == pytest.approx(r["batch"] * 2 / r["batched_s_median"])
+        assert r["launches_per_step"] > 0 and r["kernel_bytes_per_step"] > 0
+    assert records[1]["context_rows"] == [4, 7, 10]  # state b holds context + 3 b rows
+    assert records[1]["kernel_bytes_per_step"] < 3 * records[0]["kernel_bytes_per_step"]
+    assert "| 3 |" in (out / "bench_batch.md").read_text()
+    assert (out / "bench_batch.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["--batch-sizes", "0"], ["--drafts", "0"], ["--preset", "nope"],
+                                  ["--batch-sizes", "16", "--max-seq-len", "40"], ["--repeats", "0"]])
+def test_bad_arguments_exit_2(argv, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.bench_batch", *argv, "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert not (tmp_path / "x").exists()
