@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenario-index", type=int, default=None, help="replay this scenario alone")
     p.add_argument("--scenario-file", default=None, help="replay the scenario saved in this JSON file (the hypothesis machine writes one)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--generators", default="realistic,adversarial", help="comma-separated generators that take turns")
+    p.add_argument("--generators", default="realistic,adversarial",
+                   help="comma-separated generators that take turns: realistic, adversarial, batched (default realistic,adversarial)")
     p.add_argument("--max-drafts", type=int, default=4, help="largest num_drafts of a valid propose (default 4)")
     p.add_argument("--json", default="conformance-report.json", help="where to write the JSON report ('' for nowhere)")
     p.add_argument("--threads", type=int, default=1,

@@ -16,8 +16,9 @@ runs of a scenario share (backends, config, weights) and builds fresh lockstep p
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -31,6 +32,9 @@ from .report import Finding
 from .scenarios import Scenario
 from .side import Outcome, Side, StateView, _same_value
 from .spec import Hidden, Op
+
+BATCH_KINDS = ("propose_batch", "catchup_batch")
+
 
 def _index_parts(index: tuple[int, ...] | None) -> tuple[int | None, int | None]:
     if not index:
@@ -62,7 +66,14 @@ class Lockstep:
             return Finding("outcome", state=state, candidate=str(out_c), baseline=str(out_b), detail="the calls ended differently")
         if out_c.error is None and not _same_value(out_c.value, out_b.value):
             f = Finding("return", state=state, candidate=repr(out_c.value), baseline=repr(out_b.value), detail="the calls returned different values")
-            if isinstance(out_c.value, list) and isinstance(out_b.value, list):
+            if op.kind in BATCH_KINDS and isinstance(out_c.value, list) and isinstance(out_b.value, list):
+                at = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if not _same_value(x, y)), None)
+                if at is not None and at < len(op.args["states"]):
+                    f.state = op.args["states"][at] if isinstance(op.args["states"][at], int) else None
+                    f.detail = f"the batch returned different values for states[{at}]: {out_c.value[at]!r} vs {out_b.value[at]!r}"
+                else:
+                    f.detail = f"the batch returned {len(out_c.value)} entries vs {len(out_b.value)}"
+            elif isinstance(out_c.value, list) and isinstance(out_b.value, list):
                 f.tensor = "drafts"
                 f.element = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if x != y), min(len(out_c.value), len(out_b.value)))
                 f.detail = f"the drafts differ from draft {f.element + 1} on"
@@ -168,6 +179,18 @@ class Lockstep:
             elif op.kind in ("prefill", "catchup"):
                 if type(out.value) is not int or out.value != op.returns:
                     return bad("rows written differ from the spec", repr(out.value), repr(op.returns))
+            elif op.kind == "propose_batch":
+                V = self.baseline.config.vocab_size
+                if not isinstance(out.value, list) or len(out.value) != len(op.returns) or not all(
+                    isinstance(d, list) and len(d) == k and all(type(t) is int and 0 <= t < V for t in d)
+                    for d, k in zip(out.value, op.returns)
+                ):
+                    return bad("propose_batch must return one list of num_drafts token ids per state", repr(out.value),
+                               f"{op.returns} ids per state")
+            elif op.kind == "catchup_batch":
+                if not isinstance(out.value, list) or len(out.value) != len(op.returns) or not all(
+                    type(v) is int for v in out.value) or out.value != op.returns:
+                    return bad("catchup_batch: rows written per state differ from the spec", repr(out.value), repr(op.returns))
             elif out.value is not None:
                 return bad("the call must return None", repr(out.value), "None")
         if op.expect == "noop" and op.state >= 0:
@@ -187,6 +210,17 @@ class Lockstep:
                            f"{v.rows} rows", i)
         if op.state >= 0 and op.state < len(views) and op.rows_after is not None and views[op.state].rows != op.rows_after:
             return bad("drafter_rows after the call differ from the spec", repr(views[op.state].rows), repr(op.rows_after), op.state)
+        if op.kind in BATCH_KINDS:
+            for b, (i, rows) in enumerate(zip(op.args["states"], op.rows_after or ())):
+                if not isinstance(i, int) or i >= len(views):
+                    continue
+                if views[i].rows != rows:
+                    return bad(f"drafter_rows of states[{b}] after the batch differ from the spec", repr(views[i].rows), repr(rows), i)
+                x, y = before[i], views[i]
+                if (op.kind == "catchup_batch" and out.error is None and op.returns[b] == 0 and x.export is not None
+                        and y.export is not None and not snapshots_equal(x.export, y.export)):
+                    return bad(f"a row of states[{b}] that writes nothing (row_base != drafter_rows) changed export_state",
+                               "changed", "unchanged", i)
         return None
 
 
@@ -222,11 +256,26 @@ class Harness:
         self.weights = [MtpWeights.random(self.config, seed=self.weights_seed, dtype=self.dtype, device=self.device) for _ in range(2)]
 
     def lockstep(self) -> Lockstep:
-        """Fresh proposers on both sides (nothing carries over from an earlier scenario)."""
+        """Fresh proposers on both sides (nothing carries over from an earlier scenario). The
+        baseline plays a valid batch as single calls on each state alone (``Side.per_state``)."""
         return Lockstep(
-            Side("candidate", self._cand(self.weights[0], self.max_seq_len), self.config, self.dtype, self.device),
-            Side("baseline", self._base(self.weights[1], self.max_seq_len), self.config, self.dtype, self.device),
+            Side("candidate", self._cand(self.weights[0], self.max_seq_len), self.config, self.dtype, self.device,
+                 foreign=self._foreign(self._cand, 0)),
+            Side("baseline", self._base(self.weights[1], self.max_seq_len), self.config, self.dtype, self.device,
+                 per_state=True, foreign=self._foreign(self._base, 1)),
         )
+
+    def _foreign(self, factory: Factory, side: int) -> Callable[[], Any]:
+        """A state of another drafter of the same backend: one on a shallow copy of the side's
+        weights (the same tensors, another object, so ``use_state`` refuses it with ValueError)."""
+        def make() -> Any:
+            drafter = factory(copy.copy(self.weights[side]), self.max_seq_len)
+            state = drafter.alloc_state(self.device)
+            keep.append(drafter)  # the state's owner holds its weights weakly
+            return state
+
+        keep: list[Any] = []
+        return make
 
 
 def run_scenario(h: Harness, sc: Scenario) -> tuple[int, Finding | None, int]:

@@ -38,6 +38,8 @@ from glm_mtp.reference.contract import check_int
 from glm_mtp.reference.proposer import ReferenceProposer
 from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
 
+from .scenarios import GENERATORS
+
 _SWAP_LOCK = threading.RLock()
 
 
@@ -59,10 +61,13 @@ class Mutant(ReferenceProposer):
     Class attributes:
         name: the registry key (``mutant:<name>`` on the command line).
         rule: the rule it breaks, one line.
+        generators: the generators whose scenarios reach the rule (the batched calls' mutants
+            need ``batched``).
     """
 
     name: ClassVar[str]
     rule: ClassVar[str]
+    generators: ClassVar[tuple[str, ...]] = GENERATORS
 
 
 class SwappingMutant(Mutant):
@@ -348,13 +353,77 @@ class CatchupWritesX(Mutant):
             state.x = out.x[-1].clone()  # MUTATION
 
 
+# ---- batches (issue 12): each state of a batch exactly as its own call alone ---------------------
+
+
+class BatchPermuted(Mutant):
+    name = "batch_permuted"
+    rule = "propose_batch returns states[b]'s drafts at index b (here: the batch's results rotated by one)"
+    generators = ("batched",)
+
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
+        out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states)
+        return out[1:] + out[:1]  # MUTATION: every state drafted right, returned in the wrong order
+
+
+class BatchChecksAsItGoes(Mutant):
+    name = "batch_checks_as_it_goes"
+    rule = "a batched call checks every state before it drafts any: a refusal leaves every state byte-identical"
+    generators = ("batched",)
+
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
+        call = "propose_batch"
+        states = _contract.batch_states(call, states)
+        B, H = len(states), self.config.hidden_size
+        tokens = _contract.batch_values(call, "last_tokens", last_tokens, B)
+        hiddens = _contract.batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
+        pos = _contract.batch_ints(call, "positions", positions, B)
+        check_int("num_drafts", num_drafts)
+        # MUTATION: each state checked and drafted in turn (the single call), not all checked first.
+        out = []
+        for b, st in enumerate(states):
+            with _contract.batch_item(call, b):
+                out.append(self.propose(tokens[b], hiddens[b], pos[b], num_drafts, st))
+        return out
+
+
+class BatchXOfState0(Mutant):
+    name = "batch_x_of_state0"
+    rule = "each state of a batch keeps its own drafter hidden x (here: states[0]'s x written into every state)"
+    generators = ("batched",)
+
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
+        out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states)
+        if num_drafts and len(states) > 1:
+            for st in states[1:]:
+                st.x = states[0].x.clone()  # MUTATION
+        return out
+
+
+class CatchupBatchWritesMisaligned(Mutant):
+    name = "catchup_batch_writes_misaligned"
+    rule = "a catchup_batch row whose row_base is not the state's drafter_rows writes nothing and returns 0 for it"
+    generators = ("batched",)
+
+    def catchup_batch(self, tokens, hiddens, row_bases, states):  # type: ignore[no-untyped-def]
+        original = _contract.batch_catchup_args
+
+        def every_row(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state):  # type: ignore[no-untyped-def]
+            original(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state)  # the real checks
+            # MUTATION: every row written, each at its state's drafter_rows.
+            return original(call, tokens, hiddens, [st.seq_len for st in states], states, weights, capacity, check_live_state)
+
+        with swapped(_contract, "batch_catchup_args", every_row):
+            return super().catchup_batch(tokens, hiddens, row_bases, states)
+
+
 # The registry: name -> class. Every entry must be caught by the suite (tests/conformance).
 MUTANTS: dict[str, type[Mutant]] = {
     cls.name: cls
     for cls in (
         TrimFirstRow, PosBaseRope, PairShift, NoRewindWhenAhead, StaleIndexerView, PreNormFeed,
         TopkTiesHigh, SecondVerify, MisalignedCatchup, BlockTableOffByOne, RewindBeforeValidate, CatchupWritesX,
-        LastTokenShapeUnchecked, LibrarySums,
+        LastTokenShapeUnchecked, LibrarySums, BatchPermuted, BatchChecksAsItGoes, BatchXOfState0, CatchupBatchWritesMisaligned,
     )
 }
 

@@ -130,10 +130,13 @@ class Report:
         gens = ", ".join(f"{g} {n}" for g, n in self.by_generator.items())
         lines = [head, f"scenarios {self.scenarios_run} ({gens})   steps {self.steps_run}   {self.seconds:.1f} s", ""]
         cols = ["ok", "noop", "RuntimeError", "ValueError"]
-        lines.append(f"{'call':<10}" + "".join(f"{c:>14}" for c in cols) + f"{'total':>10}")
-        for kind in ("info", "alloc", "free", "prefill", "catchup", "propose", "verify"):
+        kinds = ["info", "alloc", "free", "prefill", "catchup", "propose", "verify"]
+        kinds += [k for k in ("propose_batch", "catchup_batch") if k in self.outcomes]  # batched runs only
+        w = max(10, *(len(k) + 1 for k in kinds))
+        lines.append(f"{'call':<{w}}" + "".join(f"{c:>14}" for c in cols) + f"{'total':>10}")
+        for kind in kinds:
             row = self.outcomes.get(kind, {})
-            lines.append(f"{kind:<10}" + "".join(f"{row.get(c, 0):>14}" for c in cols) + f"{sum(row.values()):>10}")
+            lines.append(f"{kind:<{w}}" + "".join(f"{row.get(c, 0):>14}" for c in cols) + f"{sum(row.values()):>10}")
         lines.append("")
         if self.ok:
             lines.append("RESULT: PASS: every step equal byte for byte")

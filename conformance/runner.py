@@ -74,7 +74,8 @@ def run(
         preset: the config preset of the random weights.
         max_seq_len: the proposers' ``max_seq_len``.
         scenario_index: run this scenario alone (a replay); ``scenarios`` is then ignored.
-        generators: which generators take turns (``realistic``, ``adversarial``).
+        generators: which generators take turns (``realistic``, ``adversarial``, ``batched``; the
+            first two by default).
         weights_seed: seed of the random weights.
         max_drafts: the largest ``num_drafts`` a valid propose uses.
         scenario_file: run the scenario saved in this JSON file alone (``save_scenario``; the

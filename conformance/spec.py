@@ -41,7 +41,9 @@ class Hidden:
         fault: how the argument is broken, or None: ``nan``/``inf`` (one element), ``dtype`` (the
             other float dtype), ``device`` (another device: ``meta`` beside CPU, CPU beside
             CUDA), ``rows`` (one row too many), ``width`` (one column too many), ``3d`` (a
-            leading axis), ``int`` (an integer tensor), ``list`` (a Python list, not a tensor).
+            leading axis), ``int`` (an integer tensor), ``list`` (a Python list, not a tensor);
+            for a batch's (B, H) rows also ``nan@b``/``inf@b`` (one element of row b; not in
+            ``FAULTS``, which the older generators draw from).
     """
 
     seed: int
@@ -54,6 +56,21 @@ class Hidden:
     def valid_for(self, rows: int) -> bool:
         return self.fault is None and self.rows == rows
 
+    def bad_row(self) -> int | None:
+        """The row a ``nan@b``/``inf@b`` fault poisons, else None."""
+        if self.fault and "@" in self.fault:
+            return int(self.fault.split("@")[1])
+        return None
+
+    def row_valid(self, b: int) -> bool:
+        """Whether row ``b`` of a batch's rows passes a per-state check (dtype, device, finite);
+        the batch's shape (``rows``, ``width``, ``3d``, ``list``) is checked before any row."""
+        return self.fault is None or (self.bad_row() is not None and self.bad_row() != b)
+
+    def batch_shape_valid(self, rows: int) -> bool:
+        """Whether the argument is a (rows, H) tensor (what a batched call checks first)."""
+        return self.rows == rows and self.fault not in ("rows", "width", "3d", "list")
+
     def materialize(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> Any:
         """The argument as the call receives it."""
         gen = torch.Generator().manual_seed(self.seed)
@@ -63,6 +80,9 @@ class Hidden:
         if self.fault in ("nan", "inf") and v.numel():
             at = int(torch.randint(v.numel(), (1,), generator=gen))
             v.view(-1)[at] = float("nan") if self.fault == "nan" else float("-inf") if at % 2 else float("inf")
+        if self.bad_row() is not None:  # nan@b / inf@b: one element of row b
+            b, at = self.bad_row(), int(torch.randint(width, (1,), generator=gen))
+            v[b, at] = float("nan") if self.fault.startswith("nan") else float("-inf") if at % 2 else float("inf")
         if self.fault == "list":
             return v.tolist()
         if self.fault == "3d":
@@ -111,9 +131,20 @@ class TokenIds:
             return False
         return all(isinstance(i, str) or 0 <= i < vocab_size for i in self.ids)
 
+    def resolve_rows(self, row_drafts: Sequence[Sequence[int]]) -> list[int]:
+        """A batch's ids: ``"dN"`` in row b names draft N of the latest propose of the batch's
+        state b (``row_drafts[b]``)."""
+        return [row_drafts[b][int(i[1:]) - 1] if isinstance(i, str) and b < len(row_drafts) else i for b, i in enumerate(self.ids)]
+
+    def materialize_rows(self, row_drafts: Sequence[Sequence[int]], device: torch.device) -> Any:
+        """A batch's argument (one id per state) as the call receives it."""
+        return self._form(self.resolve_rows(row_drafts), device)
+
     def materialize(self, drafts: Sequence[int], device: torch.device) -> Any:
         """The argument as the call receives it."""
-        ids = self.resolve(drafts)
+        return self._form(self.resolve(drafts), device)
+
+    def _form(self, ids: list[int], device: torch.device) -> Any:
         f = self.form
         if f == "list":
             return ids
@@ -160,14 +191,19 @@ class Op:
     """One call in a scenario.
 
     Args:
-        kind: ``info``, ``alloc``, ``free``, ``prefill``, ``catchup``, ``propose``, ``verify``.
-        state: which of the scenario's states (in order of allocation); -1 for ``info`` and
-            for an ``alloc`` that is expected to fail.
+        kind: ``info``, ``alloc``, ``free``, ``prefill``, ``catchup``, ``propose``, ``verify``,
+            ``propose_batch``, ``catchup_batch``.
+        state: which of the scenario's states (in order of allocation); -1 for ``info``, for
+            an ``alloc`` that is expected to fail and for the batched calls, whose states are
+            ``args["states"]`` (a tuple of indices, ``FOREIGN`` for a state of another drafter).
         args: the call's arguments (``TokenIds``, ``Hidden``, ints, or deliberately bad values).
         expect: the outcome the spec predicts, one of ``OUTCOMES``.
         returns: what the call returns when it succeeds: rows written (prefill, catch-up), the
-            number of drafts (propose), the expected answers (info); None otherwise.
-        rows_after: the state's ``drafter_rows`` after the call.
+            number of drafts (propose), the expected answers (info); per state of a batch, a
+            list: drafts per state (propose_batch), rows written per state (catchup_batch);
+            None otherwise.
+        rows_after: the state's ``drafter_rows`` after the call; for a batch, a list, one per
+            entry of ``args["states"]`` (None for a ``FOREIGN`` entry).
         note: why the op is there (for reports).
     """
 
@@ -200,8 +236,15 @@ class Op:
                 return TokenIds(tuple(v["ids"]), v["form"])
             return v
 
-        return cls(d["kind"], d["state"], {k: arg(v) for k, v in d["args"].items()}, d["expect"],
+        args = {k: arg(v) for k, v in d["args"].items()}
+        if "states" in args and isinstance(args["states"], list):
+            args["states"] = tuple(args["states"])
+        return cls(d["kind"], d["state"], args, d["expect"],
                    d.get("returns"), d.get("rows_after"), d.get("note", ""))
+
+
+# A batch's ``states`` entry that names a state allocated by another drafter (other weights).
+FOREIGN = "foreign"
 
 
 @dataclass
@@ -317,3 +360,76 @@ class SpecModel:
         s.seq_len -= s.last_drafted - keep
         s.pending, s.last_drafted = False, 0
         return Op("verify", i, args, "ok", rows_after=s.seq_len, note=note)
+
+    # ---- batches: many states in one call (reference/contract.py, "batches") ----------------
+    # The order of the checks: the batch's states (a list, each once), rule 0 of every state
+    # (a state of another drafter is refused), the batch's shapes (one entry per state, (B, H)
+    # rows) and ``num_drafts``, then each state's own checks, those of the single call with one
+    # row, in index order. A refusal changes no state; a valid batch is each state's single call.
+
+    def _batch_front(self, states: Sequence[Any], lengths: Sequence[int], hiddens: Hidden) -> str | None:
+        """The checks before any state's own: ``ValueError`` or None."""
+        B = len(states)
+        if len(set(states)) != B or FOREIGN in states:
+            return "ValueError"
+        if any(n != B for n in lengths) or not hiddens.batch_shape_valid(B):
+            return "ValueError"
+        return None
+
+    def _batch_op(self, kind: str, states: Sequence[Any], args: dict[str, Any], out: str, returns: Any, note: str) -> Op:
+        rows = [None if i == FOREIGN else self.seqs[i].seq_len for i in states]
+        return Op(kind, -1, {"states": tuple(states), **args}, out, returns=returns if out == "ok" else None, rows_after=rows, note=note)
+
+    def propose_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, positions: TokenIds, num_drafts: Any,
+                      note: str = "") -> Op:
+        """``propose_batch``: state ``states[b]`` drafts after ``tokens[b]`` from row b of
+        ``hiddens`` at ``positions[b]``; ``positions`` is a ``TokenIds`` of ints (its form:
+        ``list``, or an integer tensor)."""
+        args = {"last_tokens": tokens, "target_hiddens": hiddens, "positions": positions, "num_drafts": num_drafts}
+        out = self._batch_front(states, (len(tokens), len(positions)), hiddens)
+        if out is None and not valid_int(num_drafts):
+            out = "ValueError"
+        for b, i in enumerate(states):
+            if out is not None:
+                break
+            s, pos, tok = self.seqs[i], positions.ids[b], tokens.ids[b]
+            out = self._lifecycle(s)
+            if out is None and not valid_int(pos):
+                out = "ValueError"
+            if out is None and s.seq_len < pos:
+                out = "RuntimeError"
+            if out is None and (
+                not (isinstance(tok, str) or 0 <= tok < self.vocab) or not hiddens.row_valid(b) or pos + num_drafts > self.capacity
+            ):
+                out = "ValueError"
+        if out is not None:
+            return self._batch_op("propose_batch", states, args, out, None, note)
+        for b, i in enumerate(states):
+            s, pos = self.seqs[i], positions.ids[b]
+            s.seq_len = pos + num_drafts if num_drafts else min(s.seq_len, pos)
+            s.pending, s.last_drafted, s.drafts = True, num_drafts, num_drafts
+        return self._batch_op("propose_batch", states, args, "ok", [num_drafts] * len(states), note)
+
+    def catchup_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, row_bases: TokenIds, note: str = "") -> Op:
+        """``catchup_batch``: state ``states[b]`` gets row ``row_bases[b]`` from ``tokens[b]`` and
+        row b of ``hiddens`` when ``row_bases[b]`` is its ``drafter_rows`` (else 0 rows)."""
+        args = {"tokens": tokens, "hiddens": hiddens, "row_bases": row_bases}
+        out = self._batch_front(states, (len(tokens), len(row_bases)), hiddens)
+        for b, i in enumerate(states):
+            if out is not None:
+                break
+            s, base, tok = self.seqs[i], row_bases.ids[b], tokens.ids[b]
+            out = self._lifecycle(s)
+            if out is None and (
+                not (isinstance(tok, str) or 0 <= tok < self.vocab) or not valid_int(base) or not hiddens.row_valid(b)
+                or base + 1 > self.capacity
+            ):
+                out = "ValueError"
+        if out is not None:
+            return self._batch_op("catchup_batch", states, args, out, None, note)
+        written = []
+        for b, i in enumerate(states):
+            s = self.seqs[i]
+            written.append(int(row_bases.ids[b] == s.seq_len))
+            s.seq_len += written[-1]
+        return self._batch_op("catchup_batch", states, args, "ok", written, note)

@@ -34,12 +34,17 @@ SHOWS_AT = {
     "stale_indexer_view": ("export_state", "kv_rows", "propose"),  # rows past seq_len leak into a draft row
     "topk_ties_high": ("return", "drafts", "propose"),  # the tie breaks change the drafts
     "trim_first_row": ("drafter_rows", None, "verify"),  # after_verify keeps num_accepted + 1 rows
+    # batches (generator "batched"): each state as its own call alone
+    "batch_permuted": ("return", None, "propose_batch"),  # the drafts come back at the wrong indices
+    "batch_checks_as_it_goes": ("refused call changed the state", None, "propose_batch"),  # earlier states drafted
+    "batch_x_of_state0": ("export_state", "x", "propose_batch"),  # state 0's x in every state
+    "catchup_batch_writes_misaligned": ("return", None, "catchup_batch"),  # a misaligned row must write 0
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_every_mutant_is_caught_where_it_breaks_its_rule(name, capsys):
-    r = run(f"mutant:{name}", "reference", scenarios=BUDGET, seed=0)
+    r = run(f"mutant:{name}", "reference", scenarios=BUDGET, seed=0, generators=MUTANTS[name].generators)
     d = r.first_difference
     with capsys.disabled():
         where = "" if d is None else f"step {d.step} {d.what}" + (f"[{d.tensor}]" if d.tensor else "") + f" at {d.op.split('(')[0]}"
