@@ -2,8 +2,8 @@
 # One script for a GPU machine that has torch, triton, einops, safetensors, hypothesis and pytest
 # but no package registry: first the PTX audit of every Triton kernel (compiled for sm_90 at the
 # tiny, small and glm5 presets; it needs no GPU), then the conformance suite on CUDA (tiny and
-# small, bf16 and fp32), the gpu-marked tests, then the benchmark. Everything lands under $OUT
-# (or outputs/gpu_check); a short table is printed last. Budget: about 6 minutes on an H100/H200.
+# small, bf16 and fp32; batched at tiny), the gpu-marked tests, then the benchmarks (one sequence,
+# then batches). Everything lands under $OUT (or outputs/gpu_check); a short table is printed last. Budget: about 8 minutes on an H100/H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_check}
@@ -50,6 +50,17 @@ for preset in tiny small; do
   done
 done
 
+# Batched drafting on CUDA: propose_batch / catchup_batch against each state alone (graphs per bucket).
+for dtype in bfloat16 float32; do
+  log="$OUT/conformance-batched-tiny-$dtype.log"
+  timeout 90 $PY -m glm_mtp.conformance --candidate optimized --baseline reference --device cuda --generators batched \
+    --dtype "$dtype" --preset tiny --scenarios 40 --seed 0 --json "$OUT/conformance-batched-tiny-$dtype.json" >"$log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  echo "batched conformance, cuda tiny $dtype, 40 scenarios: exit $rc" | tee -a "$summary"
+  tail -n 3 "$log"
+done
+
 timeout 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest-gpu.log" 2>&1
 rc=$?
 [ $rc -ne 0 ] && status=1
@@ -61,9 +72,16 @@ rc=$?
 [ $rc -ne 0 ] && status=1
 echo "bench: exit $rc" | tee -a "$summary"
 
+timeout 120 $PY -m glm_mtp.experiments.bench_batch --device cuda --preset small --batch-sizes 1 2 4 8 16 --repeats 30 \
+  --no-counters --out "$OUT/bench_batch" >"$OUT/bench_batch.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+echo "bench_batch: exit $rc" | tee -a "$summary"
+
 echo
 cat "$summary"
 echo
 cat "$OUT/audit.log"
 [ -f "$OUT/bench/bench.md" ] && cat "$OUT/bench/bench.md"
+[ -f "$OUT/bench_batch/bench_batch.md" ] && cat "$OUT/bench_batch/bench_batch.md"
 exit $status
