@@ -357,6 +357,8 @@ def _misuse(ch: Chooser, m: SpecModel, kind: str, states: list, tokens: list, hi
     ``num_drafts`` None)."""
     states, tokens, pos = list(states), list(tokens), list(pos)
     B = len(states)
+    if len(tokens) != B or len(pos) != B or hid.rows != B or hid.fault in ("rows", "width", "3d"):
+        return None  # a first misuse broke the batch's shape: a second one would index past it
     if kind == "pending":
         if not pending:
             return None
