@@ -6,11 +6,23 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from glm_mtp.experiments import bench_batch
 
 
-def test_bench_batch_writes_records_table_and_plot(tmp_path):
+def test_bench_batch_writes_records_table_and_plot(tmp_path, monkeypatch):
+    """The counters' subprocess is replaced by its function in this process (measured itself in
+    tests/optimized/test_counters.py): the interpreter's run is the slow part."""
+    from glm_mtp.optimized import counters
+    from glm_mtp.reference import MtpConfig, MtpWeights
+
+    def in_process(a, batch):
+        w = MtpWeights.random(MtpConfig.preset(a.preset), seed=a.seed, dtype=torch.bfloat16)
+        r = counters.measure_batch_step(w, batch, "torch", context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+        return {k: r[k] for k in ("launches_per_step", "kernel_bytes_per_step", "kernel_bytes_per_row")}
+
+    monkeypatch.setattr(bench_batch, "batch_counters", in_process)
     out = tmp_path / "bb"
     bench_batch.main(["--preset", "tiny", "--batch-sizes", "1", "3", "--drafts", "2", "--context", "4", "--max-seq-len", "32",
                       "--repeats", "2", "--warmup", "1", "--out", str(out)])

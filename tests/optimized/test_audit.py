@@ -293,16 +293,16 @@ def test_broken_kernels_fail_the_audit(tmp_path, triton_cache):
     assert "0 failed to compile, 0 forbidden instructions" in done.stdout
 
 
-# The presets the suite audits: glm5's real widths and tiny's (the smallest blocks). ``small`` sits
-# between them; the CLI's default run (``python -m glm_mtp.optimized.audit``) covers it too, at the
-# cost of another ~150 compiles that CI's time budget leaves to that command.
-AUDITED_PRESETS = ("tiny", "glm5")
+# The preset the suite audits: glm5's real widths, what a GPU runs. tiny and small (smaller blocks,
+# masked tails) are in the CLI's default run (``python -m glm_mtp.optimized.audit``), at the cost of
+# another ~300 compiles that CI's time budget leaves to that command (README: PTX audit).
+AUDITED_PRESETS = ("glm5",)
 
 
 @pytest.mark.slow
-def test_every_drafter_kernel_passes_at_tiny_and_glm5(triton_cache):
-    """The acceptance run: every launch of every audited kernel, both cache dtypes, at tiny and
-    glm5 (the real widths), compiled for sm_90 and free of forbidden instructions.
+def test_every_drafter_kernel_passes_at_glm5(triton_cache):
+    """The acceptance run: every launch of every audited kernel, both cache dtypes, at glm5 (the
+    real widths), compiled for sm_90 and free of forbidden instructions.
     TRITON_INTERPRET is left set where this process has it, so the restart is exercised too."""
     done = _run_audit(["--presets", *AUDITED_PRESETS], triton_cache, keep_interpret=True)
     assert done.returncode == 0, done.stdout + done.stderr
