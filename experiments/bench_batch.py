@@ -42,18 +42,35 @@ from .bench import BENCH_DTYPES, timed
 from .validate import unwritable_dir
 
 
-def batch_counters(a: argparse.Namespace, batch: int) -> dict[str, Any]:
-    """``python -m glm_mtp.optimized.counters --batch`` in a subprocess (the interpreter needs
-    ``TRITON_INTERPRET=1`` before triton is imported)."""
-    argv = [sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", a.preset, "--dtype", a.dtype, "--kernels", "triton",
-            "--context", str(a.context), "--max-seq-len", str(a.max_seq_len), "--seed", str(a.seed), "--batch", str(batch), "--json"]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    return {k: result[k] for k in ("launches_per_step", "triton_launches_per_step", "kernel_bytes_per_step", "kernel_bytes_per_row",
-                                   "syncs_per_step")}
+COUNTER_KEYS = ("launches_per_step", "triton_launches_per_step", "kernel_bytes_per_step", "kernel_bytes_per_row")
+
+
+def batch_counters(a: argparse.Namespace, batches: list[int], progress: Any = None) -> dict[int, dict[str, Any]]:
+    """``python -m glm_mtp.optimized.counters --batch B`` for every B, in subprocesses (the
+    interpreter needs ``TRITON_INTERPRET=1`` before triton is imported), one per core at a time,
+    largest batch first (the longest)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    todo = sorted(batches, reverse=True)
+    running: dict[int, subprocess.Popen] = {}
+    out: dict[int, dict[str, Any]] = {}
+    while todo or running:
+        while todo and len(running) < max(1, os.cpu_count() or 1):
+            b = todo.pop(0)
+            argv = [sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", a.preset, "--dtype", a.dtype, "--kernels",
+                    "triton", "--context", str(a.context), "--max-seq-len", str(a.max_seq_len), "--seed", str(a.seed),
+                    "--batch", str(b), "--json"]
+            running[b] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        b = next(iter(running))
+        stdout, stderr = running[b].communicate()
+        if running.pop(b).returncode:
+            for p in running.values():
+                p.kill()
+            raise RuntimeError(f"counters --batch {b} failed:\n{stderr[-4000:]}")
+        result = json.loads(stdout.strip().splitlines()[-1])
+        out[b] = {k: result[k] for k in COUNTER_KEYS}
+        if progress is not None:
+            progress.update(1)
+    return out
 
 
 def bench_batch(a: argparse.Namespace, weights: MtpWeights, batch: int, progress: Any) -> dict[str, Any]:
@@ -197,8 +214,10 @@ def main(argv: list[str] | None = None) -> None:
             progress.set_postfix(batch=B)
             records.append(bench_batch(a, weights, B, progress))
     if a.counters:
-        for r in tqdm(records, desc="counters (interpreter)", unit="batch"):
-            r.update(batch_counters(a, r["batch"]))
+        with tqdm(total=len(records), desc="counters (interpreter)", unit="batch") as progress:
+            counted = batch_counters(a, [r["batch"] for r in records], progress)
+        for r in records:
+            r.update(counted[r["batch"]])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),

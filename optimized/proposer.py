@@ -425,6 +425,13 @@ class OptimizedProposer:
                 written[r.b] = 1
             return written
 
+    def batch_buffers(self, device: torch.device | str) -> BatchBuffers:
+        """The static buffers of the batched programs on ``device`` (made by its first ``alloc_state``)."""
+        device = torch.empty(0, device=device).device
+        if device not in self._batch:
+            raise ValueError(f"no batch buffers on {device}: allocate a state there first (a fused layer only)")
+        return self._batch[device]
+
     def _batch_states(self, call: str, states: object) -> list[DrafterState]:
         states = contract.batch_states(call, states)
         if len(states) > self.max_batch:

@@ -17,10 +17,13 @@ def test_bench_batch_writes_records_table_and_plot(tmp_path, monkeypatch):
     from glm_mtp.optimized import counters
     from glm_mtp.reference import MtpConfig, MtpWeights
 
-    def in_process(a, batch):
+    def in_process(a, batches, progress=None):
         w = MtpWeights.random(MtpConfig.preset(a.preset), seed=a.seed, dtype=torch.bfloat16)
-        r = counters.measure_batch_step(w, batch, "torch", context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
-        return {k: r[k] for k in ("launches_per_step", "kernel_bytes_per_step", "kernel_bytes_per_row")}
+        out = {}
+        for b in batches:
+            r = counters.measure_batch_step(w, b, "torch", context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+            out[b] = {k: r[k] for k in bench_batch.COUNTER_KEYS}
+        return out
 
     monkeypatch.setattr(bench_batch, "batch_counters", in_process)
     out = tmp_path / "bb"
@@ -46,3 +49,12 @@ def test_bad_arguments_exit_2(argv, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_counters_run_in_subprocesses_through_the_interpreter(tmp_path):
+    """The real counters path at tiny, two batch sizes in parallel subprocesses."""
+    a = bench_batch.parse_args(["--preset", "tiny", "--batch-sizes", "1", "2", "--context", "4", "--max-seq-len", "32",
+                                "--out", str(tmp_path / "c")])
+    got = bench_batch.batch_counters(a, [1, 2])
+    assert set(got) == {1, 2} and got[1]["launches_per_step"] == got[2]["launches_per_step"] > 0
+    assert got[1]["kernel_bytes_per_step"] < got[2]["kernel_bytes_per_step"] < 2 * got[1]["kernel_bytes_per_step"]
