@@ -13,6 +13,11 @@ What differs from the reference is scheduling only:
   on the device as a flag ``ok`` that gates every state write, and are read back with the drafts:
   a refused propose leaves the state byte-identical, as in the reference, without an extra sync.
 
+``propose_batch`` / ``catchup_batch`` run many states' rows through the same fused launches
+(``optimized/batch.py``): static buffers for ``max_batch`` rows per device, each row on its own
+state's cache through a device-side address table, one captured program per (bucket,
+``num_drafts``) on CUDA; every state's bytes are those of its single calls.
+
 Every check and counter rule the two drafters share is ``glm_mtp.reference.contract``'s, called
 by both. Prefill and catch-up take the contract's host-side checks (a sync, as in the reference)
 and run the same fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
