@@ -265,3 +265,23 @@ def test_batch_on_cuda_with_graphs(dtype):
             bt.join(9)
     bb = bt.opt._batch[torch.device("cuda", torch.cuda.current_device())]
     assert bb.graphs and all(n in (1, 2, 4, 8, 16) for n, _ in bb.graphs)
+
+
+def test_a_layer_the_fused_step_does_not_take_drafts_each_state_in_turn(tiny_cfg):
+    """float64 (no fused kernels): the batch runs each state's own program after checking every
+    state's data on the host; the same bytes, and a bad row still refuses before any state moves."""
+    from glm_mtp.reference import MtpWeights
+
+    w = MtpWeights.random(tiny_cfg, seed=10, dtype=torch.float64)
+    bt = Batched(w, seed=10)
+    assert bt.opt.step is None
+    for n in (4, 13, 2):
+        bt.join(n)
+    for k in (2, 3, 1):
+        bt.round(bt.seqs[::-1], k)
+    before = _snapshot(bt)
+    hid = bt.hiddens(3)
+    hid[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="states\\[2\\]: target_hidden holds NaN"):
+        bt.opt.propose_batch([1, 2, 3], hid, [s["pos"] for s in bt.seqs], 2, [s["opt"] for s in bt.seqs])
+    assert _snapshot(bt) == before
