@@ -32,9 +32,20 @@ KV_POOL, INDEX_POOL, BLOCK_TABLE = 0, 1, 2
 ADDRESS_COLUMNS = 3
 
 
+# The kernels tell the compiler each address is a multiple of this (``row_pools``), as Triton
+# assumes of a tensor argument it specialises, so loads through them vectorise; checked here.
+ADDRESS_ALIGN = 16
+
+
 def cache_addresses(cache: LayerCache) -> list[int]:
-    """One line of an address table: ``cache``'s pools and block table as integers."""
-    return [cache.kv_pool.data_ptr(), cache.index_pool.data_ptr(), cache.block_table.data_ptr()]
+    """One line of an address table: ``cache``'s pools and block table as integers, each
+    ``ADDRESS_ALIGN``-byte aligned (torch allocations are; a view at an odd offset is refused)."""
+    line = [cache.kv_pool.data_ptr(), cache.index_pool.data_ptr(), cache.block_table.data_ptr()]
+    for name, address in zip(("kv_pool", "index_pool", "block_table"), line):
+        if address % ADDRESS_ALIGN:
+            raise ValueError(f"RowCaches: the cache's {name} starts {address % ADDRESS_ALIGN} bytes past a "
+                             f"{ADDRESS_ALIGN}-byte boundary; the cache kernels need aligned pools (LayerCache.allocate's are)")
+    return line
 
 
 @dataclass(frozen=True)
@@ -112,15 +123,18 @@ def row_caches(caches: LayerCache | RowCaches) -> RowCaches:
 @triton.jit
 def row_pools(addresses_ptr, t, stride, TO_BF16: tl.constexpr):
     """Row ``t``'s ``(kv_pool, index_pool, block_table)`` pointers from an address table read
-    with row ``stride`` (0: one line for every row)."""
+    with row ``stride`` (0: one line for every row), each declared ``ADDRESS_ALIGN``-aligned (a
+    pointer cast from an integer carries no alignment facts: without this the MLA scores kernel
+    compiled to 199 registers instead of 56, its row loads unvectorised)."""
     line = addresses_ptr + t * stride
     kv = tl.load(line + 0)
     ix = tl.load(line + 1)
     bt = tl.load(line + 2).to(tl.pointer_type(tl.int32))
     if TO_BF16:
-        return kv.to(tl.pointer_type(tl.bfloat16)), ix.to(tl.pointer_type(tl.bfloat16)), bt
+        kv_ptr, ix_ptr = kv.to(tl.pointer_type(tl.bfloat16)), ix.to(tl.pointer_type(tl.bfloat16))
     else:
-        return kv.to(tl.pointer_type(tl.float32)), ix.to(tl.pointer_type(tl.float32)), bt
+        kv_ptr, ix_ptr = kv.to(tl.pointer_type(tl.float32)), ix.to(tl.pointer_type(tl.float32))
+    return tl.multiple_of(kv_ptr, 16), tl.multiple_of(ix_ptr, 16), tl.multiple_of(bt, 16)
 
 
 # ---- per-row destinations: the batched programs' writes into each state's own tensors -----------

@@ -79,3 +79,16 @@ def test_row_caches_tables_and_runs():
     assert rc.cache_of(3) is caches[1] and one.cache_of(4) is caches[0]
     with pytest.raises(ValueError, match="table must be int64"):
         RowCaches.per_row(rows, torch.zeros(4, 3, dtype=torch.int64))
+
+
+def test_a_misaligned_pool_is_refused():
+    """The kernels declare every table address 16-byte aligned (row_pools): a pool view at an odd
+    offset must be refused on the host, never passed on."""
+    cfg = MtpConfig.preset("tiny")
+    c = LayerCache.allocate(cfg, 3, torch.bfloat16, "cpu")
+    room = torch.zeros(c.kv_pool.numel() + 1, dtype=torch.bfloat16)
+    odd = LayerCache(room[1:].view(c.kv_pool.shape), c.index_pool, c.block_table)
+    with pytest.raises(ValueError, match="kv_pool starts 2 bytes past a 16-byte boundary"):
+        RowCaches.of(odd)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        RowCaches.per_row([c, odd])
