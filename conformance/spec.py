@@ -332,21 +332,30 @@ class SpecModel:
     def propose(self, i: int, token: TokenIds, hidden: Hidden, position: Any, num_drafts: Any, note: str = "") -> Op:
         s = self.seqs[i]
         args = {"last_token": token, "target_hidden": hidden, "position": position, "num_drafts": num_drafts}
+        out = self._propose_refusal(s, position, num_drafts, token.valid(self.vocab, single=True) and hidden.valid_for(1))
+        if out is not None:
+            return Op("propose", i, args, out, rows_after=s.seq_len, note=note)
+        self._proposed(s, position, num_drafts)
+        return Op("propose", i, args, "ok", returns=num_drafts, rows_after=s.seq_len, note=note)
+
+    def _propose_refusal(self, s: Any, position: Any, num_drafts: Any, data_valid: bool) -> str | None:
+        """A propose's refusal on one state, in the contract's order: lifecycle, ``position``, the
+        rows held, then the arguments (``data_valid``: its token and hidden), ``num_drafts`` and the
+        capacity; None when it is valid."""
         out = self._lifecycle(s)
         if out is None and not valid_int(position):
             out = "ValueError"
         if out is None and s.seq_len < position:
             out = "RuntimeError"
-        if out is None and (
-            not token.valid(self.vocab, single=True) or not hidden.valid_for(1)
-            or not valid_int(num_drafts) or position + num_drafts > self.capacity
-        ):
+        if out is None and (not data_valid or not valid_int(num_drafts) or position + num_drafts > self.capacity):
             out = "ValueError"
-        if out is not None:
-            return Op("propose", i, args, out, rows_after=s.seq_len, note=note)
+        return out
+
+    @staticmethod
+    def _proposed(s: Any, position: int, num_drafts: int) -> None:
+        """A valid propose's counters: the rewind, the rows drafted, pending."""
         s.seq_len = position + num_drafts if num_drafts else min(s.seq_len, position)
         s.pending, s.last_drafted, s.drafts = True, num_drafts, num_drafts
-        return Op("propose", i, args, "ok", returns=num_drafts, rows_after=s.seq_len, note=note)
 
     def verify(self, i: int, num_accepted: Any, note: str = "") -> Op:
         s = self.seqs[i]
@@ -392,22 +401,13 @@ class SpecModel:
         for b, i in enumerate(states):
             if out is not None:
                 break
-            s, pos, tok = self.seqs[i], positions.ids[b], tokens.ids[b]
-            out = self._lifecycle(s)
-            if out is None and not valid_int(pos):
-                out = "ValueError"
-            if out is None and s.seq_len < pos:
-                out = "RuntimeError"
-            if out is None and (
-                not (isinstance(tok, str) or 0 <= tok < self.vocab) or not hiddens.row_valid(b) or pos + num_drafts > self.capacity
-            ):
-                out = "ValueError"
+            tok = tokens.ids[b]
+            out = self._propose_refusal(self.seqs[i], positions.ids[b], num_drafts,
+                                        (isinstance(tok, str) or 0 <= tok < self.vocab) and hiddens.row_valid(b))
         if out is not None:
             return self._batch_op("propose_batch", states, args, out, None, note)
         for b, i in enumerate(states):
-            s, pos = self.seqs[i], positions.ids[b]
-            s.seq_len = pos + num_drafts if num_drafts else min(s.seq_len, pos)
-            s.pending, s.last_drafted, s.drafts = True, num_drafts, num_drafts
+            self._proposed(self.seqs[i], positions.ids[b], num_drafts)
         return self._batch_op("propose_batch", states, args, "ok", [num_drafts] * len(states), note)
 
     def catchup_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, row_bases: TokenIds, note: str = "") -> Op:

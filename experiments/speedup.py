@@ -34,7 +34,6 @@ fixed (their spread over repeats is recorded beside them).
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Any, Callable

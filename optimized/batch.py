@@ -126,12 +126,6 @@ class BatchBuffers:
         finally:
             self.user = None
 
-    def release(self) -> None:
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.graph_pool = None
-
 
 _CLAIM = threading.Lock()
 

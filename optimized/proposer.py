@@ -38,7 +38,7 @@ from glm_mtp.reference.contract import FeedHidden, Tokens
 from glm_mtp.reference.layers import draft_probs, greedy_token, sampled_token
 from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_inputs
-from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing
+from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.weights import MtpWeights
 
 from .block import Fused, KernelMode, block_rows
@@ -335,14 +335,19 @@ class OptimizedProposer:
     def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int, sampled: bool = False) -> list[int]:
         """``propose`` after its read-back: the refusal of bad data (nothing was written), or the counters."""
         if values[0] != (SAMPLED_CHECK_OK if sampled and k else CHECK_OK):
-            if not values[0] & TOKEN_IN_RANGE:
-                bad = read_back(st.tok_in)[0]
-                raise ValueError(f"last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
-            if not values[0] & HIDDEN_FINITE:
-                raise ValueError("target_hidden holds NaN or inf")
-            raise ValueError(NOISE_MESSAGE)
+            raise ValueError(self._refusal(values[0], st.tok_in))
         st.seq_len, st.pending, st.last_drafted = position + k, True, k
         return values[1:]
+
+    def _refusal(self, code: int, tok_in: Tensor) -> str:
+        """What a propose's failed device-side check ``code`` says: the token out of range (its id
+        read back from ``tok_in``), else the hidden, else the noise (a sampled propose)."""
+        if not code & TOKEN_IN_RANGE:
+            bad = read_back(tok_in)[0]
+            return f"last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})"
+        if not code & HIDDEN_FINITE:
+            return "target_hidden holds NaN or inf"
+        return NOISE_MESSAGE
 
     def propose_device(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
                        state: DrafterState) -> Tensor:
@@ -393,7 +398,7 @@ class OptimizedProposer:
             bb = self._batch[states[0].device]
             rows = self._bucket(len(states), bb, k)
             with bb.claim(call):
-                with contract.writing_all(states, call):
+                with writing_all(states, call):
                     loaded = bb.load(states, self._batch_tokens(batch.args, bb.device), target_hiddens,
                                      [a.position for a in batch.args], rows)
                     run_program(bb, (rows, k), lambda: self._batch_program(bb, loaded, k), capture=self._batch_captures(bb) and k > 0)
@@ -414,13 +419,13 @@ class OptimizedProposer:
             if not rows:
                 return written
             if self.step is None:
-                with contract.writing_all(owed, call):
+                with writing_all(owed, call):
                     for r, st in zip(rows, owed):
                         self._write_rows(r.token, r.hidden, r.row_base, st)
             else:
                 bb = self._batch[owed[0].device]
                 n = self._bucket(len(owed), bb, CATCHUP)
-                with bb.claim(call), contract.writing_all(owed, call):
+                with bb.claim(call), writing_all(owed, call):
                     loaded = bb.load(owed, torch.cat([r.token for r in rows]), torch.cat([r.hidden for r in rows]),
                                      [r.row_base for r in rows], n)
                     run_program(bb, (n, CATCHUP), lambda: self._batch_program(bb, loaded, CATCHUP),
@@ -496,10 +501,7 @@ class OptimizedProposer:
         rows = [values[b * (k + 1) : (b + 1) * (k + 1)] for b in range(len(states))]
         for b, row in enumerate(rows):
             if row[0] != CHECK_OK:
-                if not row[0] & TOKEN_IN_RANGE:
-                    bad = read_back(bb.tok_in[b : b + 1])[0]
-                    raise ValueError(f"{call}: states[{b}]: last_token: token id {bad} is outside [0, vocab_size={self.config.vocab_size})")
-                raise ValueError(f"{call}: states[{b}]: target_hidden holds NaN or inf")
+                raise ValueError(f"{call}: states[{b}]: {self._refusal(row[0], bb.tok_in[b : b + 1])}")
         for st, a in zip(states, args):
             st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
         return [row[1:] for row in rows]
@@ -508,7 +510,7 @@ class OptimizedProposer:
         """A batch on the per-primitive path: each state's own program in turn (its data was
         checked on the host, so no state can refuse midway)."""
         drafts = []
-        with contract.writing_all(states, call):
+        with writing_all(states, call):
             for st, a in zip(states, args):
                 self._fill_inputs(st, a)
                 self._run(st, k)

@@ -377,19 +377,6 @@ def guard_all(call: str, states: Sequence[DrafterState], use: Callable[[DrafterS
         yield
 
 
-@contextmanager
-def writing_all(states: Sequence[DrafterState], call: str) -> Iterator[None]:
-    """``writing`` for a batch: a failure midway poisons every state of it (any of them may hold
-    half-written rows)."""
-    try:
-        with torch.no_grad():
-            yield
-    except BaseException as e:
-        for st in states:
-            st.poisoned = f"{call} failed midway ({type(e).__name__}: {e})"
-        raise
-
-
 @dataclass
 class BatchPropose:
     """``propose_batch``'s checked arguments: one ``ProposeArgs`` per state."""

@@ -30,7 +30,7 @@ from .contract import (  # noqa: F401  (re-exported: the contract's names, where
 )
 from .layers import draft_probs, greedy_token, sampled_token
 from .numerics import acc_dtype
-from .state import DrafterState, LayerCache, Owner, use_state, writing
+from .state import DrafterState, LayerCache, Owner, use_state, writing, writing_all
 from .weights import MtpWeights
 
 logger = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ class ReferenceProposer:
         with contract.guard_all(call, states, self.use):
             batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states, self.weights,
                                                 self.capacity, contract.check_live)
-            with contract.writing_all(states, call):
+            with writing_all(states, call):
                 return [self._draft(args, st, call)[0] for args, st in zip(batch.args, states)]
 
     def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]:
@@ -272,7 +272,7 @@ class ReferenceProposer:
         with contract.guard_all(call, states, self.use):
             rows = contract.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights, self.capacity,
                                                contract.check_live)
-            with contract.writing_all(states, call):
+            with writing_all(states, call):
                 for r in rows:
                     self._write_rows(r.token, r.hidden, r.row_base, states[r.b])
             written = [0] * len(states)

@@ -11,7 +11,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -186,9 +186,18 @@ def writing(state: DrafterState, call: str) -> Iterator[None]:
     row written into one growing graph. Any exception from it (an interrupt, an out-of-memory, a
     failing kernel) poisons the state: rows may be half-written while the counters say otherwise,
     and restoring them would need a copy on every call, so later calls refuse it instead."""
+    with writing_all((state,), call):
+        yield
+
+
+@contextmanager
+def writing_all(states: Sequence[DrafterState], call: str) -> Iterator[None]:
+    """``writing`` for a batch: a failure midway poisons every state of it (any of them may hold
+    half-written rows)."""
     try:
         with torch.no_grad():
             yield
     except BaseException as e:
-        state.poisoned = f"{call} failed midway ({type(e).__name__}: {e})"
+        for state in states:
+            state.poisoned = f"{call} failed midway ({type(e).__name__}: {e})"
         raise
