@@ -11,13 +11,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
-# Import glm_mtp from this checkout without installing it: the card's folders, linked under one
-# namespace (pip would need the registry for the build backend).
-PKG=$(mktemp -d)
-mkdir -p "$PKG/glm_mtp"
-cp glm_mtp/__init__.py "$PKG/glm_mtp/"
-for sub in reference optimized conformance experiments conf; do ln -s "$PWD/$sub" "$PKG/glm_mtp/$sub"; done
-export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+# Import glm_mtp from this checkout without installing it (src layout: the package is src/glm_mtp).
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 $PY - <<'PYEOF' | tee "$OUT/device.txt"
 import torch, triton

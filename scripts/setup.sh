@@ -10,7 +10,7 @@ fi
 if ! .venv/bin/python -c "import glm_mtp, torch, pytest, hypothesis, xdist" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-  # The one notice left is setuptools' "Editable installation." (the meta path finder this
-  # layout needs: glm_mtp.* maps onto the top-level folders); silence that one only.
+  # The one notice left is setuptools' "Editable installation." (setuptools
+  # editable finder for the src layout); silence that one only.
   PYTHONWARNINGS="ignore:Editable installation." .venv/bin/python -m pip install -q -e ".[dev]"
 fi
