@@ -90,6 +90,12 @@ class OptimizedProposer:
                  kernels: KernelMode = "auto", cuda_graphs: bool = True, max_batch: int = 16) -> None:
         # The contract's argument checks and sizes (the reference's, the same function).
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
+        family = getattr(getattr(weights, "config", None), "family", "glm5")
+        if family != "glm5":  # its kernels are GLM-5's (RoPE MLA, per-row indexer keys, SwiGLU)
+            raise ValueError(
+                f"OptimizedProposer: family {family!r} (GLM-5.3-Flash's KPool indexer, NoPE MLA, clamped SwiGLU) "
+                "is not supported by the optimized drafter yet; use ReferenceProposer for it"
+            )
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         self.weights = weights
