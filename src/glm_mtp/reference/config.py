@@ -328,6 +328,11 @@ class MtpConfig:
             kwargs[name] = hf_bool(raw, name, True, where)
         hf_bool(raw, "tie_word_embeddings", False, where)  # read by the loader; checked here with the rest
         if next_family:
+            layers = raw.get("mlp_layer_types")
+            if layers is not None and "first_k_dense_replace" not in raw:  # GLM-5.3-Flash states the schedule
+                if not isinstance(layers, list) or not all(v in ("dense", "sparse") for v in layers):
+                    raise ValueError(f"{where}: mlp_layer_types must be a list of 'dense' / 'sparse', got {layers!r}")
+                kwargs["first_k_dense_replace"] = next((i for i, v in enumerate(layers) if v != "dense"), len(layers))
             kwargs.update(
                 family="glm5_next",
                 index_kpool=hf_int(raw, "index_kpool", 16, where),
