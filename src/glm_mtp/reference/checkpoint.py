@@ -31,6 +31,17 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
+# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
+# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
+IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def float32_tensor(cfg: MtpConfig, name: str) -> bool:
+    """Whether a tensor stays float32 whatever the weights' dtype: the routing bias (both
+    families) and, in glm5_next, the router itself (transformers keeps ``gate.weight`` in fp32)."""
+    return name.endswith("e_score_correction_bias") or (cfg.is_next and name.endswith("mlp.gate.weight"))
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not hold what its config promises."""
 
@@ -166,12 +177,15 @@ def check_finite(tensors: dict[str, Tensor], where: dict[str, str]) -> None:
 def load_mtp_tensors(
     directory: str | os.PathLike[str],
     cfg: MtpConfig,
+    expected: dict[str, tuple[int, ...]],
     experts: range | None = None,
     allow_non_finite: bool = False,
     cast: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """The MTP layer's tensors (layer-relative names), the embedding and the head; of the routed
     experts only those in ``experts`` when given (an expert-parallel rank's block) are read.
+    ``expected``: the layer's tensor names and shapes (``weights.mtp_tensor_shapes(cfg)``: the
+    weights' layout, which this file layer does not know).
 
     Raises ``CheckpointError`` naming the tensor for a missing tensor, an unexpected tensor
     inside the MTP layer, or a wrong shape, and naming the file too for a dtype other than the
@@ -179,12 +193,9 @@ def load_mtp_tensors(
     them all to one) or, unless ``allow_non_finite``, a NaN/inf value in a tensor read
     (``check_finite``).
     """
-    from .weights import IGNORED_MTP_COPIES, float32_tensor, mtp_tensor_shapes
-
     wmap = checkpoint_weight_map(directory)
     prefix = cfg.layer_prefix
     embed_name = cfg.embed_tokens_name
-    expected = mtp_tensor_shapes(cfg)
     present = {k[len(prefix):] for k in wmap if k.startswith(prefix)}
     for name, shape in expected.items():
         if name not in present:

@@ -13,22 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .checkpoint import WEIGHT_DTYPES, check_shard_size, float32_tensor, load_mtp_tensors, save_checkpoint
 from .config import MtpConfig
 from .distributed import ShardSpec, ep_propose_enabled
-
-# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
-# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
-IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 # The KPool indexer's tensors (glm5_next), relative to the layer: nn.Parameters, so no ".weight".
 KPOOL_APE = "self_attn.indexer.index_kpool_compress_ape"
 KPOOL_GATE = "self_attn.indexer.index_kpool_compress_gate"
-
-
-def float32_tensor(cfg: MtpConfig, name: str) -> bool:
-    """Whether a tensor stays float32 whatever the weights' dtype: the routing bias (both
-    families) and, in glm5_next, the router itself (transformers keeps ``gate.weight`` in fp32)."""
-    return name.endswith("e_score_correction_bias") or (cfg.is_next and name.endswith("mlp.gate.weight"))
 
 
 @dataclass
@@ -384,8 +375,6 @@ class MtpWeights:
         checkpoint is refused (details: ``checkpoint.save_checkpoint``). A tied embedding and head
         are written as two tensors and load back bit-exact. ``shard_size`` must be a positive
         int or None (``ValueError`` before anything is written)."""
-        from .checkpoint import check_shard_size, save_checkpoint
-
         check_shard_size(shard_size)
         save_checkpoint(directory, self.config.to_hf_dict(), {**(extra or {}), **self.state_dict()}, shard_size)
 
@@ -424,8 +413,6 @@ class MtpWeights:
                 shard (see ``shard``).
             allow_non_finite: skip the NaN/inf check.
         """
-        from .checkpoint import WEIGHT_DTYPES, load_mtp_tensors
-
         if dtype is not None and dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"from_pretrained: dtype must be a floating torch.dtype ({', '.join(map(str, WEIGHT_DTYPES))}) or None, got {dtype!r}"
@@ -435,6 +422,7 @@ class MtpWeights:
         mtp, embed, head = load_mtp_tensors(
             directory,
             cfg,
+            mtp_tensor_shapes(cfg),
             experts=spec.expert_range(cfg.n_routed_experts) if spec else None,
             allow_non_finite=allow_non_finite,
             cast=dtype is not None,
