@@ -1,4 +1,4 @@
-"""The batched speculative loop (``SpeculativeDecoder.generate_batch``, issue 12): every prompt's
+"""The batched speculative loop (``SpeculativeDecoder.generate_batch``): every prompt's
 tokens and counters equal the single-sequence ``generate`` on it alone, for both drafter
 backends; one ``propose_batch`` per round for every live sequence and one ``catchup_batch`` for
 the fully accepted ones; finished sequences leave the batch and free their state; and the

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class DraftProposer(Protocol):
-    """What an engine calls on a drafter (the seed's ``DraftProposer`` trait, in snake_case)."""
+    """What an engine calls on a drafter (the engine's ``DraftProposer`` trait, in snake_case)."""
 
     max_seq_len: int
 
