@@ -10,14 +10,9 @@ from glm_mtp.optimized.step import StepKernels, fused_head, fused_rows, fusable,
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
+from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.layers import greedy_token
 from glm_mtp.reference.state import LayerCache
-
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(BITS.get(t.dtype, torch.uint8))
 
 
 def caches(cfg: MtpConfig, dtype: torch.dtype, blocks: int, seed: int) -> tuple[LayerCache, LayerCache]:

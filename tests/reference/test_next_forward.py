@@ -139,7 +139,7 @@ def test_the_optimized_drafter_refuses_the_family():
     ],
 )
 def test_a_refused_call_leaves_every_byte_including_the_pools(prop, call, error):
-    from glm_mtp.reference.weights import same_bytes
+    from glm_mtp.reference.bytes import same_bytes
 
     state = prop.alloc_state("cpu")
     tokens, hiddens = inputs(10, seed=3)

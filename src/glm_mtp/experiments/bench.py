@@ -19,7 +19,7 @@ glm_mtp.tools.counters``, Triton's interpreter for the optimized backend's kerne
 ``kernel_bytes_per_draft`` (the bytes they load and store), ``floor_bytes_per_draft`` (the
 weights a draft step must read plus its attended rows) and ``kernel_floor_ratio``. They do not
 depend on k (the marginal draft step of a propose) nor on ``--device``. The reference backend is
-counted the same way (its torch operators); the 1.15x target of issue 11 is the optimized one's.
+counted the same way (its torch operators).
 
 Writes ``bench.json`` (one record per measurement), ``bench.md`` and ``bench.png`` into ``--out``.
 

@@ -8,7 +8,7 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - one row per run: conditional ``α_i`` = P(draft i accepted | drafts 1..i-1 accepted) and
   cumulative ``P(acc ≥ i)`` = P(at least i drafts accepted), each with its bootstrap 95%
   interval over prompts, and ``τ`` (tokens per target forward);
-- greedy runs with ``experiment.check_lossless=true``: prompts whose speculative output equals
+- greedy runs with ``run.check_lossless=true``: prompts whose speculative output equals
   the target's own greedy decode, and where the others part;
 - paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
   for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
@@ -146,7 +146,7 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
 
 
 def lossless_table(runs: list[dict[str, Any]]) -> str:
-    """One row per greedy run that checked losslessness (``experiment.check_lossless``): the
+    """One row per greedy run that checked losslessness (``run.check_lossless``): the
     target's numerics and dtype, prompts, how many gave the target's own greedy decode token for
     token, and where the others part (prompt index @ first differing generated token, 0-based).
     Empty when no run checked."""

@@ -124,10 +124,10 @@ def check_acceptance(cfg: Any) -> None:
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)
-    need_int(cfg, "experiment.num_prompts", 1)
-    need_int(cfg, "experiment.prompt_tokens", 1)
-    need_int(cfg, "experiment.max_new_tokens", 1)
-    need_bool(cfg, "experiment.check_lossless")
+    need_int(cfg, "run.num_prompts", 1)
+    need_int(cfg, "run.prompt_tokens", 1)
+    need_int(cfg, "run.max_new_tokens", 1)
+    need_bool(cfg, "run.check_lossless")
     costs = _get(cfg, "speedup.costs")
     if not isinstance(costs, str) or (costs not in ("measured", "glm5") and not os.path.isfile(costs)):
         raise ValueError(f"speedup.costs must be measured, glm5 or the path of a costs.json, got {costs!r}")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .attention import Rope
+from .bytes import raw_bytes
 from .kpool import empty_snapshot as empty_kpool_snapshot
 from .state import BLOCK_ROWS, DrafterState, check_sound, num_blocks, rewind_rows, writing
 from .weights import MtpWeights
@@ -43,8 +44,7 @@ WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]
 
 def hidden_fingerprint(hidden: Tensor) -> str:
     """16 hex digits of a hash of the tensor's bytes."""
-    data = hidden.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+    return hashlib.blake2b(raw_bytes(hidden), digest_size=8).hexdigest()
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:

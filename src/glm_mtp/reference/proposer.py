@@ -25,6 +25,7 @@ from torch import Tensor
 from . import contract
 from .attention import Rope
 from .block import draft_logits, mtp_rows
+from .bytes import same_bytes
 from .contract import (  # noqa: F401  (re-exported: the contract's names, where callers found them)
     FINGERPRINT_ENV, FeedHidden, Tokens, WriteRows, check_int, check_token_dtype, check_token_id, hidden_fingerprint, one_token,
 )
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class DraftProposer(Protocol):
-    """What an engine calls on a drafter (the seed's ``DraftProposer`` trait, in snake_case)."""
+    """What an engine calls on a drafter (the engine's ``DraftProposer`` trait, in snake_case)."""
 
     max_seq_len: int
 
@@ -76,9 +77,7 @@ class SampledDrafts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampledDrafts):
             return NotImplemented
-        a, b = self.q.detach().cpu().contiguous(), other.q.detach().cpu().contiguous()
-        return (self.drafts == other.drafts and a.shape == b.shape and a.dtype == b.dtype
-                and a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return self.drafts == other.drafts and same_bytes(self.q.detach().cpu(), other.q.detach().cpu())
 
 
 @runtime_checkable

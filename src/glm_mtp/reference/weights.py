@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .bytes import same_bytes
 from .checkpoint import WEIGHT_DTYPES, check_shard_size, float32_tensor, load_mtp_tensors, save_checkpoint
 from .config import MtpConfig
 from .distributed import ShardSpec, ep_propose_enabled
@@ -437,13 +438,6 @@ class MtpWeights:
         return cls.from_tensors(cfg, mtp, place("embed", embed), place("head", head), spec)
 
 
-def same_bytes(a: Tensor, b: Tensor) -> bool:
-    """Byte equality of two tensors (shape and dtype too): -0.0 != 0.0, NaN == the same NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
-
-
 def weights_equal(a: MtpWeights, b: MtpWeights) -> bool:
     """Byte equality of every tensor and equal configs."""
     sa, sb = a.state_dict(), b.state_dict()
@@ -466,6 +460,5 @@ __all__ = [
     "float32_tensor",
     "KPOOL_APE",
     "KPOOL_GATE",
-    "same_bytes",
     "weights_equal",
 ]
