@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_in
 from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.weights import MtpWeights
 
-from .block import Fused, KernelMode, block_rows
+from .block import Fused, KernelMode, block_rows, triton_runs_on
 from .step import StepKernels, fusable, fused_head, fused_rows
 from .batch import CATCHUP, BatchBuffers, BatchRows, bucket
 from .graphs import run_program
@@ -92,6 +93,8 @@ class OptimizedProposer:
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+        if kernels == "triton" and (why := triton_runs_on(weights.device)) is not None:
+            raise ValueError(f"kernels='triton' cannot run here: {why}")
         self.weights = weights
         self.config = weights.config
         self.max_seq_len = sizes.max_seq_len
@@ -225,12 +228,12 @@ class OptimizedProposer:
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
                                      device_checks=True)
         if sample is not None:
-            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device)
+            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device, self.logit_limit)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
             if sample is not None:
-                st.temp.fill_(temperature)  # rounded to A, as the reference's torch.tensor([temperature])
+                st.temp.fill_(temperature)  # already rounded to A by the check: exact
                 if args.num_drafts:
                     st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
         return args.position, args.num_drafts
@@ -293,6 +296,11 @@ class OptimizedProposer:
             st.x.copy_(torch.where(st.ok, x[0], st.x))
             st.out[1 : k + 1].copy_(torch.where(st.ok, st.out[1 : k + 1], -1))
         st.seq_dev.copy_(torch.where(st.ok, st.pos + k, st.seq_dev))
+
+    @cached_property
+    def logit_limit(self) -> float:
+        """The head's logit bound (``contract.logit_bound``), read once, at the first sampled propose."""
+        return contract.logit_bound(self.weights)
 
     @property
     def captures(self) -> bool:

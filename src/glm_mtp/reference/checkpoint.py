@@ -43,6 +43,25 @@ def _unreadable(path: str, e: BaseException) -> CheckpointError:
     return CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})")
 
 
+def check_checkpoint_directory(call: str, directory: object) -> str:
+    """``directory`` as a path string to an existing directory (a symbolic link to one is
+    followed, as in a Hugging Face cache); ``ValueError`` naming the argument for another type,
+    a missing path, a broken link or a path that is not a directory (a checkpoint is a folder:
+    ``config.json`` and its safetensors)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"{call}: directory must be a path (str or os.PathLike), got {type(directory).__name__}")
+    path = os.fspath(directory)
+    if not isinstance(path, str):
+        raise ValueError(f"{call}: directory must be a text path, got {type(path).__name__}")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{call}: directory {path!r} is a broken symbolic link (to {os.readlink(path)!r})")
+    if not os.path.exists(path):
+        raise ValueError(f"{call}: directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{call}: directory {path!r} is not a directory (a checkpoint is a folder holding config.json and safetensors)")
+    return path
+
+
 def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
     """Tensor name -> file name, from the index or from the single file's header.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from contextlib import ExitStack, contextmanager
@@ -73,6 +74,14 @@ def check_token_dtype(name: str, tokens: Tensor) -> None:
         raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
 
 
+def check_token_device(name: str, tokens: Tensor, device: torch.device) -> None:
+    """A token tensor must be on the state's ``device`` or in host memory (the CPU): both are
+    copied into the drafter's rows; any other device (a meta tensor, another accelerator) is a
+    ``ValueError`` naming the argument, raised before anything is written."""
+    if tokens.device != device and tokens.device.type != "cpu":
+        raise ValueError(f"{name} must be on the state's device {device} or the CPU, got {tokens.device}")
+
+
 def one_token(last_token: int | Tensor) -> int | Tensor:
     """``last_token`` as an int, or as a (1,) tensor when a tensor of one id was given (0-d or
     (1,)); any other tensor shape is a ``ValueError`` naming the argument. The range is checked
@@ -91,6 +100,7 @@ def token_ids(name: str, tokens: Tokens, vocab_size: int, device: torch.device) 
         values = [check_token_id(name, v, vocab_size) for v in tokens]
         return torch.tensor(values, dtype=torch.int64, device=device)
     check_token_dtype(name, tokens)
+    check_token_device(name, tokens, device)
     if tokens.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
     ids = tokens.to(device=device, dtype=torch.int64)
@@ -121,6 +131,49 @@ def check_capacity(name: str, end: int, capacity: int) -> None:
     """Rows up to ``end`` must fit the state's ``capacity``."""
     if end > capacity:
         raise ValueError(f"{name}: rows up to {end} would run past the state's capacity of {capacity} rows")
+
+
+def logit_bound(weights: MtpWeights) -> float:
+    """An upper bound on ``|up(logits)|`` for every row the drafter's head can produce, from the
+    weights alone (float64, two reductions: one host read). The head reads ``x =
+    rms_norm(pre_norm) * gamma``, and an RMS-normalised row has ``|x_j| <= sqrt(H) * |gamma_j|``,
+    so ``|logit| <= H * max|lm_head| * sqrt(H) * max|gamma|``; the factor ``1 + 2**-6`` covers
+    the rounding of ``x`` and of the logits to S and the A accumulation. Capped at the largest
+    finite S value (a logit is stored in S)."""
+    H = weights.config.hidden_size
+    head = torch.aminmax(weights.lm_head.detach())
+    gamma = torch.aminmax(weights.shared_head_norm.detach())
+    max_head = max(-float(head.min), float(head.max))
+    max_gamma = max(-float(gamma.min), float(gamma.max))
+    bound = H * max_head * math.sqrt(H) * max_gamma * (1 + 2**-6)
+    return min(bound, torch.finfo(weights.dtype).max)
+
+
+def check_temperature(temperature: object, logit_limit: float, acc: torch.dtype) -> float:
+    """A sampling temperature, valid when the draft distribution it drives, ``softmax(up(logits)
+    / T)`` with ``T`` rounded to the accumulation dtype ``acc``, is defined in ``acc`` for every
+    logit the head can produce (``|logit| <= logit_limit``, ``logit_bound``): ``T`` is a real
+    number whose value in ``acc`` is a finite normal number (1e39 overflows float32, 1e-45
+    rounds to a subnormal) and ``logit_limit / T`` is finite in ``acc`` (a smaller ``T`` turns a
+    logit into inf and ``q`` into NaN). Returns ``T`` rounded to ``acc``, as a Python float, so
+    that storing it in ``acc`` is exact. ``ValueError`` naming the argument otherwise."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a real number, got {type(temperature).__name__}")
+    try:
+        value = float(temperature)
+    except OverflowError:  # an int past float64
+        value = math.inf
+    if not value > 0:  # NaN fails too
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    info = torch.finfo(acc)
+    rounded = float(torch.tensor(min(value, 2 * info.max), dtype=acc)) if value < math.inf else math.inf
+    if not math.isfinite(rounded):
+        raise ValueError(f"temperature must be finite and > 0 in {acc} (its largest value is {info.max:.4g}), got {temperature!r}")
+    least = max(info.tiny, logit_limit / info.max)
+    if not rounded >= least:
+        raise ValueError(f"temperature {temperature!r} is too small for {acc}: the draft distribution softmax(logits / T) "
+                         f"needs T >= {least:.3g} (the head's logits reach {logit_limit:.3g}; a smaller T overflows them to inf)")
+    return rounded
 
 
 # ---- the drafter and its states ----------------------------------------------------------------
@@ -272,6 +325,7 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
         check_token_id("last_token", token, vocab)
     elif device_checks:
         check_token_dtype("last_token", token)
+        check_token_device("last_token", token, state.device)
     else:
         token = token_ids("last_token", token, vocab, state.device)
     hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
