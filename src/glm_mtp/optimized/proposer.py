@@ -228,7 +228,11 @@ class OptimizedProposer:
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
                                      device_checks=True)
         if sample is not None:
-            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device, self.logit_limit)
+            try:
+                temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device, self.logit_limit)
+            except ValueError:
+                contract.check_args_data(args, self.weights)  # the data checks come first (on refusal only: a read)
+                raise
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)

@@ -367,6 +367,26 @@ def swap_in(new: str, target: str) -> None:
         warnings.warn(f"saved, but the previous checkpoint at {aside} could not be deleted: {e}", stacklevel=3)
 
 
+def check_save_target(directory: str | os.PathLike[str]) -> str:
+    """Where a save may go, as ``save_checkpoint`` resolves it (a link to a folder is followed):
+    a new path, an empty folder or one holding a checkpoint, never a file, a non-empty folder
+    without a checkpoint or the working directory. ``ValueError`` otherwise; nothing is written
+    (callers check an output path before a long run with it)."""
+    target = os.path.realpath(os.fspath(directory))
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            raise ValueError(f"save: {target} exists and is not a folder")
+        entries = os.listdir(target)
+        if entries and SINGLE_FILE not in entries and INDEX_FILE not in entries:
+            raise ValueError(
+                f"save: refusing to write into {target}: it is not empty and holds no checkpoint "
+                f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
+            )
+        if target == os.path.realpath(os.getcwd()):
+            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+    return target
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str], config: dict[str, Any], tensors: dict[str, Tensor], shard_size: int | None = None
 ) -> None:
@@ -401,18 +421,7 @@ def save_checkpoint(
     """
     check_shard_size(shard_size)
     flat = writable_tensors(tensors)
-    target = os.path.realpath(os.fspath(directory))
-    if os.path.exists(target):
-        if not os.path.isdir(target):
-            raise ValueError(f"save: {target} exists and is not a folder")
-        entries = os.listdir(target)
-        if entries and SINGLE_FILE not in entries and INDEX_FILE not in entries:
-            raise ValueError(
-                f"save: refusing to write into {target}: it is not empty and holds no checkpoint "
-                f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
-            )
-        if target == os.path.realpath(os.getcwd()):
-            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+    target = check_save_target(directory)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     new = _sibling(target, "saving")

@@ -97,6 +97,8 @@ def token_ids(name: str, tokens: Tokens, vocab_size: int, device: torch.device) 
     """``tokens`` as an int64 tensor (n,) on ``device``, every id in [0, vocab_size) (a tensor's
     range is read on the host: a sync)."""
     if not isinstance(tokens, Tensor):
+        if not isinstance(tokens, (list, tuple, range)):
+            raise ValueError(f"{name} must be a list of token ids or a 1-D integer tensor, got {type(tokens).__name__}")
         values = [check_token_id(name, v, vocab_size) for v in tokens]
         return torch.tensor(values, dtype=torch.int64, device=device)
     check_token_dtype(name, tokens)
@@ -314,8 +316,21 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
     ``position``, the rows held, ``last_token``, ``target_hidden``, ``num_drafts``, the capacity.
 
     ``device_checks``: leave the two checks that read the data (a token tensor's range, the
-    hidden's finiteness) to the caller, which runs them on the device. Logs the hidden's
-    fingerprint when ``FINGERPRINT_ENV`` is 1 (a debugging aid; it syncs)."""
+    hidden's finiteness) to the caller, which runs them on the device. When a later check
+    refuses, they are read on the host first (on refusal only), so the first failing check in
+    the contract's order decides in every backend. Logs the hidden's fingerprint when
+    ``FINGERPRINT_ENV`` is 1 (a debugging aid; it syncs)."""
+    if device_checks:
+        try:
+            return _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, True)
+        except (TypeError, ValueError, RuntimeError):
+            _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
+            raise
+    return _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
+
+
+def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, position: object, num_drafts: object,
+                  state: DrafterState, weights: MtpWeights, capacity: int, device_checks: bool) -> ProposeArgs:
     position = check_int("position", position)
     if state.seq_len < position:
         raise RuntimeError(f"{call}: the drafter holds {state.seq_len} rows, behind position {position}; catch up first")
@@ -468,9 +483,14 @@ def check_data(call: str, args: Sequence[ProposeArgs], weights: MtpWeights) -> N
     finiteness), on the host, for states ``0..len(args)-1`` in order: the first failure raises."""
     for b, a in enumerate(args):
         with batch_item(call, b):
-            if isinstance(a.token, Tensor):
-                token_ids("last_token", a.token, weights.config.vocab_size, a.token.device)
-            check_hiddens("target_hidden", a.hidden, 1, weights, a.hidden.device)
+            check_args_data(a, weights)
+
+
+def check_args_data(args: ProposeArgs, weights: MtpWeights) -> None:
+    """The data checks ``propose_args`` left to the device, for one propose, on the host."""
+    if isinstance(args.token, Tensor):
+        token_ids("last_token", args.token, weights.config.vocab_size, args.token.device)
+    check_hiddens("target_hidden", args.hidden, 1, weights, args.hidden.device)
 
 
 @dataclass
