@@ -145,7 +145,7 @@ def test_exit_on_bad_config_removes_only_what_hydra_wrote(tmp_path, capsys):
 @pytest.mark.parametrize("overrides, match", [
     (["num_drafts=100000"], r"^num_drafts must fit model.max_seq_len: .* = 100113 exceeds model.max_seq_len=256"),
     (["experiment.prompt_tokens=250"], r"^num_drafts must fit model.max_seq_len"),
-    (["model=tiny_random", "num_drafts=30", "experiment=smoke"], r"^num_drafts must fit model.max_seq_len"),
+    (["model=tiny_random", "num_drafts=100", "experiment=smoke"], r"^num_drafts must fit model.max_seq_len"),
     (["model.path=/nonexistent/ckpt"], r"^model.path must be a checkpoint directory .*does not exist"),
     (["model=tiny_random", "model.preset=huge"], r"^model.preset must be a preset name"),
     (["draft=sampled", "temperature=1e-45"], r"^temperature must suit draft=sampled: .*too small"),

@@ -83,8 +83,10 @@ def check_logger(cfg: Any) -> None:
         need_choice(cfg, "logger.mode", ("offline", "online", "disabled"))
 
 
-def check_acceptance(cfg: Any) -> None:
-    """The acceptance experiment's settings (conf/config.yaml and its groups)."""
+def check_acceptance(cfg: Any, model: Any = None) -> None:
+    """The acceptance experiment's settings (conf/config.yaml and its groups). ``model``: the
+    ``MtpConfig`` of a checkpoint that does not exist yet (a grid job's, trained first), checked
+    against instead of reading ``model.path``."""
     from .acceptance import MODES, SOURCES, check_batch_size
 
     need_choice(cfg, "mode", MODES)
@@ -123,7 +125,7 @@ def check_acceptance(cfg: Any) -> None:
             read_costs_file(costs, _get(cfg, "num_drafts"))
         except ValueError as e:
             raise ValueError(f"speedup.costs: {e}") from None
-    model = model_config(cfg)
+    model = model_config(cfg) if model is None else model
     check_lengths(cfg, model.max_position_embeddings)
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
@@ -207,14 +209,28 @@ def check_train(cfg: Any) -> None:
     if _get(cfg, "tokenizer.limit_items") is not None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
-    if base is None:  # a fresh model from arch.* (with a base, the checkpoint's arch is used)
-        check_arch(cfg)
+    trained_model_config(cfg)
     out = _get(cfg, "out") if "out" in cfg else None
     if out is not None:
         check_out(out)
 
 
-def check_arch(cfg: Any) -> None:
+def trained_model_config(cfg: Any) -> Any:
+    """The ``MtpConfig`` a training run makes: from ``arch.*`` (checked, ``check_arch``) or, with
+    ``train.base``, the base checkpoint's (its arch is used)."""
+    from glm_mtp.reference import MtpConfig
+
+    base = _get(cfg, "train").get("base")
+    if base is None:
+        return check_arch(cfg)
+    if base == "shipped":
+        from .checkpoint import shipped_checkpoint
+
+        base = str(shipped_checkpoint())
+    return MtpConfig.from_hf_config(base)
+
+
+def check_arch(cfg: Any) -> Any:
     """``arch.*`` builds an ``MtpConfig`` (with the tokenizer's vocab_size) that the run can
     train at ``train.seq_len``: its own rules, named ``arch.<field>``, and the context rules."""
     import dataclasses
@@ -238,6 +254,7 @@ def check_arch(cfg: Any) -> None:
         raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained, got {seq_len}")
     if seq_len + 1 > mcfg.max_position_embeddings:
         raise ValueError(f"train.seq_len must be < arch.max_position_embeddings ({mcfg.max_position_embeddings}), got {seq_len}")
+    return mcfg
 
 
 def check_out(out: object) -> None:
