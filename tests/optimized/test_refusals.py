@@ -168,3 +168,59 @@ def test_triton_kernels_that_cannot_run_are_refused_at_construction(tmp_path):
     assert "refused: kernels='triton' cannot run here" in out.stdout
     assert "TRITON_INTERPRET=1" in out.stdout and "kernels='auto' or 'torch'" in out.stdout
     assert "auto 32" in out.stdout
+
+
+# ---- found by the hostile-argument machine (conformance/arguments.py) ---------------------------
+
+def _nan_hidden(weights):
+    h = torch.randn(weights.config.hidden_size).to(weights.dtype)
+    h[7] = math.nan
+    return h
+
+
+@pytest.mark.parametrize("case", ["token_then_num_drafts", "nan_then_capacity", "nan_then_temperature", "token_then_noise_shape",
+                                  "token_then_hidden_dtype"])
+def test_the_first_failing_check_decides_in_both_backends(weights, case):
+    """Two bad arguments: the check the contract orders first names the refusal in both
+    backends (the optimized drafter reads its device-side data checks on the host on refusal)."""
+    V, H = weights.config.vocab_size, weights.config.hidden_size
+    good = torch.randn(H).to(weights.dtype)
+    calls = {
+        "token_then_num_drafts": (lambda p, s, n: p.propose(torch.tensor([V]), good, 5, "3", s), "last_token: token id"),
+        "nan_then_capacity": (lambda p, s, n: p.propose(1, _nan_hidden(weights), 5, 70, s), "target_hidden holds NaN or inf"),
+        "nan_then_temperature": (lambda p, s, n: p.propose_sampled(1, _nan_hidden(weights), 5, 3, -1.0, n, s), "holds NaN"),
+        "token_then_noise_shape": (lambda p, s, n: p.propose_sampled(torch.tensor([-1]), good, 5, 3, 1.0, n[:1], s), "token id -1"),
+        "token_then_hidden_dtype": (lambda p, s, n: p.propose(torch.tensor([255]), good.double(), 5, 2, s), "token id 255"),
+    }
+    call, match = calls[case]
+    messages = []
+    for backend in BACKENDS:
+        prop = backend(weights, 32)
+        state, _, hidden, noise = prefilled(prop, weights)
+        before = state_bytes(prop, state)
+        with pytest.raises(ValueError, match=match) as e:
+            call(prop, state, noise)
+        messages.append(str(e.value))
+        assert state_bytes(prop, state) == before
+        usable(prop, state, hidden)
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.__name__)
+def test_arguments_torch_cannot_take_are_refused_naming_them(weights, backend):
+    prop = backend(weights, 32)
+    state, token, hidden, noise = prefilled(prop, weights)
+    before = state_bytes(prop, state)
+    H = weights.config.hidden_size
+    with pytest.raises(ValueError, match="target_hidden must be a dense"):
+        prop.propose(token, hidden.to_sparse(), 5, 2, state)
+    with pytest.raises(ValueError, match="last_token must be a dense"):
+        prop.propose(torch.tensor([token]).to_sparse(), hidden, 5, 2, state)
+    with pytest.raises(ValueError, match="noise must be a dense"):
+        prop.propose_sampled(token, hidden, 5, 3, 1.0, noise.to_sparse(), state)
+    with pytest.raises(ValueError, match="tokens must be a list of token ids or a 1-D integer tensor, got int"):
+        prop.catchup_drafter(5, torch.randn(1, H).to(weights.dtype), 5, 5, state)
+    with pytest.raises(ValueError, match="tokens must be a list of token ids or a 1-D integer tensor, got NoneType"):
+        prop.catchup_drafter(None, torch.randn(1, H).to(weights.dtype), 5, 5, state)
+    assert state_bytes(prop, state) == before
+    usable(prop, state, hidden)

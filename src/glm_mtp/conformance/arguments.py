@@ -115,8 +115,10 @@ class Draws:
         value = self.draw(st.sampled_from([self.token_id(), -1, V]))
         if k == "tensor":
             shape = self.draw(st.sampled_from([(), (1,)]))
-            dtype = self.draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8]))
-            value = value % 256 if dtype == torch.uint8 else value
+            dtype = self.draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint32, torch.uint64]))
+            value = value % 256 if dtype.is_signed is False else value
+            if shape == (1,) and self.draw(st.integers(0, 5)) == 0:
+                return torch.full(shape, value).to_sparse()  # int64: torch has no sparse unsigned tensors
             return torch.full(shape, value, dtype=dtype, device=self.draw(st.sampled_from(devices())))
         shape = self.draw(st.sampled_from([(2,), (1, 1), (0,)]))
         dtype = self.draw(st.sampled_from([torch.int64, torch.float32, torch.bool]))
@@ -149,7 +151,7 @@ class Draws:
         shape = (self.draw(st.sampled_from([(H,), (1, H)]))) if rows is None else (rows, H)
         seed = self.draw(st.integers(0, 2**31 - 1))
         base = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul_(self.draw(st.sampled_from([1.0, 1.0, 1e-3, 300.0])))
-        k = self.kind("dtype", "shape", "nan", "inf", "huge", "device", "view", "not_a_tensor", valid=5)
+        k = self.kind("dtype", "shape", "nan", "inf", "huge", "device", "view", "sparse", "not_a_tensor", valid=5)
         if k == "valid":
             return base.to(self.dtype)
         if k == "dtype":
@@ -167,6 +169,8 @@ class Draws:
             return torch.full(shape, torch.finfo(self.dtype).max, dtype=self.dtype)
         if k == "device":
             return base.to(self.dtype).to(self.draw(st.sampled_from(devices())))
+        if k == "sparse":
+            return base.to(self.dtype).to_sparse()
         if k == "view":  # a strided view of the right shape
             wide = torch.randn(*shape[:-1], 2 * H).to(self.dtype)
             return wide[..., ::2]
@@ -343,7 +347,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
                     tokens[-1] = d.draw(st.sampled_from([-1, cfg.vocab_size]))
             H = cfg.hidden_size
             rows = [a[1] for a in args]
-            if all(isinstance(r, Tensor) and r.numel() == H and r.dtype == dtype and r.device.type == "cpu" for r in rows) and rows:
+            if rows and all(isinstance(r, Tensor) and r.layout == torch.strided and r.numel() == H and r.dtype == dtype
+                            and r.device.type == "cpu" for r in rows):
                 hiddens: Any = torch.stack([r.reshape(H) for r in rows])
             else:
                 hiddens = d.hiddens(len(picked))
@@ -393,7 +398,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
 def short(value: Any) -> str:
     """A call argument for the failure report (tensors by shape, dtype and device)."""
     if isinstance(value, Tensor):
-        extra = f", {value.tolist()}" if value.numel() <= 4 and value.device.type != "meta" else ""
+        dense = value.layout == torch.strided and value.device.type != "meta"
+        extra = f", {value.tolist()}" if dense and value.numel() <= 4 else ("" if dense else f", {value.layout}")
         return f"tensor({tuple(value.shape)}, {value.dtype}, {value.device}{extra})"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -74,6 +74,13 @@ def check_token_dtype(name: str, tokens: Tensor) -> None:
         raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
 
 
+def check_strided(name: str, t: Tensor) -> None:
+    """A tensor argument must be dense (``torch.strided``): a sparse or other layout has no rows
+    to copy or reshape (torch would fail deep inside the call)."""
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
 def check_token_device(name: str, tokens: Tensor, device: torch.device) -> None:
     """A token tensor must be on the state's ``device`` or in host memory (the CPU): both are
     copied into the drafter's rows; any other device (a meta tensor, another accelerator) is a
@@ -87,6 +94,7 @@ def one_token(last_token: int | Tensor) -> int | Tensor:
     (1,)); any other tensor shape is a ``ValueError`` naming the argument. The range is checked
     by the caller (on the host, or on the device by the optimized backend)."""
     if isinstance(last_token, Tensor):
+        check_strided("last_token", last_token)
         if last_token.dim() > 1 or last_token.numel() != 1:
             raise ValueError(f"last_token must be an int or a tensor of one token id (0-d or (1,)), got shape {tuple(last_token.shape)}")
         return last_token.reshape(1)
@@ -101,6 +109,7 @@ def token_ids(name: str, tokens: Tokens, vocab_size: int, device: torch.device) 
             raise ValueError(f"{name} must be a list of token ids or a 1-D integer tensor, got {type(tokens).__name__}")
         values = [check_token_id(name, v, vocab_size) for v in tokens]
         return torch.tensor(values, dtype=torch.int64, device=device)
+    check_strided(name, tokens)
     check_token_dtype(name, tokens)
     check_token_device(name, tokens, device)
     if tokens.dim() != 1:
@@ -118,6 +127,7 @@ def check_hiddens(name: str, hiddens: object, rows: int, weights: MtpWeights, de
     H = weights.config.hidden_size
     if not isinstance(hiddens, Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(hiddens).__name__}")
+    check_strided(name, hiddens)
     if tuple(hiddens.shape) != (rows, H):
         raise ValueError(f"{name} must have shape ({rows}, {H}), got {tuple(hiddens.shape)}")
     if hiddens.dtype != weights.dtype:
@@ -343,6 +353,8 @@ def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, po
         check_token_device("last_token", token, state.device)
     else:
         token = token_ids("last_token", token, vocab, state.device)
+    if isinstance(target_hidden, Tensor):
+        check_strided("target_hidden", target_hidden)
     hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
     check_hiddens("target_hidden", hidden, 1, weights, state.device, finite=not device_checks)
     num_drafts = check_int("num_drafts", num_drafts)
@@ -406,6 +418,7 @@ def batch_values(call: str, name: str, values: object, B: int) -> list[int | Ten
     """``values``, one per state: a list/tuple of B Python ints or a (B,) integer tensor (each
     row a (1,) view). Ranges are the per-state checks'."""
     if isinstance(values, Tensor):
+        check_strided(name, values)
         check_token_dtype(name, values)
         if values.dim() != 1 or values.shape[0] != B:
             raise ValueError(f"{call}: {name} must be a ({B},) tensor, one per state, got shape {tuple(values.shape)}")
@@ -430,6 +443,7 @@ def batch_hiddens(call: str, name: str, hiddens: object, B: int, H: int) -> list
     per-state checks')."""
     if not isinstance(hiddens, Tensor):
         raise ValueError(f"{call}: {name} must be a tensor, got {type(hiddens).__name__}")
+    check_strided(f"{call}: {name}", hiddens)
     if hiddens.dim() != 2 or tuple(hiddens.shape) != (B, H):
         raise ValueError(f"{call}: {name} must have shape ({B}, {H}), one row per state, got {tuple(hiddens.shape)}")
     return [hiddens[b : b + 1] for b in range(B)]

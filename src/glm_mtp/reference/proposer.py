@@ -96,6 +96,7 @@ def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: to
     ``dtype`` on ``device`` (its values, positive and finite, are checked by the backend)."""
     if not isinstance(noise, Tensor):
         raise ValueError(f"noise must be a tensor, got {type(noise).__name__}")
+    contract.check_strided("noise", noise)
     if tuple(noise.shape) != (num_drafts, vocab_size):
         raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got {tuple(noise.shape)}")
     if noise.dtype != dtype:
