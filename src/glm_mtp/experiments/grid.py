@@ -98,12 +98,13 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     from .provenance import file_sha256, git_commit
     from .speculative import make_proposer
     from .target import Target
-    from .validate import check_acceptance
+    from .validate import check_acceptance, trained_model_config
 
     os.makedirs(run_dir, exist_ok=True)
     checkpoint = os.path.join(run_dir, "checkpoint")
+    trained = trained_model_config(cfg)
     for c in eval_configs(cfg, checkpoint).values():  # refuse a bad evaluation before the training
-        check_acceptance(c)
+        check_acceptance(c, trained)
     with open_dict(cfg):
         cfg.out = checkpoint
     t0 = time.perf_counter()

@@ -50,6 +50,24 @@ from .kernels import (
 KernelMode = Literal["auto", "triton", "torch"]
 
 
+def triton_runs_on(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` in this process, or ``None`` when they
+    can: on CUDA they need a CUDA device; elsewhere they need Triton's CPU interpreter, which a
+    kernel takes when ``TRITON_INTERPRET=1`` is set before triton compiles it (read from one of
+    this package's kernels, so setting the variable too late is caught as well)."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .kernels import linear
+
+    if isinstance(linear._tree, InterpretedFunction):
+        return None
+    return (f"the weights are on {device} and Triton has no driver there; its CPU interpreter needs TRITON_INTERPRET=1 "
+            "set before triton is imported (set it in the environment, or use kernels='auto' or 'torch', the kernels' "
+            "byte-equal torch twins)")
+
+
 def takes_triton(mode: KernelMode, t: Tensor) -> bool:
     """Whether a kernel runs as Triton (else its torch twin, proven byte-equal to it) on tensors
     like ``t`` under ``mode``: ``auto`` takes the kernels on CUDA and the twins on CPU, where

@@ -30,6 +30,8 @@ loop, which runs from the static buffers as a captured program too.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch import Tensor
 
@@ -41,7 +43,7 @@ from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state,
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
-from .block import KernelMode, PrimitiveKernels, takes_triton
+from .block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .programs import CHECK_OK, HIDDEN_FINITE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens
 from .state import OptimizedState, Unsettled
 from .step import StepKernels, fusable, step_kernels
@@ -82,6 +84,8 @@ class OptimizedProposer:
             )
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+        if kernels == "triton" and (why := triton_runs_on(weights.device)) is not None:
+            raise ValueError(f"kernels='triton' cannot run here: {why}")
         self.weights = weights
         self.config = weights.config
         self.max_seq_len = sizes.max_seq_len
@@ -212,12 +216,16 @@ class OptimizedProposer:
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
                                      device_checks=True)
         if sample is not None:
-            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device)
+            try:
+                temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device, self.logit_limit)
+            except ValueError:
+                contract.check_args_data(args, self.weights)  # the data checks come first (on refusal only: a read)
+                raise
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
             if sample is not None:
-                st.temp.fill_(temperature)  # rounded to A, as the reference's torch.tensor([temperature])
+                st.temp.fill_(temperature)  # already rounded to A by the check: exact
                 if args.num_drafts:
                     st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
         return args.position, args.num_drafts
@@ -237,6 +245,11 @@ class OptimizedProposer:
     def step(self) -> StepKernels | None:
         """The fused step's kernels (``programs.step``), or ``None`` for a layer it does not take."""
         return self.programs.step
+
+    @cached_property
+    def logit_limit(self) -> float:
+        """The head's logit bound (``contract.logit_bound``), read once, at the first sampled propose."""
+        return contract.logit_bound(self.weights)
 
     @property
     def captures(self) -> bool:

@@ -54,6 +54,25 @@ def _unreadable(path: str, e: BaseException) -> CheckpointError:
     return CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})")
 
 
+def check_checkpoint_directory(call: str, directory: object) -> str:
+    """``directory`` as a path string to an existing directory (a symbolic link to one is
+    followed, as in a Hugging Face cache); ``ValueError`` naming the argument for another type,
+    a missing path, a broken link or a path that is not a directory (a checkpoint is a folder:
+    ``config.json`` and its safetensors)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"{call}: directory must be a path (str or os.PathLike), got {type(directory).__name__}")
+    path = os.fspath(directory)
+    if not isinstance(path, str):
+        raise ValueError(f"{call}: directory must be a text path, got {type(path).__name__}")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{call}: directory {path!r} is a broken symbolic link (to {os.readlink(path)!r})")
+    if not os.path.exists(path):
+        raise ValueError(f"{call}: directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{call}: directory {path!r} is not a directory (a checkpoint is a folder holding config.json and safetensors)")
+    return path
+
+
 def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
     """Tensor name -> file name, from the index or from the single file's header.
 
@@ -362,6 +381,26 @@ def swap_in(new: str, target: str) -> None:
         warnings.warn(f"saved, but the previous checkpoint at {aside} could not be deleted: {e}", stacklevel=3)
 
 
+def check_save_target(directory: str | os.PathLike[str]) -> str:
+    """Where a save may go, as ``save_checkpoint`` resolves it (a link to a folder is followed):
+    a new path, an empty folder or one holding a checkpoint, never a file, a non-empty folder
+    without a checkpoint or the working directory. ``ValueError`` otherwise; nothing is written
+    (callers check an output path before a long run with it)."""
+    target = os.path.realpath(os.fspath(directory))
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            raise ValueError(f"save: {target} exists and is not a folder")
+        entries = os.listdir(target)
+        if entries and SINGLE_FILE not in entries and INDEX_FILE not in entries:
+            raise ValueError(
+                f"save: refusing to write into {target}: it is not empty and holds no checkpoint "
+                f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
+            )
+        if target == os.path.realpath(os.getcwd()):
+            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+    return target
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str], config: dict[str, Any], tensors: dict[str, Tensor], shard_size: int | None = None
 ) -> None:
@@ -396,18 +435,7 @@ def save_checkpoint(
     """
     check_shard_size(shard_size)
     flat = writable_tensors(tensors)
-    target = os.path.realpath(os.fspath(directory))
-    if os.path.exists(target):
-        if not os.path.isdir(target):
-            raise ValueError(f"save: {target} exists and is not a folder")
-        entries = os.listdir(target)
-        if entries and SINGLE_FILE not in entries and INDEX_FILE not in entries:
-            raise ValueError(
-                f"save: refusing to write into {target}: it is not empty and holds no checkpoint "
-                f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
-            )
-        if target == os.path.realpath(os.getcwd()):
-            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+    target = check_save_target(directory)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     new = _sibling(target, "saving")
