@@ -90,6 +90,9 @@ class OptimizedProposer:
                  kernels: KernelMode = "auto", cuda_graphs: bool = True, max_batch: int = 16) -> None:
         # The contract's argument checks and sizes (the reference's, the same function).
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
+        if weights.block_scaled:  # its kernels read plain weights: fp8 bytes would be misread
+            raise ValueError("OptimizedProposer: block-scaled fp8 weights (DESIGN.md §8) are not supported by the optimized "
+                             "kernels yet; draft them with ReferenceProposer, or pass weights.dequantize(torch.bfloat16)")
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         self.weights = weights
