@@ -412,7 +412,10 @@ class MtpWeights:
         Strict: ``CheckpointError`` (a ``ValueError``) naming the file and the tensor for a
         file that is not safetensors, an index without ``weight_map`` or with an entry that is
         not a plain file name in ``directory``, a weight not stored in float16/bfloat16/
-        float32/float64 (int8, float8 need scales this drafter does not read), with ``dtype=None``
+        float32/float64 or, in a block-scaled checkpoint, as float8_e4m3fn with its float32
+        ``*_scale_inv`` (``fp8.read_quantization`` and ``fp8.pair_scales`` state the rules: the
+        config's ``quantization_config``, the scale's shape, finiteness, and which tensors may be
+        fp8; such a weight loads as ``fp8.BlockScaledWeight``), with ``dtype=None``
         a weight whose dtype is not the checkpoint's one dtype (the routing bias may be float32),
         and a NaN/inf in any weight read, unless ``allow_non_finite=True`` (for inspecting a
         broken checkpoint).
@@ -420,7 +423,7 @@ class MtpWeights:
         Args:
             dtype: cast every weight to this dtype (float16, bfloat16, float32 or float64; a
                 checkpoint mixing those dtypes then loads); None keeps the checkpoint's one
-                dtype. The routing bias is always float32.
+                dtype. The routing bias is always float32; block-scaled fp8 weights stay fp8.
             device: where the weights go.
             ep_rank / ep_world / group / row_parallel_o_proj: with ``ep_world > 1`` (and
                 expert-parallel propose not disabled by ``GLM_MTP_NO_EP_PROPOSE=1``), rank
