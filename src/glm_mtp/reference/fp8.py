@@ -183,10 +183,11 @@ def quantize_fp8(w: Tensor) -> BlockScaledWeight:
 
 
 def dequantize(w: BlockScaledWeight, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The real weight ``up(W8) * s`` (..., N, K), each product rounded in float32, then cast to
-    ``dtype``: for tests and the float32 agreement check, never the drafter's path."""
+    """The real weight ``up(W8) * s`` (..., N, K) rounded once to ``dtype`` (the product is exact
+    in float64: 4 x 24 significant bits; so float32 gets the float32 product, float64 the exact
+    value): for tests and the agreement checks, never the drafter's path."""
     n, k = w.shape[-2:]
-    return (w.w8.to(torch.float32) * expand_scales(w.scale_inv, n, k)).to(dtype)
+    return (w.w8.to(torch.float64) * expand_scales(w.scale_inv, n, k).to(torch.float64)).to(dtype)
 
 
 def weight_values(w: Tensor | BlockScaledWeight, acc: torch.dtype) -> Tensor:
