@@ -37,6 +37,7 @@ the batched loop draws from the generator in another order, so its samples diffe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -62,13 +63,39 @@ SOURCES = ("heldout", "ood")
 
 
 def load_model(mcfg: Any) -> LoadedModel:
-    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``."""
+    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``;
+    ``weights_dtype: fp8`` quantizes the drafter's §8 matrices (``MtpWeights.quantize_fp8``; the
+    target keeps its weights)."""
     dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "checkpoint":
-        return load_checkpoint(mcfg.path, dtype)
-    if mcfg.kind == "random":
-        return random_model(mcfg.preset, mcfg.seed, dtype)
-    raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
+        model = load_checkpoint(mcfg.path, dtype)
+    elif mcfg.kind == "random":
+        model = random_model(mcfg.preset, mcfg.seed, dtype)
+    else:
+        raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
+    if weights_dtype(mcfg) == "fp8":
+        model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
+    return model
+
+
+WEIGHT_FORMATS = ("plain", "fp8")
+
+
+def weights_dtype(mcfg: Any) -> str:
+    """``model.weights_dtype``: ``plain`` (the default, also for configs without the key) or ``fp8``."""
+    v = mcfg.get("weights_dtype", "plain") or "plain"
+    if v not in WEIGHT_FORMATS:
+        raise ValueError(f"model.weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}; got {v!r}")
+    return v
+
+
+def check_weights_dtype(mcfg: Any, backend: str) -> str:
+    """``model.weights_dtype`` (``weights_dtype``), refusing fp8 on a backend that does not read it."""
+    v = weights_dtype(mcfg)
+    if v == "fp8" and backend != "reference":
+        raise ValueError(f"model.weights_dtype=fp8 needs backend=reference (the optimized kernels do not read block-scaled "
+                         f"fp8 weights yet), got backend={backend}")
+    return v
 
 
 def source_items(model: LoadedModel, source: str) -> list[str]:
@@ -227,6 +254,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     batch_size = check_batch_size(cfg.get("batch_size", 1), mode, cfg.policy, cfg.get("draft", "argmax"))
+    check_weights_dtype(cfg.model, cfg.backend.name)
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
@@ -338,6 +366,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "draft": draft,
         "target_numerics": numerics,
         "dtype": cfg.model.dtype,
+        "weights_dtype": weights_dtype(cfg.model),  # fp8: the drafter's matrices block-scaled (DESIGN.md §8)
         "speedup": speedup,
         "checkpoint": model.path or f"random:{cfg.model.preset}",
         **provenance(model),

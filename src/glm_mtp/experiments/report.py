@@ -28,7 +28,7 @@ from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
-EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor"}
+EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype": "plain"}
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 

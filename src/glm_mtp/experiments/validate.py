@@ -85,7 +85,7 @@ def check_logger(cfg: Any) -> None:
 
 def check_acceptance(cfg: Any) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups)."""
-    from .acceptance import MODES, SOURCES, check_batch_size
+    from .acceptance import MODES, SOURCES, check_batch_size, check_weights_dtype
 
     need_choice(cfg, "mode", MODES)
     need_choice(cfg, "source", SOURCES)
@@ -103,6 +103,7 @@ def check_acceptance(cfg: Any) -> None:
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
     need_choice(cfg, "model.dtype", MODEL_DTYPES)
+    check_weights_dtype(_get(cfg, "model"), _get(cfg, "backend.name"))
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)
