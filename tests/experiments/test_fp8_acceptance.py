@@ -22,6 +22,8 @@ def test_fp8_weights_run_and_pair_with_plain(tmp_path):
     assert quant["prompts_sha256"] == plain["prompts_sha256"]
     table = report.paired_table([plain, quant], "weights_dtype")
     assert "fp8 − plain" in table
+    rows = report.markdown_table([plain, quant]).splitlines()[2:]
+    assert "| reference |" in rows[0] and "| reference fp8 |" in rows[1]
 
 
 def test_fp8_model_is_block_scaled():

@@ -459,13 +459,14 @@ def floor_bytes_per_draft(weights: MtpWeights, visible_rows: int) -> int:
       (the weights' dtype).
 
     The step's stores (its new cache rows, a hidden, a token) are a few hundred bytes and not
-    part of the floor. Byte sizes are the tensors' own (``nbytes``), so a float32 bias counts 4.
+    part of the floor. Byte sizes are the tensors' own (``nbytes``), so a float32 bias counts 4
+    and a block-scaled fp8 weight 1 per value plus 4 per 128 x 128 block.
     """
     cfg, layer = weights.config, weights.layer
     attn, ix = layer.attn, layer.attn.indexer
 
     def nb(*ts: Tensor) -> int:
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.nbytes for t in ts)  # a block-scaled fp8 weight: its bytes plus its scales
 
     total = nb(weights.enorm, weights.hnorm, weights.eh_proj, weights.shared_head_norm,
                layer.input_layernorm, layer.post_attention_layernorm,
