@@ -42,6 +42,7 @@ from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state,
 from glm_mtp.reference.weights import MtpWeights
 
 from .block import Fused, KernelMode, block_rows
+from .kernels import KERNEL_DTYPES
 from .step import StepKernels, fusable, fused_head, fused_rows
 from .batch import CATCHUP, BatchBuffers, BatchRows, bucket
 from .graphs import run_program
@@ -90,9 +91,10 @@ class OptimizedProposer:
                  kernels: KernelMode = "auto", cuda_graphs: bool = True, max_batch: int = 16) -> None:
         # The contract's argument checks and sizes (the reference's, the same function).
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
-        if weights.block_scaled:  # its kernels read plain weights: fp8 bytes would be misread
-            raise ValueError("OptimizedProposer: block-scaled fp8 weights (DESIGN.md §8) are not supported by the optimized "
-                             "kernels yet; draft them with ReferenceProposer, or pass weights.dequantize(torch.bfloat16)")
+        if weights.block_scaled and not fusable(weights):  # only the fused step's kernels read fp8 bytes
+            raise ValueError("OptimizedProposer: block-scaled fp8 weights (DESIGN.md §8) run in the fused step only "
+                             f"(a MoE layer, no shards, storage dtype one of {KERNEL_DTYPES}), got storage {weights.dtype}; "
+                             "draft them with ReferenceProposer, or pass weights.dequantize(...)")
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         self.weights = weights
