@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from glm_mtp.conformance import MUTANTS, run
+from glm_mtp.conformance.batched import BATCH_MISUSE
 from glm_mtp.conformance.lockstep import Harness
-from glm_mtp.conformance.scenarios import BATCH_MISUSE, load_scenario, save_scenario, scenario
+from glm_mtp.conformance.scenarios import load_scenario, save_scenario, scenario
 from glm_mtp.conformance.spec import FOREIGN, Hidden, Op, SpecModel, TokenIds
 from glm_mtp.reference import MtpConfig, ReferenceProposer
 

@@ -39,12 +39,19 @@ SHOWS_AT = {
     "batch_checks_as_it_goes": ("refused call changed the state", None, "propose_batch"),  # earlier states drafted
     "batch_x_of_state0": ("export_state", "x", "propose_batch"),  # state 0's x in every state
     "catchup_batch_writes_misaligned": ("return", None, "catchup_batch"),  # a misaligned row must write 0
+    # the KPool indexer (preset glm5next_tiny, kpool 4)
+    "kpool_stale_key": ("export_state", "pool_keys", "propose"),  # a rewritten pool keeps its old key
+    "kpool_tail_dropped": ("return", "drafts", "propose"),  # the row's own pool's rows are not attended
+    "kpool_misaligned": ("export_state", "pool_keys", "prefill"),  # pools pooled one row early
+    "kpool_ties_high": ("export_state", "x", "propose"),  # equal pool scores select another pool
+    "kpool_cut_stays_complete": ("export_state", "pool_complete", "verify"),  # a cut pool must be incomplete
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_every_mutant_is_caught_where_it_breaks_its_rule(name, capsys):
-    r = run(f"mutant:{name}", "reference", scenarios=BUDGET, seed=0, generators=MUTANTS[name].generators)
+    r = run(f"mutant:{name}", "reference", scenarios=BUDGET, seed=0, generators=MUTANTS[name].generators,
+            preset=MUTANTS[name].preset)
     d = r.first_difference
     with capsys.disabled():
         where = "" if d is None else f"step {d.step} {d.what}" + (f"[{d.tensor}]" if d.tensor else "") + f" at {d.op.split('(')[0]}"
@@ -98,9 +105,9 @@ BOOKKEEPING = ["trim_first_row", "no_rewind_when_ahead", "second_verify", "misal
                "block_table_off_by_one", "rewind_before_validate"]
 
 
-@pytest.mark.parametrize("name", BOOKKEEPING)
+@pytest.mark.parametrize("name", BOOKKEEPING + ["kpool_cut_stays_complete"])
 def test_the_spec_model_catches_bookkeeping_mutants_on_its_own(name):
-    r = run(f"mutant:{name}", f"mutant:{name}", scenarios=BUDGET, seed=0)
+    r = run(f"mutant:{name}", f"mutant:{name}", scenarios=BUDGET, seed=0, preset=MUTANTS[name].preset)
     assert not r.ok and r.first_difference.what in ("contract", "refused call changed the state")
     assert r.first_difference.side == "baseline"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_mtp.optimized.block import Fused, block_rows
+from glm_mtp.optimized.block import PrimitiveKernels, block_rows
 from glm_mtp.reference.attention import Rope, cache_rows, row_projections, write_cache_rows
 from glm_mtp.reference.block import REFERENCE_HOOKS, BlockHooks, mtp_rows
 from glm_mtp.reference.numerics import PINNED
@@ -49,7 +49,7 @@ def test_fused_write_rows_hook_stores_the_default_bytes(weights, mode, T):
     kv, k = row_projections(attn, a)
     (ref, rope), (got, _), (gated, _) = fresh(weights), fresh(weights), fresh(weights)
     write_cache_rows(attn, cfg, kv, k, slots, rope, ref, PINNED)
-    fused = Fused(mode)
+    fused = PrimitiveKernels(mode)
     fused.write_rows_hook(attn, cfg, kv, k, slots, rope, got, fused.ops, ok=torch.tensor([True]))
     fused.write_rows_hook(attn, cfg, kv, k, slots, rope, gated, fused.ops, ok=torch.tensor([False]))
     assert all(torch.equal(x, y) for x, y in zip(pools(got), pools(ref)))
@@ -77,7 +77,7 @@ def test_block_rows_is_mtp_rows(weights, T):
     slots = torch.arange(T)
     (ref_cache, rope), (opt_cache, _) = fresh(weights), fresh(weights)
     ref = mtp_rows(weights, tokens, hiddens, slots, ref_cache, rope, rows_read=T)
-    x, pre_norm = block_rows(weights, tokens, hiddens, slots, opt_cache, rope, torch.tensor([True]), Fused("torch"))
+    x, pre_norm = block_rows(weights, tokens, hiddens, slots, opt_cache, rope, torch.tensor([True]), PrimitiveKernels("torch"))
     assert torch.equal(ints(x), ints(ref.x)) and torch.equal(ints(pre_norm), ints(ref.pre_norm))
     assert all(torch.equal(p, q) for p, q in zip(pools(opt_cache), pools(ref_cache)))
 

@@ -67,7 +67,7 @@ def test_fp8_step_counts_at_tiny():
     """One draft step through the interpreter: at most 24 launches (one more than bf16: the input
     norm's GEMV in two formats) and kernel bytes within 1.15x the fp8 floor (1 byte a value plus
     the scales)."""
-    from glm_mtp.optimized.counters import interpreting, measure_draft_step
+    from glm_mtp.tools.counters import interpreting, measure_draft_step
 
     assert interpreting()
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.bfloat16)

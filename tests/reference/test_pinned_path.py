@@ -27,6 +27,7 @@ ALLOWED = {
     "index_put_.default", "index_select.default", "select.int", "slice.Tensor", "view.default",
     "view.dtype", "permute.default", "unsqueeze.default", "expand.default", "empty.memory_format",
     "zeros_like.default", "ones_like.default", "full_like.default", "full.default", "zeros.default", "fill_.Scalar",
+    "minimum.default", "maximum.default", "alias.default",  # the clamped SwiGLU (glm5_next); a view
 }
 # Library reductions and transcendental kernels: the ones the issue names, for a clear message.
 FORBIDDEN = {"mm.default", "addmm.default", "bmm.default", "matmul.default", "dot.default", "mv.default",
@@ -49,8 +50,8 @@ class FloatOps(TorchDispatchMode):
 
 
 
-def drafter_ops(backend, dtype):
-    cfg = MtpConfig.preset("tiny")
+def drafter_ops(backend, dtype, preset="tiny"):
+    cfg = MtpConfig.preset(preset)
     w = MtpWeights.random(cfg, seed=0, dtype=dtype)
     prop = backend(w, 64)
     state = prop.alloc_state("cpu")
@@ -71,6 +72,15 @@ def drafter_ops(backend, dtype):
 def test_the_drafter_path_uses_only_allowed_operations(backend, dtype):
     ops = drafter_ops(backend, dtype)
     assert ops["add.Tensor"] > 100 and ops["mul.Tensor"] > 50  # the sums really run here
+    assert not set(ops) & FORBIDDEN, sorted(set(ops) & FORBIDDEN)
+    assert set(ops) <= ALLOWED, f"not an allowed operation: {sorted(set(ops) - ALLOWED)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_glm5next_path_uses_only_allowed_operations(dtype):
+    """The KPool indexer, NoPE MLA and clamped SwiGLU (glm5_next): the same rule."""
+    ops = drafter_ops(ReferenceProposer, dtype, "glm5next_tiny")
+    assert ops["add.Tensor"] > 100 and ops["mul.Tensor"] > 50
     assert not set(ops) & FORBIDDEN, sorted(set(ops) & FORBIDDEN)
     assert set(ops) <= ALLOWED, f"not an allowed operation: {sorted(set(ops) - ALLOWED)}"
 

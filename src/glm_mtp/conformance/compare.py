@@ -16,6 +16,13 @@ from glm_mtp.reference.weights import same_bytes
 
 # The keys export_state returns in both backends (DESIGN.md §4), in this order.
 EXPORT_KEYS = ("kv_rows", "index_rows", "x", "seq_len", "last_drafted", "pending", "block_table")
+# The glm5_next family's drafter also exports its KPool indexer's state (DESIGN.md §7), after those.
+KPOOL_EXPORT_KEYS = ("pool_keys", "pool_complete", "pool_gates")
+
+
+def export_keys(cfg: object) -> tuple[str, ...]:
+    """The keys ``export_state`` returns for a drafter of config ``cfg``, in order."""
+    return EXPORT_KEYS + (KPOOL_EXPORT_KEYS if getattr(cfg, "is_next", False) else ())
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -27,7 +27,7 @@ from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import parse_dtype
 
 from .backends import Factory, resolve_backend
-from .compare import EXPORT_KEYS, first_mismatch, snapshots_equal
+from .compare import EXPORT_KEYS, export_keys, first_mismatch, snapshots_equal
 from .report import Finding
 from .scenarios import Scenario
 from .side import Outcome, Side, StateView, _same_value
@@ -203,11 +203,15 @@ class Lockstep:
             want = None if v.rows == 0 else v.rows - 1
             if v.pair_key != want:
                 return bad("last_pair_key must be drafter_rows - 1 (or None)", repr(v.pair_key), repr(want), i)
-            if tuple(v.export.keys()) != EXPORT_KEYS and set(v.export) != set(EXPORT_KEYS):
-                return bad("export_state keys", str(sorted(v.export)), str(sorted(EXPORT_KEYS)), i)
+            keys = export_keys(self.baseline.config)
+            if tuple(v.export.keys()) != keys and set(v.export) != set(keys):
+                return bad("export_state keys", str(sorted(v.export)), str(sorted(keys)), i)
             if int(v.export["seq_len"]) != v.rows or v.export["kv_rows"].shape[0] != v.rows or v.export["index_rows"].shape[0] != v.rows:
                 return bad("export_state rows must match drafter_rows", f"seq_len {int(v.export['seq_len'])}, kv_rows {tuple(v.export['kv_rows'].shape)}",
                            f"{v.rows} rows", i)
+            kpool_rule = self.kpool_contract(v)
+            if kpool_rule is not None:
+                return bad(*kpool_rule, i)
         if op.state >= 0 and op.state < len(views) and op.rows_after is not None and views[op.state].rows != op.rows_after:
             return bad("drafter_rows after the call differ from the spec", repr(views[op.state].rows), repr(op.rows_after), op.state)
         if op.kind in BATCH_KINDS:
@@ -221,6 +225,24 @@ class Lockstep:
                         and y.export is not None and not snapshots_equal(x.export, y.export)):
                     return bad(f"a row of states[{b}] that writes nothing (row_base != drafter_rows) changed export_state",
                                "changed", "unchanged", i)
+        return None
+
+    def kpool_contract(self, v: Any) -> tuple[str, str, str] | None:
+        """glm5_next: what the rows held say about the KPool export (DESIGN.md §7): pool p is
+        complete exactly when its kpool rows are held (a trim into it made it incomplete), one
+        pooled key per complete pool and one gate per row. ``(what, saw, spec says)`` or None."""
+        cfg = self.baseline.config
+        if not getattr(cfg, "is_next", False) or v.export is None or "pool_complete" not in v.export:
+            return None
+        kp, n = cfg.index_kpool, v.rows
+        want = [True] * (n // kp) + [False] * (-(-n // kp) - n // kp)
+        got = v.export["pool_complete"].tolist()
+        if got != want:
+            return "pool_complete must mark exactly the pools whose rows are all held", repr(got), repr(want)
+        if v.export["pool_keys"].shape[0] != n // kp or v.export["pool_gates"].shape[0] != n:
+            return ("export_state pool rows must match drafter_rows",
+                    f"pool_keys {tuple(v.export['pool_keys'].shape)}, pool_gates {tuple(v.export['pool_gates'].shape)}",
+                    f"{n // kp} pools, {n} rows")
         return None
 
 

@@ -57,10 +57,7 @@ from glm_mtp.registry import parse_dtype
 from .checkpoint import LoadedModel, load_checkpoint, random_model
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
-
-MODES = ("speculative", "teacher_forced")
-SOURCES = ("heldout", "ood")
-
+from .validate import MODES, SOURCES, check_acceptance, check_batch_size, check_weights_dtype, exit_on_bad_config, weights_dtype
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``;
@@ -78,21 +75,6 @@ def load_model(mcfg: Any) -> LoadedModel:
     return model
 
 
-WEIGHT_FORMATS = ("plain", "fp8")
-
-
-def weights_dtype(mcfg: Any) -> str:
-    """``model.weights_dtype``: ``plain`` (the default, also for configs without the key) or ``fp8``."""
-    v = mcfg.get("weights_dtype", "plain") or "plain"
-    if v not in WEIGHT_FORMATS:
-        raise ValueError(f"model.weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}; got {v!r}")
-    return v
-
-
-def check_weights_dtype(mcfg: Any, backend: str) -> str:
-    """``model.weights_dtype`` (``weights_dtype``). Both backends draft with fp8 weights; the
-    optimized one refuses, at construction, storage its fused step does not take (float64)."""
-    return weights_dtype(mcfg)
 
 
 def source_items(model: LoadedModel, source: str) -> list[str]:
@@ -208,22 +190,6 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
-    """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
-    needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
-    naming the option otherwise."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if batch_size > 1:
-        if mode != "speculative":
-            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time (batch_size=1)")
-        if policy != "first_row_kept":
-            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence (batch_size=1)")
-        if draft != "argmax":
-            raise ValueError(f"batch_size > 1 runs draft=argmax only; draft={draft} is single-sequence (batch_size=1)")
-    return batch_size
 
 
 def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
@@ -408,7 +374,6 @@ def main() -> None:
     def _main(cfg: Any) -> None:
         from omegaconf import open_dict
 
-        from .validate import check_acceptance, exit_on_bad_config
 
         hc = HydraConfig.get()
         exit_on_bad_config(check_acceptance, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.acceptance")

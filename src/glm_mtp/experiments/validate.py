@@ -28,6 +28,9 @@ FEED_HIDDEN = ("post_norm", "pre_norm")
 MODEL_KINDS = ("checkpoint", "random")
 MODEL_DTYPES = ("float32", "float64", "bfloat16")  # names of glm_mtp.registry.DTYPES (a test keeps them so)
 LOGGERS = ("none", "wandb")
+# An acceptance run's modes and text sources.
+MODES = ("speculative", "teacher_forced")
+SOURCES = ("heldout", "ood")
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -83,10 +86,41 @@ def check_logger(cfg: Any) -> None:
         need_choice(cfg, "logger.mode", ("offline", "online", "disabled"))
 
 
+def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
+    """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
+    needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
+    naming the option otherwise."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if batch_size > 1:
+        if mode != "speculative":
+            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time (batch_size=1)")
+        if policy != "first_row_kept":
+            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence (batch_size=1)")
+        if draft != "argmax":
+            raise ValueError(f"batch_size > 1 runs draft=argmax only; draft={draft} is single-sequence (batch_size=1)")
+    return batch_size
+
+
+WEIGHT_FORMATS = ("plain", "fp8")
+
+
+def weights_dtype(mcfg: Any) -> str:
+    """``model.weights_dtype``: ``plain`` (the default, also for configs without the key) or ``fp8``."""
+    v = mcfg.get("weights_dtype", "plain") or "plain"
+    if v not in WEIGHT_FORMATS:
+        raise ValueError(f"model.weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}; got {v!r}")
+    return v
+
+
+def check_weights_dtype(mcfg: Any, backend: str) -> str:
+    """``model.weights_dtype`` (``weights_dtype``). Both backends draft with fp8 weights; the
+    optimized one refuses, at construction, storage its fused step does not take (float64)."""
+    return weights_dtype(mcfg)
+
+
 def check_acceptance(cfg: Any) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups)."""
-    from .acceptance import MODES, SOURCES, check_batch_size, check_weights_dtype
-
     need_choice(cfg, "mode", MODES)
     need_choice(cfg, "source", SOURCES)
     need_int(cfg, "num_drafts", 1)

@@ -8,7 +8,7 @@ which changes no result). Four pieces differ, all exact by construction:
 
 - the block's GEMVs (eh_proj, q_a/q_b, kv_a, the indexer's wq_b/wk/weights_proj and key scores,
   o_proj, the router, every expert's gate/up/down) in the pinned GEMV kernel (``kernels.linear``:
-  the ``psum`` tree over K), through ``Fused.ops``: the pinned primitives with the kernel's
+  the ``psum`` tree over K), through ``PrimitiveKernels.ops``: the pinned primitives with the kernel's
   ``linear``/``linear_acc``/``swiglu``, passed as ``ops`` to the reference's functions (a
   row-parallel ``o_proj`` keeps the reference's own per-rank sum);
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
@@ -50,21 +50,29 @@ from .kernels import (
 KernelMode = Literal["auto", "triton", "torch"]
 
 
+def takes_triton(mode: KernelMode, t: Tensor) -> bool:
+    """Whether a kernel runs as Triton (else its torch twin, proven byte-equal to it) on tensors
+    like ``t`` under ``mode``: ``auto`` takes the kernels on CUDA and the twins on CPU, where
+    Triton only has its (slow) interpreter; ``triton`` forces the kernels (on CPU that needs
+    ``TRITON_INTERPRET=1`` set before triton is imported); ``torch`` the twins. Only the
+    ``KERNEL_DTYPES`` take a kernel. The fused step's kernel set is chosen by it too."""
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return t.dtype in KERNEL_DTYPES
+    return t.is_cuda and t.dtype in KERNEL_DTYPES
+
+
 @dataclass(frozen=True)
-class Fused:
-    """Which implementation the fused pieces use: the Triton kernel or its torch twin (proven
-    byte-equal to it). ``auto`` takes the kernels on CUDA and the twins on CPU, where Triton
-    only has its (slow) interpreter; ``triton`` forces the kernels (on CPU that needs
-    ``TRITON_INTERPRET=1`` set before triton is imported)."""
+class PrimitiveKernels:
+    """The per-primitive block's pieces (the pinned GEMV, the embedding gather, the RoPE cache
+    write; the ``BlockHooks`` of ``reference.block.mtp_rows``), each the Triton kernel or its twin
+    as ``takes_triton(mode, ...)`` says."""
 
     mode: KernelMode = "auto"
 
     def use_triton(self, t: Tensor) -> bool:
-        if self.mode == "torch":
-            return False
-        if self.mode == "triton":
-            return t.dtype in KERNEL_DTYPES
-        return t.is_cuda and t.dtype in KERNEL_DTYPES
+        return takes_triton(self.mode, t)
 
     def embed(self, embed: Tensor, tokens: Tensor, slots: Tensor) -> Tensor:
         """``embed[tokens]`` (T, H) with slot-0 rows zeroed."""
@@ -140,11 +148,11 @@ def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Nu
 
 
 def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-               ok: Tensor, fused: Fused) -> tuple[Tensor, Tensor]:
+               ok: Tensor, kernels: PrimitiveKernels) -> tuple[Tensor, Tensor]:
     """``glm_mtp.reference.block.mtp_rows`` on rows pairing ``tokens`` (T,) with ``hiddens``
-    (T, H) at ``slots`` (T,), with ``fused``'s pieces; cache writes only where ``ok`` (1,) bool
+    (T, H) at ``slots`` (T,), with ``kernels``' pieces; cache writes only where ``ok`` (1,) bool
     is set. Reads the whole capacity (a static shape; no result depends on it).
 
     Returns ``(x, pre_norm)``, each (T, H): the post-norm output and the layer output."""
-    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=fused.hooks(ok))
+    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=kernels.hooks(ok))
     return out.x, out.pre_norm

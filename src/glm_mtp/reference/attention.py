@@ -8,7 +8,9 @@ latent space through ``kv_b_proj``'s key half, and the output leaves it through 
     score(t, s) = (dot(q_abs, c_s) + dot(q_pe, k_pe_s)) * qk_head_dim^-1/2
     out_t[h]    = W_uv[h] (psum_s softmax(score)_s c_s)
 
-over row t's list of selected rows in ascending slot order (``indexer.select_rows``): the same
+over row t's list of selected rows in ascending slot order (``indexer.select_rows``; in the
+glm5_next family ``kpool.kpool_rows``, with NoPE: ``qk_rope_head_dim = 0``, so ``k_pe`` and
+``q_pe`` are empty and their dot is the empty sum ``+0.0``): the same
 math as attending with expanded keys and values, at a cost of O(index_topk) per row whatever the
 row capacity. Pinned (DESIGN.md §5): every sum is a ``psum`` in that order.
 """
@@ -24,13 +26,15 @@ from torch import Tensor
 
 from .config import MtpConfig
 from .indexer import index_keys_from, index_queries, index_scores, select_rows, selection_mask
+from .kpool import kpool_rows
 from .layers import apply_rope, rope_table
 from .fp8 import weight_values
 from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up
 from .state import LayerCache
 from .weights import AttentionWeights
 
-# RMSNorm epsilon of q_a_layernorm and kv_a_layernorm, fixed by the architecture.
+# RMSNorm epsilon of q_a_layernorm and kv_a_layernorm, fixed by GLM-5's architecture (glm5_next
+# uses its rms_norm_eps: ``MtpConfig.latent_norm_eps`` says which).
 LATENT_NORM_EPS = 1e-6
 # Bounds the (rows, heads, listed rows, latent) products the pinned attention holds at once.
 ATTENTION_CHUNK_ELEMENTS = 1 << 24
@@ -57,7 +61,7 @@ def latent_query(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor,
                  ops: Numerics = PINNED) -> tuple[Tensor, Tensor, Tensor]:
     """The queries of new rows ``a`` (T, H): ``q_latent`` (T, Lq), the normed low-rank query the
     indexer shares; ``q_nope`` (T, nh, nope) and the rotated ``q_pe`` (T, nh, R), split nope-first."""
-    q_latent = ops.rms_norm(ops.linear(a, attn.q_a_proj), attn.q_a_layernorm, LATENT_NORM_EPS)  # (T, Lq)
+    q_latent = ops.rms_norm(ops.linear(a, attn.q_a_proj), attn.q_a_layernorm, cfg.latent_norm_eps)  # (T, Lq)
     q = rearrange(ops.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=cfg.num_attention_heads)  # (T, nh, nope + R)
     nope = cfg.qk_nope_head_dim
     return q_latent, q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
@@ -71,7 +75,7 @@ def row_projections(attn: AttentionWeights, a: Tensor, ops: Numerics = PINNED) -
 
 def normed_latent(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, ops: Numerics = PINNED) -> Tensor:
     """``kv_a_layernorm`` of the latent part of ``kv`` (T, Lkv + R): the cached latent (T, Lkv)."""
-    return ops.rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, LATENT_NORM_EPS)
+    return ops.rms_norm(kv[:, : cfg.kv_lora_rank], attn.kv_a_layernorm, cfg.latent_norm_eps)
 
 
 def cache_rows(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
@@ -204,10 +208,16 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
     kv, k = row_projections(attn, a, ops)  # (T, Lkv + R), (T, D)
     write_rows(attn, cfg, kv, k, slots, rope, cache, ops)
 
-    # 1. The indexer: each new row scores the rows it can see and keeps its index_topk best.
+    # 1. The indexer: each new row scores the rows it can see and keeps its index_topk best
+    #    (glm5_next: its best pools of rows plus its tail, kpool.kpool_rows).
     S = cache.capacity if rows_read is None else rows_read
-    q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
-    rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)
+    if cfg.is_next:
+        if not ops.pinned:
+            raise ValueError("the KPool indexer (glm5_next) runs with the pinned numerics only")
+        rows, count = kpool_rows(attn.indexer, cfg, a, q_latent, slots, cache, ops)  # (T, K), (T,)
+    else:
+        q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
+        rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)
 
     # 2. MLA over the selected rows, then o_proj.
     if ops.pinned:

@@ -19,18 +19,30 @@ import secrets
 import shutil
 import stat
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .config import MtpConfig, hf_bool, read_hf_json, read_json_object
+from . import fp8
+from .config import MtpConfig, read_hf_json, read_json_object, read_tie_word_embeddings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+
+
+# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
+# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
+IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def float32_tensor(cfg: MtpConfig, name: str) -> bool:
+    """Whether a tensor stays float32 whatever the weights' dtype: the routing bias (both
+    families) and, in glm5_next, the router itself (transformers keeps ``gate.weight`` in fp32)."""
+    return name.endswith("e_score_correction_bias") or (cfg.is_next and name.endswith("mlp.gate.weight"))
 
 
 class CheckpointError(ValueError):
@@ -116,12 +128,14 @@ def check_shape(name: str, tensor: Tensor, expected: tuple[int, ...]) -> None:
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: str, cast: bool = False) -> None:
+def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: str, cast: bool = False,
+                 float32_ok: "Callable[[str], bool] | None" = None) -> None:
     """Every tensor is stored in one of ``WEIGHT_DTYPES`` and, unless ``cast`` (the caller casts
     every weight to one requested dtype), in the dtype of ``tensors[reference]``, the checkpoint's
     dtype: the drafter computes in its weights' dtype, so a float32 matrix among bfloat16 would
     fail deep inside torch. A routing bias (``e_score_correction_bias``) may also be float32, as
-    real checkpoints store it. ``where``: tensor name -> the file it came from, for the message."""
+    real checkpoints store it, and so may any tensor ``float32_ok`` names (glm5_next's router).
+    ``where``: tensor name -> the file it came from, for the message."""
     for name in (reference, *tensors):
         if tensors[name].dtype not in WEIGHT_DTYPES:
             raise CheckpointError(
@@ -133,7 +147,8 @@ def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: s
         return
     want = tensors[reference].dtype
     for name, t in tensors.items():
-        ok = t.dtype == want or (name.endswith("e_score_correction_bias") and t.dtype == torch.float32)
+        fp32 = name.endswith("e_score_correction_bias") or (float32_ok is not None and float32_ok(name))
+        ok = t.dtype == want or (fp32 and t.dtype == torch.float32)
         if not ok:
             raise CheckpointError(
                 f"{where[name]}: tensor {name!r} has dtype {t.dtype}, but the checkpoint's weights are {want} "
@@ -166,12 +181,15 @@ def check_finite(tensors: dict[str, Tensor], where: dict[str, str]) -> None:
 def load_mtp_tensors(
     directory: str | os.PathLike[str],
     cfg: MtpConfig,
+    expected: dict[str, tuple[int, ...]],
     experts: range | None = None,
     allow_non_finite: bool = False,
     cast: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """The MTP layer's tensors (layer-relative names), the embedding and the head; of the routed
     experts only those in ``experts`` when given (an expert-parallel rank's block) are read.
+    ``expected``: the layer's tensor names and shapes (``weights.mtp_tensor_shapes(cfg)``: the
+    weights' layout, which this file layer does not know).
 
     Raises ``CheckpointError`` naming the tensor for a missing tensor, an unexpected tensor
     inside the MTP layer, or a wrong shape, and naming the file too for a dtype other than the
@@ -179,12 +197,9 @@ def load_mtp_tensors(
     them all to one) or, unless ``allow_non_finite``, a NaN/inf value in a tensor read
     (``check_finite``).
     """
-    from . import fp8
-    from .weights import IGNORED_MTP_COPIES, mtp_tensor_shapes
-
     wmap = checkpoint_weight_map(directory)
-    prefix = f"model.layers.{cfg.mtp_layer_index}."
-    expected = mtp_tensor_shapes(cfg)
+    prefix = cfg.layer_prefix
+    embed_name = cfg.embed_tokens_name
     present = {k[len(prefix):] for k in wmap if k.startswith(prefix)}
     raw_config, config_file = read_hf_json(directory)
     try:
@@ -204,21 +219,21 @@ def load_mtp_tensors(
         if extra[0].endswith(fp8.SCALE_SUFFIX):
             why = ": a block scale, but config.json declares no quantization_config (quant_method fp8, weight_block_size [128, 128])"
         raise CheckpointError(f"unexpected tensor {prefix + extra[0]!r} in the MTP layer{why} ({len(extra)} unexpected in all)")
-    outer = ["model.embed_tokens.weight", "lm_head.weight"]
+    outer = [embed_name, "lm_head.weight"]
     tied = False
     if "lm_head.weight" not in wmap:
-        raw, where = read_hf_json(directory)
-        tied = hf_bool(raw, "tie_word_embeddings", False, where)
+        tied = read_tie_word_embeddings(directory)
         if not tied:
             raise CheckpointError(f"missing tensor 'lm_head.weight' (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
         outer.remove("lm_head.weight")
-    if "model.embed_tokens.weight" not in wmap:
-        raise CheckpointError(f"missing tensor 'model.embed_tokens.weight' (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
+    if embed_name not in wmap:
+        raise CheckpointError(f"missing tensor {embed_name!r} (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
+    layer_names = set(expected)  # every weight of the layer, before a rank keeps its experts
     if experts is not None:
         skipped = {f"mlp.experts.{e}." for e in range(cfg.n_routed_experts) if e not in experts}
         expected = {n: s for n, s in expected.items() if not any(n.startswith(p) for p in skipped)}
     expected_scales = {fp8.scale_name(n) for n in expected} & scales
-    orphans = sorted(s for s in scales if s[: -len(fp8.SCALE_SUFFIX)] not in mtp_tensor_shapes(cfg))
+    orphans = sorted(s for s in scales if s[: -len(fp8.SCALE_SUFFIX)] not in layer_names)
     if orphans:
         raise CheckpointError(f"unexpected tensor {prefix + orphans[0]!r} in the MTP layer: a scale of no weight "
                               f"({len(orphans)} such scales)")
@@ -227,9 +242,9 @@ def load_mtp_tensors(
     mtp = {n: tensors[prefix + n] for n in expected}
     for name, shape in expected.items():
         check_shape(prefix + name, mtp[name], shape)
-    embed = tensors["model.embed_tokens.weight"]
+    embed = tensors[embed_name]
     head = embed if tied else tensors["lm_head.weight"]
-    check_shape("model.embed_tokens.weight", embed, (cfg.vocab_size, cfg.hidden_size))
+    check_shape(embed_name, embed, (cfg.vocab_size, cfg.hidden_size))
     check_shape("lm_head.weight", head, (cfg.vocab_size, cfg.hidden_size))
     files = {n: os.path.join(os.fspath(directory), wmap[n]) for n in [*tensors, *scale_tensors]}
     try:  # float8 weights with their scales become fp8.BlockScaledWeight; the §8 rules are checked there
@@ -237,11 +252,11 @@ def load_mtp_tensors(
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     plain = {n: t for n, t in paired.items() if not fp8.is_block_scaled(t)}
-    check_dtypes(plain, files, "model.embed_tokens.weight", cast=cast)
+    check_dtypes(plain, files, embed_name, cast=cast, float32_ok=lambda n: float32_tensor(cfg, n))
     if not allow_non_finite:
         check_finite(plain, files)
     mtp = {n: paired[prefix + n] for n in expected}
-    return mtp, paired["model.embed_tokens.weight"], head if tied else paired["lm_head.weight"]
+    return mtp, paired[embed_name], head if tied else paired["lm_head.weight"]
 
 
 # ------------------------------------------------------------------------------------------------

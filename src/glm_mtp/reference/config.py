@@ -1,7 +1,10 @@
-"""MtpConfig: the shape and routing hyper-parameters of a GLM-5 MTP layer.
+"""MtpConfig: the shape and routing hyper-parameters of a GLM MTP layer, of either family.
 
-Field names follow the Hugging Face ``config.json`` of GLM-5 (``model_type: glm_moe_dsa``), so a
-real checkpoint's config reads straight into this dataclass (``MtpConfig.from_hf_config``).
+Field names follow the Hugging Face ``config.json`` of GLM-5 (``model_type: glm_moe_dsa``) and of
+GLM-5.3-Flash (``model_type: glm5_next``, the text model nested under ``text_config``), so a real
+checkpoint's config reads straight into this dataclass (``MtpConfig.from_hf_config``). The
+``family`` field says which pieces the one drafter uses (DESIGN.md §7): ``glm5`` (RoPE MLA, one
+indexer key per row, SwiGLU) or ``glm5_next`` (NoPE MLA, the KPool indexer, clamped SwiGLU).
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Any
 
 # The MTP layer of a checkpoint sits after the decoder layers: model.layers.{num_hidden_layers}.*
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
-BOOL_FIELDS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave")
+# GLM-5.3-Flash: the multimodal wrapper (text model under text_config) or the flat text config.
+NEXT_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+FAMILIES = ("glm5", "glm5_next")
+# Fields only the glm5_next family reads; a glm5 config keeps their defaults and never writes them.
+NEXT_FIELDS = ("index_kpool", "index_kpool_always_select_tail", "swiglu_limit")
+BOOL_FIELDS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "index_kpool_always_select_tail")
 FLOAT_FIELDS = ("rope_theta", "routed_scaling_factor", "rms_norm_eps")
 
 
@@ -51,6 +59,12 @@ class MtpConfig:
         num_hidden_layers: decoder layers of the target; the MTP layer is the one after them.
         first_k_dense_replace: leading target layers with a dense MLP instead of the MoE.
         intermediate_size: width of that dense MLP.
+        family: ``glm5`` or ``glm5_next`` (DESIGN.md §7): which attention, indexer and MLP pieces.
+        index_kpool: glm5_next only: rows per KPool pool (0 in the glm5 family: one key per row).
+        index_kpool_always_select_tail: glm5_next only: a row also attends to the rows of its own
+            incomplete pool (true in the release; false is refused, see ``validate``).
+        swiglu_limit: glm5_next only: the clamp of every SwiGLU's gate and up projections
+            (None in the glm5 family: unclamped).
     """
 
     hidden_size: int
@@ -80,6 +94,10 @@ class MtpConfig:
     num_hidden_layers: int = 1
     first_k_dense_replace: int = 0
     intermediate_size: int = 0
+    family: str = "glm5"
+    index_kpool: int = 0
+    index_kpool_always_select_tail: bool = True
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +116,33 @@ class MtpConfig:
     def mtp_layer_index(self) -> int:
         return self.num_hidden_layers
 
+    @property
+    def is_next(self) -> bool:
+        """The glm5_next family (GLM-5.3-Flash): NoPE MLA, KPool indexer, clamped SwiGLU."""
+        return self.family == "glm5_next"
+
+    @property
+    def layer_prefix(self) -> str:
+        """The checkpoint prefix of the MTP layer's tensors."""
+        stem = "model.language_model.layers" if self.is_next else "model.layers"
+        return f"{stem}.{self.mtp_layer_index}."
+
+    @property
+    def embed_tokens_name(self) -> str:
+        """The checkpoint name of the target's embedding (the head is ``lm_head.weight`` in both)."""
+        return "model.language_model.embed_tokens.weight" if self.is_next else "model.embed_tokens.weight"
+
+    @property
+    def latent_norm_eps(self) -> float:
+        """Epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``: fixed at 1e-6 in GLM-5's
+        architecture, ``rms_norm_eps`` in GLM-5.3-Flash's (transformers' ``Glm5NextTextAttention``)."""
+        return self.rms_norm_eps if self.is_next else 1e-6
+
+    @property
+    def kpool_pools_selected(self) -> int:
+        """glm5_next: the most complete pools a row selects, ``index_topk / index_kpool``."""
+        return self.index_topk // self.index_kpool
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that is missing, of the wrong type, out of
         range or inconsistent. Types are strict: a flag must be a ``bool`` (the string ``"false"``
@@ -110,9 +155,12 @@ class MtpConfig:
             value = getattr(self, name)
             if not finite_number(value):
                 raise ValueError(f"MtpConfig.{name} must be a finite number, got {value!r}")
+        if not isinstance(self.family, str) or self.family not in FAMILIES:
+            raise ValueError(f"MtpConfig.family must be one of {FAMILIES}, got {self.family!r}")
+        self.validate_family()
         positive = [
             "hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-            "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "n_routed_experts",
+            *(() if self.is_next else ("qk_rope_head_dim",)), "v_head_dim", "num_attention_heads", "n_routed_experts",
             "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
             "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
             "num_hidden_layers",
@@ -158,11 +206,40 @@ class MtpConfig:
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"MtpConfig.routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
 
+    def validate_family(self) -> None:
+        """The rules of the family's own fields (DESIGN.md §7), each naming the field."""
+        if not self.is_next:
+            if self.index_kpool != 0 or self.swiglu_limit is not None:
+                raise ValueError(
+                    "MtpConfig.index_kpool / swiglu_limit are glm5_next fields: family 'glm5' needs index_kpool=0 "
+                    f"and swiglu_limit=None, got {self.index_kpool!r} / {self.swiglu_limit!r}"
+                )
+            return
+        kpool = self.index_kpool
+        if isinstance(kpool, bool) or not isinstance(kpool, int) or kpool < 1:
+            raise ValueError(f"MtpConfig.index_kpool must be a positive integer in family 'glm5_next', got {kpool!r}")
+        topk = self.index_topk
+        if not isinstance(topk, bool) and isinstance(topk, int) and topk % kpool:
+            raise ValueError(f"MtpConfig.index_topk ({topk}) must be a multiple of index_kpool ({kpool}): rows are selected as whole pools")
+        rope = self.qk_rope_head_dim
+        if isinstance(rope, bool) or not isinstance(rope, int) or rope != 0:
+            raise ValueError(f"MtpConfig.qk_rope_head_dim must be 0 in family 'glm5_next' (NoPE attention: no RoPE dims), got {rope!r}")
+        if not self.index_kpool_always_select_tail:
+            raise ValueError(
+                "MtpConfig.index_kpool_always_select_tail must be true: without the tail a row before its first "
+                "complete pool would attend to no row at all"
+            )
+        limit = self.swiglu_limit
+        if not finite_number(limit) or not limit > 0:
+            raise ValueError(f"MtpConfig.swiglu_limit must be a finite number > 0 in family 'glm5_next', got {limit!r}")
+
     # ----------------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "MtpConfig":
         """``tiny`` (tests), ``small`` (experiments), ``glm5`` (GLM-5's real values), ``glm5_shape``
-        (GLM-5's widths with 16 routed experts, so one layer fits a CPU's memory)."""
+        (GLM-5's widths with 16 routed experts, so one layer fits a CPU's memory); of the glm5_next
+        family ``glm5next`` (GLM-5.3-Flash's real values) and ``glm5next_tiny`` / ``glm5next_small``
+        (its structure at small widths, ``index_kpool`` 4 so rows cross pools in a few steps)."""
         try:
             return cls(**PRESETS[name])
         except KeyError:
@@ -172,8 +249,16 @@ class MtpConfig:
         return dataclasses.replace(self, **changes)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A GLM-5 style ``config.json`` body for this config (the inverse of ``from_hf_config``)."""
+        """A ``config.json`` body for this config (the inverse of ``from_hf_config``): GLM-5's flat
+        form, or GLM-5.3-Flash's with the text model nested under ``text_config``."""
         d = dataclasses.asdict(self)
+        del d["family"]
+        if self.is_next:
+            d.update(model_type="glm5_next_text", qk_head_dim=self.qk_head_dim, hidden_act="silu")
+            return {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"],
+                    "tie_word_embeddings": False, "text_config": d}
+        for name in NEXT_FIELDS:
+            del d[name]
         d.update(
             model_type="glm_moe_dsa",
             architectures=["GlmMoeDsaForCausalLM"],
@@ -196,8 +281,11 @@ class MtpConfig:
         """
         raw, where = read_hf_json(path)
         model_type = raw.get("model_type")
-        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{where}: model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        next_family = isinstance(model_type, str) and model_type in NEXT_MODEL_TYPES
+        if next_family:
+            raw, where = next_text_config(raw, where)
+        elif not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{where}: model_type must be one of {SUPPORTED_MODEL_TYPES + NEXT_MODEL_TYPES}, got {model_type!r}")
         for name, want in (("scoring_func", "sigmoid"), ("hidden_act", "silu")):
             if name in raw and raw[name] != want:
                 raise ValueError(f"{where}: {name} must be {want!r} for this drafter, got {raw[name]!r}")
@@ -222,7 +310,9 @@ class MtpConfig:
                 raise ValueError(f"{where}: required field {name!r} is missing")
             kwargs[name] = hf_int(raw, name, None, where)
         rope_theta = raw.get("rope_theta")
-        if rope_theta is None:
+        if next_family:  # NoPE: no RoPE anywhere, so no base is needed (a stated one is read and unused)
+            kwargs["rope_theta"] = hf_float(raw, "rope_theta", 10000.0, where)
+        elif rope_theta is None:
             if rope_params.get("rope_theta") is None:
                 raise ValueError(f"{where}: required field 'rope_theta' is missing (also not in rope_parameters)")
             kwargs["rope_theta"] = hf_float(rope_params, "rope_theta", None, f"{where}: rope_parameters")
@@ -231,11 +321,24 @@ class MtpConfig:
         for name, default in (("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("max_position_embeddings", 4096),
                               ("first_k_dense_replace", 0), ("intermediate_size", 0)):
             kwargs[name] = hf_int(raw, name, default, where)
-        for name, default in (("routed_scaling_factor", 1.0), ("rms_norm_eps", 1e-6)):
+        # transformers' defaults where a file leaves a field out: GLM-5.3-Flash's eps is 1e-5
+        for name, default in (("routed_scaling_factor", 1.0), ("rms_norm_eps", 1e-5 if next_family else 1e-6)):
             kwargs[name] = hf_float(raw, name, default, where)
         for name in BOOL_FIELDS:
             kwargs[name] = hf_bool(raw, name, True, where)
         hf_bool(raw, "tie_word_embeddings", False, where)  # read by the loader; checked here with the rest
+        if next_family:
+            layers = raw.get("mlp_layer_types")
+            if layers is not None and "first_k_dense_replace" not in raw:  # GLM-5.3-Flash states the schedule
+                if not isinstance(layers, list) or not all(v in ("dense", "sparse") for v in layers):
+                    raise ValueError(f"{where}: mlp_layer_types must be a list of 'dense' / 'sparse', got {layers!r}")
+                kwargs["first_k_dense_replace"] = next((i for i, v in enumerate(layers) if v != "dense"), len(layers))
+            kwargs.update(
+                family="glm5_next",
+                index_kpool=hf_int(raw, "index_kpool", 16, where),
+                index_kpool_always_select_tail=hf_bool(raw, "index_kpool_always_select_tail", True, where),
+                swiglu_limit=hf_float(raw, "swiglu_limit", 10.0, where),
+            )
         if "qk_head_dim" in raw and raw["qk_head_dim"] != kwargs["qk_nope_head_dim"] + kwargs["qk_rope_head_dim"]:
             raise ValueError(
                 f"{where}: qk_head_dim ({raw['qk_head_dim']!r}) must equal qk_nope_head_dim + qk_rope_head_dim "
@@ -247,6 +350,34 @@ class MtpConfig:
             return cls(**kwargs)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+
+
+def next_text_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """The text model's fields of a GLM-5.3-Flash ``config.json``: ``text_config`` of a
+    ``glm5_next`` config (a JSON object; a ``glm5_next`` config without one holds the text fields
+    at the top level, as transformers reads it), or the flat ``glm5_next_text`` body itself.
+    ``tie_word_embeddings`` lives on the outer config and is read from there when the text
+    config does not state it."""
+    if raw.get("model_type") == "glm5_next_text" or raw.get("text_config") is None:
+        return raw, where
+    text = raw["text_config"]
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: text_config must be a JSON object, got {text!r}")
+    inner = text.get("model_type", "glm5_next_text")
+    if inner != "glm5_next_text":
+        raise ValueError(f"{where}: text_config.model_type must be 'glm5_next_text', got {inner!r}")
+    merged = dict(text)
+    if "tie_word_embeddings" not in merged and "tie_word_embeddings" in raw:
+        merged["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return merged, f"{where}: text_config"
+
+
+def read_tie_word_embeddings(path: str | os.PathLike[str] | dict[str, Any]) -> bool:
+    """``tie_word_embeddings`` of a ``config.json`` of either family (default false)."""
+    raw, where = read_hf_json(path)
+    if raw.get("model_type") in NEXT_MODEL_TYPES:
+        raw, where = next_text_config(raw, where)
+    return hf_bool(raw, "tie_word_embeddings", False, where)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,9 +476,45 @@ _GLM5 = dict(
     max_position_embeddings=202752, num_hidden_layers=78, first_k_dense_replace=3,
     intermediate_size=12288,
 )
+# GLM-5.3-Flash (DESIGN.md §7; transformers' Glm5NextTextConfig defaults).
+_GLM5NEXT = dict(
+    hidden_size=4096, vocab_size=154880, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256,
+    qk_rope_head_dim=0, v_head_dim=256, num_attention_heads=64,
+    n_routed_experts=288, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=32, index_head_dim=128, index_topk=2048,
+    rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=1048576,
+    num_hidden_layers=45, first_k_dense_replace=3, intermediate_size=12288,
+    family="glm5_next", index_kpool=16, index_kpool_always_select_tail=True, swiglu_limit=10.0,
+)
+# Its structure at small widths: index_kpool 4 and index_topk 8 (two pools), so rows complete
+# pools, select some of them and leave others out within a few dozen rows.
+_GLM5NEXT_TINY = dict(
+    hidden_size=64, vocab_size=96, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+    qk_rope_head_dim=0, v_head_dim=16, num_attention_heads=4,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=2, index_head_dim=16, index_topk=8,
+    rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=512,
+    num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=128,
+    family="glm5_next", index_kpool=4, index_kpool_always_select_tail=True, swiglu_limit=1.0,
+)
+_GLM5NEXT_SMALL = dict(
+    hidden_size=256, vocab_size=2048, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+    qk_rope_head_dim=0, v_head_dim=32, num_attention_heads=8,
+    n_routed_experts=18, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=128,
+    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=4, index_head_dim=32, index_topk=32,
+    rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+    num_hidden_layers=4, first_k_dense_replace=1, intermediate_size=512,
+    family="glm5_next", index_kpool=4, index_kpool_always_select_tail=True, swiglu_limit=10.0,
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
     "small": _SMALL,
     "glm5": _GLM5,
     "glm5_shape": {**_GLM5, "n_routed_experts": 16},
+    "glm5next": _GLM5NEXT,
+    "glm5next_tiny": _GLM5NEXT_TINY,
+    "glm5next_small": _GLM5NEXT_SMALL,
 }

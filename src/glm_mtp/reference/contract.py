@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from .attention import Rope
-from .state import BLOCK_ROWS, DrafterState, check_sound, num_blocks, writing
+from .kpool import empty_snapshot as empty_kpool_snapshot
+from .state import BLOCK_ROWS, DrafterState, check_sound, num_blocks, rewind_rows, writing
 from .weights import MtpWeights
 
 logger = logging.getLogger(__name__)
@@ -192,14 +193,18 @@ def snapshot(state: DrafterState, weights: MtpWeights) -> dict[str, Tensor]:
             "x": torch.zeros(cfg.hidden_size, dtype=dt, device=dev),
             **scalars,
             "block_table": torch.zeros(0, dtype=torch.int32, device=dev),
+            **(empty_kpool_snapshot(cfg, dt, dev) if cfg.is_next else {}),
         }
     n = state.seq_len
+    kpool = state.cache.kpool
     return {
         "kv_rows": state.cache.kv_rows()[:n].clone(),
         "index_rows": state.cache.index_rows()[:n].clone(),
         "x": state.x.clone(),
         **scalars,
         "block_table": state.cache.block_table.clone(),
+        # glm5_next only (GLM-5's keys stay exactly the five above): pooled keys, completeness, gates
+        **(kpool.snapshot(n) if kpool is not None else {}),
     }
 
 
@@ -296,7 +301,7 @@ def apply_verify(num_accepted: object, state: DrafterState) -> None:
     if num_accepted > state.last_drafted:
         raise ValueError(f"num_accepted must be in [0, {state.last_drafted}] (the drafts proposed), got {num_accepted}")
     keep = min(state.last_drafted, num_accepted + 1)
-    state.seq_len -= state.last_drafted - keep
+    rewind_rows(state, state.seq_len - (state.last_drafted - keep))
     state.pending = False
     state.last_drafted = 0
 

@@ -1,5 +1,6 @@
 """The small building blocks with no reduction in them: the RoPE table and rotation, the draft
-argmax and the sampled draft, the tie-pinned top-k. (Norms, GEMMs and the SwiGLU MLP are the pinned primitives of
+argmax and the sampled draft, the tie-pinned top-k, the clamped SwiGLU of GLM-5.3-Flash (its
+GEMMs are ``numerics.linear``). (Norms, GEMMs and the SwiGLU MLP are the pinned primitives of
 ``numerics``.)
 
 RoPE computes in A (float32, or float64 for float64 inputs): ``y1 = x1 cos - x2 sin``,
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .numerics import acc_dtype, softmax, up
+from .numerics import acc_dtype, linear, silu, softmax, up
 
 
 # ------------------------------------------------------------------------------------------------
@@ -76,3 +77,22 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest entries of the last dim, best first; equal scores go to the
     lower index. A stable descending sort pins that order, which ``torch.topk`` does not."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+# ------------------------------------------------------------------------------------------------
+# The clamped SwiGLU (glm5_next, DESIGN.md §7): g = min(up(gate(x)), L), u = min(max(up(up(x)), -L), L),
+# round_S(silu(g) * u), then down. L is swiglu_limit as float32; min/max are exact and keep NaN.
+
+
+def clamped_swiglu_hidden(x: Tensor, gate_proj: Tensor, up_proj: Tensor, limit: float) -> Tensor:
+    """The clamped SwiGLU's hidden before ``down``: ``round_S(silu(g) * u)`` (..., I) in S."""
+    g, u = up(linear(x, gate_proj)), up(linear(x, up_proj))
+    L = torch.tensor(limit, dtype=torch.float32).to(device=g.device, dtype=g.dtype)
+    g = torch.minimum(g, L)  # torch.minimum/maximum propagate NaN, as the rule says
+    u = torch.minimum(torch.maximum(u, -L), L)
+    return (silu(g) * u).to(x.dtype)
+
+
+def clamped_swiglu(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor, limit: float) -> Tensor:
+    """``linear(clamped_swiglu_hidden(x, gate, up, limit), down)``: an expert of GLM-5.3-Flash."""
+    return linear(clamped_swiglu_hidden(x, gate_proj, up_proj, limit), down_proj)

@@ -7,6 +7,9 @@ limiting, normalised weights times ``routed_scaling_factor``, SwiGLU experts, a 
     w      = s[chosen] / (psum(s[chosen]) + 1e-20) * routed_scaling_factor
     out    = round_S(psum_j(w_j * expert_{chosen_j}(m)) + shared(m))
 
+In the glm5_next family every expert (routed and shared) is the clamped SwiGLU of
+``layers.clamped_swiglu`` at ``swiglu_limit`` (``expert_swiglu``) and the router is float32.
+
 Each row's experts run on that row alone, reading the chosen experts' weights in place, so a row's
 result does not depend on which other rows share the call; the weighted sum runs over the chosen
 experts in ascending expert id.
@@ -14,6 +17,7 @@ experts in ascending expert id.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -21,7 +25,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from .config import MtpConfig
-from .layers import topk_indices
+from .layers import clamped_swiglu, topk_indices
 from .numerics import PINNED, Numerics, psum, up
 from .weights import MoeWeights
 
@@ -56,14 +60,25 @@ def choose_experts(cfg: MtpConfig, logits: Tensor, bias: Tensor, ops: Numerics =
     return experts, weights * cfg.routed_scaling_factor
 
 
+def expert_swiglu(moe: MoeWeights, ops: Numerics = PINNED) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The SwiGLU of ``moe``'s experts, routed and shared: ``ops.swiglu``, or with
+    ``moe.swiglu_limit`` set (glm5_next) the pinned ``layers.clamped_swiglu`` at that limit."""
+    if moe.swiglu_limit is None:
+        return ops.swiglu
+    if not ops.pinned:
+        raise ValueError("the clamped SwiGLU (glm5_next) runs with the pinned numerics only")
+    return partial(clamped_swiglu, limit=moe.swiglu_limit)
+
+
 def expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:
     """``expert_{experts[t, j]}(m[t])`` for every row and slot: (T, k, H) in S. ``experts`` index
     the experts this ``moe`` holds. Each row runs alone on its k experts, whose weights are read
     in place (views of the stacked tensors)."""
     out = torch.empty(*experts.shape, m.shape[-1], dtype=m.dtype, device=m.device)
+    swiglu = expert_swiglu(moe, ops)
     for t, ids in enumerate(experts.tolist()):
         for j, e in enumerate(ids):
-            out[t, j] = ops.swiglu(m[t], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])
+            out[t, j] = swiglu(m[t], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])
     return out
 
 
@@ -97,5 +112,5 @@ def moe_block(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = PINNED
     y = outputs(moe, m, experts, ops) if moe.shard is None else sharded_expert_outputs(moe, m, experts, ops)
     out = combine(weights, y, ops)
     if moe.shared is not None:
-        out = out + up(ops.swiglu(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj))
+        out = out + up(expert_swiglu(moe, ops)(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj))
     return out.to(m.dtype)

@@ -30,7 +30,7 @@ from .contract import (  # noqa: F401  (re-exported: the contract's names, where
 )
 from .layers import draft_probs, greedy_token, sampled_token
 from .numerics import acc_dtype
-from .state import DrafterState, LayerCache, Owner, use_state, writing, writing_all
+from .state import DrafterState, LayerCache, Owner, rewind_rows, use_state, writing, writing_all
 from .weights import MtpWeights
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 
 
 class ReferenceProposer:
-    """The eager GLM-5 MTP drafter.
+    """The eager MTP drafter of either family (``MtpConfig.family``): GLM-5's layer, or
+    GLM-5.3-Flash's (NoPE MLA, KPool indexer, clamped SwiGLU; DESIGN.md §7).
 
     Args:
         weights: the MTP layer with the target's embedding and head; states live on its device.
@@ -301,7 +302,7 @@ class ReferenceProposer:
         qs: list[Tensor] = []
         rope = self.rope(state.device)
         with writing(state, call):
-            state.seq_len = min(state.seq_len, position)  # rewind: rows past position become unreachable
+            rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
                 out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1)

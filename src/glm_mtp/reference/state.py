@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .config import MtpConfig
+from .kpool import KPoolCache
 
 BLOCK_ROWS = 16
 
@@ -35,11 +36,13 @@ class LayerCache:
         kv_pool: (blocks, 16, kv_lora_rank + qk_rope_head_dim).
         index_pool: (blocks, 16, index_head_dim).
         block_table: (blocks,) int32; slot r lives in block ``block_table[r // 16]``.
+        kpool: the KPool indexer's gates and pooled keys (glm5_next; None in glm5).
     """
 
     kv_pool: Tensor
     index_pool: Tensor
     block_table: Tensor
+    kpool: KPoolCache | None = None
 
     @classmethod
     def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device | str) -> "LayerCache":
@@ -49,6 +52,7 @@ class LayerCache:
             kv_pool=torch.zeros(blocks, BLOCK_ROWS, cfg.kv_row_width, dtype=dtype, device=device),
             index_pool=torch.zeros(blocks, BLOCK_ROWS, cfg.index_head_dim, dtype=dtype, device=device),
             block_table=torch.arange(blocks, dtype=torch.int32, device=device),
+            kpool=KPoolCache.allocate(cfg, blocks * BLOCK_ROWS, dtype, device) if cfg.is_next else None,
         )
 
     @property
@@ -107,6 +111,16 @@ class DrafterState:
     @property
     def capacity(self) -> int:
         return 0 if self.released else self.cache.capacity
+
+
+def rewind_rows(state: Any, n: int) -> None:
+    """Hold rows ``[0, n)`` only (``n <= seq_len``): lowering ``seq_len`` is the whole rollback
+    of the rows, and a KPool pool that loses a row becomes incomplete (its stored key is never
+    read again until its last row is rewritten). ``state`` is either backend's state."""
+    state.seq_len = n
+    kpool = getattr(getattr(state, "cache", None), "kpool", None)
+    if kpool is not None:
+        kpool.forget_from(n)
 
 
 # ---- who may use a state, and when ----------------------------------------------------------------

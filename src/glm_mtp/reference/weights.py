@@ -1,4 +1,4 @@
-"""MtpWeights: the MTP layer's tensors, named as in a GLM-5 checkpoint, and how they load.
+"""MtpWeights: the MTP layer's tensors, named as in a GLM-5 (or GLM-5.3-Flash) checkpoint, and how they load.
 
 One table (``layer_tensor_shapes``) lists every tensor a decoder layer holds under its checkpoint
 name; random init, loading, saving and the error messages all read it, so the names live in one
@@ -14,12 +14,13 @@ import torch
 from torch import Tensor
 
 from . import fp8
+from .checkpoint import WEIGHT_DTYPES, check_shard_size, float32_tensor, load_mtp_tensors, save_checkpoint
 from .config import MtpConfig
 from .distributed import ShardSpec, ep_propose_enabled
 
-# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
-# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
-IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+# The KPool indexer's tensors (glm5_next), relative to the layer: nn.Parameters, so no ".weight".
+KPOOL_APE = "self_attn.indexer.index_kpool_compress_ape"
+KPOOL_GATE = "self_attn.indexer.index_kpool_compress_gate"
 
 
 @dataclass
@@ -43,6 +44,7 @@ class MoeWeights:
     experts_down: Tensor  # (E_local, H, I)
     shared: MlpWeights | None
     shard: ShardSpec | None = None
+    swiglu_limit: float | None = None  # glm5_next: every expert's SwiGLU is clamped (moe.expert_swiglu)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class IndexerWeights:
     k_norm_weight: Tensor  # (head_dim,)
     k_norm_bias: Tensor  # (head_dim,)
     weights_proj: Tensor  # (n_heads, H)
+    kpool_ape: Tensor | None = None  # glm5_next: (index_kpool, head_dim), checkpoint: index_kpool_compress_ape
+    kpool_gate: Tensor | None = None  # glm5_next: (head_dim, H), checkpoint: index_kpool_compress_gate
 
 
 @dataclass
@@ -106,6 +110,9 @@ def layer_tensor_shapes(cfg: MtpConfig, sparse: bool = True) -> dict[str, tuple[
         "self_attn.indexer.k_norm.bias": (cfg.index_head_dim,),
         "self_attn.indexer.weights_proj.weight": (cfg.index_n_heads, H),
     }
+    if cfg.is_next:
+        shapes[KPOOL_APE] = (cfg.index_kpool, cfg.index_head_dim)
+        shapes[KPOOL_GATE] = (cfg.index_head_dim, H)
     if not sparse:
         Id = cfg.intermediate_size
         shapes.update({"mlp.gate_proj.weight": (Id, H), "mlp.up_proj.weight": (Id, H), "mlp.down_proj.weight": (H, Id)})
@@ -125,7 +132,7 @@ def layer_tensor_shapes(cfg: MtpConfig, sparse: bool = True) -> dict[str, tuple[
 
 
 def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name (relative to ``model.layers.{num_hidden_layers}.``) -> shape, MTP layer."""
+    """Checkpoint name (relative to ``cfg.layer_prefix``) -> shape, MTP layer."""
     H = cfg.hidden_size
     return {
         "enorm.weight": (H,),
@@ -138,7 +145,7 @@ def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
 
 def embed_head_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     """Absolute checkpoint name -> shape for the tensors an MTP drafter reads outside its layer."""
-    return {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+    return {cfg.embed_tokens_name: (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
 
 
 def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: bool = True, experts: range | None = None) -> DecoderLayerWeights:
@@ -158,6 +165,8 @@ def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: boo
             k_norm_weight=t["self_attn.indexer.k_norm.weight"],
             k_norm_bias=t["self_attn.indexer.k_norm.bias"],
             weights_proj=t["self_attn.indexer.weights_proj.weight"],
+            kpool_ape=t[KPOOL_APE] if cfg.is_next else None,
+            kpool_gate=t[KPOOL_GATE] if cfg.is_next else None,
         ),
     )
     mlp: MoeWeights | MlpWeights
@@ -175,6 +184,7 @@ def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: boo
             experts_up=fp8.stack_weights([t[f"mlp.experts.{e}.up_proj.weight"] for e in held], "mlp.experts.*.up_proj"),
             experts_down=fp8.stack_weights([t[f"mlp.experts.{e}.down_proj.weight"] for e in held], "mlp.experts.*.down_proj"),
             shared=shared,
+            swiglu_limit=cfg.swiglu_limit,
         )
     else:
         mlp = MlpWeights(t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"], t["mlp.down_proj.weight"])
@@ -200,6 +210,8 @@ def decoder_layer_to_tensors(layer: DecoderLayerWeights) -> dict[str, Tensor]:
         "self_attn.indexer.k_norm.bias": ix.k_norm_bias,
         "self_attn.indexer.weights_proj.weight": ix.weights_proj,
     }
+    if ix.kpool_ape is not None and ix.kpool_gate is not None:
+        out[KPOOL_APE], out[KPOOL_GATE] = ix.kpool_ape, ix.kpool_gate
     m = layer.mlp
     if (isinstance(m, MoeWeights) and m.shard is not None) or layer.attn.shard is not None:
         raise ValueError("a sharded layer holds part of the tensors; save the unsharded weights instead")
@@ -224,6 +236,8 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devic
     t = torch.randn(shape, generator=gen, device=device)
     if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
         return t.mul_(0.1)
+    if name.endswith("index_kpool_compress_ape"):  # position logits of O(1): the pool softmax is not uniform
+        return t
     if len(shape) == 1:  # norm weights
         return t.mul_(0.1).add_(1.0)
     if name.endswith("embed_tokens.weight"):
@@ -240,7 +254,8 @@ class MtpWeights:
 
     Args:
         config: the layer's hyper-parameters.
-        embed_tokens: the target's ``model.embed_tokens.weight`` (V, H).
+        embed_tokens: the target's ``model.embed_tokens.weight`` (V, H) (GLM-5.3-Flash:
+            ``model.language_model.embed_tokens.weight``).
         lm_head: the target's ``lm_head.weight`` (V, H), read by ``shared_head``.
         enorm / hnorm: RMSNorm weights (H,) for the embedding and the target hidden.
         eh_proj: (H, 2H), applied to ``cat([enorm(e), hnorm(h)])``, embedding first.
@@ -343,8 +358,8 @@ class MtpWeights:
         made = {}
         for name, shape in {**embed_head_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items():
             t = random_tensor(name, shape, gen, device)
-            made[name] = t if name.endswith("e_score_correction_bias") else t.to(dtype)
-        embed, head = made.pop("model.embed_tokens.weight"), made.pop("lm_head.weight")
+            made[name] = t if float32_tensor(cfg, name) else t.to(dtype)
+        embed, head = made.pop(cfg.embed_tokens_name), made.pop("lm_head.weight")
         return cls.from_tensors(cfg, made, embed, head)
 
     def mtp_tensors(self) -> dict[str, Tensor]:
@@ -358,17 +373,18 @@ class MtpWeights:
         }
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Absolute checkpoint names, as a GLM-5 checkpoint stores them."""
-        prefix = f"model.layers.{self.config.mtp_layer_index}."
-        out = {"model.embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}
+        """Absolute checkpoint names, as a checkpoint of the config's family stores them."""
+        prefix = self.config.layer_prefix
+        out = {self.config.embed_tokens_name: self.embed_tokens, "lm_head.weight": self.lm_head}
         for n, t in self.mtp_tensors().items():
             out.update(fp8.flatten(prefix + n, t))  # a block-scaled weight is W8 plus its *_scale_inv
         return out
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MtpWeights":
-        """A copy on another device and/or in another dtype (the routing bias stays float32)."""
+        """A copy on another device and/or in another dtype (the routing bias, and glm5_next's
+        router, stay float32)."""
         mtp = {
-            n: t.to(device=device) if n.endswith("e_score_correction_bias") else t.to(device=device, dtype=dtype)
+            n: t.to(device=device) if float32_tensor(self.config, n) else t.to(device=device, dtype=dtype)
             for n, t in self.mtp_tensors().items()
         }
         return MtpWeights.from_tensors(
@@ -385,8 +401,6 @@ class MtpWeights:
         checkpoint is refused (details: ``checkpoint.save_checkpoint``). A tied embedding and head
         are written as two tensors and load back bit-exact. ``shard_size`` must be a positive
         int or None (``ValueError`` before anything is written)."""
-        from .checkpoint import check_shard_size, save_checkpoint
-
         check_shard_size(shard_size)
         config = self.config.to_hf_dict()
         if self.block_scaled:
@@ -431,8 +445,6 @@ class MtpWeights:
                 shard (see ``shard``).
             allow_non_finite: skip the NaN/inf check.
         """
-        from .checkpoint import WEIGHT_DTYPES, load_mtp_tensors
-
         if dtype is not None and dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"from_pretrained: dtype must be a floating torch.dtype ({', '.join(map(str, WEIGHT_DTYPES))}) or None, got {dtype!r}"
@@ -442,13 +454,14 @@ class MtpWeights:
         mtp, embed, head = load_mtp_tensors(
             directory,
             cfg,
+            mtp_tensor_shapes(cfg),
             experts=spec.expert_range(cfg.n_routed_experts) if spec else None,
             allow_non_finite=allow_non_finite,
             cast=dtype is not None,
         )
 
         def place(name: str, t: Tensor) -> Tensor:
-            if name.endswith("e_score_correction_bias"):
+            if float32_tensor(cfg, name):
                 return t.to(device=device, dtype=torch.float32)
             return t.to(device=device, dtype=dtype or t.dtype)
 
@@ -482,6 +495,9 @@ __all__ = [
     "decoder_layer_from_tensors",
     "decoder_layer_to_tensors",
     "random_tensor",
+    "float32_tensor",
+    "KPOOL_APE",
+    "KPOOL_GATE",
     "same_bytes",
     "weights_equal",
 ]

@@ -1,0 +1,198 @@
+"""The KPool indexer of GLM-5.3-Flash's DSA attention (DESIGN.md §7): rows are selected as whole
+pools of ``index_kpool`` consecutive rows, scored through one pooled key per pool, plus the row's
+own incomplete pool (the tail).
+
+Pool p is rows ``[kp * p, kp * (p + 1))`` of the dense row space (kp = ``index_kpool``; pools
+start at row 0). Every row s stores its index key ``k_s = k_norm(wk(a_s))`` (no RoPE) and its
+gate ``g_s = linear(a_s, index_kpool_compress_gate)`` (S). A pool is complete once its kp rows
+are held; its pooled key is computed once, when its last row is written, and kept:
+
+    l[j, c]  = up(g[kp p + j, c]) + up(ape[j, c])                      (A, ape: (kp, D))
+    pk[p, c] = round_S(psum_j(softmax_j(l[:, c])[j] * up(k[kp p + j, c])))
+
+A rewind that cuts into a complete pool makes it incomplete again (``KPoolCache.forget_from``);
+its key is recomputed when its last row is written again, and never read before. Row t scores the
+complete pools whose last row is ``<= t``,
+
+    I(t, p) = psum_h(w[t, h] * relu(dot(q[t, h], pk[p]) * D^-1/2)),   w = up(weights_proj(a)) * Hi^-1/2
+
+keeps the best ``min(index_topk / kp, count)`` (ties to the lower pool id), and attends to their
+rows and its tail ``[kp * floor((t + 1) / kp), t]`` (empty when t completes its pool), in
+ascending slot order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from .config import MtpConfig
+from .layers import topk_indices
+from .numerics import PINNED, Numerics, acc_dtype, linear_acc, psum, softmax, up
+from .weights import IndexerWeights
+
+if TYPE_CHECKING:
+    from .state import LayerCache
+
+
+@dataclass
+class KPoolCache:
+    """What the KPool indexer keeps per sequence beside the layer's rows (dense by slot).
+
+    Args:
+        gates: (capacity, D) the gate row ``g_s`` of every slot (S).
+        keys: (capacity // kp, D) the pooled key of every pool (S); read only where ``complete``.
+        complete: (capacity // kp,) bool: the pool's key was computed from the rows held now.
+    """
+
+    gates: Tensor
+    keys: Tensor
+    complete: Tensor
+    kpool: int
+
+    @classmethod
+    def allocate(cls, cfg: MtpConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> "KPoolCache":
+        pools = capacity // cfg.index_kpool
+        D = cfg.index_head_dim
+        return cls(
+            gates=torch.zeros(capacity, D, dtype=dtype, device=device),
+            keys=torch.zeros(pools, D, dtype=dtype, device=device),
+            complete=torch.zeros(pools, dtype=torch.bool, device=device),
+            kpool=cfg.index_kpool,
+        )
+
+    def forget_from(self, n: int) -> None:
+        """Rows ``>= n`` are gone: every pool holding one of them is incomplete (its stored key
+        describes rows that no longer exist)."""
+        self.complete[n // self.kpool :] = False
+
+    def snapshot(self, seq_len: int) -> dict[str, Tensor]:
+        """The bytes ``export_state`` adds: ``pool_keys`` (seq_len // kp, D) of the complete
+        pools, ``pool_complete`` (ceil(seq_len / kp),) for every pool holding a row, and
+        ``pool_gates`` (seq_len, D)."""
+        kp = self.kpool
+        return {
+            "pool_keys": self.keys[: seq_len // kp].clone(),
+            "pool_complete": self.complete[: -(-seq_len // kp)].clone(),
+            "pool_gates": self.gates[:seq_len].clone(),
+        }
+
+
+def empty_snapshot(cfg: MtpConfig, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """``KPoolCache.snapshot`` of a freed state: no pools, no rows."""
+    D = cfg.index_head_dim
+    return {
+        "pool_keys": torch.zeros(0, D, dtype=dtype, device=device),
+        "pool_complete": torch.zeros(0, dtype=torch.bool, device=device),
+        "pool_gates": torch.zeros(0, D, dtype=dtype, device=device),
+    }
+
+
+def pooled_keys(ix: IndexerWeights, keys: Tensor, gates: Tensor) -> Tensor:
+    """The pooled keys of complete pools from their rows' index keys and gates, each
+    ``(P, kp, D)`` in S: ``(P, D)`` in S (the module docstring's formula)."""
+    logits = up(gates) + up(ix.kpool_ape)[None]  # (P, kp, D), A
+    p = softmax(rearrange(logits, "p j c -> p c j"))  # (P, D, kp): over the pool's positions
+    return psum(p * rearrange(up(keys), "p j c -> p c j")).to(keys.dtype)  # (P, D)
+
+
+def complete_pools(slots: Tensor, kpool: int) -> Tensor:
+    """The pools the rows at ``slots`` complete (a slot that is a pool's last row), ascending."""
+    last = slots[(slots + 1) % kpool == 0]
+    return (last // kpool).sort().values
+
+
+def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: "LayerCache") -> None:
+    """Store new rows' gates ``gates`` (T, D) at ``slots`` (T,) and compute the key of every pool
+    a new row completes, from the pool's index rows (already written) and gates."""
+    kp = cache.kpool
+    assert kp is not None, "a glm5_next layer needs a KPool cache"
+    kp.gates[slots] = gates
+    done = complete_pools(slots, cfg.index_kpool)  # (P,)
+    if done.numel() == 0:
+        return
+    rows = done[:, None] * cfg.index_kpool + torch.arange(cfg.index_kpool, device=slots.device)  # (P, kp)
+    keys = cache.index_rows(int(rows.max()) + 1)[rows]  # (P, kp, D)
+    kp.keys[done] = pooled_keys(ix, keys, kp.gates[rows])
+    kp.complete[done] = True
+
+
+def kpool_queries(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """The index heads of new rows: queries ``(T, Hi, D)`` (S; no RoPE) and weights ``(T, Hi)``
+    in A, ``up(weights_proj(a)) * Hi^-1/2``."""
+    q = rearrange(ops.linear(q_latent, ix.wq_b), "t (h d) -> t h d", h=cfg.index_n_heads)  # (T, Hi, D)
+    return q, up(ops.linear(a, ix.weights_proj)) * cfg.index_n_heads**-0.5
+
+
+def pool_scores(q: Tensor, w: Tensor, pool_keys: Tensor, cfg: MtpConfig) -> Tensor:
+    """``I(t, p)`` (T, P) in A for queries ``q`` (T, Hi, D), weights ``w`` (T, Hi) and the pooled
+    keys ``pool_keys`` (P, D): ``psum_h(w * relu(dot(q_h, pk_p) * D^-1/2))``."""
+    T, Hi, D = q.shape
+    per_head = rearrange(linear_acc_rows(rearrange(q, "t h d -> (t h) d"), pool_keys), "(t h) p -> t p h", h=Hi)
+    scale = torch.tensor(cfg.index_head_dim**-0.5, dtype=acc_dtype(q.dtype), device=q.device)
+    return psum(w[:, None, :] * torch.relu(per_head * scale))  # (T, P)
+
+
+def linear_acc_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """``dot(x[i], rows[j])`` for every pair, in A: (N, K) x (P, K) -> (N, P)."""
+    if rows.shape[0] == 0:
+        return torch.zeros(x.shape[0], 0, dtype=acc_dtype(x.dtype), device=x.device)
+    return linear_acc(x, rows)
+
+
+def select_pool_rows(scores: Tensor, slots: Tensor, cfg: MtpConfig) -> tuple[Tensor, Tensor]:
+    """Row t's list from its pool scores ``(T, P)`` (pools ``[0, P)``): the rows of its best
+    ``min(index_topk / kp, count_t)`` candidate pools (complete, last row ``<= t``; ties to the
+    lower pool id) and its tail, in ascending slot order. Returns ``rows`` (T, K) int64 and
+    ``count`` (T,) int64 as ``indexer.select_rows`` does (padding: slot 0), ``K`` the widest list."""
+    kp, dev = cfg.index_kpool, slots.device
+    T, P = scores.shape
+    candidates = (slots + 1) // kp  # (T,): complete pools whose last row is <= t
+    Kp = min(cfg.kpool_pools_selected, P)
+    chosen = candidates.clamp(max=Kp)  # (T,)
+    visible = torch.arange(P, device=dev)[None, :] < candidates[:, None]
+    best = topk_indices(scores.masked_fill(~visible, float("-inf")), Kp)  # (T, Kp), best first
+    listed = torch.arange(Kp, device=dev)[None, :] < chosen[:, None]
+    pools = torch.where(listed, best, P).sort(dim=-1).values  # ascending; padding (P) last
+    pool_rows = rearrange(pools[:, :, None] * kp + torch.arange(kp, device=dev), "t k j -> t (k j)")
+    pool_valid = rearrange(listed[:, :, None].expand(T, Kp, kp), "t k j -> t (k j)")
+    tail_rows = (candidates * kp)[:, None] + torch.arange(kp - 1, device=dev)  # (T, kp - 1)
+    tail_valid = tail_rows <= slots[:, None]
+    rows = torch.cat((pool_rows, tail_rows), dim=-1)
+    valid = torch.cat((pool_valid, tail_valid), dim=-1)
+    # Listed entries first, in their (ascending) order: a stable sort on "not listed".
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
+    rows, valid = rows.gather(1, order), valid.gather(1, order)
+    return torch.where(valid, rows, 0), valid.sum(-1)
+
+
+def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+               ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """The KPool indexer for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows are
+    already in ``cache``: writes their gates and the keys of the pools they complete, then each
+    row's list (``select_pool_rows``). ``q_latent`` (T, Lq) is the MLA's normed low-rank query."""
+    write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache)
+    kp = cache.kpool
+    assert kp is not None
+    P = int(((slots.max() + 1) // cfg.index_kpool).item()) if slots.numel() else 0
+    if not bool(kp.complete[:P].all()):
+        raise RuntimeError("KPool: a candidate pool has no key (its rows were not all written in order)")
+    q, w = kpool_queries(ix, cfg, a, q_latent, ops)
+    return select_pool_rows(pool_scores(q, w, kp.keys[:P], cfg), slots, cfg)
+
+
+__all__ = [
+    "KPoolCache",
+    "empty_snapshot",
+    "pooled_keys",
+    "complete_pools",
+    "write_pools",
+    "kpool_queries",
+    "pool_scores",
+    "select_pool_rows",
+    "kpool_rows",
+]

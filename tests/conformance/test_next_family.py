@@ -1,0 +1,79 @@
+"""The conformance suite on the glm5_next family (GLM-5.3-Flash's KPool indexer, DESIGN.md §7).
+
+The optimized drafter does not serve this family yet (it refuses it, naming the family), so the
+family's lockstep runs the reference against a second reference (and the KPool mutants against
+the reference, tests/conformance/test_mutants.py), with the spec model checking every step's
+bookkeeping and the KPool contract (a pool is complete exactly when its rows are held). The
+scenarios of ``glm5next_tiny`` (kpool 4) cross pool boundaries in prefill, catch-up, propose and
+trim.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from glm_mtp.conformance import run
+from glm_mtp.conformance.__main__ import main
+from glm_mtp.reference import kpool
+from glm_mtp.reference.proposer import ReferenceProposer
+
+PRESET = "glm5next_tiny"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_reference_equals_a_second_reference_long(dtype):
+    r = run("reference", "reference", scenarios=12, seed=1, preset=PRESET, dtype=dtype,
+            generators=("realistic", "adversarial", "batched"))
+    assert r.ok, r.first_difference
+
+
+def test_reference_equals_a_second_reference_across_pool_boundaries(monkeypatch):
+    """Two scenarios pass in lockstep, and in them prefill, catch-up and propose complete pools
+    and after_verify trims cut into complete ones (counted per call)."""
+    events: Counter[str] = Counter()
+    current = {"call": None}
+
+    def tagged(name, method):
+        def call(self, *args, **kwargs):
+            current["call"] = name
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                current["call"] = None
+        return call
+
+    for name in ("prefill_drafter", "catchup_drafter", "propose", "after_verify"):
+        monkeypatch.setattr(ReferenceProposer, name, tagged(name, getattr(ReferenceProposer, name)))
+    write_pools, forget_from = kpool.write_pools, kpool.KPoolCache.forget_from
+
+    def counting_write(ix, cfg, gates, slots, cache):
+        if kpool.complete_pools(slots, cfg.index_kpool).numel():
+            events[f"{current['call']} completes a pool"] += 1
+        return write_pools(ix, cfg, gates, slots, cache)
+
+    def counting_forget(self, n):
+        if bool(self.complete[n // self.kpool :].any()):
+            events[f"{current['call']} cuts a complete pool"] += 1
+        return forget_from(self, n)
+
+    monkeypatch.setattr(kpool, "write_pools", counting_write)
+    monkeypatch.setattr(kpool.KPoolCache, "forget_from", counting_forget)
+    r = run("reference", "reference", scenarios=2, seed=0, preset=PRESET)
+    assert r.ok, r.first_difference
+    print(dict(events))
+    for what in ("prefill_drafter completes a pool", "catchup_drafter completes a pool", "propose completes a pool",
+                 "after_verify cuts a complete pool"):
+        assert events[what] > 0, (what, dict(events))
+
+
+def test_the_cli_runs_the_family_and_refuses_the_optimized_backend(capsys):
+    assert main(["--candidate", "reference", "--baseline", "reference", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 0
+    assert main(["--candidate", "optimized", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 2
+    err = capsys.readouterr().err
+    assert "family 'glm5_next'" in err and "not supported by the optimized drafter" in err
+
+
+def test_a_kpool_mutant_fails_the_cli(capsys):
+    assert main(["--candidate", "mutant:kpool_misaligned", "--preset", PRESET, "--scenarios", "2", "--json", ""]) == 1
