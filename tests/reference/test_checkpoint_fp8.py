@@ -141,3 +141,25 @@ def test_a_nan_fp8_value_is_refused_unless_allowed(tmp_path, quantized):
     with pytest.raises(CheckpointError, match=rf"'{Q_A}' holds 1 NaN"):
         MtpWeights.from_pretrained(tmp_path)
     assert MtpWeights.from_pretrained(tmp_path, allow_non_finite=True).block_scaled
+
+
+def test_glm5_next_fp8_round_trips_and_drafts(tmp_path):
+    """The glm5_next family: its §8 matrices quantize, save and load in the same layout, and draft
+    as their dequantized weights on these inputs (S = float32)."""
+    from glm_mtp.reference import ReferenceProposer
+
+    cfg = MtpConfig.preset("glm5next_tiny")
+    q = MtpWeights.random(cfg, seed=0, dtype=torch.float32).quantize_fp8()
+    q.save_pretrained(tmp_path)
+    back = MtpWeights.from_pretrained(tmp_path)
+    assert back.block_scaled and weights_equal(back, q)
+    drafts = []
+    for w in (back, q.dequantize(torch.float32)):
+        prop = ReferenceProposer(w, max_seq_len=32)
+        st = prop.alloc_state("cpu")
+        gen = torch.Generator().manual_seed(1)
+        toks = torch.randint(cfg.vocab_size, (6,), generator=gen)
+        hid = torch.randn(6, cfg.hidden_size, generator=gen)
+        prop.prefill_drafter(toks, hid, st)
+        drafts.append(prop.propose(int(toks[-1]), hid[-1], 5, 3, st))
+    assert drafts[0] == drafts[1]
