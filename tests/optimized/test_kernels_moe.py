@@ -368,12 +368,12 @@ K_dot = K._dot_cols
 
 @triton.jit
 def _down_combine_left_to_right_kernel(
-    hidden_ptr, shidden_ptr, experts_ptr, weights_ptr, down_ptr, sdown_ptr, res_ptr, out_ptr, H, I, Is, stride_ht,
-    stride_hj, stride_st, stride_x, stride_w, stride_de, stride_dn, stride_sd, stride_r, stride_o, K: tl.constexpr,
+    hidden_ptr, shidden_ptr, experts_ptr, weights_ptr, down_ptr, sdown_ptr, res_ptr, out_ptr, down_s, sdown_s, H, I, Is,
+    stride_cde, stride_cdn, stride_csd, stride_ht, stride_hj, stride_st, stride_x, stride_w, stride_de, stride_dn, stride_sd, stride_r, stride_o, K: tl.constexpr,
     BLOCK_KS: tl.constexpr, LEVELS_KS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, LEVELS_K: tl.constexpr, NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr,
     BLOCK_KSH: tl.constexpr, LEVELS_KSH: tl.constexpr, NCHUNK_SH: tl.constexpr, LEVELS_CSH: tl.constexpr,
-    TO_BF16: tl.constexpr, TO_F16: tl.constexpr, NAN_BITS: tl.constexpr):
+    TO_BF16: tl.constexpr, TO_F16: tl.constexpr, NAN_BITS: tl.constexpr, FP8: tl.constexpr):
     """down/combine with the slots accumulated left to right (the mistake); float32 only."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.program_id(1)
@@ -382,12 +382,13 @@ def _down_combine_left_to_right_kernel(
     for j in range(0, K):
         e = tl.load(experts_ptr + t * stride_x + j)
         rows = down_ptr + e * stride_de + n[:, None] * stride_dn
-        y = K_dot(hidden_ptr + t * stride_ht + j * stride_hj, rows, n_in, I, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C)
+        y = K_dot(hidden_ptr + t * stride_ht + j * stride_hj, rows, n_in, I, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C,
+                  down_s, FP8)
         moe = moe + tl.load(weights_ptr + t * stride_w + j) * y
     if HAS_SHARED:
         rows = sdown_ptr + n[:, None] * stride_sd
         moe = moe + K_dot(shidden_ptr + t * stride_st, rows, n_in, Is, BLOCK_N, BLOCK_KSH, LEVELS_KSH, NCHUNK_SH,
-                          LEVELS_CSH)
+                          LEVELS_CSH, sdown_s, FP8)
     res = tl.load(res_ptr + t * stride_r + n, mask=n_in, other=0.0)
     tl.store(out_ptr + t * stride_o + n, res + moe, mask=n_in)
 

@@ -43,7 +43,7 @@ def test_a_tensor_of_another_dtype_is_refused(tmp_path, bad):
 @pytest.mark.parametrize("mixed", [torch.float32, torch.float16])
 def test_with_dtype_given_a_mixed_float_checkpoint_is_cast(tmp_path, mixed):
     """An explicit dtype casts every weight to it, so a float32 norm among bfloat16 (as some real
-    checkpoints store norms) loads; an int8 or float8 weight never does (it needs scales)."""
+    checkpoints store norms) loads; an int8 weight never does, nor a float8 one without quantization_config (it needs scales)."""
     w = saved(tmp_path)
     norm = P + "enorm.weight"
     # Norm weights near 1 are exact in float16; the matrix goes float32 (float16's range is narrower than bfloat16's).
@@ -52,9 +52,9 @@ def test_with_dtype_given_a_mixed_float_checkpoint_is_cast(tmp_path, mixed):
         MtpWeights.from_pretrained(tmp_path)
     back = MtpWeights.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert weights_equal(back, w)  # bf16 -> wider float -> bf16 is exact
-    for bad in (torch.int8, torch.float8_e4m3fn):
+    for bad, rule in ((torch.int8, "must be floating point"), (torch.float8_e4m3fn, "no quantization_config")):
         edit_single(tmp_path, **{EXPERT: w.state_dict()[EXPERT].to(bad)})
-        with pytest.raises(CheckpointError, match=rf"{EXPERT}.*{bad}.*must be floating point"):
+        with pytest.raises(CheckpointError, match=rf"{EXPERT}.*{bad}.*{rule}"):
             MtpWeights.from_pretrained(tmp_path, dtype=torch.bfloat16)
 
 

@@ -37,6 +37,7 @@ the batched loop draws from the generator in another order, so its samples diffe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,16 +57,24 @@ from .checkpoint import LoadedModel, load_checkpoint, random_model
 from .provenance import provenance
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
-from .validate import MODES, SOURCES, check_acceptance, check_batch_size
+from .validate import MODES, SOURCES, check_acceptance, check_batch_size, weights_dtype
 
 def load_model(mcfg: Any) -> LoadedModel:
-    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``."""
+    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``;
+    ``weights_dtype: fp8`` quantizes the drafter's §8 matrices (``MtpWeights.quantize_fp8``; the
+    target keeps its weights)."""
     dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "checkpoint":
-        return load_checkpoint(mcfg.path, dtype)
-    if mcfg.kind == "random":
-        return random_model(mcfg.preset, mcfg.seed, dtype)
-    raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
+        model = load_checkpoint(mcfg.path, dtype)
+    elif mcfg.kind == "random":
+        model = random_model(mcfg.preset, mcfg.seed, dtype)
+    else:
+        raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
+    if weights_dtype(mcfg) == "fp8":
+        model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
+    return model
+
+
 
 
 def source_items(model: LoadedModel, source: str) -> list[str]:
@@ -196,6 +205,7 @@ def measure(cfg: Any) -> Measurement:
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     batch_size = check_batch_size(cfg.get("batch_size", 1), mode, cfg.policy, cfg.get("draft", "argmax"))
+    weights_dtype(cfg.model)
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
@@ -309,6 +319,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "draft": m.draft,
         "target_numerics": m.numerics,
         "dtype": cfg.model.dtype,
+        "weights_dtype": weights_dtype(cfg.model),  # fp8: the drafter's matrices block-scaled (DESIGN.md §8)
         "speedup": speedup,
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
         **provenance(m.model),

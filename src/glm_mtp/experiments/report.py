@@ -30,7 +30,7 @@ from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
-EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor"}
+EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype": "plain"}
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 
@@ -49,7 +49,8 @@ def load_summaries(root: str) -> list[dict[str, Any]]:
     if not runs:
         raise FileNotFoundError(f"no summary.json under {root}")
     runs.sort(key=lambda s: (ORDER.get(s["mode"], 9), ORDER.get(s["source"], 9), s["backend"], s["temperature"],
-                             s["feed_hidden"] != "post_norm", ORDER.get(s["policy"], 9), s["num_drafts"]))
+                             s["feed_hidden"] != "post_norm", ORDER.get(s["policy"], 9), s["num_drafts"],
+                             s.get("weights_dtype", "plain") != "plain"))  # plain weights first: the baseline
     return runs
 
 
@@ -80,7 +81,8 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
             cum = s.get("cumulative", s.get("acceptance_cumulative", []))
             cells += [_cell(cum, s.get("cumulative_ci"), i) for i in range(K)]
         tokens = s.get("scored_positions") or s["generated_tokens"]
-        lines.append(f"| {s['mode']} | {s['source']} | {s['backend']} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
+        backend = s["backend"] + (" fp8" if s.get("weights_dtype", "plain") == "fp8" else "")  # block-scaled weights
+        lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
                      f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
                      + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | {_best(s)} | {s['prompts']} | {tokens} |")

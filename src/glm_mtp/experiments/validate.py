@@ -102,6 +102,17 @@ def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> 
     return batch_size
 
 
+WEIGHT_FORMATS = ("plain", "fp8")
+
+
+def weights_dtype(mcfg: Any) -> str:
+    """``model.weights_dtype``: ``plain`` (the default, also for configs without the key) or ``fp8``."""
+    v = mcfg.get("weights_dtype", "plain") or "plain"
+    if v not in WEIGHT_FORMATS:
+        raise ValueError(f"model.weights_dtype must be one of {', '.join(WEIGHT_FORMATS)}; got {v!r}")
+    return v
+
+
 def check_acceptance(cfg: Any, model: Any = None) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups). ``model``: the
     ``MtpConfig`` of a checkpoint that does not exist yet (a grid job's, trained first), checked
@@ -123,6 +134,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
     need_choice(cfg, "model.dtype", MODEL_DTYPES)
+    weights_dtype(_get(cfg, "model"))  # both backends draft with fp8 weights
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)

@@ -44,6 +44,7 @@ from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
 from .block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
+from .kernels import KERNEL_DTYPES
 from .programs import CHECK_OK, HIDDEN_FINITE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens
 from .state import OptimizedState, Unsettled
 from .step import StepKernels, fusable, step_kernels
@@ -82,6 +83,10 @@ class OptimizedProposer:
                 f"OptimizedProposer: family {family!r} (GLM-5.3-Flash's KPool indexer, NoPE MLA, clamped SwiGLU) "
                 "is not supported by the optimized drafter yet; use ReferenceProposer for it"
             )
+        if weights.block_scaled and not fusable(weights):  # only the fused step's kernels read fp8 bytes
+            raise ValueError("OptimizedProposer: block-scaled fp8 weights (DESIGN.md §8) run in the fused step only "
+                             f"(a MoE layer, no shards, storage dtype one of {KERNEL_DTYPES}), got storage {weights.dtype}; "
+                             "draft them with ReferenceProposer, or pass weights.dequantize(...)")
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         if kernels == "triton" and (why := triton_runs_on(weights.device)) is not None:

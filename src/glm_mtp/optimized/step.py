@@ -5,7 +5,8 @@ reference's own functions and proven byte-equal to its kernel, tests/optimized/t
 cut into the launches a GPU runs for one draft step::
 
      1  block_input         embedding row (zeroed at slot 0), enorm, hnorm, eh_proj       -> u
-     2  norm_linear         input_layernorm; q_a, kv_a, indexer wk, weights_proj           (reads u once)
+     2  norm_linear         input_layernorm; q_a, kv_a, indexer wk, weights_proj           (reads u once;
+                            fp8 weights: two launches, the fp8 three and the bf16 weights_proj)
      3  norm_linear         q_a_layernorm; q_b, indexer wq_b
      4  cache_rows_write    kv_a_layernorm, RoPE of k_pe; indexer k_norm + RoPE; paged write (gated by ok)
      5  absorbed_query      RoPE of q_pe; q_nope absorbed through kv_b's key half
@@ -36,6 +37,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope
+from glm_mtp.reference.fp8 import BlockScaledWeight, is_block_scaled
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import MoeWeights, MtpWeights
 
@@ -119,8 +121,8 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     rc = row_caches(caches)  # one address table for the call's cache kernels
 
     u = k.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
-    (q_a, kv, k_raw, w_raw), _ = k.norm_linear(
-        u, layer.input_layernorm, eps, [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj])
+    q_a, kv, k_raw, w_raw = norm_linear_by_format(
+        k, u, layer.input_layernorm, eps, [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj])
     (q, q_idx), _ = k.norm_linear(q_a, attn.q_a_layernorm, LATENT_NORM_EPS, [attn.q_b_proj, ix.wq_b])
     k.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
                        rope.sin, rc, ok)
@@ -141,6 +143,22 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
                                               shared.gate_proj if shared else None, shared.up_proj if shared else None)
     return k.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
                                   shared.down_proj if shared else None, h)  # (T, H)
+
+
+def norm_linear_by_format(k: StepKernels, x: Tensor, norm_weight: Tensor, eps: float,
+                          weights: list[Tensor | BlockScaledWeight]) -> list[Tensor]:
+    """``k.norm_linear`` of ``x`` over ``weights``, one launch per weight format: block-scaled
+    fp8 weights beside a plain one (the input norm's q_a, kv_a, wk with the indexer's weights_proj,
+    which DESIGN.md §8 keeps bf16) take two launches, one for each; else one."""
+    fp8 = [is_block_scaled(w) for w in weights]
+    if len(set(fp8)) == 1 or not k.triton:  # the torch twin takes any mix in one call
+        return k.norm_linear(x, norm_weight, eps, weights)[0]
+    outs: list[Tensor] = [x] * len(weights)
+    for fmt in (True, False):
+        idx = [i for i, f in enumerate(fp8) if f == fmt]
+        for i, y in zip(idx, k.norm_linear(x, norm_weight, eps, [weights[i] for i in idx])[0]):
+            outs[i] = y
+    return outs
 
 
 def fused_head(w: MtpWeights, pre_norm: Tensor, k: StepKernels) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,8 @@ from .config import MtpConfig
 from .indexer import index_keys_from, index_queries, index_scores, select_rows, selection_mask
 from .kpool import kpool_rows
 from .layers import apply_rope, rope_table
-from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, psum, psum_prefix, up
+from .fp8 import weight_values
+from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up
 from .state import LayerCache
 from .weights import AttentionWeights
 
@@ -105,17 +106,18 @@ def write_cache_rows(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tens
 WriteRowsFn = Callable[[AttentionWeights, MtpConfig, Tensor, Tensor, Tensor, Rope, LayerCache, Numerics], None]
 
 
-def split_kv_b(attn: AttentionWeights, cfg: MtpConfig) -> tuple[Tensor, Tensor]:
+def split_kv_b(attn: AttentionWeights, cfg: MtpConfig, acc: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """Views of ``kv_b_proj`` per head: the key half ``W_uk`` (nh, nope, Lkv) and the value half
-    ``W_uv`` (nh, v, Lkv)."""
-    w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=cfg.num_attention_heads)  # (nh, nope + v, Lkv)
+    ``W_uv`` (nh, v, Lkv). A block-scaled ``kv_b_proj`` gives its values in ``acc`` instead
+    (``fp8.weight_values``: these products sum over its rows, across its scale blocks)."""
+    w_kv = rearrange(weight_values(attn.kv_b_proj, acc), "(h d) c -> h d c", h=cfg.num_attention_heads)  # (nh, nope + v, Lkv)
     return w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
 
 
 def absorb_query(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor) -> Tensor:
     """The absorbed query ``q_abs`` (T, nh, Lkv) in A of ``q_nope`` (T, nh, nope):
     ``q_abs[t, h, c] = dot(q_nope[t, h], W_uk[h, :, c])`` (a ``psum`` over nope)."""
-    w_uk = rearrange(split_kv_b(attn, cfg)[0], "h n c -> h c n")  # (nh, Lkv, nope)
+    w_uk = rearrange(split_kv_b(attn, cfg, acc_dtype(q_nope.dtype))[0], "h n c -> h c n")  # (nh, Lkv, nope)
     nh, Lkv, nope = w_uk.shape
     per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * Lkv * nope))
     # rows are independent: chunks bound the products held
@@ -131,7 +133,7 @@ def mla_over_lists(attn: AttentionWeights, cfg: MtpConfig, q_abs: Tensor, q_pe: 
     Lkv = cfg.kv_lora_rank
     T, nh = q_abs.shape[:2]
     K = rows.shape[1]
-    w_uv = split_kv_b(attn, cfg)[1]
+    w_uv = split_kv_b(attn, cfg, acc_dtype(q_pe.dtype))[1]
     scale = cfg.qk_head_dim**-0.5
     per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * K * Lkv))
     outs = []
@@ -164,7 +166,7 @@ def dense_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tens
     acc = acc_dtype(q_nope.dtype)
     rows = kv_rows.to(acc)
     c_all, k_pe_all = rows[:, :Lkv], rows[:, Lkv:]
-    w_kv = rearrange(attn.kv_b_proj, "(h d) c -> h d c", h=cfg.num_attention_heads).to(acc)  # (nh, nope + v, Lkv)
+    w_kv = rearrange(plain_weight(attn.kv_b_proj), "(h d) c -> h d c", h=cfg.num_attention_heads).to(acc)  # (nh, nope + v, Lkv)
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     q_absorbed = torch.einsum("thn,hnc->thc", q_nope.to(acc), w_uk)  # (T, nh, Lkv)
     scores = torch.einsum("thc,sc->ths", q_absorbed, c_all) + torch.einsum("thr,sr->ths", q_pe.to(acc), k_pe_all)

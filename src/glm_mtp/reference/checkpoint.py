@@ -4,7 +4,9 @@ sharded with ``model.safetensors.index.json``. Only the tensors asked for are re
 Loading is strict (every rule names the file and the tensor): each file must be readable
 safetensors, index entries plain file names inside the folder, every weight float16/bfloat16/
 float32/float64 and, unless the caller casts, all one dtype (the routing bias may also be
-float32), and finite unless ``allow_non_finite``. Saving replaces the whole checkpoint or
+float32), and finite unless ``allow_non_finite``. A checkpoint whose ``config.json`` declares
+``quantization_config`` fp8 with 128 x 128 blocks may store the weights DESIGN.md §8 lists as
+float8_e4m3fn, each with its ``*_scale_inv`` (rules in ``fp8.pair_scales``). Saving replaces the whole checkpoint or
 nothing (``save_checkpoint``).
 """
 
@@ -24,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .config import MtpConfig, read_json_object, read_tie_word_embeddings
+from . import fp8
+from .config import MtpConfig, read_hf_json, read_json_object, read_tie_word_embeddings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -156,7 +159,8 @@ def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: s
         if tensors[name].dtype not in WEIGHT_DTYPES:
             raise CheckpointError(
                 f"{where[name]}: tensor {name!r} has dtype {tensors[name].dtype}; checkpoint weights must be floating point, "
-                f"one of {', '.join(map(str, WEIGHT_DTYPES))}"
+                f"one of {', '.join(map(str, WEIGHT_DTYPES))} (or float8_e4m3fn with its *_scale_inv in a checkpoint whose "
+                "config.json declares quantization_config fp8, block [128, 128])"
             )
     if cast:
         return
@@ -216,12 +220,24 @@ def load_mtp_tensors(
     prefix = cfg.layer_prefix
     embed_name = cfg.embed_tokens_name
     present = {k[len(prefix):] for k in wmap if k.startswith(prefix)}
+    raw_config, config_file = read_hf_json(directory)
+    try:
+        quantized = fp8.read_quantization(raw_config, config_file)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    # A block-scaled weight's *_scale_inv sits beside it; which weights may have one is checked
+    # once the dtypes are known (fp8.pair_scales). Without quantization_config a scale is unexpected.
+    scales = {n for n in present if quantized and n.endswith(fp8.SCALE_SUFFIX)}
+    present -= scales
     for name, shape in expected.items():
         if name not in present:
             raise CheckpointError(f"missing tensor {prefix + name!r} (expected shape {shape})")
     extra = sorted(present - expected.keys() - set(IGNORED_MTP_COPIES))
     if extra:
-        raise CheckpointError(f"unexpected tensor {prefix + extra[0]!r} in the MTP layer ({len(extra)} unexpected in all)")
+        why = ""
+        if extra[0].endswith(fp8.SCALE_SUFFIX):
+            why = ": a block scale, but config.json declares no quantization_config (quant_method fp8, weight_block_size [128, 128])"
+        raise CheckpointError(f"unexpected tensor {prefix + extra[0]!r} in the MTP layer{why} ({len(extra)} unexpected in all)")
     outer = [embed_name, "lm_head.weight"]
     tied = False
     if "lm_head.weight" not in wmap:
@@ -231,10 +247,17 @@ def load_mtp_tensors(
         outer.remove("lm_head.weight")
     if embed_name not in wmap:
         raise CheckpointError(f"missing tensor {embed_name!r} (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
+    layer_names = set(expected)  # every weight of the layer, before a rank keeps its experts
     if experts is not None:
         skipped = {f"mlp.experts.{e}." for e in range(cfg.n_routed_experts) if e not in experts}
         expected = {n: s for n, s in expected.items() if not any(n.startswith(p) for p in skipped)}
-    tensors = read_tensors(directory, [prefix + n for n in expected] + outer, wmap)
+    expected_scales = {fp8.scale_name(n) for n in expected} & scales
+    orphans = sorted(s for s in scales if s[: -len(fp8.SCALE_SUFFIX)] not in layer_names)
+    if orphans:
+        raise CheckpointError(f"unexpected tensor {prefix + orphans[0]!r} in the MTP layer: a scale of no weight "
+                              f"({len(orphans)} such scales)")
+    tensors = read_tensors(directory, [prefix + n for n in expected] + outer + [prefix + n for n in sorted(expected_scales)], wmap)
+    scale_tensors = {prefix + n: tensors.pop(prefix + n) for n in expected_scales}
     mtp = {n: tensors[prefix + n] for n in expected}
     for name, shape in expected.items():
         check_shape(prefix + name, mtp[name], shape)
@@ -242,11 +265,17 @@ def load_mtp_tensors(
     head = embed if tied else tensors["lm_head.weight"]
     check_shape(embed_name, embed, (cfg.vocab_size, cfg.hidden_size))
     check_shape("lm_head.weight", head, (cfg.vocab_size, cfg.hidden_size))
-    files = {n: os.path.join(os.fspath(directory), wmap[n]) for n in tensors}
-    check_dtypes(tensors, files, embed_name, cast=cast, float32_ok=lambda n: float32_tensor(cfg, n))
+    files = {n: os.path.join(os.fspath(directory), wmap[n]) for n in [*tensors, *scale_tensors]}
+    try:  # float8 weights with their scales become fp8.BlockScaledWeight; the §8 rules are checked there
+        paired = fp8.pair_scales(tensors, scale_tensors, files, quantized, check_finite=not allow_non_finite)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    plain = {n: t for n, t in paired.items() if not fp8.is_block_scaled(t)}
+    check_dtypes(plain, files, embed_name, cast=cast, float32_ok=lambda n: float32_tensor(cfg, n))
     if not allow_non_finite:
-        check_finite(tensors, files)
-    return mtp, embed, head
+        check_finite(plain, files)
+    mtp = {n: paired[prefix + n] for n in expected}
+    return mtp, paired[embed_name], head if tied else paired["lm_head.weight"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .fp8 import FP8_BLOCK, BlockScaledWeight
+
 # Products of a chunk of output columns are materialised as (T, chunk, K) in A; this bounds that
 # buffer (elements), so a 154880-row lm_head streams through a few MiB at a time.
 LINEAR_CHUNK_ELEMENTS = 1 << 22
@@ -108,21 +110,57 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
     return psum(up(a) * up(b))
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
+def linear(x: Tensor, weight: Tensor | BlockScaledWeight) -> Tensor:
     """``y[..., n] = round_S(dot(x[...], weight[n]))`` for ``x`` (..., K) and ``weight`` (N, K):
-    ``F.linear`` without a bias, in the pinned order. The result is in ``x``'s dtype."""
+    ``F.linear`` without a bias, in the pinned order. The result is in ``x``'s dtype. A
+    block-scaled fp8 weight takes its own order (``block_scaled_linear_acc``)."""
     return linear_acc(x, weight).to(x.dtype)
 
 
-def linear_acc(x: Tensor, weight: Tensor) -> Tensor:
+def linear_acc(x: Tensor, weight: Tensor | BlockScaledWeight) -> Tensor:
     """``dot(x[...], weight[n])`` for every output column, left in A (the router's logits, the
-    absorbed query)."""
+    absorbed query); over a block-scaled weight, ``block_scaled_linear_acc``."""
+    if isinstance(weight, BlockScaledWeight):
+        return block_scaled_linear_acc(x, weight)
     lead, K = x.shape[:-1], x.shape[-1]
     xf = up(x).reshape(-1, 1, K)  # (T, 1, K)
     N = weight.shape[0]
     chunk = max(1, LINEAR_CHUNK_ELEMENTS // max(1, xf.shape[0] * K))
     # The weight is read in place: promotion to A happens inside the multiply, chunk by chunk.
     cols = [psum(xf * weight[n0 : n0 + chunk]) for n0 in range(0, N, chunk)]  # (T, chunk) each
+    return torch.cat(cols, dim=-1).reshape(*lead, N)
+
+
+def block_scaled_linear_acc(x: Tensor, weight: BlockScaledWeight) -> Tensor:
+    """The pinned linear over a block-scaled fp8 weight (DESIGN.md §8), left in A, for ``x``
+    (..., K) and ``weight`` W8 (N, K) with scales s (ceil(N/128), ceil(K/128)):
+
+        ``y[t, n] = psum_b(s[n // 128, b] * psum_{k in block b}(up(x[t, k]) * up(W8[n, k])))``
+
+    the inner sum is the 128-wide padded tree over block b's columns (a partial last block is
+    padded with ``+0.0`` to 128 lanes, as a kernel reading 128-lane blocks computes it), each
+    product rounded in A (exact for a bf16 ``x``: 8 x 4 significant bits); times the block's scale,
+    one rounding; then ``psum`` over the ceil(K/128) blocks. W8 is read in place, chunk by chunk:
+    no dequantized copy of the weight exists."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    N, Kw = weight.shape
+    if Kw != K:
+        raise ValueError(f"block-scaled linear: x has {K} input features, the weight {tuple(weight.shape)} expects {Kw}")
+    bn, bk = FP8_BLOCK
+    nb = -(-K // bk)
+    A = acc_dtype(x.dtype)
+    xf = torch.zeros(*lead, nb * bk, dtype=A, device=x.device)
+    xf[..., :K] = up(x)
+    xf = xf.reshape(-1, 1, nb, bk)  # (T, 1, nb, 128), +0.0 past K
+    row_scales = weight.scale_inv.to(A).repeat_interleave(bn, dim=0)[:N]  # (N, nb): the scale of row n's blocks
+    chunk = max(1, LINEAR_CHUNK_ELEMENTS // max(1, xf.shape[0] * nb * bk))
+    cols = []
+    for n0 in range(0, N, chunk):
+        w8 = weight.w8[n0 : n0 + chunk]  # (c, K) fp8
+        wf = torch.zeros(w8.shape[0], nb * bk, dtype=A, device=x.device)
+        wf[:, :K] = w8.to(A)  # exact: every e4m3 value is an A value
+        inner = psum(xf * wf.reshape(1, -1, nb, bk))  # (T, c, nb): one tree per block
+        cols.append(psum(inner * row_scales[n0 : n0 + chunk]))  # (T, c): the tree over blocks
     return torch.cat(cols, dim=-1).reshape(*lead, N)
 
 
@@ -268,7 +306,24 @@ def swiglu_vendor(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tens
 
 def linear_acc_vendor(x: Tensor, weight: Tensor) -> Tensor:
     A = acc_dtype(x.dtype)
-    return F.linear(x.to(A), weight.to(A))
+    return F.linear(x.to(A), plain_weight(weight).to(A))
+
+
+def plain_weight(weight: Tensor | BlockScaledWeight) -> Tensor:
+    """``weight`` for torch's kernels, which read plain tensors only: a block-scaled fp8 weight is
+    refused (training and the target compute in bf16 / float32; quantize after training)."""
+    if isinstance(weight, BlockScaledWeight):
+        raise ValueError("torch's (vendor) numerics read plain weights only, got a block-scaled fp8 weight "
+                         f"{tuple(weight.shape)}; the pinned numerics (the drafter) read fp8, training does not")
+    return weight
+
+
+def linear_vendor(x: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(x, plain_weight(weight))
+
+
+def swiglu_vendor_checked(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    return swiglu_vendor(x, plain_weight(gate_proj), plain_weight(up_proj), plain_weight(down_proj))
 
 
 @dataclass(frozen=True)
@@ -294,5 +349,5 @@ class Numerics:
 
 
 PINNED = Numerics(True, linear, linear_acc, rms_norm, layer_norm, swiglu, sigmoid, psum)
-VENDOR = Numerics(False, F.linear, linear_acc_vendor, rms_norm_vendor, layer_norm_vendor, swiglu_vendor, torch.sigmoid,
+VENDOR = Numerics(False, linear_vendor, linear_acc_vendor, rms_norm_vendor, layer_norm_vendor, swiglu_vendor_checked, torch.sigmoid,
                   lambda x: x.sum(-1))

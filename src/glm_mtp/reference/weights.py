@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from . import fp8
 from .bytes import same_bytes
 from .checkpoint import (
     WEIGHT_DTYPES, check_checkpoint_directory, check_shard_size, count_non_finite, float32_tensor, load_mtp_tensors, save_checkpoint,
@@ -183,9 +184,9 @@ def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: boo
         mlp = MoeWeights(
             router=t["mlp.gate.weight"],
             e_score_correction_bias=t["mlp.gate.e_score_correction_bias"].float(),
-            experts_gate=torch.stack([t[f"mlp.experts.{e}.gate_proj.weight"] for e in held]),
-            experts_up=torch.stack([t[f"mlp.experts.{e}.up_proj.weight"] for e in held]),
-            experts_down=torch.stack([t[f"mlp.experts.{e}.down_proj.weight"] for e in held]),
+            experts_gate=fp8.stack_weights([t[f"mlp.experts.{e}.gate_proj.weight"] for e in held], "mlp.experts.*.gate_proj"),
+            experts_up=fp8.stack_weights([t[f"mlp.experts.{e}.up_proj.weight"] for e in held], "mlp.experts.*.up_proj"),
+            experts_down=fp8.stack_weights([t[f"mlp.experts.{e}.down_proj.weight"] for e in held], "mlp.experts.*.down_proj"),
             shared=shared,
             swiglu_limit=cfg.swiglu_limit,
         )
@@ -363,6 +364,26 @@ class MtpWeights:
     def device(self) -> torch.device:
         return self.eh_proj.device
 
+    @property
+    def block_scaled(self) -> bool:
+        """Whether any weight is block-scaled fp8 (DESIGN.md §8); S is still ``dtype``."""
+        return any(fp8.is_block_scaled(t) for t in self.mtp_tensors().values())
+
+    def quantize_fp8(self) -> "MtpWeights":
+        """A copy with every weight §8 lets be fp8 block-scaled (``fp8.quantize_fp8``: per-block
+        amax / 448, nearest e4m3), the rest shared with these weights (S stays ``dtype``). Already
+        block-scaled weights are kept."""
+        mtp = {n: fp8.quantize_fp8(t) if fp8.may_be_fp8(n) and not fp8.is_block_scaled(t) else t
+               for n, t in self.mtp_tensors().items()}
+        return MtpWeights.from_tensors(self.config, mtp, self.embed_tokens, self.lm_head)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> "MtpWeights":
+        """Plain weights in ``dtype``: block-scaled ones as ``up(W8) * s`` (``fp8.dequantize``), the
+        others cast (the routing bias stays float32). For checks against the plain drafter."""
+        mtp = {n: fp8.dequantize(t, dtype) if fp8.is_block_scaled(t)
+               else t if n.endswith("e_score_correction_bias") else t.to(dtype) for n, t in self.mtp_tensors().items()}
+        return MtpWeights.from_tensors(self.config, mtp, self.embed_tokens.to(dtype), self.lm_head.to(dtype))
+
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def from_tensors(
@@ -372,6 +393,10 @@ class MtpWeights:
         head. With ``shard``, keep this rank's experts (the others may be absent from ``mtp``)
         and, when row-parallel, its heads' ``o_proj`` columns."""
         experts = shard.expert_range(cfg.n_routed_experts) if shard else None
+        if shard is not None and any(fp8.is_block_scaled(t) for t in mtp.values()):
+            # A rank's o_proj columns and the ranks' tree would have to align with the scale blocks.
+            raise ValueError("MtpWeights: sharding block-scaled fp8 weights over ranks is not supported; "
+                             "shard the bf16 weights, or run fp8 weights on one rank")
         layer = decoder_layer_from_tensors(cfg, mtp, sparse=True, experts=experts)
         if shard is not None:
             layer.mlp.shard = shard  # type: ignore[union-attr]
@@ -443,7 +468,8 @@ class MtpWeights:
         """Absolute checkpoint names, as a checkpoint of the config's family stores them."""
         prefix = self.config.layer_prefix
         out = {self.config.embed_tokens_name: self.embed_tokens, "lm_head.weight": self.lm_head}
-        out.update({prefix + n: t for n, t in self.mtp_tensors().items()})
+        for n, t in self.mtp_tensors().items():
+            out.update(fp8.flatten(prefix + n, t))  # a block-scaled weight is W8 plus its *_scale_inv
         return out
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MtpWeights":
@@ -477,7 +503,10 @@ class MtpWeights:
         are written as two tensors and load back bit-exact. ``shard_size`` must be a positive
         int or None (``ValueError`` before anything is written)."""
         check_shard_size(shard_size)
-        save_checkpoint(directory, self.config.to_hf_dict(), {**(extra or {}), **self.state_dict()}, shard_size)
+        config = self.config.to_hf_dict()
+        if self.block_scaled:
+            config["quantization_config"] = fp8.quantization_config()
+        save_checkpoint(directory, config, {**(extra or {}), **self.state_dict()}, shard_size)
 
     @classmethod
     def from_pretrained(
@@ -498,7 +527,10 @@ class MtpWeights:
         Strict: ``CheckpointError`` (a ``ValueError``) naming the file and the tensor for a
         file that is not safetensors, an index without ``weight_map`` or with an entry that is
         not a plain file name in ``directory``, a weight not stored in float16/bfloat16/
-        float32/float64 (int8, float8 need scales this drafter does not read), with ``dtype=None``
+        float32/float64 or, in a block-scaled checkpoint, as float8_e4m3fn with its float32
+        ``*_scale_inv`` (``fp8.read_quantization`` and ``fp8.pair_scales`` state the rules: the
+        config's ``quantization_config``, the scale's shape, finiteness, and which tensors may be
+        fp8; such a weight loads as ``fp8.BlockScaledWeight``), with ``dtype=None``
         a weight whose dtype is not the checkpoint's one dtype (the routing bias may be float32),
         and a NaN/inf in any weight read, unless ``allow_non_finite=True`` (for inspecting a
         broken checkpoint).
@@ -506,7 +538,7 @@ class MtpWeights:
         Args:
             dtype: cast every weight to this dtype (float16, bfloat16, float32 or float64; a
                 checkpoint mixing those dtypes then loads); None keeps the checkpoint's one
-                dtype. The routing bias is always float32.
+                dtype. The routing bias is always float32; block-scaled fp8 weights stay fp8.
             device: where the weights go.
             ep_rank / ep_world / group / row_parallel_o_proj: with ``ep_world > 1`` (and
                 expert-parallel propose not disabled by ``GLM_MTP_NO_EP_PROPOSE=1``), rank

@@ -44,11 +44,13 @@ from torch import Tensor
 from glm_mtp.reference import numerics
 from glm_mtp.reference.attention import LATENT_NORM_EPS
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.fp8 import BlockScaledWeight, scale_shape
 from glm_mtp.reference.layers import greedy_token
 
 from .embed import embed_rows_torch
 from .launch import AuditLaunch, Launch, abstract
 from .linear import LINEAR_DTYPES, MAX_BLOCK_K, _tree, linear_blocks
+from .linear_fp8 import FP8_BLOCK, e4m3_to_f32, fp8_linear_blocks
 from .rounding import to_storage
 
 # At most this many weights share one norm_linear launch.
@@ -143,7 +145,8 @@ def _fused_linear_kernel(
     slot_ptr,  # (T,) int64 slots (PRO_HALVES)
     nw_ptr,  # (K,) the norm's weight (PRO_NORM); enorm (H,) (PRO_HALVES)
     nw2_ptr,  # (H,) hnorm (PRO_HALVES)
-    w0, w1, w2, w3,  # (N_i, K) weights, contiguous last dim
+    w0, w1, w2, w3,  # (N_i, K) weights, contiguous last dim (FP8: their e4m3 bytes, uint8)
+    c0, c1, c2, c3,  # FP8: (ceil(N_i/128), ceil(K/128)) float32 scales, contiguous last dim
     o0, o1, o2, o3,  # (T, N_i) outputs (EPI_STORE, EPI_RESIDUAL)
     res_ptr,  # (T, N) residual (EPI_RESIDUAL)
     normed_ptr,  # (T, K) the normed input, S (STORE_NORMED)
@@ -153,6 +156,7 @@ def _fused_linear_kernel(
     stride_x, stride_e, stride_res, stride_normed, stride_p,
     n0, n1, n2, n3,
     sw0, sw1, sw2, sw3,
+    sc0, sc1, sc2, sc3,
     so0, so1, so2, so3,
     B1, B2, B3,  # the first output block of weights 1, 2, 3
     eps,
@@ -161,22 +165,27 @@ def _fused_linear_kernel(
     BLOCK_R: tl.constexpr, LEVELS_R: tl.constexpr, NCHUNK_R: tl.constexpr, LEVELS_CR: tl.constexpr,
     PRO: tl.constexpr, NW: tl.constexpr, EPI: tl.constexpr, OUT_ACC: tl.constexpr, STORE_NORMED: tl.constexpr,
     S_BF16: tl.constexpr, S_F16: tl.constexpr, NAN_BITS: tl.constexpr,
+    FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # The weight this program's output block belongs to.
     w_ptr, o_ptr, N, stride_w, stride_o, nb = w0, o0, n0, sw0, so0, pid
+    c_ptr, stride_c = c0, sc0
     if NW > 1:
         s = pid >= B1
         w_ptr, o_ptr, N = tl.where(s, w1, w_ptr), tl.where(s, o1, o_ptr), tl.where(s, n1, N)
         stride_w, stride_o, nb = tl.where(s, sw1, stride_w), tl.where(s, so1, stride_o), tl.where(s, pid - B1, nb)
+        c_ptr, stride_c = tl.where(s, c1, c_ptr), tl.where(s, sc1, stride_c)
     if NW > 2:
         s = pid >= B2
         w_ptr, o_ptr, N = tl.where(s, w2, w_ptr), tl.where(s, o2, o_ptr), tl.where(s, n2, N)
         stride_w, stride_o, nb = tl.where(s, sw2, stride_w), tl.where(s, so2, stride_o), tl.where(s, pid - B2, nb)
+        c_ptr, stride_c = tl.where(s, c2, c_ptr), tl.where(s, sc2, stride_c)
     if NW > 3:
         s = pid >= B3
         w_ptr, o_ptr, N = tl.where(s, w3, w_ptr), tl.where(s, o3, o_ptr), tl.where(s, n3, N)
         stride_w, stride_o, nb = tl.where(s, sw3, stride_w), tl.where(s, so3, stride_o), tl.where(s, pid - B3, nb)
+        c_ptr, stride_c = tl.where(s, c3, c_ptr), tl.where(s, sc3, stride_c)
 
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,9 +237,15 @@ def _fused_linear_kernel(
             if pid == 0:  # the programs of the first output block store the normed rows
                 tl.store(normed_ptr + t64[:, None] * stride_normed + k[None, :],
                          to_storage(a, S_BF16, S_F16, NAN_BITS), mask=inside)
-        wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+        if FP8:  # the e4m3 bytes, decoded exactly (0x00 = +0.0 past K)
+            wv = e4m3_to_f32(tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0))
+        else:
+            wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         p = a[:, None, :] * wv[None, :, :]  # (BLOCK_T, BLOCK_N, BLOCK_K), +0.0 past K
         root = _tree(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N)
+        if FP8:  # chunk c is scale block c (BLOCK_K = 128): times its scale, one rounding
+            scale = tl.load(c_ptr + (n // SCALE_ROWS).to(tl.int64) * stride_c + c, mask=n_in, other=0.0)
+            root = root * scale[None, :]
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     y = _tree(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # (BLOCK_T, BLOCK_N)
 
@@ -300,12 +315,22 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
                   emb: Tensor | None = None, tokens: Tensor | None = None, slots: Tensor | None = None,
                   hnorm: Tensor | None = None, residual: Tensor | None = None, normed: Tensor | None = None,
                   part_val: Tensor | None = None, part_idx: Tensor | None = None, out_acc: bool = False) -> Launch:
-    """The one place the kernel's grid, arguments and constexprs are computed."""
+    """The one place the kernel's grid, arguments and constexprs are computed. Block-scaled
+    ``weights`` (all of them, ``BlockScaledWeight``) read their e4m3 bytes and scales in 128-lane
+    chunks, one per scale block (``FP8``)."""
     T = x.shape[0]
     nw = len(weights)
     Ns = [w.shape[0] for w in weights]
-    block_t, block_n, block_k = linear_blocks(T, max(Ns), K)
-    nchunk = numerics.next_pow2(K) // block_k
+    fp8 = isinstance(weights[0], BlockScaledWeight)
+    if fp8:
+        scales = [w.scale_inv for w in weights]
+        weights = [w.w8.view(torch.uint8) if w.w8.dtype != torch.uint8 else w.w8 for w in weights]
+        block_t, block_n = fp8_linear_blocks(T, max(Ns))
+        block_k = FP8_BLOCK[1]
+        nchunk = numerics.next_pow2(-(-K // block_k))
+    else:
+        block_t, block_n, block_k = linear_blocks(T, max(Ns), K)
+        nchunk = numerics.next_pow2(K) // block_k
     blocks = [triton.cdiv(N, block_n) for N in Ns]
     starts = [sum(blocks[:i]) for i in range(MAX_WEIGHTS)]
     H = K // 2 if pro == PRO_HALVES else K
@@ -315,25 +340,27 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
     ns = Ns + [Ns[0]] * pad
     sws = [w.stride(0) for w in ws]
     sos = [o.stride(0) for o in os_]
+    cs = (scales + [scales[0]] * pad) if fp8 else [x] * MAX_WEIGHTS  # plain: never read
+    scs = [c.stride(0) for c in cs] if fp8 else [0] * MAX_WEIGHTS
     big = 1 << 30  # the first block of an absent weight: past every program
     bstarts = [starts[i] if i < nw else big for i in (1, 2, 3)]
     dummy = x
     args = (
         x, emb if emb is not None else dummy, tokens if tokens is not None else dummy,
         slots if slots is not None else dummy, norm_weight if norm_weight is not None else dummy,
-        hnorm if hnorm is not None else dummy, *ws, *os_, residual if residual is not None else dummy,
+        hnorm if hnorm is not None else dummy, *ws, *cs, *os_, residual if residual is not None else dummy,
         normed if normed is not None else dummy, part_val if part_val is not None else dummy,
         part_idx if part_idx is not None else dummy,
         T, K, H, emb.shape[0] if emb is not None else 1,
         x.stride(0), emb.stride(0) if emb is not None else 0, residual.stride(0) if residual is not None else 0,
         normed.stride(0) if normed is not None else 0, part_val.stride(0) if part_val is not None else 0,
-        *ns, *sws, *sos, *bstarts, _eps32(eps),
+        *ns, *sws, *scs, *sos, *bstarts, _eps32(eps),
     )
     meta = dict(
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1,
         NCHUNK=nchunk, LEVELS_C=nchunk.bit_length() - 1, **_pow2_meta(H),
         PRO=pro, NW=nw, EPI=epi, OUT_ACC=out_acc, STORE_NORMED=normed is not None,
-        **_storage_flags(s_dtype, cuda), enable_fp_fusion=False,
+        **_storage_flags(s_dtype, cuda), FP8=fp8, SCALE_ROWS=FP8_BLOCK[0], enable_fp_fusion=False,
     )
     grid = (sum(blocks), triton.cdiv(T, block_t))
     return Launch(_fused_linear_kernel, grid, args, meta)
@@ -394,7 +421,16 @@ def argmax_reduce_launch(part_val: Tensor, part_idx: Tensor, tokens: Tensor) -> 
 # ---- checks -----------------------------------------------------------------------------------
 
 
-def _matrix(name: str, arg: str, t: Tensor, cols: int | None = None) -> None:
+def _matrix(name: str, arg: str, t: Tensor | BlockScaledWeight, cols: int | None = None) -> None:
+    if isinstance(t, BlockScaledWeight):  # its bytes and scales, checked as the matrices they are
+        if t.w8.dim() != 2:
+            raise ValueError(f"{name}: {arg} must be 2-D, got {tuple(t.shape)}")
+        if cols is not None and t.shape[1] != cols:
+            raise ValueError(f"{name}: {arg} {tuple(t.shape)} must have {cols} columns")
+        for part, m in (("w8", t.w8), ("scale_inv", t.scale_inv)):
+            if m.shape[1] > 1 and m.stride(1) != 1:
+                raise ValueError(f"{name}: {arg}.{part} must have a contiguous last dim (stride {m.stride(1)})")
+        return
     if t.dim() != 2:
         raise ValueError(f"{name}: {arg} must be 2-D, got {tuple(t.shape)}")
     if cols is not None and t.shape[1] != cols:
@@ -469,7 +505,8 @@ def norm_linear_torch(x: Tensor, norm_weight: Tensor, eps: float, weights: Seque
 
 def norm_linear_triton(x: Tensor, norm_weight: Tensor, eps: float, weights: Sequence[Tensor], acc: bool = False,
                        store_normed: bool = False) -> tuple[list[Tensor], Tensor | None]:
-    """The kernel: ``x`` (T, K), ``norm_weight`` (K,), 1..4 ``weights`` (N_i, K) of one dtype ->
+    """The kernel: ``x`` (T, K), ``norm_weight`` (K,), 1..4 ``weights`` (N_i, K) of one dtype, or
+    all block-scaled fp8 (``BlockScaledWeight``: their bytes and scales read as they are) ->
     ([y_i (T, N_i)], normed (T, K) or None), byte-equal to ``norm_linear_torch``. ONE launch for
     all weights; the weights are read in place (any row stride, contiguous last dim)."""
     name = "norm_linear_triton"
@@ -481,7 +518,8 @@ def norm_linear_triton(x: Tensor, norm_weight: Tensor, eps: float, weights: Sequ
     for i, w in enumerate(weights):
         _matrix(name, f"weights[{i}]", w, K)
     if len({w.dtype for w in weights}) > 1:
-        raise TypeError(f"{name}: the weights must share a dtype, got {[w.dtype for w in weights]}")
+        raise TypeError(f"{name}: the weights must share a dtype (block-scaled fp8 or one plain dtype: one launch "
+                        f"reads one format), got {[w.dtype for w in weights]}")
     _same_device(name, x, norm_weight, *weights)
     if K == 0:
         raise ValueError(f"{name}: an empty width K")
@@ -502,8 +540,8 @@ def linear_residual_torch(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor
 
 
 def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
-    """The kernel: ``x`` (T, K), ``weight`` (N, K), ``residual`` (T, N) of x's dtype -> (T, N),
-    byte-equal to ``linear_residual_torch``."""
+    """The kernel: ``x`` (T, K), ``weight`` (N, K) (or a block-scaled fp8 ``BlockScaledWeight``),
+    ``residual`` (T, N) of x's dtype -> (T, N), byte-equal to ``linear_residual_torch``."""
     name = "linear_residual_triton"
     _matrix(name, "x", x)
     _matrix(name, "weight", weight, x.shape[1])
@@ -618,4 +656,18 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             cuda=True)))
         launches.append(AuditLaunch("argmax_reduce", variant, argmax_reduce_launch(
             a(T, P, dt=torch.float32), a(T, P, dt=torch.int64), a(T, dt=torch.int64))))
+
+        # Block-scaled fp8 weights (DESIGN.md §8): the same launches over e4m3 bytes and scales
+        # (the input norm's fp8 group: q_a, kv_a, wk; weights_proj stays plain).
+        def q(*shape):
+            return BlockScaledWeight(abstract(shape, torch.float8_e4m3fn), abstract(scale_shape(shape), torch.float32))
+
+        fp8_in = [q(Lq, H), q(cfg.kv_row_width, H), q(D, H)]
+        launches.append(AuditLaunch("norm_linear:input_fp8", variant, norm_linear_launch(
+            a(T, H), a(H), cfg.rms_norm_eps, fp8_in, [a(T, w.shape[0]) for w in fp8_in], cuda=True)))
+        fp8_q_b = [q(nh * cfg.qk_head_dim, Lq), q(Hi * D, Lq)]
+        launches.append(AuditLaunch("norm_linear:q_a_norm_fp8", variant, norm_linear_launch(
+            a(T, Lq), a(Lq), LATENT_NORM_EPS, fp8_q_b, [a(T, w.shape[0]) for w in fp8_q_b], cuda=True)))
+        launches.append(AuditLaunch("linear_residual_fp8", variant, linear_residual_launch(
+            a(T, nh * cfg.v_head_dim), q(H, nh * cfg.v_head_dim), a(T, H), a(T, H), cuda=True)))
     return launches

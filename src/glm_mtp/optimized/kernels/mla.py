@@ -57,11 +57,13 @@ from torch import Tensor
 from glm_mtp.reference import numerics
 from glm_mtp.reference.attention import absorb_query, mla_over_lists
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.fp8 import BlockScaledWeight, scale_shape
 from glm_mtp.reference.layers import apply_rope
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
+from .linear_fp8 import e4m3_to_f32
 from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
 from .pinned_math import exp_f32
 from .rope_cache import KERNEL_DTYPES, _rotate_store
@@ -180,6 +182,10 @@ def _head_gemv_kernel(
     stride_pt,
     stride_ph,
     half,  # R / 2
+    s_ptr,  # FP8: the weight's (ceil(rows/128), ceil(w_cols/128)) float32 scales, row stride stride_s
+    w_row0,  # FP8: the weight row w_ptr points at (its element offset is w_row0 * w_cols)
+    w_cols,  # FP8: the weight's row length (its rows are contiguous)
+    stride_s,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LEVELS_K: tl.constexpr,
@@ -191,6 +197,7 @@ def _head_gemv_kernel(
     INTERLEAVE: tl.constexpr,
     BLOCK_R2: tl.constexpr,
     PE_BF16: tl.constexpr,
+    FP8: tl.constexpr,  # w_ptr points at e4m3 bytes: each value is up(W8[r, c]) * s[r // 128, c // 128] in float32
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -205,7 +212,14 @@ def _head_gemv_kernel(
         k = c * BLOCK_K + kk
         k_in = k < K
         xv = tl.load(x_row + k, mask=k_in, other=0.0).to(tl.float32)
-        wv = tl.load(w_rows + k[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+        w_in = n_in[:, None] & k_in[None, :]
+        if FP8:  # the sum runs over the weight's rows, across scale blocks: each value scaled on its own
+            rel = h * stride_wh + n.to(tl.int64)[:, None] * stride_wn + k[None, :].to(tl.int64) * stride_wk
+            total = w_row0 * w_cols + rel
+            scale = tl.load(s_ptr + (total // w_cols) // 128 * stride_s + (total % w_cols) // 128, mask=w_in, other=0.0)
+            wv = e4m3_to_f32(tl.load(w_rows + k[None, :] * stride_wk, mask=w_in, other=0)) * scale
+        else:
+            wv = tl.load(w_rows + k[None, :] * stride_wk, mask=w_in, other=0.0).to(tl.float32)
         p = tl.reshape(xv[None, :] * wv, (1, BLOCK_N, BLOCK_K))  # +0.0 past K
         root = _tree(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)  # (1, BLOCK_N)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
@@ -248,7 +262,8 @@ def absorbed_query_launch(cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Ten
     nh, nope, R, Lkv, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
                            cfg.v_head_dim)
     T = q.shape[0]
-    _check_dtype("absorbed_query_triton", q, kv_b_proj, q_pe)
+    kv_b_proj, kv_s = _kv_b_parts(kv_b_proj)
+    _check_dtype("absorbed_query_triton", q, q_pe, *([] if kv_s is not None else [kv_b_proj]))
     if q.dim() != 2 or q.shape[1] != nh * (nope + R) or q.stride(1) != 1:
         raise ValueError(f"absorbed_query_triton: q must be (T, {nh * (nope + R)}) with a contiguous last dim, got "
                          f"{tuple(q.shape)} strides {q.stride()}")
@@ -266,9 +281,10 @@ def absorbed_query_launch(cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Ten
     cuda = q_abs.is_cuda if cuda is None else cuda
     block_n, meta = _gemv_meta(Lkv, nope, blocks.absorb_k, blocks.tile, False, cuda)
     args = (q, kv_b_proj, q_abs, cos, sin, q_pe, Lkv, nope, q.stride(0), nope + R, (nope + v) * Lkv, 1, Lkv,
-            q_abs.stride(0), q_abs.stride(1), cos.stride(0), q_pe.stride(0), q_pe.stride(1), R // 2)
+            q_abs.stride(0), q_abs.stride(1), cos.stride(0), q_pe.stride(0), q_pe.stride(1), R // 2,
+            *_fp8_args(kv_s, cos, 0, Lkv))
     meta.update(ROPE=True, INTERLEAVE=cfg.rope_interleave, BLOCK_R2=_p2(max(R // 2, 1)),
-                PE_BF16=q_pe.dtype == torch.bfloat16)
+                PE_BF16=q_pe.dtype == torch.bfloat16, FP8=kv_s is not None)
     return Launch(_head_gemv_kernel, (T, nh, triton.cdiv(Lkv, block_n)), args, meta)
 
 
@@ -489,7 +505,8 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: Lay
     name = "sparse_mla_triton"
     rc = row_caches(caches)
     kv_pool = _check_caches(name, rc, T, Lkv + R)
-    _check_dtype(name, q_pe, kv_b_proj, kv_pool, out)
+    kv_b_proj, kv_s = _kv_b_parts(kv_b_proj)
+    _check_dtype(name, q_pe, kv_pool, out, *([] if kv_s is not None else [kv_b_proj]))
     if q_abs.shape != (T, nh, Lkv) or q_abs.dtype != torch.float32 or q_abs.stride(2) != 1:
         raise ValueError(f"{name}: q_abs must be float32 (T, nh, Lkv) = ({T}, {nh}, {Lkv}), last dim contiguous")
     if q_pe.shape != (T, nh, R) or q_pe.stride(2) != 1:
@@ -536,12 +553,12 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: Lay
              ROWS_PER_BLOCK=BLOCK_ROWS, TO_BF16=pool_bf16, enable_fp_fusion=False))
     # out[t, h] = round_S(dot(o[t, h], W_uv[h])): W_uv[h] row n is kv_b_proj row h * (nope + v) + nope + n.
     block_n, meta = _gemv_meta(v, Lkv, b.gemv_k, b.tile, out.dtype == torch.bfloat16, cuda)
-    meta.update(ROPE=False, INTERLEAVE=False, BLOCK_R2=1, PE_BF16=False)
+    meta.update(ROPE=False, INTERLEAVE=False, BLOCK_R2=1, PE_BF16=False, FP8=kv_s is not None)
     lat = scratch.latent
     output = Launch(
         _head_gemv_kernel, (T, nh, triton.cdiv(v, block_n)),
         (lat, kv_b_proj[nope:], out, lat, lat, lat, v, Lkv, lat.stride(0), lat.stride(1), (nope + v) * Lkv, Lkv, 1,
-         out.stride(0), v, 0, 0, 0, 0),
+         out.stride(0), v, 0, 0, 0, 0, *_fp8_args(kv_s, lat, nope, Lkv)),
         meta)
     return [scores, softmax, latent, output]
 
@@ -620,6 +637,21 @@ def _check_caches(name: str, rc: RowCaches, T: int, width: int) -> Tensor:
     return first.kv_pool
 
 
+def _kv_b_parts(kv_b_proj: Tensor | BlockScaledWeight) -> tuple[Tensor, Tensor | None]:
+    """``kv_b_proj`` as the kernels read it: a plain tensor and no scales, or a block-scaled
+    weight's e4m3 bytes (uint8, the same element strides) and its float32 scales."""
+    if isinstance(kv_b_proj, BlockScaledWeight):
+        return kv_b_proj.w8.view(torch.uint8), kv_b_proj.scale_inv
+    return kv_b_proj, None
+
+
+def _fp8_args(scales: Tensor | None, dummy: Tensor, row0: int, cols: int) -> tuple:
+    """``_head_gemv_kernel``'s FP8 arguments (s_ptr, w_row0, w_cols, stride_s); unused without scales."""
+    if scales is None:
+        return (dummy, 0, 1, 0)
+    return (scales, row0, cols, scales.stride(0))
+
+
 def _check_dtype(name: str, *tensors: Tensor) -> None:
     dtype = tensors[0].dtype
     if dtype not in KERNEL_DTYPES or any(t.dtype != dtype for t in tensors):
@@ -654,4 +686,13 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
                                        abstract((T, nh * v), dtype), cuda=True)
         for part, launch in zip(("scores", "softmax", "latent", "out"), launches):
             out.append(AuditLaunch(f"mla:{part}", variant, launch))
+        if variant != "batch":  # a block-scaled kv_b (DESIGN.md §8): the two launches that read it
+            kv_b8 = BlockScaledWeight(abstract(tuple(kv_b.shape), torch.float8_e4m3fn),
+                                      abstract(scale_shape(tuple(kv_b.shape)), torch.float32))
+            out.append(AuditLaunch("mla:absorbed_query_fp8", variant, absorbed_query_launch(
+                cfg, abstract((T, nh * (nope + R)), dtype), kv_b8, angles, angles, q_abs, q_pe, cuda=True)))
+            fp8_launches = sparse_mla_launches(cfg, q_abs, q_pe, caches, abstract((T, K), torch.int64),
+                                               abstract((T,), torch.int64), kv_b8, scratch, abstract((T, nh * v), dtype),
+                                               cuda=True)
+            out.append(AuditLaunch("mla:out_fp8", variant, fp8_launches[3]))
     return out

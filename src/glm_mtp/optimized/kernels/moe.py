@@ -31,12 +31,14 @@ from torch import Tensor
 
 from glm_mtp.reference import numerics
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.fp8 import BlockScaledWeight, scale_shape
 from glm_mtp.reference import moe as ref_moe
 from glm_mtp.reference.moe import choose_experts, combine
 from glm_mtp.reference.numerics import PINNED, up
 
 from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
+from .linear_fp8 import FP8_BLOCK, e4m3_to_f32
 from .pinned_math import key_value, order_key, sigmoid_f32, silu_f32
 from .rounding import to_storage
 
@@ -58,10 +60,14 @@ _NEG_INF_KEY = tl.constexpr(int(torch.tensor([0xFF800000 ^ 0x7FFFFFFF], dtype=to
 
 @triton.jit
 def _dot_cols(x_row, w_rows, n_in, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEVELS_K: tl.constexpr,
-              NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr):
+              NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr, s_rows, FP8: tl.constexpr):
     """``psum_k(up(x[k]) * up(W[n, k]))`` for a block of output columns: ``x_row`` points at x's
     first element, ``w_rows`` (BLOCK_N, 1) at each column's weight row. The padded tree over K
-    cut at BLOCK_K (see linear.py): one root per chunk into a +0.0 array, then its tree."""
+    cut at BLOCK_K (see linear.py): one root per chunk into a +0.0 array, then its tree.
+
+    ``FP8``: ``w_rows`` point at e4m3 bytes and ``s_rows`` (BLOCK_N,) at each column's row of
+    block scales; chunks are the 128-wide scale blocks (BLOCK_K = 128) and each root is multiplied
+    by its block's scale before the tree over blocks (DESIGN.md §8). Otherwise ``s_rows`` is unused."""
     kk = tl.arange(0, BLOCK_K)
     col = tl.arange(0, NCHUNK)
     roots = tl.zeros((1, BLOCK_N, NCHUNK), tl.float32)
@@ -69,9 +75,14 @@ def _dot_cols(x_row, w_rows, n_in, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
         k = c * BLOCK_K + kk
         k_in = k < K
         xv = tl.load(x_row + k, mask=k_in, other=0.0).to(tl.float32)
-        wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+        if FP8:
+            wv = e4m3_to_f32(tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0))
+        else:
+            wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         p = xv[None, None, :] * wv[None, :, :]  # (1, BLOCK_N, BLOCK_K), +0.0 past K
         root = _tree(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)
+        if FP8:
+            root = root * tl.load(s_rows + c, mask=n_in, other=0.0)[None, :]
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     return tl.reshape(_tree(roots, 1, BLOCK_N, NCHUNK, LEVELS_C), (BLOCK_N,))
 
@@ -202,9 +213,14 @@ def _gate_up_kernel(
     sup_ptr,  # (Is, H) shared up, row stride stride_su
     hidden_ptr,  # (T, k, I) S out: strides stride_ht, stride_hj (rows contiguous)
     shidden_ptr,  # (T, Is) S out, row stride stride_st
+    gate_s, up_s,  # FP8: (E, ceil(I/128), ceil(H/128)) float32 scales: expert stride stride_cse, row stride stride_csn
+    sgate_s, sup_s,  # FP8: (ceil(Is/128), ceil(H/128)) scales, row stride stride_css
     H,
     I,
     Is,
+    stride_cse,
+    stride_csn,
+    stride_css,
     stride_m,
     stride_x,
     stride_ge,
@@ -225,38 +241,59 @@ def _gate_up_kernel(
     TO_BF16: tl.constexpr,
     TO_F16: tl.constexpr,
     NAN_BITS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)
     m_row = m_ptr + t * stride_m
+    srow = (n // 128).to(tl.int64)  # FP8: each column's row of block scales
     if j < K:  # a routed slot: its expert's rows, read in place
         e = tl.load(experts_ptr + t * stride_x + j)
         n_in = n < I
         g_rows = gate_ptr + e * stride_ge + n.to(tl.int64)[:, None] * stride_gn
         u_rows = up_ptr + e * stride_ue + n.to(tl.int64)[:, None] * stride_un
+        g_s = gate_s + e * stride_cse + srow * stride_csn
+        u_s = up_s + e * stride_cse + srow * stride_csn
         dst = hidden_ptr + t * stride_ht + j * stride_hj + n
     else:  # the shared expert
         n_in = n < Is
         g_rows = sgate_ptr + n.to(tl.int64)[:, None] * stride_sg
         u_rows = sup_ptr + n.to(tl.int64)[:, None] * stride_su
+        g_s = sgate_s + srow * stride_css
+        u_s = sup_s + srow * stride_css
         dst = shidden_ptr + t * stride_st + n
-    gate = _dot_cols(m_row, g_rows, n_in, H, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C)
-    upv = _dot_cols(m_row, u_rows, n_in, H, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C)
+    gate = _dot_cols(m_row, g_rows, n_in, H, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C, g_s, FP8)
+    upv = _dot_cols(m_row, u_rows, n_in, H, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C, u_s, FP8)
     # swiglu_hidden: round_S(silu(up(round_S(gate))) * up(round_S(up)))
-    g_s = to_storage(gate, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
-    u_s = to_storage(upv, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
-    h = silu_f32(g_s) * u_s
+    g_r = to_storage(gate, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+    u_r = to_storage(upv, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+    h = silu_f32(g_r) * u_r
     tl.store(dst, to_storage(h, TO_BF16, TO_F16, NAN_BITS), mask=n_in)
 
 
-def _check_stack(name: str, arg: str, w: Tensor, dims: int, dtype: torch.dtype) -> None:
+def _check_stack(name: str, arg: str, w: Tensor | BlockScaledWeight, dims: int, dtype: torch.dtype) -> None:
+    if isinstance(w, BlockScaledWeight):  # e4m3 bytes and scales, read as they are
+        if w.w8.dim() != dims:
+            raise ValueError(f"{name}: {arg} must have {dims} dims, got {tuple(w.shape)}")
+        for part, t in (("w8", w.w8), ("scale_inv", w.scale_inv)):
+            if t.shape[-1] > 1 and t.stride(-1) != 1:
+                raise ValueError(f"{name}: {arg}.{part} must have a contiguous last dim (stride {t.stride(-1)})")
+        return
     if w.dim() != dims:
         raise ValueError(f"{name}: {arg} must have {dims} dims, got {tuple(w.shape)}")
     if w.dtype != dtype:
         raise TypeError(f"{name}: {arg} dtype {w.dtype} differs from the activations' {dtype}")
     if w.shape[-1] > 1 and w.stride(-1) != 1:
         raise ValueError(f"{name}: {arg} must have a contiguous last dim (stride {w.stride(-1)})")
+
+
+def _one_format(name: str, mats: list) -> None:
+    """One launch reads one weight format: all block-scaled fp8, or all plain."""
+    kinds = {isinstance(w, BlockScaledWeight) for _, w, _ in mats}
+    if len(kinds) > 1:
+        raise TypeError(f"{name}: {', '.join(a for a, _, _ in mats)} mix block-scaled fp8 and plain weights; "
+                        "one launch reads one format")
 
 
 def _unit_columns(x: Tensor) -> Tensor:
@@ -270,10 +307,22 @@ def _check_rows(name: str, T: int) -> None:
         raise ValueError(f"{name}: at most {MAX_ROWS} rows per call (a grid axis runs over them), got {T}")
 
 
-def _blocks(K: int) -> tuple[int, int, int]:
-    """``(BLOCK_K, NCHUNK, BLOCK_N)`` for sums over K inputs (see linear.linear_blocks)."""
+def _blocks(K: int, fp8: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_K, NCHUNK, BLOCK_N)`` for sums over K inputs (see linear.linear_blocks); over a
+    block-scaled weight, chunks are its 128-wide scale blocks."""
+    if fp8:
+        block_k = FP8_BLOCK[1]
+        return block_k, numerics.next_pow2(-(-K // block_k)), max(1, TILE // block_k)
     block_k = min(numerics.next_pow2(K), MAX_BLOCK_K)
     return block_k, numerics.next_pow2(K) // block_k, max(1, TILE // block_k)
+
+
+def _parts(w: Tensor | BlockScaledWeight | None) -> tuple[Tensor | None, Tensor | None]:
+    """A weight's values as the kernels read them (a block-scaled one: its e4m3 bytes as uint8)
+    and its scales (None for a plain weight)."""
+    if isinstance(w, BlockScaledWeight):
+        return w.w8.view(torch.uint8), w.scale_inv
+    return w, None
 
 
 def _storage_meta(dtype: torch.dtype, cuda: bool) -> dict:
@@ -288,18 +337,27 @@ def experts_gate_up_launch(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
     (T, H), k, I = m.shape, experts.shape[1], experts_gate.shape[1]
     has_shared = shared_gate is not None
     Is = shared_gate.shape[0] if has_shared else 0
-    block_k, nchunk, block_n = _blocks(H)
+    fp8 = isinstance(experts_gate, BlockScaledWeight)
+    (experts_gate, gs), (experts_up, us) = _parts(experts_gate), _parts(experts_up)
+    (shared_gate, sgs), (shared_up, sus) = _parts(shared_gate), _parts(shared_up)
+    block_k, nchunk, block_n = _blocks(H, fp8)
     block_n = min(block_n, numerics.next_pow2(max(I, Is)))
     cuda = hidden.is_cuda if cuda is None else cuda
     sg = shared_gate if has_shared else experts_gate
     su = shared_up if has_shared else experts_up
     sh = shared_hidden if has_shared else hidden
-    args = (m, experts, experts_gate, experts_up, sg, su, hidden, sh, H, I, Is, m.stride(0), experts.stride(0),
+    if fp8:
+        sgs, sus = (sgs, sus) if has_shared else (gs, us)
+        scales = (gs, us, sgs, sus, gs.stride(0), gs.stride(1), sgs.stride(0) if has_shared else 0)
+    else:  # never read
+        scales = (m, m, m, m, 0, 0, 0)
+    args = (m, experts, experts_gate, experts_up, sg, su, hidden, sh, *scales[:4], H, I, Is, *scales[4:],
+            m.stride(0), experts.stride(0),
             experts_gate.stride(0), experts_gate.stride(1), experts_up.stride(0), experts_up.stride(1),
             sg.stride(0) if has_shared else 0, su.stride(0) if has_shared else 0, hidden.stride(0), hidden.stride(1),
             sh.stride(0) if has_shared else 0)
     meta = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1, NCHUNK=nchunk,
-                LEVELS_C=nchunk.bit_length() - 1, **_storage_meta(hidden.dtype, cuda))
+                LEVELS_C=nchunk.bit_length() - 1, **_storage_meta(hidden.dtype, cuda), FP8=fp8)
     grid = (triton.cdiv(max(I, Is), block_n), k + int(has_shared), T)
     return Launch(_gate_up_kernel, grid, args, meta)
 
@@ -332,6 +390,7 @@ def experts_gate_up_triton(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
     mats = [("experts_gate", experts_gate, 3), ("experts_up", experts_up, 3)]
     if shared_gate is not None:
         mats += [("shared_gate", shared_gate, 2), ("shared_up", shared_up, 2)]
+    _one_format(name, mats)
     for arg, w, dims in mats:
         _check_stack(name, arg, w, dims, m.dtype)
         if w.shape[-1] != m.shape[1]:
@@ -363,9 +422,14 @@ def _down_combine_kernel(
     sdown_ptr,  # (H, Is), row stride stride_sd
     res_ptr,  # (T, H) S residual, row stride stride_r
     out_ptr,  # (T, H) S, row stride stride_o
+    down_s,  # FP8: (E, ceil(H/128), ceil(I/128)) float32 scales: expert stride stride_cde, row stride stride_cdn
+    sdown_s,  # FP8: (ceil(H/128), ceil(Is/128)) scales, row stride stride_csd
     H,
     I,
     Is,
+    stride_cde,
+    stride_cdn,
+    stride_csd,
     stride_ht,
     stride_hj,
     stride_st,
@@ -392,10 +456,12 @@ def _down_combine_kernel(
     TO_BF16: tl.constexpr,
     TO_F16: tl.constexpr,
     NAN_BITS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.program_id(1).to(tl.int64)
     n_in = n < H
+    srow = (n // 128).to(tl.int64)  # FP8: each column's row of block scales
     slot = tl.arange(0, BLOCK_KS)
     terms = tl.zeros((1, BLOCK_N, BLOCK_KS), tl.float32)  # +0.0: the padding of the slots' tree
     for j in range(0, K):
@@ -403,14 +469,14 @@ def _down_combine_kernel(
         w = tl.load(weights_ptr + t * stride_w + j)
         rows = down_ptr + e * stride_de + n.to(tl.int64)[:, None] * stride_dn
         y = _dot_cols(hidden_ptr + t * stride_ht + j * stride_hj, rows, n_in, I, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK,
-                      LEVELS_C)
+                      LEVELS_C, down_s + e * stride_cde + srow * stride_cdn, FP8)
         term = w * to_storage(y, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)  # weights * up(round_S(y))
         terms = tl.where(slot[None, None, :] == j, term[None, :, None], terms)
     moe = tl.reshape(_tree(terms, 1, BLOCK_N, BLOCK_KS, LEVELS_KS), (BLOCK_N,))  # combine: psum over slots
     if HAS_SHARED:
         rows = sdown_ptr + n.to(tl.int64)[:, None] * stride_sd
         ysh = _dot_cols(shidden_ptr + t * stride_st, rows, n_in, Is, BLOCK_N, BLOCK_KSH, LEVELS_KSH, NCHUNK_SH,
-                        LEVELS_CSH)
+                        LEVELS_CSH, sdown_s + srow * stride_csd, FP8)
         moe = moe + to_storage(ysh, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
     moe_s = to_storage(moe, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
     res = tl.load(res_ptr + t * stride_r + n, mask=n_in, other=0.0).to(tl.float32)
@@ -425,20 +491,28 @@ def experts_down_combine_launch(hidden: Tensor, shared_hidden: Tensor | None, ex
     H = experts_down.shape[1]
     has_shared = shared_down is not None
     Is = shared_down.shape[1] if has_shared else 0
-    block_k, nchunk, bn = _blocks(I)
-    block_ksh, nchunk_sh, bn_sh = _blocks(max(Is, 1))
+    fp8 = isinstance(experts_down, BlockScaledWeight)
+    (experts_down, ds), (shared_down, sds) = _parts(experts_down), _parts(shared_down)
+    block_k, nchunk, bn = _blocks(I, fp8)
+    block_ksh, nchunk_sh, bn_sh = _blocks(max(Is, 1), fp8)
     block_n = min(bn, bn_sh, numerics.next_pow2(H))
     block_ks = numerics.next_pow2(k)
     cuda = out.is_cuda if cuda is None else cuda
     sh = shared_hidden if has_shared else hidden
     sd = shared_down if has_shared else experts_down
-    args = (hidden, sh, experts, weights, experts_down, sd, residual, out, H, I, Is, hidden.stride(0), hidden.stride(1),
+    if fp8:
+        sds = sds if has_shared else ds
+        scales = (ds, sds, ds.stride(0), ds.stride(1), sds.stride(0) if has_shared else 0)
+    else:  # never read
+        scales = (out, out, 0, 0, 0)
+    args = (hidden, sh, experts, weights, experts_down, sd, residual, out, *scales[:2], H, I, Is, *scales[2:],
+            hidden.stride(0), hidden.stride(1),
             sh.stride(0) if has_shared else 0, experts.stride(0), weights.stride(0), experts_down.stride(0),
             experts_down.stride(1), sd.stride(0) if has_shared else 0, residual.stride(0), out.stride(0))
     meta = dict(K=k, BLOCK_KS=block_ks, LEVELS_KS=block_ks.bit_length() - 1, HAS_SHARED=has_shared, BLOCK_N=block_n,
                 BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1, NCHUNK=nchunk, LEVELS_C=nchunk.bit_length() - 1,
                 BLOCK_KSH=block_ksh, LEVELS_KSH=block_ksh.bit_length() - 1, NCHUNK_SH=nchunk_sh,
-                LEVELS_CSH=nchunk_sh.bit_length() - 1, **_storage_meta(out.dtype, cuda))
+                LEVELS_CSH=nchunk_sh.bit_length() - 1, **_storage_meta(out.dtype, cuda), FP8=fp8)
     return Launch(_down_combine_kernel, (triton.cdiv(H, block_n), T), args, meta)
 
 
@@ -471,6 +545,7 @@ def experts_down_combine_triton(hidden: Tensor, shared_hidden: Tensor | None, ex
         raise ValueError(f"{name}: experts must be ({T}, {k}) int64, got {tuple(experts.shape)} {experts.dtype}")
     if weights.shape != (T, k) or weights.dtype != torch.float32:
         raise ValueError(f"{name}: weights must be ({T}, {k}) float32, got {tuple(weights.shape)} {weights.dtype}")
+    _one_format(name, [("experts_down", experts_down, 3)] + ([("shared_down", shared_down, 2)] if shared_down is not None else []))
     _check_stack(name, "experts_down", experts_down, 3, hidden.dtype)
     H = experts_down.shape[1]
     if experts_down.shape[2] != I:
@@ -525,5 +600,15 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             AuditLaunch("moe:down_combine", variant, experts_down_combine_launch(hidden, sh, experts, weights, down, sd,
                                                                                  res, abstract((T, H), dtype),
                                                                                  cuda=True)),
+        ]
+        # Block-scaled fp8 experts (DESIGN.md §8): the same launches over e4m3 bytes and scales.
+        q = {n: None if w is None else BlockScaledWeight(abstract(tuple(w.shape), torch.float8_e4m3fn),
+                                                         abstract(scale_shape(tuple(w.shape)), torch.float32))
+             for n, w in (("gate", gate), ("up", upw), ("down", down), ("sg", sg), ("su", su), ("sd", sd))}
+        launches += [
+            AuditLaunch("moe:gate_up_fp8", variant, experts_gate_up_launch(m, experts, q["gate"], q["up"], q["sg"], q["su"],
+                                                                           hidden, sh, cuda=True)),
+            AuditLaunch("moe:down_combine_fp8", variant, experts_down_combine_launch(
+                hidden, sh, experts, weights, q["down"], q["sd"], res, abstract((T, H), dtype), cuda=True)),
         ]
     return launches
