@@ -27,7 +27,7 @@ summary="$OUT/summary.txt"
 # The kernels' instruction stream first: compiled for an H100/H200 (sm_90), no FMA, no
 # approximate or flush-to-zero op, every float add/sub/mul rounded; registers, spills, smem.
 # Its PTX and cubins go to Triton's cache (TRITON_CACHE_DIR), not under $OUT.
-timeout 300 $PY -m glm_mtp.optimized.audit --arch sm_90 --presets tiny small glm5 >"$OUT/audit.log" 2>&1
+timeout 300 $PY -m glm_mtp.tools.audit --arch sm_90 --presets tiny small glm5 >"$OUT/audit.log" 2>&1
 rc=$?
 [ $rc -ne 0 ] && status=1
 echo "ptx audit sm_90, tiny small glm5: exit $rc ($(tail -n 1 "$OUT/audit.log"))" | tee -a "$summary"

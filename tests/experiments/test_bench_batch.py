@@ -13,8 +13,8 @@ from glm_mtp.experiments import bench_batch
 
 def test_bench_batch_writes_records_table_and_plot(tmp_path, monkeypatch):
     """The counters' subprocess is replaced by its function in this process (measured itself in
-    tests/optimized/test_counters.py): the interpreter's run is the slow part."""
-    from glm_mtp.optimized import counters
+    tests/tools/test_counters.py): the interpreter's run is the slow part."""
+    from glm_mtp.tools import counters
     from glm_mtp.reference import MtpConfig, MtpWeights
 
     def in_process(a, batches, progress=None):

@@ -14,7 +14,7 @@ alternately, round by round, so their ratio holds on a noisy machine.
 
 At the presets of ``--counters`` (default on CPU: tiny and small; on CUDA none) each record also
 carries the launch counters of one draft step, measured on CPU in a subprocess (``python -m
-glm_mtp.optimized.counters``, Triton's interpreter for the optimized backend's kernels):
+glm_mtp.tools.counters``, Triton's interpreter for the optimized backend's kernels):
 ``launches_per_draft`` (kernel launches plus the torch operators that would launch one on a GPU),
 ``kernel_bytes_per_draft`` (the bytes they load and store), ``floor_bytes_per_draft`` (the
 weights a draft step must read plus its attended rows) and ``kernel_floor_ratio``. They do not
@@ -47,10 +47,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
+from glm_mtp.tools.counters import LaunchCounter
+from glm_mtp.tools.floor import floor_bytes_per_draft
+from glm_mtp.tools.timing import copy_bandwidth, state_nbytes, timed
 
 from .validate import unwritable_dir
 
@@ -61,113 +63,11 @@ COUNTER_PRESETS = ("tiny", "small")
 # The counter fields each record gains (None where a preset was not counted).
 COUNTER_FIELDS = ("launches_per_draft", "triton_launches_per_draft", "kernel_bytes_per_draft", "floor_bytes_per_draft",
                   "kernel_floor_ratio", "launches_per_propose_overhead", "kernel_bytes_per_propose_overhead")
-# aten ops that make the host wait for the device.
-SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
 
 
 def backend_factory(name: str) -> Callable[[MtpWeights, int], Any]:
     """The proposer class of backend ``name`` (a key of ``glm_mtp.registry.BACKENDS``)."""
     return backend_class(name)
-
-
-# ------------------------------------------------------------------------------------------------
-# What a draft step must read, and how fast this device moves bytes.
-
-
-def draft_step_bytes(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int) -> int:
-    """Bytes one draft step reads at the least: every weight of the layer except the routed
-    experts not chosen, one embedding row, the whole head, the indexer keys of every visible row
-    and the KV rows the indexer selects."""
-    H, nh, Lq, Lkv, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    D, I = cfg.index_head_dim, cfg.moe_intermediate_size
-    params = (
-        H  # one embedding row
-        + 3 * H + 2 * H * H  # enorm, hnorm, shared_head.norm; eh_proj
-        + 2 * H  # input / post-attention norms
-        + Lq * H + Lq + nh * cfg.qk_head_dim * Lq  # q_a_proj, q_a_layernorm, q_b_proj
-        + (Lkv + R) * H + Lkv + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * Lkv  # kv_a, norm, kv_b
-        + H * nh * cfg.v_head_dim  # o_proj
-        + cfg.index_n_heads * D * Lq + D * H + 2 * D + cfg.index_n_heads * H  # indexer
-        + cfg.n_routed_experts * H  # router
-        + cfg.num_experts_per_tok * 3 * I * H  # the chosen experts
-        + cfg.n_shared_experts * 3 * I * H  # the shared expert
-        + cfg.vocab_size * H  # the head
-    )
-    rows = visible_rows * D + min(visible_rows, cfg.index_topk) * (Lkv + R)
-    return (params + rows) * torch.empty(0, dtype=dtype).element_size() + cfg.n_routed_experts * 4  # + fp32 bias
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 9) -> float:
-    """Bytes per second of a device-to-device copy, counting the bytes read and written (as
-    STREAM's copy does); the median of ``repeats`` copies."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    times = [timed(lambda: dst.copy_(src), device) for _ in range(repeats + 1)][1:]
-    return 2 * nbytes / statistics.median(times)
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds one call takes: CUDA events on a GPU, the wall clock elsewhere."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten operators dispatched, and those among them that synchronise with the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
-        if name.startswith(SYNC_OPS):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
-
-
-def state_nbytes(state: Any) -> int:
-    """Bytes of the distinct tensor storages reachable from a state's attributes."""
-    seen: set[int] = set()
-    total = 0
-
-    def visit(obj: Any, depth: int) -> None:
-        nonlocal total
-        if depth > 4:
-            return
-        if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
-            if st.data_ptr() not in seen and st.nbytes():
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for f in dataclasses.fields(obj):
-                visit(getattr(obj, f.name), depth + 1)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                visit(v, depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-            for v in vars(obj).values():
-                visit(v, depth + 1)
-
-    visit(state, 0)
-    return total
-
-
-# ------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -212,10 +112,10 @@ class BenchConfig:
 
 def draft_step_counters(bc: BenchConfig, preset: str, backend: str) -> dict[str, Any]:
     """The launch counters of one draft step of ``backend`` at ``preset`` (see
-    ``glm_mtp.optimized.counters``), measured on CPU in a subprocess with ``TRITON_INTERPRET=1``
+    ``glm_mtp.tools.counters``), measured on CPU in a subprocess with ``TRITON_INTERPRET=1``
     (the optimized backend forces its Triton kernels there), at this bench's dtype, context,
     capacity and seed. Returns the counter fields of ``COUNTER_FIELDS``."""
-    argv = [sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", preset, "--dtype", bc.dtype, "--backend", backend,
+    argv = [sys.executable, "-m", "glm_mtp.tools.counters", "--preset", preset, "--dtype", bc.dtype, "--backend", backend,
             "--kernels", "triton", "--context", str(bc.context), "--max-seq-len", str(bc.max_seq_len), "--seed", str(bc.seed), "--json"]
     if bc.max_position_embeddings is not None:
         argv += ["--max-position-embeddings", str(bc.max_position_embeddings)]
@@ -267,7 +167,7 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
             progress.update(1)
         for name in bc.backends:
             prop, state = props[name], states[name]
-            counter = OpCounter()
+            counter = LaunchCounter(triton=False, measure_bytes=False)
             with counter:
                 propose(name, k)()
             prop.after_verify(0, state)  # rows [0, P] held: the catch-up below appends row P + 1
@@ -278,7 +178,7 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
                 prop.after_verify(0, state)
             per_draft = sorted(t / k for t in times[name])
             median = statistics.median(per_draft)
-            step_bytes = draft_step_bytes(cfg, dtype, P + (k + 1) // 2)
+            step_bytes = floor_bytes_per_draft(cfg, dtype, P + (k + 1) // 2)
             floor = step_bytes / bandwidth
             records.append(
                 dict(
@@ -290,7 +190,7 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
                     propose_ms_median=statistics.median(times[name]) * 1e3,
                     catchup_row_ms_median=statistics.median(catch) * 1e3,
                     host_syncs_per_propose=counter.syncs,
-                    ops_per_propose=counter.ops,
+                    ops_per_propose=counter.dispatched,
                     state_bytes=mem[name],
                     bytes_per_draft_step=step_bytes,
                     floor_ms_per_draft=floor * 1e3,

@@ -11,7 +11,7 @@ drafted tokens per second of both and their ratio.
 
 With ``--counters`` (on by default) each record also carries the launch counters of one batched
 draft step, counted on CPU in a subprocess through Triton's interpreter (``python -m
-glm_mtp.optimized.counters --batch B``): ``launches_per_step`` and ``kernel_bytes_per_step``, the
+glm_mtp.tools.counters --batch B``): ``launches_per_step`` and ``kernel_bytes_per_step``, the
 distinct bytes each launch reads or writes (a weight read once for all B rows counts once). The
 bytes grow with B only by what is per row (each sequence's attended rows and its routed experts:
 the union of the experts the B rows choose, at most all of them).
@@ -37,8 +37,9 @@ import torch
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import parse_dtype
+from glm_mtp.tools.timing import timed
 
-from .bench import BENCH_DTYPES, timed
+from .bench import BENCH_DTYPES
 from .validate import unwritable_dir
 
 
@@ -46,7 +47,7 @@ COUNTER_KEYS = ("launches_per_step", "triton_launches_per_step", "kernel_bytes_p
 
 
 def batch_counters(a: argparse.Namespace, batches: list[int], progress: Any = None) -> dict[int, dict[str, Any]]:
-    """``python -m glm_mtp.optimized.counters --batch B`` for every B, in subprocesses (the
+    """``python -m glm_mtp.tools.counters --batch B`` for every B, in subprocesses (the
     interpreter needs ``TRITON_INTERPRET=1`` before triton is imported), one per core at a time,
     largest batch first (the longest)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
@@ -56,7 +57,7 @@ def batch_counters(a: argparse.Namespace, batches: list[int], progress: Any = No
     while todo or running:
         while todo and len(running) < max(1, os.cpu_count() or 1):
             b = todo.pop(0)
-            argv = [sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", a.preset, "--dtype", a.dtype, "--kernels",
+            argv = [sys.executable, "-m", "glm_mtp.tools.counters", "--preset", a.preset, "--dtype", a.dtype, "--kernels",
                     "triton", "--context", str(a.context), "--max-seq-len", str(a.max_seq_len), "--seed", str(a.seed),
                     "--batch", str(b), "--json"]
             running[b] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

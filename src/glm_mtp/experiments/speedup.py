@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.tools.floor import floor_bytes_per_draft
 
 from . import stats as acc_stats
 
@@ -118,10 +119,8 @@ def target_step_params(cfg: MtpConfig, tokens: int = 1) -> float:
 
 
 def draft_step_params(cfg: MtpConfig) -> float:
-    """Weights one draft step reads (``bench.draft_step_bytes`` at no context, in parameters)."""
-    from .bench import draft_step_bytes
-
-    return (draft_step_bytes(cfg, torch.int8, 0) - cfg.n_routed_experts * 4)  # int8: one byte a parameter
+    """Weights one draft step reads (``floor_bytes_per_draft`` at no context, in parameters)."""
+    return (floor_bytes_per_draft(cfg, torch.int8, 0) - cfg.n_routed_experts * 4)  # int8: one byte a parameter
 
 
 def bytes_costs(cfg: MtpConfig, kmax: int) -> dict[str, Any]:

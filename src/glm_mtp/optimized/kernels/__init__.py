@@ -7,7 +7,7 @@ rounded to nearest even. Each ``*_triton`` function has a ``*_torch`` twin made 
 reference's own ops; tests/optimized/test_kernels*.py prove each pair byte-equal on fresh
 random inputs through Triton's CPU interpreter. At run time the proposer calls the kernel on
 CUDA and, by default, the twin on CPU (the interpreter is slow).
-``glm_mtp.optimized.audit`` compiles every kernel in ``AUDITED`` for the GPU without one and
+``glm_mtp.tools.audit`` compiles every kernel in ``AUDITED`` for the GPU without one and
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
@@ -33,8 +33,8 @@ from .rope_cache import (
 
 # Every module here whose kernels the drafter launches. Each has ``audit_launches(cfg, dtype)``,
 # its launches at a config and weight dtype built by the same function its launcher calls;
-# ``python -m glm_mtp.optimized.audit`` compiles them for the GPU and checks the PTX. A new
-# kernel module joins this tuple (tests/optimized/test_audit.py audits every entry).
+# ``python -m glm_mtp.tools.audit`` compiles them for the GPU and checks the PTX. A new
+# kernel module joins this tuple (tests/tools/test_audit.py audits every entry).
 AUDITED = (embed, rope_cache, linear, fused_linear, mla, indexer, pinned_math, moe, paged)
 
 __all__ = [name for name in dir() if name.endswith(("_torch", "_triton"))] + [

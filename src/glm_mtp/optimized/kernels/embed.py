@@ -68,7 +68,7 @@ def embed_rows_triton(embed: Tensor, tokens: Tensor, slots: Tensor) -> Tensor:
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches the drafter makes at ``cfg`` with ``dtype`` weights, on abstract tensors
-    (see ``glm_mtp.optimized.audit``). Token ids are int64 everywhere (the proposer converts).
+    (see ``glm_mtp.tools.audit``). Token ids are int64 everywhere (the proposer converts).
 
     ``aligned``: a draft step or the one-row catch-up (fresh (1,) tensors). ``unaligned``:
     context rows, where a prefill reads ``tokens[1:]`` and a catch-up at an odd row reads

@@ -363,7 +363,7 @@ def select_rows_triton(scores: Tensor, slots: Tensor, topk: int) -> tuple[Tensor
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The drafter's launches at ``cfg`` with a ``dtype`` cache, on abstract tensors (see
-    ``glm_mtp.optimized.audit``): ``step`` one new row, ``rows`` 8 (catch-up, a batched drafter);
+    ``glm_mtp.tools.audit``): ``step`` one new row, ``rows`` 8 (catch-up, a batched drafter);
     queries and head weights as fresh GEMV outputs, angles gathered per row, the pool from
     ``LayerCache.allocate`` at ``AUDIT_CAPACITY`` rows; ``batch`` (``index_scores``): a batched
     draft step, ``BATCH_ROWS`` rows each in its own cache (an address table of one line per row,

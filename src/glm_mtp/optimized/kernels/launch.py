@@ -3,7 +3,7 @@
 Each kernel module builds its launch (grid, arguments, constexprs, compile options) in one
 function. The ``*_triton`` wrapper runs it; the module's ``audit_launches(cfg, dtype)`` calls the
 same function on abstract tensors with the drafter's real shapes, strides and alignments, and
-``glm_mtp.optimized.audit`` compiles what it returns for a GPU without needing one. So the audit
+``glm_mtp.tools.audit`` compiles what it returns for a GPU without needing one. So the audit
 sees exactly the constexprs and argument types the drafter launches with, never a hand copy.
 """
 

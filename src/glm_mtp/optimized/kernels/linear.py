@@ -217,7 +217,7 @@ def drafter_linears(cfg: MtpConfig) -> list[tuple[str, int, int, bool, int]]:
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The GEMVs of the drafter at ``cfg`` with ``dtype`` weights and activations, on abstract
-    tensors (see ``glm_mtp.optimized.audit``): every weight of ``drafter_linears``, for a draft
+    tensors (see ``glm_mtp.tools.audit``): every weight of ``drafter_linears``, for a draft
     step (``step``: one token) and a prefill chunk (``rows``: 8 tokens, so BLOCK_T = MAX_BLOCK_T)."""
     launches = []
     for name, N, K, acc, per_token in drafter_linears(cfg):

@@ -629,7 +629,7 @@ def _check_dtype(name: str, *tensors: Tensor) -> None:
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches a drafter at ``cfg`` with ``dtype`` weights makes, on abstract tensors (see
-    ``glm_mtp.optimized.audit``): ``step`` (one row) and ``rows`` (8 rows), lists of width
+    ``glm_mtp.tools.audit``): ``step`` (one row) and ``rows`` (8 rows), lists of width
     ``index_topk`` over a pool from ``LayerCache.allocate``, q as ``q_b_proj``'s output, every
     row in that cache (an address table of one line); and ``batch`` (16 rows, each in its own
     cache: one address line per row, stride 3)."""

@@ -508,7 +508,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches the drafter makes at ``cfg`` with a ``dtype`` cache, on abstract tensors
     shaped as ``glm_mtp.optimized.block.Fused.write_rows_hook`` passes them: the rope key a view of
     ``kv`` (T, Lkv + R) after the latent, the pools from ``LayerCache.allocate``, float32 tables
-    (see ``glm_mtp.optimized.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
+    (see ``glm_mtp.tools.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
 
     ``aligned``: a draft step or the one-row catch-up (``slots`` a fresh (1,) tensor).
     ``unaligned``: context rows from an odd row, ``slots[row:]`` 8 bytes off a 16-byte boundary.

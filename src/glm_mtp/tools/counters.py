@@ -1,6 +1,6 @@
-"""Kernel launches and the bytes they move per draft step, measured on CPU (issue 11, item 4).
+"""Kernel launches and the bytes they move per draft step, measured on CPU.
 
-    TRITON_INTERPRET=1 python -m glm_mtp.optimized.counters --preset tiny --dtype bfloat16 --json
+    TRITON_INTERPRET=1 python -m glm_mtp.tools.counters --preset tiny --dtype bfloat16 --json
 
 (the CLI sets ``TRITON_INTERPRET=1`` itself, re-executing when it was not set.)
 
@@ -32,7 +32,7 @@ from DRAM once; bytes read and bytes written add):
   The torch operators Triton's interpreter itself runs to stage a launch's arguments are not
   counted (the launch is).
 
-``floor_bytes_per_draft`` is the analytic floor the launches are compared with, and
+``glm_mtp.tools.floor.floor_bytes_per_draft`` is the analytic floor the launches are compared with, and
 ``measure_draft_step`` counts the marginal draft step of a real propose: counts(propose of 2
 drafts) - counts(propose of 1 draft).
 """
@@ -54,7 +54,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from glm_mtp.reference.weights import MlpWeights, MoeWeights, MtpWeights
+from glm_mtp.reference.weights import MtpWeights
+
+from .floor import floor_bytes_per_draft
 
 # ------------------------------------------------------------------------------------------------
 # Byte footprints: unions of address intervals.
@@ -165,7 +167,7 @@ NOT_LAUNCHES = frozenset({
     # device-to-host reads (.item(), .tolist()): a copy and a sync, counted in ``syncs``
     "aten._local_scalar_dense",
 })
-# Operators that make the host wait for the device (also in glm_mtp.experiments.bench).
+# Operators that make the host wait for the device.
 SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal"})
 # Whose first argument is written without being read.
 WRITE_ONLY_SELF = frozenset({
@@ -276,6 +278,7 @@ class _TorchOps(TorchDispatchMode):
         if c._in_triton:  # the interpreter staging a launch's arguments: the launch counts
             return out
         name = op_name(func)
+        c.dispatched += 1
         if name in SYNC_OPS:
             c.syncs += 1
         if name in NOT_LAUNCHES or is_view_op(func):
@@ -285,7 +288,7 @@ class _TorchOps(TorchDispatchMode):
         if outs and all(t.numel() == 0 for t in outs):
             c.excluded[name + " (empty)"] += 1
             return out
-        loaded, stored = torch_op_bytes(func, args, kwargs, out)
+        loaded, stored = torch_op_bytes(func, args, kwargs, out) if c.measure_bytes else (0, 0)
         c.records.append(LaunchRecord("torch", str(func), loaded, stored))
         return out
 
@@ -305,18 +308,23 @@ class LaunchCounter:
         triton: hook Triton's CPU interpreter (needs ``TRITON_INTERPRET=1`` before triton was
             imported; compiled launches on a GPU are not seen).
         torch_ops: count torch operators through a ``TorchDispatchMode``.
+        measure_bytes: compute each torch operator's bytes (off: the records carry 0 bytes, for
+            a caller that wants only the counts, e.g. a benchmark on a GPU).
 
     Results: ``records`` (``LaunchRecord`` per launch, in order), ``launches``, ``kernel_bytes``,
-    ``by_name()``, ``syncs`` (host reads) and ``excluded`` (operators seen but not launches).
-    Every patch is restored on exit, also on an exception.
+    ``by_name()``, ``syncs`` (host reads), ``dispatched`` (every aten operator dispatched, views
+    and launches alike) and ``excluded`` (operators seen but not launches). Every patch is
+    restored on exit, also on an exception.
     """
 
-    def __init__(self, triton: bool = True, torch_ops: bool = True) -> None:
+    def __init__(self, triton: bool = True, torch_ops: bool = True, measure_bytes: bool = True) -> None:
         self.use_triton = triton
         self.use_torch = torch_ops
+        self.measure_bytes = measure_bytes
         self.records: list[LaunchRecord] = []
         self.excluded: Counter[str] = Counter()
         self.syncs = 0
+        self.dispatched = 0
         self._in_triton = 0
         self._current: _TritonLaunch | None = None
         self._patches: list[tuple[Any, str, Any]] = []
@@ -439,53 +447,6 @@ class LaunchCounter:
 
 
 # ------------------------------------------------------------------------------------------------
-# The floor.
-
-
-def floor_bytes_per_draft(weights: MtpWeights, visible_rows: int) -> int:
-    """Bytes one draft step must read, at the least, at ``visible_rows`` rows visible to it
-    (its own included):
-
-    - every weight of the MTP layer it multiplies or scales by: ``enorm``, ``hnorm``,
-      ``eh_proj``; the input and post-attention norms; attention ``q_a_proj``,
-      ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
-      ``o_proj``; the indexer's ``wq_b``, ``wk``, ``k_norm`` weight and bias, ``weights_proj``;
-      the router and its score-correction bias (float32); the ``num_experts_per_tok`` chosen
-      routed experts' gate/up/down (one expert's bytes each, the others are not read); the
-      shared expert; ``shared_head.norm`` (a dense MLP layer: its gate/up/down instead);
-    - one embedding row and the whole ``lm_head``;
-    - the attended rows: the indexer keys of the ``visible_rows`` visible rows and the MLA rows
-      of the ``min(index_topk, visible_rows)`` rows the indexer lists, in the cache's dtype
-      (the weights' dtype).
-
-    The step's stores (its new cache rows, a hidden, a token) are a few hundred bytes and not
-    part of the floor. Byte sizes are the tensors' own (``nbytes``), so a float32 bias counts 4.
-    """
-    cfg, layer = weights.config, weights.layer
-    attn, ix = layer.attn, layer.attn.indexer
-
-    def nb(*ts: Tensor) -> int:
-        return sum(t.numel() * t.element_size() for t in ts)
-
-    total = nb(weights.enorm, weights.hnorm, weights.eh_proj, weights.shared_head_norm,
-               layer.input_layernorm, layer.post_attention_layernorm,
-               attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm,
-               attn.kv_b_proj, attn.o_proj, ix.wq_b, ix.wk, ix.k_norm_weight, ix.k_norm_bias, ix.weights_proj)
-    mlp = layer.mlp
-    if isinstance(mlp, MoeWeights):
-        total += nb(mlp.router, mlp.e_score_correction_bias)
-        total += cfg.num_experts_per_tok * nb(mlp.experts_gate[0], mlp.experts_up[0], mlp.experts_down[0])
-        if mlp.shared is not None:
-            total += nb(mlp.shared.gate_proj, mlp.shared.up_proj, mlp.shared.down_proj)
-    elif isinstance(mlp, MlpWeights):
-        total += nb(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    total += nb(weights.embed_tokens[0], weights.lm_head)
-    es = weights.eh_proj.element_size()  # the cache holds rows in the weights' dtype
-    total += es * (visible_rows * cfg.index_head_dim + min(cfg.index_topk, visible_rows) * cfg.kv_row_width)
-    return total
-
-
-# ------------------------------------------------------------------------------------------------
 # A draft step, measured.
 
 
@@ -523,7 +484,7 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     if backend == "optimized":
         if kernels == "triton" and device.type == "cpu" and not interpreting():
             raise RuntimeError("measure_draft_step: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported "
-                               "(run python -m glm_mtp.optimized.counters)")
+                               "(run python -m glm_mtp.tools.counters)")
         if device.type != "cpu" and kernels != "torch":
             raise RuntimeError("measure_draft_step: Triton launches are counted through the CPU interpreter; use CPU weights")
         prop = backend_class("optimized")(weights, max_seq_len, kernels=kernels)
@@ -558,7 +519,7 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     finally:
         prop.free_state(state)
     step_launches, step_bytes = c2.launches - c1.launches, c2.kernel_bytes - c1.kernel_bytes
-    floor = floor_bytes_per_draft(weights, held + 2)
+    floor = floor_bytes_per_draft(weights.config, weights.dtype, held + 2)
     return dict(
         backend=backend, kernels=kernels if backend == "optimized" else None, preset=cfg_name(weights),
         dtype=str(weights.dtype).removeprefix("torch."), context_rows=held, visible_rows=held + 2,
@@ -652,7 +613,7 @@ def cfg_name(weights: MtpWeights) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m glm_mtp.optimized.counters",
+    p = argparse.ArgumentParser(prog="python -m glm_mtp.tools.counters",
                                 description="Kernel launches and bytes per draft step, counted in Triton's CPU interpreter.")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="bfloat16")
@@ -707,5 +668,5 @@ if __name__ == "__main__":
     if not interpreting():
         # Triton was imported with the package, before this line: start again with the variable set.
         os.environ["TRITON_INTERPRET"] = "1"
-        os.execv(sys.executable, [sys.executable, "-m", "glm_mtp.optimized.counters", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "glm_mtp.tools.counters", *sys.argv[1:]])
     main()

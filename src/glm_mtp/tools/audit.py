@@ -1,7 +1,7 @@
 """Compile every Triton kernel the optimized drafter launches for a CUDA GPU, without one, and
 audit the instruction stream against DESIGN.md §5.
 
-    python -m glm_mtp.optimized.audit [--arch sm_90] [--presets tiny small glm5]
+    python -m glm_mtp.tools.audit [--arch sm_90] [--presets tiny small glm5]
 
 For each preset, each weight dtype the kernels take (``KERNEL_DTYPES``) and each launch the
 drafter makes (every module in ``glm_mtp.optimized.kernels.AUDITED`` lists its own, built by the
@@ -47,10 +47,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from glm_mtp.optimized.kernels import AUDITED, KERNEL_DTYPES
+from glm_mtp.optimized.kernels.launch import AuditLaunch, Launch
 from glm_mtp.reference.config import PRESETS, MtpConfig
-
-from .kernels import AUDITED, KERNEL_DTYPES
-from .kernels.launch import AuditLaunch, Launch
 
 DEFAULT_PRESETS = ("tiny", "small", "glm5")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -276,7 +275,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="python -m glm_mtp.optimized.audit", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m glm_mtp.tools.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture to compile for (default sm_90)")
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET",
                         help=f"MtpConfig presets (default {' '.join(DEFAULT_PRESETS)}; known: {' '.join(sorted(PRESETS))})")
@@ -311,5 +310,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     if knobs.runtime.interpret:  # triton saw TRITON_INTERPRET at import: start again without it
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        os.execve(sys.executable, [sys.executable, "-m", "glm_mtp.optimized.audit", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "glm_mtp.tools.audit", *sys.argv[1:]], env)
     sys.exit(main())

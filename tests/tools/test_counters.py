@@ -1,6 +1,6 @@
-"""The launch counter (glm_mtp.optimized.counters): Triton launches through the CPU interpreter
-(tests/conftest.py sets TRITON_INTERPRET=1), torch operators through a dispatch mode, the
-analytic floor, and a measured draft step."""
+"""The launch counter (glm_mtp.tools.counters): Triton launches through the CPU interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1), torch operators through a dispatch mode, and a
+measured draft step against the floor."""
 
 import json
 import os
@@ -12,10 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from glm_mtp.optimized import counters
-from glm_mtp.optimized.counters import Footprint, LaunchCounter, floor_bytes_per_draft, measure_draft_step, tensors_bytes
 from glm_mtp.optimized.kernels import embed_rows_triton, linear_triton
-from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.tools import counters
+from glm_mtp.tools.counters import Footprint, LaunchCounter, measure_draft_step, tensors_bytes
+from glm_mtp.tools.floor import floor_bytes_per_draft
 
 pytestmark = pytest.mark.skipif(not counters.interpreting(), reason="Triton launches are counted through the CPU interpreter")
 
@@ -143,34 +144,12 @@ def test_patches_are_restored_even_after_an_error():
     assert c.launches == 0
 
 
-def test_floor_bytes_of_tiny_by_hand():
-    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.bfloat16)
-    H, V = 64, 96
-    weights = (
-        3 * H + 2 * H * H  # enorm, hnorm, shared_head.norm; eh_proj (64, 128)
-        + 2 * H  # input / post-attention norms
-        + 32 * H + 32 + 4 * (16 + 8) * 32  # q_a (32, 64), q_a norm, q_b (96, 32)
-        + (16 + 8) * H + 16 + 4 * (16 + 16) * 16  # kv_a (24, 64), kv_a norm, kv_b (128, 16)
-        + H * 4 * 16  # o_proj (64, 64)
-        + 2 * 16 * 32 + 16 * H + 2 * 16 + 2 * H  # indexer wq_b (32, 32), wk (16, 64), k_norm w+b, weights_proj (2, 64)
-        + 8 * H  # router
-        + 2 * 3 * 32 * H  # the two chosen experts
-        + 3 * 32 * H  # the shared expert
-        + H + V * H  # one embedding row, the head
-    )
-    rows = 10 * 16 + 6 * 24  # index keys of 10 rows, kv rows of min(6, 10)
-    assert floor_bytes_per_draft(w, 10) == 2 * (weights + rows) + 8 * 4  # + the float32 router bias
-    assert floor_bytes_per_draft(w, 3) == 2 * (weights + 3 * 16 + 3 * 24) + 32
-    w32 = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
-    assert floor_bytes_per_draft(w32, 10) == 4 * (weights + rows) + 32
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_measure_draft_step_tiny(dtype):
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=dtype)
     r = measure_draft_step(w, "triton", context=8, max_seq_len=32)
     assert r["launches_per_draft"] > 0 and r["triton_launches_per_draft"] > 0
-    assert r["kernel_bytes_per_draft"] > 0 and r["floor_bytes_per_draft"] == floor_bytes_per_draft(w, 10)
+    assert r["kernel_bytes_per_draft"] > 0 and r["floor_bytes_per_draft"] == floor_bytes_per_draft(w.config, w.dtype, 10)
     assert r["launches_propose_2"] == r["launches_propose_1"] + r["launches_per_draft"]
     assert r["preset"] == "tiny" and r["visible_rows"] == 10
     json.dumps(r)
@@ -192,7 +171,7 @@ def test_measure_refuses_triton_without_the_interpreter(monkeypatch):
 @pytest.mark.slow
 def test_cli_json_sets_the_interpreter_itself():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "glm_mtp.optimized.counters", "--preset", "tiny", "--dtype", "float32", "--json",
+    out = subprocess.run([sys.executable, "-m", "glm_mtp.tools.counters", "--preset", "tiny", "--dtype", "float32", "--json",
                           "--context", "4", "--max-seq-len", "32"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
@@ -213,3 +192,16 @@ def test_a_batched_step_reads_each_weight_once_for_all_rows(dtype=torch.bfloat16
     lm_head = w.lm_head.numel() * w.lm_head.element_size()
     assert three["kernel_bytes_per_step"] < one["kernel_bytes_per_step"] + 2 * (one["kernel_bytes_per_step"] - lm_head)
     assert three["kernel_bytes_per_step"] < 1.6 * one["kernel_bytes_per_step"]
+
+
+def test_dispatched_operators_and_the_reference_syncs():
+    """Without the byte model (a benchmark's use) the counter still sees every operator and
+    every host read: the reference reads each draft back."""
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
+    prop = ReferenceProposer(w, 64)
+    state = prop.alloc_state("cpu")
+    prop.prefill_drafter(torch.randint(96, (9,)), torch.randn(9, 64), state)
+    with LaunchCounter(triton=False, measure_bytes=False) as c:
+        prop.propose(3, torch.randn(64), 8, 3, state)
+    assert c.syncs >= 3 and c.dispatched > 100  # one read-back per draft at least
+    assert c.launches > 0 and c.kernel_bytes == 0

@@ -1,4 +1,4 @@
-"""The PTX audit (glm_mtp.optimized.audit): its instruction check on synthetic PTX, on kernels that
+"""The PTX audit (glm_mtp.tools.audit): its instruction check on synthetic PTX, on kernels that
 break DESIGN.md §5 compiled for sm_90 (each caught, exit 1), and on every real drafter kernel at
 the tiny, small and glm5 presets (all pass). No GPU needed: Triton compiles for the target and
 ptxas assembles on the CPU. The compiling tests run the command line in a subprocess: this
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import glm_mtp.optimized as optimized_pkg
-from glm_mtp.optimized import audit
+from glm_mtp.tools import audit
 from glm_mtp.optimized.kernels import AUDITED, KERNEL_DTYPES
 from glm_mtp.reference import MtpConfig
 
@@ -189,7 +189,7 @@ def _run_audit(args: list[str], cache: str, pythonpath: str | None = None, keep_
         env.pop("TRITON_INTERPRET", None)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "glm_mtp.optimized.audit", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "glm_mtp.tools.audit", *args], env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -294,7 +294,7 @@ def test_broken_kernels_fail_the_audit(tmp_path, triton_cache):
 
 
 # The preset the suite audits: glm5's real widths, what a GPU runs. tiny and small (smaller blocks,
-# masked tails) are in the CLI's default run (``python -m glm_mtp.optimized.audit``), at the cost of
+# masked tails) are in the CLI's default run (``python -m glm_mtp.tools.audit``), at the cost of
 # another ~300 compiles that CI's time budget leaves to that command (README: PTX audit).
 AUDITED_PRESETS = ("glm5",)
 

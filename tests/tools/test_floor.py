@@ -1,0 +1,39 @@
+"""The byte model (glm_mtp.tools.floor): what one draft step must read, by hand at tiny and in
+proportion at GLM-5."""
+
+import torch
+
+from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.tools.floor import floor_bytes_per_draft
+
+
+def test_floor_bytes_glm5():
+    cfg = MtpConfig.preset("glm5")
+    b = floor_bytes_per_draft(cfg, torch.bfloat16, visible_rows=1000)
+    experts = 8 * 3 * 2048 * 6144 * 2  # the chosen experts dominate with the head
+    head = 154880 * 6144 * 2
+    assert experts + head < b < experts + head + 1.2e9
+    # Attending more rows reads more, and only the top-k KV rows count.
+    assert floor_bytes_per_draft(cfg, torch.bfloat16, 5000) - b == 4000 * 128 * 2 + (2048 - 1000) * 576 * 2
+
+
+def test_floor_bytes_of_tiny_by_hand():
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.bfloat16)
+    H, V = 64, 96
+    weights = (
+        3 * H + 2 * H * H  # enorm, hnorm, shared_head.norm; eh_proj (64, 128)
+        + 2 * H  # input / post-attention norms
+        + 32 * H + 32 + 4 * (16 + 8) * 32  # q_a (32, 64), q_a norm, q_b (96, 32)
+        + (16 + 8) * H + 16 + 4 * (16 + 16) * 16  # kv_a (24, 64), kv_a norm, kv_b (128, 16)
+        + H * 4 * 16  # o_proj (64, 64)
+        + 2 * 16 * 32 + 16 * H + 2 * 16 + 2 * H  # indexer wq_b (32, 32), wk (16, 64), k_norm w+b, weights_proj (2, 64)
+        + 8 * H  # router
+        + 2 * 3 * 32 * H  # the two chosen experts
+        + 3 * 32 * H  # the shared expert
+        + H + V * H  # one embedding row, the head
+    )
+    rows = 10 * 16 + 6 * 24  # index keys of 10 rows, kv rows of min(6, 10)
+    assert floor_bytes_per_draft(w.config, w.dtype, 10) == 2 * (weights + rows) + 8 * 4  # + the float32 router bias
+    assert floor_bytes_per_draft(w.config, w.dtype, 3) == 2 * (weights + 3 * 16 + 3 * 24) + 32
+    w32 = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
+    assert floor_bytes_per_draft(w32.config, w32.dtype, 10) == 4 * (weights + rows) + 32
