@@ -118,10 +118,3 @@ def test_a_freed_state_exports_no_pools(prop):
     snap = prop.export_state(state)
     assert snap["pool_keys"].shape == (0, CFG.index_head_dim) and snap["pool_complete"].shape == (0,)
     assert snap["pool_gates"].shape == (0, CFG.index_head_dim)
-
-
-def test_the_optimized_drafter_refuses_the_family():
-    from glm_mtp.optimized import OptimizedProposer
-
-    with pytest.raises(ValueError, match="family 'glm5_next'.*not supported by the optimized drafter"):
-        OptimizedProposer(MtpWeights.random(CFG, seed=0), max_seq_len=32)

@@ -18,7 +18,11 @@ which changes no result). Four pieces differ, all exact by construction:
   (the ``write_rows`` hook: it gets the raw projections, applies the reference's norms and hands
   the normed latent and the layer-normed index key to the kernel, which rotates and stores);
 - the chosen experts' weights gathered on the device rather than read in place through host
-  ids (``gathered_expert_outputs``): copies of the same values.
+  ids (``gathered_expert_outputs``): copies of the same values;
+- glm5_next (DESIGN.md §7): the rows are stored as normed (NoPE: no RoPE anywhere), and the
+  KPool indexer (the ``kpool`` hook, ``gated_kpool_rows``) writes its gates and pooled keys gated
+  by ``ok`` and reads every pool of the capacity in a static shape, the ones a row cannot see
+  masked out as the reference masks them (so no host read of the rows' pool count).
 
 Nothing here reads a device value on the host: slots arrive as a device tensor, so the same code
 runs eagerly on CPU and under CUDA-graph capture.
@@ -37,10 +41,12 @@ from glm_mtp.reference.attention import Rope, normed_latent
 from glm_mtp.reference.block import BlockHooks, mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
-from glm_mtp.reference.moe import moe_block
+from glm_mtp.reference.kpool import kpool_queries, pool_scores, pooled_keys, select_pool_rows
+from glm_mtp.reference.moe import expert_swiglu, moe_block
 from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
 from glm_mtp.reference.state import LayerCache
-from glm_mtp.reference.weights import AttentionWeights, MoeWeights, MtpWeights
+from glm_mtp.reference.state import BLOCK_ROWS
+from glm_mtp.reference.weights import AttentionWeights, IndexerWeights, MoeWeights, MtpWeights
 
 from .kernels import (
     KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
@@ -117,25 +123,86 @@ class Fused:
         index-key norm on the raw projections, then RoPE and the paged write in one kernel."""
         latent = normed_latent(attn, cfg, kv, ops)  # (T, Lkv)
         k_normed = normed_index_keys(attn.indexer, k, ops)  # (T, D), RoPE comes in the write
-        self.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_normed, slots, rope, cache, ok)
+        if cfg.is_next:  # NoPE: the rows are stored as normed
+            gated_write(cache, slots, latent, k_normed, ok)
+        else:
+            self.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_normed, slots, rope, cache, ok)
 
     def moe_hook(self, moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics) -> Tensor:
         """``BlockHooks.moe``: ``moe_block`` with the experts' weights gathered on the device."""
         return moe_block(moe, cfg, m, ops, outputs=gathered_expert_outputs)
 
+    def kpool_hook(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
+                   cache: LayerCache, ops: Numerics, *, ok: Tensor) -> tuple[Tensor, Tensor]:
+        """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool."""
+        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops)
+
     def hooks(self, ok: Tensor) -> BlockHooks:
         """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
-        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok), moe=self.moe_hook)
+        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok), moe=self.moe_hook,
+                          kpool=partial(self.kpool_hook, ok=ok))
+
+
+def gated_write(cache: LayerCache, slots: Tensor, kv_rows: Tensor, index_rows: Tensor, ok: Tensor) -> None:
+    """``LayerCache.write`` of rows (T, ·) at ``slots`` (T,), each row kept only where ``ok``
+    (1,) bool is set (the old bytes are written back otherwise)."""
+    block = cache.block_table[slots // BLOCK_ROWS].long()
+    offset = slots % BLOCK_ROWS
+    cache.kv_pool[block, offset] = torch.where(ok, kv_rows, cache.kv_pool[block, offset])
+    cache.index_pool[block, offset] = torch.where(ok, index_rows, cache.index_pool[block, offset])
+
+
+def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor) -> None:
+    """``reference.kpool.write_pools`` gated by ``ok`` (1,) bool, with no host read: the gates
+    ``gates`` (T, D) at ``slots`` (T,), and for every row its own pool's key, stored (with the
+    pool marked complete) only where the row is the pool's last. A pool has one last row, so
+    each pool takes at most one row's key, chosen by a one-hot match rather than a scatter of
+    duplicates (whose order would not be defined)."""
+    kpc = cache.kpool
+    assert kpc is not None, "a glm5_next layer needs a KPool cache"
+    kp, dev = cfg.index_kpool, slots.device
+    kpc.gates[slots] = torch.where(ok, gates, kpc.gates[slots])
+    pool = slots // kp  # (T,)
+    rows = pool[:, None] * kp + torch.arange(kp, device=dev)  # (T, kp): the row's pool
+    keys = pooled_keys(ix, cache.index_rows()[rows], kpc.gates[rows])  # (T, D): meaningful where the pool is full
+    done = ((slots + 1) % kp == 0) & ok  # (T,): the row completes its pool
+    hit = (pool[:, None] == torch.arange(kpc.keys.shape[0], device=dev)) & done[:, None]  # (T, P)
+    which = hit.to(torch.int64).argmax(dim=0)  # (P,): the row that completes pool p (any, where none does)
+    stored = hit.any(dim=0)  # (P,)
+    kpc.keys.copy_(torch.where(stored[:, None], keys[which], kpc.keys))
+    kpc.complete.copy_(kpc.complete | stored)
+
+
+def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
+    """``KPoolCache.forget_from(n)`` for a device row count ``n`` (1,) int64, only where ``ok``
+    (1,) bool is set: a propose's rewind to its position, with no host read (a no-op without
+    KPool rows)."""
+    kpc = cache.kpool
+    if kpc is None:
+        return
+    pools = torch.arange(kpc.complete.shape[0], device=n.device)
+    kpc.complete.copy_(kpc.complete & ~(ok & (pools >= n // kpc.kpool)))
+
+
+def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+                     ok: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and every pool of
+    the capacity scored (a static shape): ``select_pool_rows`` masks the pools a row cannot see,
+    and a list's values do not depend on its padded width. Returns ``rows`` (T, K), ``count`` (T,)."""
+    gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok)
+    q, w = kpool_queries(ix, cfg, a, q_latent, ops)
+    return select_pool_rows(pool_scores(q, w, cache.kpool.keys, cfg), slots, cfg)
 
 
 def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:
     """``glm_mtp.reference.moe.expert_outputs`` without a host read of the expert ids (so it can
     be captured): each row's experts are gathered on the device (copies), then run alone."""
     out = []
+    swiglu = expert_swiglu(moe, ops)  # clamped in glm5_next
     for t in range(m.shape[0]):
         ids = experts[t]  # (k,)
         gate, up, down = (torch.index_select(x, 0, ids) for x in (moe.experts_gate, moe.experts_up, moe.experts_down))
-        out.append(torch.stack([ops.swiglu(m[t], gate[j], up[j], down[j]) for j in range(ids.shape[0])]))  # (k, H)
+        out.append(torch.stack([swiglu(m[t], gate[j], up[j], down[j]) for j in range(ids.shape[0])]))  # (k, H)
     return torch.stack(out)  # (T, k, H)
 
 

@@ -41,7 +41,7 @@ from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_in
 from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.weights import MtpWeights
 
-from .block import Fused, KernelMode, block_rows
+from .block import Fused, KernelMode, block_rows, gated_forget
 from .step import StepKernels, fusable, fused_head, fused_rows
 from .batch import CATCHUP, BatchBuffers, BatchRows, bucket
 from .graphs import run_program
@@ -90,12 +90,6 @@ class OptimizedProposer:
                  kernels: KernelMode = "auto", cuda_graphs: bool = True, max_batch: int = 16) -> None:
         # The contract's argument checks and sizes (the reference's, the same function).
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
-        family = getattr(getattr(weights, "config", None), "family", "glm5")
-        if family != "glm5":  # its kernels are GLM-5's (RoPE MLA, per-row indexer keys, SwiGLU)
-            raise ValueError(
-                f"OptimizedProposer: family {family!r} (GLM-5.3-Flash's KPool indexer, NoPE MLA, clamped SwiGLU) "
-                "is not supported by the optimized drafter yet; use ReferenceProposer for it"
-            )
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         self.weights = weights
@@ -171,6 +165,10 @@ class OptimizedProposer:
             with writing(st, "reset_state"):
                 st.cache.kv_pool.zero_()
                 st.cache.index_pool.zero_()
+                if st.cache.kpool is not None:
+                    st.cache.kpool.gates.zero_()
+                    st.cache.kpool.keys.zero_()
+                    st.cache.kpool.complete.zero_()
                 st.x.zero_()
                 st.seq_dev.zero_()
             st.seq_len, st.pending, st.last_drafted = 0, False, 0
@@ -272,6 +270,7 @@ class OptimizedProposer:
             ok = ok & noise_ok
         st.ok.copy_(ok)
         st.out[:1].copy_(code)
+        gated_forget(st.cache, st.pos, st.ok)  # rows past pos become unreachable: their pools incomplete
         token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
         hidden = st.hid_in
         rope = self.rope(st.device)
