@@ -35,6 +35,7 @@ def test_round_trip_nested_and_flat(name, tmp_path):
     assert nested["model_type"] == "glm5_next" and nested["text_config"]["model_type"] == "glm5_next_text"
     assert MtpConfig.from_hf_config(nested) == c
     assert MtpConfig.from_hf_config(nested["text_config"]) == c  # the flat glm5_next_text form
+    assert MtpConfig.from_hf_config({**nested["text_config"], "model_type": "glm5_next"}) == c  # text fields at the top
     (tmp_path / "config.json").write_text(json.dumps(nested))
     assert MtpConfig.from_hf_config(tmp_path) == c
 

@@ -118,3 +118,27 @@ def test_a_freed_state_exports_no_pools(prop):
     snap = prop.export_state(state)
     assert snap["pool_keys"].shape == (0, CFG.index_head_dim) and snap["pool_complete"].shape == (0,)
     assert snap["pool_gates"].shape == (0, CFG.index_head_dim)
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda p, s, h: p.propose(CFG.vocab_size, h[0], 9, 2, s), ValueError),  # token id out of range
+        (lambda p, s, h: p.propose(1, h[0, :-1], 9, 2, s), ValueError),  # hidden of the wrong shape
+        (lambda p, s, h: p.propose(1, h[0], 10, 2, s), RuntimeError),  # behind: position > seq_len
+        (lambda p, s, h: p.catchup_drafter([1, 2], h[:1], 9, 9, s), ValueError),  # len(tokens) != len(hiddens)
+        (lambda p, s, h: p.after_verify(0, s), RuntimeError),  # nothing pending
+        (lambda p, s, h: p.propose(1, h[0], 9, 200, s), ValueError),  # rows past capacity
+    ],
+)
+def test_a_refused_call_leaves_every_byte_including_the_pools(prop, call, error):
+    from glm_mtp.reference.weights import same_bytes
+
+    state = prop.alloc_state("cpu")
+    tokens, hiddens = inputs(10, seed=3)
+    prop.prefill_drafter(tokens, hiddens, state)  # 9 rows: pools 0, 1 complete, pool 2 partial
+    before = prop.export_state(state)
+    with pytest.raises(error):
+        call(prop, state, hiddens)
+    after = prop.export_state(state)
+    assert before.keys() == after.keys() and all(same_bytes(before[k], after[k]) for k in before)

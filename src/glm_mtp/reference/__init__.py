@@ -1,4 +1,5 @@
-"""The eager reference GLM-5 MTP drafter: the semantics every other backend must reproduce."""
+"""The eager reference MTP drafter (GLM-5, and GLM-5.3-Flash's ``glm5_next`` family): the
+semantics every other backend must reproduce."""
 
 from .checkpoint import CheckpointError
 from .config import MtpConfig

@@ -8,7 +8,9 @@ latent space through ``kv_b_proj``'s key half, and the output leaves it through 
     score(t, s) = (dot(q_abs, c_s) + dot(q_pe, k_pe_s)) * qk_head_dim^-1/2
     out_t[h]    = W_uv[h] (psum_s softmax(score)_s c_s)
 
-over row t's list of selected rows in ascending slot order (``indexer.select_rows``): the same
+over row t's list of selected rows in ascending slot order (``indexer.select_rows``; in the
+glm5_next family ``kpool.kpool_rows``, with NoPE: ``qk_rope_head_dim = 0``, so ``k_pe`` and
+``q_pe`` are empty and their dot is the empty sum ``+0.0``): the same
 math as attending with expanded keys and values, at a cost of O(index_topk) per row whatever the
 row capacity. Pinned (DESIGN.md §5): every sum is a ``psum`` in that order.
 """

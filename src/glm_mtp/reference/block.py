@@ -36,7 +36,9 @@ def decoder_layer(
     moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
     kpool: KPoolRowsFn = kpool_rows,
 ) -> Tensor:
-    """One GLM-5 decoder layer on new rows ``h`` (T, H) at ``slots`` (T,); writes their cache rows.
+    """One decoder layer (GLM-5's, or GLM-5.3-Flash's with ``cfg.family == "glm5_next"``: the
+    same residual structure, its attention and MoE pieces chosen by the config) on new rows ``h``
+    (T, H) at ``slots`` (T,); writes their cache rows.
 
     Args:
         moe: computes the MoE; the default is the reference's ``moe_block``. Training swaps in a

@@ -7,6 +7,9 @@ limiting, normalised weights times ``routed_scaling_factor``, SwiGLU experts, a 
     w      = s[chosen] / (psum(s[chosen]) + 1e-20) * routed_scaling_factor
     out    = round_S(psum_j(w_j * expert_{chosen_j}(m)) + shared(m))
 
+In the glm5_next family every expert (routed and shared) is the clamped SwiGLU of
+``layers.clamped_swiglu`` at ``swiglu_limit`` (``expert_swiglu``) and the router is float32.
+
 Each row's experts run on that row alone, reading the chosen experts' weights in place, so a row's
 result does not depend on which other rows share the call; the weighted sum runs over the chosen
 experts in ascending expert id.

@@ -124,7 +124,8 @@ NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 
 
 class ReferenceProposer:
-    """The eager GLM-5 MTP drafter.
+    """The eager MTP drafter of either family (``MtpConfig.family``): GLM-5's layer, or
+    GLM-5.3-Flash's (NoPE MLA, KPool indexer, clamped SwiGLU; DESIGN.md §7).
 
     Args:
         weights: the MTP layer with the target's embedding and head; states live on its device.
