@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import glm_mtp, torch, pytest, hypothesis, xdist" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import glm_mtp, torch, pytest, hypothesis, xdist, transformers" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
   # The one notice left is setuptools' "Editable installation." (setuptools
