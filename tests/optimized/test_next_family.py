@@ -103,3 +103,11 @@ def test_batch_of_states_at_different_lengths(next_weights):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].shape == b[k].shape and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_lockstep_with_interpreted_triton_kernels():
+    """The block's Triton kernels (the GEMVs, the embedding, the pooled-key write) through the
+    interpreter inside the orchestration: one scenario over short sequences."""
+    r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=1, seed=9, preset=PRESET, max_seq_len=24,
+            dtype=torch.bfloat16)
+    assert r.ok, r.first_difference

@@ -41,13 +41,14 @@ from glm_mtp.reference.attention import Rope, normed_latent
 from glm_mtp.reference.block import BlockHooks, mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
-from glm_mtp.reference.kpool import kpool_queries, pool_scores, pooled_keys, select_pool_rows
+from glm_mtp.reference.kpool import kpool_queries, pool_scores, select_pool_rows
 from glm_mtp.reference.moe import expert_swiglu, moe_block
 from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import AttentionWeights, IndexerWeights, MoeWeights, MtpWeights
 
+from .kernels.kpool import KPOOL_DTYPES, pool_keys_write_torch, pool_keys_write_triton
 from .kernels import (
     KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
     rope_cache_write_torch, rope_cache_write_triton,
@@ -135,7 +136,7 @@ class Fused:
     def kpool_hook(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
                    cache: LayerCache, ops: Numerics, *, ok: Tensor) -> tuple[Tensor, Tensor]:
         """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool."""
-        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops)
+        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops, fused=self)
 
     def hooks(self, ok: Tensor) -> BlockHooks:
         """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
@@ -152,25 +153,19 @@ def gated_write(cache: LayerCache, slots: Tensor, kv_rows: Tensor, index_rows: T
     cache.index_pool[block, offset] = torch.where(ok, index_rows, cache.index_pool[block, offset])
 
 
-def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor) -> None:
+def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor,
+                      fused: "Fused | None" = None) -> None:
     """``reference.kpool.write_pools`` gated by ``ok`` (1,) bool, with no host read: the gates
-    ``gates`` (T, D) at ``slots`` (T,), and for every row its own pool's key, stored (with the
-    pool marked complete) only where the row is the pool's last. A pool has one last row, so
-    each pool takes at most one row's key, chosen by a one-hot match rather than a scatter of
-    duplicates (whose order would not be defined)."""
+    ``gates`` (T, D) at ``slots`` (T,), then the key of every pool a row completes
+    (``kernels.kpool``: the kernel or its twin, as ``fused`` chooses; the twin without one)."""
     kpc = cache.kpool
     assert kpc is not None, "a glm5_next layer needs a KPool cache"
-    kp, dev = cfg.index_kpool, slots.device
     kpc.gates[slots] = torch.where(ok, gates, kpc.gates[slots])
-    pool = slots // kp  # (T,)
-    rows = pool[:, None] * kp + torch.arange(kp, device=dev)  # (T, kp): the row's pool
-    keys = pooled_keys(ix, cache.index_rows()[rows], kpc.gates[rows])  # (T, D): meaningful where the pool is full
-    done = ((slots + 1) % kp == 0) & ok  # (T,): the row completes its pool
-    hit = (pool[:, None] == torch.arange(kpc.keys.shape[0], device=dev)) & done[:, None]  # (T, P)
-    which = hit.to(torch.int64).argmax(dim=0)  # (P,): the row that completes pool p (any, where none does)
-    stored = hit.any(dim=0)  # (P,)
-    kpc.keys.copy_(torch.where(stored[:, None], keys[which], kpc.keys))
-    kpc.complete.copy_(kpc.complete | stored)
+    args = (cfg, ix, slots, cache.index_pool, cache.block_table, kpc.gates, kpc.keys, kpc.complete, ok)
+    if fused is not None and fused.use_triton(cache.index_pool) and cache.index_pool.dtype in KPOOL_DTYPES:
+        pool_keys_write_triton(*args)
+    else:
+        pool_keys_write_torch(*args)
 
 
 def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
@@ -185,11 +180,11 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
 
 
 def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                     ok: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+                     ok: Tensor, ops: Numerics = PINNED, fused: "Fused | None" = None) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and every pool of
     the capacity scored (a static shape): ``select_pool_rows`` masks the pools a row cannot see,
     and a list's values do not depend on its padded width. Returns ``rows`` (T, K), ``count`` (T,)."""
-    gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok)
+    gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
     q, w = kpool_queries(ix, cfg, a, q_latent, ops)
     return select_pool_rows(pool_scores(q, w, cache.kpool.keys, cfg), slots, cfg)
 

@@ -1,0 +1,173 @@
+"""The KPool pooled-key write of GLM-5.3-Flash's indexer (DESIGN.md §7) as one kernel: every new
+row that completes its pool computes that pool's key from the pool's rows' index keys and gates
+and stores it, with the pool marked complete.
+
+Replaces, in ``glm_mtp.reference.kpool.write_pools`` (after the gates are stored)::
+
+    l[j, c]  = up(g[kp p + j, c]) + up(ape[j, c])                      (A)
+    pk[p, c] = round_S(psum_j(softmax_j(l[:, c])[j] * up(k[kp p + j, c])))
+
+Exact by construction (DESIGN.md §5): the softmax is ``numerics.softmax`` operation by operation
+(an exact max, ``pinned_math.exp_f32``, the ``psum`` tree over the kp positions with ``tl.split``
+levels, ``div_rn``); products and sums rounded once each (``enable_fp_fusion=False``); bfloat16
+rounded on the bits. Only a row whose slot is its pool's last stores, and only where the device
+flag ``ok`` is set: a pool has one last row, so no two programs store the same pool. Index rows
+are read through the block table of the paged cache (``LayerCache``), gates from the dense
+``KPoolCache.gates``; both must already hold the pool's rows (the reference's order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.kpool import pooled_keys
+from glm_mtp.reference.numerics import next_pow2
+from glm_mtp.reference.state import BLOCK_ROWS
+from glm_mtp.reference.weights import IndexerWeights
+
+from .launch import AuditLaunch, Launch, abstract
+from .pinned_math import exp_f32
+from .rounding import round_to_storage
+
+# Storage dtypes the kernel takes (its A is float32).
+KPOOL_DTYPES = (torch.float32, torch.bfloat16)
+# The key channels one program covers (the tile is (BLOCK_C, kp)).
+MAX_BLOCK_C = 128
+
+
+@triton.jit
+def _pool_keys_kernel(
+    slots_ptr,  # (T,) int64
+    ok_ptr,  # (1,) bool
+    index_ptr,  # (blocks, 16, D) S, contiguous
+    table_ptr,  # (blocks,) int32
+    gates_ptr,  # (capacity, D) S, contiguous
+    ape_ptr,  # (KP, D) S, contiguous
+    keys_ptr,  # (pools, D) S out, contiguous
+    complete_ptr,  # (pools,) bool out
+    D,
+    KP: tl.constexpr,  # index_kpool, a power of two
+    LEVELS: tl.constexpr,  # log2(KP)
+    BLOCK_C: tl.constexpr,
+    TO_BF16: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+    slot = tl.load(slots_ptr + t)
+    ok = tl.load(ok_ptr).to(tl.int1)
+    done = ok & ((slot + 1) % KP == 0)  # this row completes its pool
+    if done:
+        pool = slot // KP
+        j = tl.arange(0, KP)  # (KP,)
+        rows = pool * KP + j  # (KP,) int64
+        block = tl.load(table_ptr + rows // 16).to(tl.int64)
+        c_in = c < D
+        m2 = c_in[:, None] & (j[None, :] >= 0)  # (BLOCK_C, KP)
+        idx_off = (block * 16 + rows % 16)[None, :] * D + c[:, None]  # (BLOCK_C, KP)
+        k = tl.load(index_ptr + idx_off, mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(gates_ptr + rows[None, :] * D + c[:, None], mask=m2, other=0.0).to(tl.float32)
+        a = tl.load(ape_ptr + j[None, :] * D + c[:, None], mask=m2, other=0.0).to(tl.float32)
+        logit = g + a  # (BLOCK_C, KP), A
+        m = tl.max(logit, axis=1)  # exact in any order
+        e = exp_f32(logit - m[:, None])
+        s = e
+        for level in tl.static_range(LEVELS):  # psum_j(e)
+            lo, hi = tl.split(tl.reshape(s, (BLOCK_C, KP >> (level + 1), 2)))
+            s = lo + hi
+        p = tl.math.div_rn(e, tl.reshape(s, (BLOCK_C, 1)))
+        x = p * k
+        for level in tl.static_range(LEVELS):  # psum_j(p * k)
+            lo, hi = tl.split(tl.reshape(x, (BLOCK_C, KP >> (level + 1), 2)))
+            x = lo + hi
+        pk = round_to_storage(tl.reshape(x, (BLOCK_C,)), TO_BF16, NAN_BITS)
+        tl.store(keys_ptr + pool * D + c, pk, mask=c_in)
+        if tl.program_id(1) == 0:
+            tl.store(complete_ptr + pool, tl.full((), 1, tl.int1))
+
+
+def _check(cfg: MtpConfig, ape: Tensor, slots: Tensor, index_pool: Tensor, block_table: Tensor, gates: Tensor,
+           keys: Tensor, complete: Tensor, ok: Tensor) -> None:
+    name = "pool_keys_write_triton"
+    kp, D = cfg.index_kpool, cfg.index_head_dim
+    if kp < 2 or kp & (kp - 1) or BLOCK_ROWS % kp:
+        raise ValueError(f"{name}: index_kpool must be a power of two in [2, {BLOCK_ROWS}], got {kp}")
+    dt = index_pool.dtype
+    if dt not in KPOOL_DTYPES:
+        raise TypeError(f"{name}: storage dtype must be one of {KPOOL_DTYPES}, got {dt}")
+    for arg, x, shape in (("ape", ape, (kp, D)), ("gates", gates, (gates.shape[0], D)), ("keys", keys, (keys.shape[0], D)),
+                          ("index_pool", index_pool, (index_pool.shape[0], BLOCK_ROWS, D))):
+        if tuple(x.shape) != shape or x.dtype != dt or not x.is_contiguous():
+            raise ValueError(f"{name}: {arg} must be a contiguous {shape} {dt} tensor, got {tuple(x.shape)} {x.dtype}")
+    if slots.dim() != 1 or slots.dtype != torch.int64:
+        raise ValueError(f"{name}: slots must be (T,) int64, got {tuple(slots.shape)} {slots.dtype}")
+    if complete.dtype != torch.bool or complete.shape != (keys.shape[0],):
+        raise ValueError(f"{name}: complete must be ({keys.shape[0]},) bool, got {tuple(complete.shape)} {complete.dtype}")
+    if ok.dtype != torch.bool or ok.numel() != 1:
+        raise ValueError(f"{name}: ok must be one bool, got {tuple(ok.shape)} {ok.dtype}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 1:
+        raise ValueError(f"{name}: block_table must be (blocks,) int32, got {tuple(block_table.shape)} {block_table.dtype}")
+
+
+def pool_keys_write_launch(kp: int, ape: Tensor, slots: Tensor, index_pool: Tensor, block_table: Tensor,
+                           gates: Tensor, keys: Tensor, complete: Tensor, ok: Tensor, cuda: bool | None = None) -> Launch:
+    """The launch at pools of ``kp`` rows: grid (T rows, key-channel blocks)."""
+    D = keys.shape[1]
+    block_c = min(next_pow2(D), MAX_BLOCK_C)
+    cuda = keys.is_cuda if cuda is None else cuda
+    args = (slots, ok, index_pool, block_table, gates, ape, keys, complete, D)
+    meta = dict(KP=kp, LEVELS=kp.bit_length() - 1, BLOCK_C=block_c, TO_BF16=keys.dtype == torch.bfloat16,
+                NAN_BITS=0x7FFF if cuda else 0xFFFF, enable_fp_fusion=False)
+    return Launch(_pool_keys_kernel, (slots.shape[0], triton.cdiv(D, block_c)), args, meta)
+
+
+def pool_keys_write_triton(cfg: MtpConfig, ix: IndexerWeights, slots: Tensor, index_pool: Tensor, block_table: Tensor,
+                           gates: Tensor, keys: Tensor, complete: Tensor, ok: Tensor) -> None:
+    """Store the key of every pool a row at ``slots`` (T,) completes into ``keys`` (pools, D),
+    marking it in ``complete`` (pools,) bool, only where ``ok`` (1,) bool is set. The pools' index
+    rows (``index_pool`` through ``block_table``) and gates (``gates`` (capacity, D)) are read as
+    stored. One launch, byte-equal to ``pool_keys_write_torch``."""
+    _check(cfg, ix.kpool_ape, slots, index_pool, block_table, gates, keys, complete, ok)
+    if slots.shape[0]:
+        pool_keys_write_launch(cfg.index_kpool, ix.kpool_ape, slots, index_pool, block_table, gates, keys, complete, ok).run()
+
+
+def pool_keys_write_torch(cfg: MtpConfig, ix: IndexerWeights, slots: Tensor, index_pool: Tensor, block_table: Tensor,
+                          gates: Tensor, keys: Tensor, complete: Tensor, ok: Tensor) -> None:
+    """The twin: ``reference.kpool.pooled_keys`` of every row's own pool (the rows read through the
+    block table), stored only where the row completes its pool and ``ok`` is set. A pool has one
+    last row, so each pool takes at most one row's key: chosen by a one-hot match rather than a
+    scatter of duplicates (whose order is not defined), with no host read."""
+    kp, dev = cfg.index_kpool, slots.device
+    pool = slots // kp  # (T,)
+    rows = pool[:, None] * kp + torch.arange(kp, device=dev)  # (T, kp): the row's pool
+    block = block_table[rows // BLOCK_ROWS].long()
+    new = pooled_keys(ix, index_pool[block, rows % BLOCK_ROWS], gates[rows])  # (T, D): meaningful where the pool is full
+    done = ((slots + 1) % kp == 0) & ok  # (T,)
+    hit = (pool[:, None] == torch.arange(keys.shape[0], device=dev)) & done[:, None]  # (T, P)
+    which = hit.to(torch.int64).argmax(dim=0)  # (P,): the row completing pool p (any, where none does)
+    stored = hit.any(dim=0)  # (P,)
+    keys.copy_(torch.where(stored[:, None], new[which], keys))
+    complete.copy_(complete | stored)
+
+
+def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
+    """The launch at ``cfg``'s index width with ``dtype`` storage, on abstract tensors: a draft
+    step (``step``: 1 row) and a prefill chunk (``rows``: 8 rows). Pools of ``index_kpool`` rows
+    (a GLM-5 config, which has none, audits the release's 16: the kernel compiles the same)."""
+    if dtype not in KPOOL_DTYPES:
+        return []
+    D, kp, blocks = cfg.index_head_dim, cfg.index_kpool if cfg.is_next else 16, 64
+    capacity = blocks * BLOCK_ROWS
+    out = []
+    for variant, T in (("step", 1), ("rows", 8)):
+        launch = pool_keys_write_launch(
+            kp, abstract((kp, D), dtype), abstract((T,), torch.int64), abstract((blocks, BLOCK_ROWS, D), dtype),
+            abstract((blocks,), torch.int32), abstract((capacity, D), dtype), abstract((capacity // kp, D), dtype),
+            abstract((capacity // kp,), torch.bool), abstract((1,), torch.bool), cuda=True)
+        out.append(AuditLaunch("kpool:pool_keys_write", variant, launch))
+    return out
