@@ -83,3 +83,25 @@ def test_a_left_to_right_pool_sum_is_caught():
         serial = serial + prod[..., j]
     assert same(got, pooled_keys(ix, k, cache.kpool.gates[rows]))
     assert not same(got, serial.to(torch.float32))
+
+
+@DTYPES
+@pytest.mark.parametrize("kpool", [4, 16])
+def test_pool_scores_bytes(kpool, dtype):
+    """Rows seeing no pool, some and all of them; -inf past each row's visible pools; the
+    kernel equals the twin and the twin the reference's pool_scores on the visible pools."""
+    cfg, ix, cache = _case(kpool, dtype, seed=20 + kpool)
+    gen = torch.Generator().manual_seed(kpool)
+    Hi, D, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    P = cache.kpool.keys.shape[0]
+    slots = torch.tensor([0, kp - 1, 3 * kp + 1, P * kp - 1], dtype=torch.int64)
+    q = torch.randn(4, Hi * D, generator=gen).to(dtype)
+    w = torch.randn(4, Hi, generator=gen).to(dtype)
+    want = K.pool_scores_torch(cfg, q, w, cache.kpool.keys, slots)
+    got = K.pool_scores_triton(cfg, q, w, cache.kpool.keys, slots)
+    assert same(got, want)
+    assert bool(torch.isinf(want[0]).all()) and bool(torch.isfinite(want[3]).all())
+    assert torch.isfinite(want[2]).sum().item() == 3
+    from glm_mtp.reference.kpool import pool_scores as ref_scores
+    ref = ref_scores(q.reshape(4, Hi, D), up(w) * Hi**-0.5, cache.kpool.keys[:3], cfg)
+    assert same(want[2, :3], ref[2])

@@ -41,14 +41,14 @@ from glm_mtp.reference.attention import Rope, normed_latent
 from glm_mtp.reference.block import BlockHooks, mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
-from glm_mtp.reference.kpool import kpool_queries, pool_scores, select_pool_rows
+from glm_mtp.reference.kpool import select_pool_rows
 from glm_mtp.reference.moe import expert_swiglu, moe_block
 from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import AttentionWeights, IndexerWeights, MoeWeights, MtpWeights
 
-from .kernels.kpool import KPOOL_DTYPES, pool_keys_write_torch, pool_keys_write_triton
+from .kernels.kpool import KPOOL_DTYPES, pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton
 from .kernels import (
     KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
     rope_cache_write_torch, rope_cache_write_triton,
@@ -181,12 +181,19 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
 
 def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                      ok: Tensor, ops: Numerics = PINNED, fused: "Fused | None" = None) -> tuple[Tensor, Tensor]:
-    """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and every pool of
-    the capacity scored (a static shape): ``select_pool_rows`` masks the pools a row cannot see,
-    and a list's values do not depend on its padded width. Returns ``rows`` (T, K), ``count`` (T,)."""
+    """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
+    every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
+    ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
+    as ``select_pool_rows`` masks them, and a list's values do not depend on its padded width.
+    Returns ``rows`` (T, K), ``count`` (T,)."""
     gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
-    q, w = kpool_queries(ix, cfg, a, q_latent, ops)
-    return select_pool_rows(pool_scores(q, w, cache.kpool.keys, cfg), slots, cfg)
+    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
+    keys = cache.kpool.keys
+    if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
+        scores = pool_scores_triton(cfg, q_raw, w_raw, keys, slots)
+    else:
+        scores = pool_scores_torch(cfg, q_raw, w_raw, keys, slots)  # (T, P): -inf past the visible pools
+    return select_pool_rows(scores, slots, cfg)
 
 
 def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:

@@ -1,6 +1,16 @@
-"""The KPool pooled-key write of GLM-5.3-Flash's indexer (DESIGN.md §7) as one kernel: every new
+"""The KPool indexer of GLM-5.3-Flash (DESIGN.md §7) as kernels: the pooled-key write (every new
 row that completes its pool computes that pool's key from the pool's rows' index keys and gates
-and stores it, with the pool marked complete.
+and stores it, with the pool marked complete) and the pool scores of new rows over their visible
+complete pools.
+
+Pool scores replace ``kpool_queries``' weights and ``pool_scores`` (then the visibility mask of
+``select_pool_rows``)::
+
+    w[h]    = up(w_raw[h]) * Hi^-1/2                                   (a float32 constant)
+    I(t, p) = psum_h(w[h] * relu(psum_d(up(q[h, d]) * up(pk[p, d])) * D^-1/2))   p < (slot + 1) // kp
+
+and ``-inf`` for every other pool; the programs past a row's visible pools load nothing, so the
+loads are O(visible pools), never the capacity's.
 
 Replaces, in ``glm_mtp.reference.kpool.write_pools`` (after the gates are stored)::
 
@@ -21,17 +31,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from einops import rearrange
 from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.kpool import pooled_keys
-from glm_mtp.reference.numerics import next_pow2
+from glm_mtp.reference.kpool import pool_scores, pooled_keys
+from glm_mtp.reference.numerics import next_pow2, up
 from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import IndexerWeights
 
 from .launch import AuditLaunch, Launch, abstract
 from .pinned_math import exp_f32
-from .rounding import round_to_storage
+from .rounding import float32_bits, round_to_storage
 
 # Storage dtypes the kernel takes (its A is float32).
 KPOOL_DTYPES = (torch.float32, torch.bfloat16)
@@ -88,6 +99,108 @@ def _pool_keys_kernel(
         tl.store(keys_ptr + pool * D + c, pk, mask=c_in)
         if tl.program_id(1) == 0:
             tl.store(complete_ptr + pool, tl.full((), 1, tl.int1))
+
+
+@triton.jit
+def _tree2(x, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
+    """``psum`` over the last axis of ``x`` (N, W), ``W = 2 ** LEVELS``. Returns (N,)."""
+    for level in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (N, W >> (level + 1), 2)))
+        x = a + b
+    return tl.reshape(x, (N,))
+
+
+@triton.jit
+def _pool_scores_kernel(
+    q_ptr,  # (T, Hi * D) S, the raw wq_b output (no RoPE), row stride q_stride
+    w_ptr,  # (T, Hi) S, the raw weights_proj output, row stride w_stride
+    keys_ptr,  # (P, D) S pooled keys, contiguous
+    slots_ptr,  # (T,) int64
+    out_ptr,  # (T, P) float32, row stride out_stride
+    P,
+    Hi,
+    D,
+    KP,
+    q_stride,
+    w_stride,
+    out_stride,
+    head_scale_bits,  # int32: float32(Hi^-1/2)
+    dot_scale_bits,  # int32: float32(D^-1/2)
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LEVELS_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LEVELS_H: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + t)
+    n_vis = (slot + 1) // KP  # complete pools whose last row is <= slot
+    p = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    dst = out_ptr + t * out_stride + p
+    if b * BLOCK_P >= n_vis:  # no visible pool here: -inf, nothing loaded
+        tl.store(dst, tl.full((BLOCK_P,), float("-inf"), tl.float32), mask=p < P)
+    else:
+        visible = (p < n_vis) & (p < P)
+        d = tl.arange(0, BLOCK_D)
+        d_in = d < D
+        keys = tl.load(keys_ptr + p.to(tl.int64)[:, None] * D + d[None, :], mask=visible[:, None] & d_in[None, :],
+                       other=0.0).to(tl.float32)  # (BLOCK_P, BLOCK_D), +0.0 past D
+        head_scale = head_scale_bits.to(tl.float32, bitcast=True)
+        dot_scale = dot_scale_bits.to(tl.float32, bitcast=True)
+        q_row = q_ptr + t * q_stride
+        w_row = w_ptr + t * w_stride
+        hcol = tl.arange(0, BLOCK_H)
+        roots = tl.zeros((BLOCK_P, BLOCK_H), tl.float32)  # +0.0: the heads' padding
+        for h in range(0, Hi):
+            qh = tl.load(q_row + h * D + d, mask=d_in, other=0.0).to(tl.float32)
+            dots = _tree2(keys * qh[None, :], BLOCK_P, BLOCK_D, LEVELS_D) * dot_scale  # (BLOCK_P,)
+            wh = tl.load(w_row + h).to(tl.float32) * head_scale
+            v = wh * tl.where(dots < 0.0, 0.0, dots)  # torch.relu: -0.0 and NaN pass through
+            roots = tl.where(hcol[None, :] == h, v[:, None], roots)
+        score = _tree2(roots, BLOCK_P, BLOCK_H, LEVELS_H)
+        tl.store(dst, tl.where(visible, score, float("-inf")), mask=p < P)
+
+
+def pool_scores_launch(kp: int, n_heads: int, q: Tensor, w: Tensor, keys: Tensor, slots: Tensor, out: Tensor) -> Launch:
+    """The launch: grid (pool blocks, T rows)."""
+    (P, D), T = keys.shape, slots.shape[0]
+    block_d, block_h = next_pow2(D), next_pow2(n_heads)
+    block_p = max(1, min(next_pow2(max(P, 1)), max(1, 4096 // block_d)))
+    args = (q, w, keys, slots, out, P, n_heads, D, kp, q.stride(0), w.stride(0), out.stride(0),
+            float32_bits(n_heads**-0.5), float32_bits(D**-0.5))
+    meta = dict(BLOCK_P=block_p, BLOCK_D=block_d, LEVELS_D=block_d.bit_length() - 1, BLOCK_H=block_h,
+                LEVELS_H=block_h.bit_length() - 1, enable_fp_fusion=False)
+    return Launch(_pool_scores_kernel, (triton.cdiv(max(P, 1), block_p), T), args, meta)
+
+
+def pool_scores_torch(cfg: MtpConfig, q_raw: Tensor, w_raw: Tensor, keys: Tensor, slots: Tensor) -> Tensor:
+    """The twin: ``kpool_queries``' head weights from ``w_raw`` (T, Hi) S, ``pool_scores`` of the
+    queries ``q_raw`` (T, Hi * D) S against ``keys`` (P, D), and ``-inf`` past each row's visible
+    complete pools (``select_pool_rows``' mask). Returns (T, P) float32."""
+    q = rearrange(q_raw, "t (h d) -> t h d", h=cfg.index_n_heads)
+    w = up(w_raw) * cfg.index_n_heads**-0.5
+    scores = pool_scores(q, w, keys, cfg)  # (T, P)
+    visible = torch.arange(keys.shape[0], device=slots.device)[None, :] < ((slots + 1) // cfg.index_kpool)[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def pool_scores_triton(cfg: MtpConfig, q_raw: Tensor, w_raw: Tensor, keys: Tensor, slots: Tensor) -> Tensor:
+    """The kernel for ``pool_scores_torch``: one launch, byte-equal to it."""
+    name = "pool_scores_triton"
+    Hi, D = cfg.index_n_heads, cfg.index_head_dim
+    T = slots.shape[0]
+    if q_raw.shape != (T, Hi * D) or w_raw.shape != (T, Hi) or keys.dim() != 2 or keys.shape[1] != D:
+        raise ValueError(f"{name}: q_raw (T, Hi*D) = ({T}, {Hi * D}), w_raw ({T}, {Hi}), keys (P, {D}) expected, got "
+                         f"{tuple(q_raw.shape)}, {tuple(w_raw.shape)}, {tuple(keys.shape)}")
+    if q_raw.dtype not in KPOOL_DTYPES or w_raw.dtype != q_raw.dtype or keys.dtype != q_raw.dtype:
+        raise TypeError(f"{name}: q_raw, w_raw and keys must share one of {KPOOL_DTYPES}")
+    q_raw, w_raw, keys = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_raw, w_raw, keys))
+    keys = keys.contiguous()
+    out = torch.empty(T, keys.shape[0], dtype=torch.float32, device=keys.device)
+    if T and keys.shape[0]:
+        pool_scores_launch(cfg.index_kpool, Hi, q_raw, w_raw, keys, slots, out).run()
+    return out
 
 
 def _check(cfg: MtpConfig, ape: Tensor, slots: Tensor, index_pool: Tensor, block_table: Tensor, gates: Tensor,
@@ -170,4 +283,9 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             abstract((blocks,), torch.int32), abstract((capacity, D), dtype), abstract((capacity // kp, D), dtype),
             abstract((capacity // kp,), torch.bool), abstract((1,), torch.bool), cuda=True)
         out.append(AuditLaunch("kpool:pool_keys_write", variant, launch))
+        Hi = cfg.index_n_heads
+        scores = pool_scores_launch(kp, Hi, abstract((T, Hi * D), dtype), abstract((T, Hi), dtype),
+                                    abstract((capacity // kp, D), dtype), abstract((T,), torch.int64),
+                                    abstract((T, capacity // kp), torch.float32))
+        out.append(AuditLaunch("kpool:pool_scores", variant, scores))
     return out
