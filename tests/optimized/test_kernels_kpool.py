@@ -105,3 +105,26 @@ def test_pool_scores_bytes(kpool, dtype):
     from glm_mtp.reference.kpool import pool_scores as ref_scores
     ref = ref_scores(q.reshape(4, Hi, D), up(w) * Hi**-0.5, cache.kpool.keys[:3], cfg)
     assert same(want[2, :3], ref[2])
+
+
+@pytest.mark.parametrize("kpool", [4, 16])
+def test_select_pool_rows_bytes(kpool):
+    """Through GLM-5's top-k kernel (interpreted) and the expansion: rows with no complete pool,
+    fewer pools than selected, more (quantised scores: ties), a row completing its pool (no tail),
+    NaN and -0.0 scores; equal to the reference's select_pool_rows."""
+    cfg = MtpConfig.preset("glm5next_tiny")
+    if kpool != cfg.index_kpool:
+        cfg = cfg.replace(index_kpool=kpool, index_topk=2 * kpool)
+    kp, P = cfg.index_kpool, 12
+    gen = torch.Generator().manual_seed(kpool)
+    slots = torch.tensor([0, kp - 1, kp + 1, 5 * kp - 1, 7 * kp + 2, P * kp - 1], dtype=torch.int64)
+    scores = (torch.randn(len(slots), P, generator=gen) * 2).round() / 2  # ties
+    scores[4, 1], scores[4, 3], scores[5, 2] = float("nan"), -0.0, 0.0
+    want = K.select_pool_rows_torch(cfg, scores, slots)
+    got = K.select_pool_rows_triton(cfg, scores, slots)
+    assert same_int(got[0], want[0]) and same_int(got[1], want[1])
+    assert got[1].tolist() == [1, kp, kp + 2, 2 * kp, 2 * kp + 3, 2 * kp]
+
+
+def same_int(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

@@ -105,9 +105,22 @@ def test_batch_of_states_at_different_lengths(next_weights):
             assert a[k].shape == b[k].shape and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
 
 
-def test_lockstep_with_interpreted_triton_kernels():
-    """The block's Triton kernels (the GEMVs, the embedding, the pooled-key write) through the
-    interpreter inside the orchestration: one scenario over short sequences."""
+@pytest.mark.slow  # ~100 s in the interpreter on this machine
+def test_lockstep_with_interpreted_triton_kernels(monkeypatch):
+    """The block's Triton kernels (the GEMVs, the embedding, the pooled-key write, the pool
+    scores and selection, the clamped experts' gate/up) through the interpreter inside the
+    orchestration: one scenario over short sequences; each family kernel ran."""
+    ran = set()
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            ran.add(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("pool_keys_write_triton", "pool_scores_triton", "select_pool_rows_triton", "experts_gate_up_triton"):
+        monkeypatch.setattr(opt_block, name, counted(name, getattr(opt_block, name)))
     r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=1, seed=9, preset=PRESET, max_seq_len=24,
             dtype=torch.bfloat16)
     assert r.ok, r.first_difference
+    assert ran == {"pool_keys_write_triton", "pool_scores_triton", "select_pool_rows_triton", "experts_gate_up_triton"}

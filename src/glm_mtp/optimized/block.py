@@ -41,14 +41,17 @@ from glm_mtp.reference.attention import Rope, normed_latent
 from glm_mtp.reference.block import BlockHooks, mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
-from glm_mtp.reference.kpool import select_pool_rows
 from glm_mtp.reference.moe import expert_swiglu, moe_block
 from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import AttentionWeights, IndexerWeights, MoeWeights, MtpWeights
 
-from .kernels.kpool import KPOOL_DTYPES, pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton
+from .kernels.kpool import (
+    KPOOL_DTYPES, pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton,
+    select_pool_rows_torch, select_pool_rows_triton,
+)
+from .kernels.moe import experts_gate_up_triton
 from .kernels import (
     KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
     rope_cache_write_torch, rope_cache_write_triton,
@@ -130,8 +133,23 @@ class Fused:
             self.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_normed, slots, rope, cache, ok)
 
     def moe_hook(self, moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics) -> Tensor:
-        """``BlockHooks.moe``: ``moe_block`` with the experts' weights gathered on the device."""
+        """``BlockHooks.moe``: ``moe_block`` with the experts' weights gathered on the device; a
+        clamped SwiGLU (glm5_next) on the Triton path runs the routed experts' gate/up in the
+        experts kernel with the clamp inside (``clamped_expert_outputs``)."""
+        if moe.swiglu_limit is not None and self.use_triton(m) and m.dtype == moe.experts_gate.dtype:
+            return moe_block(moe, cfg, m, ops, outputs=self.clamped_expert_outputs)
         return moe_block(moe, cfg, m, ops, outputs=gathered_expert_outputs)
+
+    def clamped_expert_outputs(self, moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics) -> Tensor:
+        """``reference.moe.expert_outputs`` of clamped experts: every row's chosen experts' clamped
+        SwiGLU hidden in one launch of ``kernels.moe``'s gate/up kernel (``limit``; ids read on the
+        device), then each slot's down projection on its expert's rows gathered on the device."""
+        hidden, _ = experts_gate_up_triton(m, experts, moe.experts_gate, moe.experts_up, limit=moe.swiglu_limit)  # (T, k, I)
+        out = []
+        for t in range(m.shape[0]):
+            down = torch.index_select(moe.experts_down, 0, experts[t])  # (k, H, I)
+            out.append(torch.stack([self.linear(hidden[t, j], down[j]) for j in range(experts.shape[1])]))  # (k, H)
+        return torch.stack(out)  # (T, k, H)
 
     def kpool_hook(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
                    cache: LayerCache, ops: Numerics, *, ok: Tensor) -> tuple[Tensor, Tensor]:
@@ -190,10 +208,10 @@ def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Te
     q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
     keys = cache.kpool.keys
     if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
-        scores = pool_scores_triton(cfg, q_raw, w_raw, keys, slots)
-    else:
-        scores = pool_scores_torch(cfg, q_raw, w_raw, keys, slots)  # (T, P): -inf past the visible pools
-    return select_pool_rows(scores, slots, cfg)
+        scores = pool_scores_triton(cfg, q_raw, w_raw, keys, slots)  # (T, P): -inf past the visible pools
+        return select_pool_rows_triton(cfg, scores, slots)
+    scores = pool_scores_torch(cfg, q_raw, w_raw, keys, slots)
+    return select_pool_rows_torch(cfg, scores, slots)
 
 
 def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:

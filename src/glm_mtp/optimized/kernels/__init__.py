@@ -18,7 +18,10 @@ from .fused_linear import (
     head_partials_triton, linear_residual_torch, linear_residual_triton, norm_linear_torch, norm_linear_triton,
 )
 from .indexer import index_scores_torch, index_scores_triton, select_rows_torch, select_rows_triton
-from .kpool import pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton
+from .kpool import (
+    pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton, select_pool_rows_torch,
+    select_pool_rows_triton,
+)
 from .launch import AuditLaunch, Launch
 from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton
 from .mla import absorbed_query_torch, absorbed_query_triton, sparse_mla_torch, sparse_mla_triton

@@ -12,6 +12,11 @@ Pool scores replace ``kpool_queries``' weights and ``pool_scores`` (then the vis
 and ``-inf`` for every other pool; the programs past a row's visible pools load nothing, so the
 loads are O(visible pools), never the capacity's.
 
+The pool selection (``select_pool_rows``) reuses GLM-5's top-k kernel (``indexer.select_rows``'s:
+the same ``topk_indices`` ties to the lower index, listed ascending) on the pools, as rows
+``[0, n_visible)`` of a row ``n_visible - 1``, then expands each listed pool to its kp rows and
+appends the tail ``[kp * n_visible, slot]``: integer index arithmetic only, no host read.
+
 Replaces, in ``glm_mtp.reference.kpool.write_pools`` (after the gates are stored)::
 
     l[j, c]  = up(g[kp p + j, c]) + up(ape[j, c])                      (A)
@@ -35,7 +40,7 @@ from einops import rearrange
 from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.kpool import pool_scores, pooled_keys
+from glm_mtp.reference.kpool import pool_scores, pooled_keys, select_pool_rows
 from glm_mtp.reference.numerics import next_pow2, up
 from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import IndexerWeights
@@ -201,6 +206,42 @@ def pool_scores_triton(cfg: MtpConfig, q_raw: Tensor, w_raw: Tensor, keys: Tenso
     if T and keys.shape[0]:
         pool_scores_launch(cfg.index_kpool, Hi, q_raw, w_raw, keys, slots, out).run()
     return out
+
+
+def expand_pools(cfg: MtpConfig, pools: Tensor, n_pools: Tensor, slots: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """The row lists of ``select_pool_rows`` from the listed pools ``pools`` (T, Kp) ascending
+    (the first ``n_pools`` (T,) entries listed) and the rows' ``slots`` (T,): each listed pool's kp
+    rows, then the tail ``[kp * ((slot + 1) // kp), slot]``, padding 0, in ``width`` columns.
+    Returns ``rows`` (T, width) int64 and ``count`` (T,) int64."""
+    kp, dev = cfg.index_kpool, slots.device
+    i = torch.arange(width, device=dev)[None, :]  # (1, W)
+    in_pools = n_pools[:, None] * kp  # (T, 1): the listed pools' rows come first
+    which = (i // kp).clamp(max=max(pools.shape[1] - 1, 0))
+    pool_row = pools.gather(1, which.expand(slots.shape[0], width)) * kp + i % kp if pools.shape[1] else torch.zeros_like(i)
+    tail_start = ((slots + 1) // kp * kp)[:, None]  # (T, 1)
+    tail_len = (slots[:, None] + 1 - tail_start)  # (T, 1), in [0, kp)
+    tail_row = tail_start + (i - in_pools)
+    count = in_pools + tail_len  # (T, 1)
+    rows = torch.where(i < in_pools, pool_row, torch.where(i < count, tail_row, 0))
+    return rows, count[:, 0]
+
+
+def select_pool_rows_torch(cfg: MtpConfig, scores: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """The twin: the reference's ``kpool.select_pool_rows`` on the scores ``(T, P)`` of every pool."""
+    return select_pool_rows(scores, slots, cfg)
+
+
+def select_pool_rows_triton(cfg: MtpConfig, scores: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """``select_pool_rows_torch`` through GLM-5's top-k kernel on the pools (``select_rows_triton``:
+    the best ``min(index_topk / kp, visible)`` pools, ties to the lower id, ascending) and
+    ``expand_pools``; byte-equal to the twin. ``rows`` (T, Kp * kp + kp - 1), ``count`` (T,)."""
+    from .indexer import select_rows_triton  # the GLM-5 kernel, shared
+
+    kp = cfg.index_kpool
+    T, P = scores.shape
+    Kp = min(cfg.kpool_pools_selected, P)
+    pools, n_pools = select_rows_triton(scores.contiguous(), (slots + 1) // kp - 1, Kp)  # (T, Kp), (T,)
+    return expand_pools(cfg, pools, n_pools, slots, Kp * kp + kp - 1)
 
 
 def _check(cfg: MtpConfig, ape: Tensor, slots: Tensor, index_pool: Tensor, block_table: Tensor, gates: Tensor,
