@@ -647,7 +647,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     out = []
     for variant, T in (("step", 1), ("rows", 8), ("batch", 16)):
         q_abs, q_pe = abstract((T, nh, Lkv), torch.float32), abstract((T, nh, R), dtype)
-        angles = abstract((T, max(R // 2, 1)), torch.float32)
+        angles = abstract((T, R // 2), torch.float32)  # (T, 0) for NoPE: never read
         out.append(AuditLaunch("mla:absorbed_query", variant, absorbed_query_launch(
             cfg, abstract((T, nh * (nope + R)), dtype), kv_b, angles, angles, q_abs, q_pe, cuda=True)))
         scratch = MlaScratch.empty(T, nh, K, Lkv, "meta")
