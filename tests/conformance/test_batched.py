@@ -1,4 +1,4 @@
-"""Batched lockstep conformance (issue 12): ``propose_batch`` / ``catchup_batch`` of the candidate
+"""Batched lockstep conformance: ``propose_batch`` / ``catchup_batch`` of the candidate
 against each state's own single calls on the baseline (``Side.per_state``), over the ``batched``
 generator's scenarios: joins, leaves, random subsets and orders, per-state accept counts, misaligned
 catch-up rows, single calls interleaved, and batched misuse (pending, freed, duplicate and foreign
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from glm_mtp.conformance import MUTANTS, run
+from glm_mtp.conformance.batched import BATCH_MISUSE
 from glm_mtp.conformance.lockstep import Harness
-from glm_mtp.conformance.scenarios import BATCH_MISUSE, load_scenario, save_scenario, scenario
+from glm_mtp.conformance.scenarios import load_scenario, save_scenario, scenario
 from glm_mtp.conformance.spec import FOREIGN, Hidden, Op, SpecModel, TokenIds
 from glm_mtp.reference import MtpConfig, ReferenceProposer
 
@@ -19,7 +20,7 @@ CFG = MtpConfig.preset("tiny")
 BATCHED = ("batched",)
 
 # Scenarios per (preset, dtype) in the lockstep test, sized so this file stays within ~90 s on
-# one core (the CLI runs of issue 12 take >= 200 in all; see the report).
+# one core (the CLI's batched runs take >= 200 in all).
 COUNTS = {"tiny": 10, "small": 5}
 
 

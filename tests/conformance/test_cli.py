@@ -141,3 +141,20 @@ def test_kernels_choice_reaches_the_optimized_backend(kernels, tmp_path):
     rep = json.loads(out.read_text())
     want = "with_triton_kernels" if kernels == "triton" else "with_torch_twins"
     assert rep["ok"] is True and rep["candidate"].endswith(want), rep["candidate"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--dtype", "int8"], "--dtype must be one of"),
+    (["--preset", "huge"], "--preset: unknown MtpConfig preset"),
+    (["--device", "tpu"], "--device"),
+    (["--scenario-file", "/nonexistent.json"], "--scenario-file /nonexistent.json is not a file"),
+    (["--scenarios", "3", "--scenario-index", "5"], "--scenario-index must be < --scenarios (3)"),
+    (["--threads", "-1"], "--threads must be >= 0"),
+])
+def test_the_cli_checks_every_setting_before_building_weights(argv, match, capsys, monkeypatch):
+    import glm_mtp.conformance.runner as runner
+
+    monkeypatch.setattr(runner, "run", lambda *a, **k: pytest.fail("the run started"))
+    assert main(argv + ["--json", ""]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1

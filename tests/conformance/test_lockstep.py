@@ -15,7 +15,7 @@ from glm_mtp.conformance import BackendError, run
 from glm_mtp.conformance.backends import resolve_backend
 from glm_mtp.conformance.runner import record
 from glm_mtp.reference import ReferenceProposer
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from glm_mtp.conformance.lockstep import Harness
 from glm_mtp.conformance.runner import record
 from glm_mtp.reference import attention, indexer, layers, proposer
 from glm_mtp.reference.layers import topk_indices
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 # Scenarios each mutant may take before the test gives up (seed 0). The counts they needed when
 # this was written are printed; most fall in scenario 0 or 1.

@@ -1,4 +1,4 @@
-"""The generators: reproducible from (seed, index), and covering every case issue 3 names."""
+"""The generators: reproducible from (seed, index), and covering every case DESIGN.md §4 names."""
 
 from collections import Counter
 
@@ -48,7 +48,7 @@ def test_token_refs_resolve_to_drafts():
 
 
 def _coverage(n_scenarios: int) -> Counter:
-    """Tags for every case of issue 3 that the generated ops exercise (spec outcomes)."""
+    """Tags for every case of DESIGN.md §4 that the generated ops exercise (spec outcomes)."""
     cap_rows = SpecModel(CFG, MAX_SEQ_LEN).capacity
     seen: Counter = Counter()
     for i in range(n_scenarios):

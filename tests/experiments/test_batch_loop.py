@@ -1,4 +1,4 @@
-"""The batched speculative loop (``SpeculativeDecoder.generate_batch``, issue 12): every prompt's
+"""The batched speculative loop (``SpeculativeDecoder.generate_batch``): every prompt's
 tokens and counters equal the single-sequence ``generate`` on it alone, for both drafter
 backends; one ``propose_batch`` per round for every live sequence and one ``catchup_batch`` for
 the fully accepted ones; finished sequences leave the batch and free their state; and the
@@ -238,7 +238,7 @@ TIMINGS = ("wall_seconds", "draft_seconds", "verify_seconds", "prefill_seconds",
 
 def test_entry_point_batch_size_keeps_the_summary(tmp_path):
     # Five held-out prompts of the shipped model: batches of 4 and 1 against one at a time.
-    common = ["logger=none", "experiment=smoke", "experiment.num_prompts=5", "experiment.max_new_tokens=12", "speedup.costs=glm5"]
+    common = ["logger=none", "experiment=smoke", "run.num_prompts=5", "run.max_new_tokens=12", "speedup.costs=glm5"]
     one = acceptance.run(config(common), str(tmp_path / "b1"))
     four = acceptance.run(config(common + ["batch_size=4"]), str(tmp_path / "b4"))
     assert one["batch_size"] == 1 and four["batch_size"] == 4

@@ -126,3 +126,16 @@ def test_bad_max_position_embeddings_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--max-position-embeddings", "0"])
     assert e.value.code == 2 and "--max-position-embeddings must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--checkpoint", "/nonexistent/ckpt", "--target-costs"], "--checkpoint: directory '/nonexistent/ckpt' does not exist"),
+    (["--checkpoint", "."], "--checkpoint is the toy target of --target-costs"),
+    (["--max-position-embeddings", "8"], "--max-position-embeddings must exceed"),
+])
+def test_bench_checks_every_setting_before_measuring(argv, match, capsys):
+    from glm_mtp.experiments.bench import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err

@@ -36,11 +36,11 @@ def test_every_experiment_file_is_a_global_override():
 
 def test_the_readme_and_test_overrides_still_compose():
     c = config("config")  # no override: the README's first command
-    assert c.experiment.num_prompts == 32 and c.model.kind == "checkpoint" and c.logger.name == "wandb" and c.mode == "speculative"
+    assert c.run.num_prompts == 32 and c.model.kind == "checkpoint" and c.logger.name == "wandb" and c.mode == "speculative"
     c = config("config", ["model=tiny_random", "experiment=smoke", "num_drafts=2", "policy=refeed", "logger=none"])
-    assert c.experiment.num_prompts == 2 and c.experiment.check_lossless is True and c.model.kind == "random" and c.num_drafts == 2
-    c = config("config", ["experiment=smoke", "experiment.num_prompts=5", "mode=teacher_forced", "source=ood"])
-    assert c.experiment.num_prompts == 5 and c.experiment.prompt_tokens == 12
+    assert c.run.num_prompts == 2 and c.run.check_lossless is True and c.model.kind == "random" and c.num_drafts == 2
+    c = config("config", ["experiment=smoke", "run.num_prompts=5", "mode=teacher_forced", "source=ood"])
+    assert c.run.num_prompts == 5 and c.run.prompt_tokens == 12
     c = config("train", ["out=/tmp/x", "train.steps=3", "arch.hidden_size=32", "tokenizer.limit_items=4"])
     assert c.train.steps == 3 and c.arch.hidden_size == 32 and c.train.mtp_depth == 2 and c.train.base is None
 

@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from glm_mtp.reference import MtpWeights
-from glm_mtp.experiments import acceptance, report, train
+from glm_mtp.experiments import acceptance, provenance, report, train
 from glm_mtp.experiments.checkpoint import shipped_checkpoint
 from glm_mtp.experiments.target import TargetWeights
 from glm_mtp.experiments.wandb_log import read_offline_run
@@ -63,7 +63,7 @@ def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):
     for x, (lo, hi) in zip(s["cumulative"], s["cumulative_ci"]):
         assert lo <= x <= hi
     path = shipped_checkpoint()
-    assert s["checkpoint_sha256"] == acceptance.file_sha256(path / "model.safetensors")
+    assert s["checkpoint_sha256"] == provenance.file_sha256(path / "model.safetensors")
     assert s["corpus_sha256"] == json.loads((path / "corpus.json").read_text())["sha256"]
     run = read_offline_run(str(tmp_path))
     assert run["summary"]["checkpoint_sha256"] == s["checkpoint_sha256"] and run["summary"]["group"] == "g1"

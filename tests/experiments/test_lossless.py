@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from glm_mtp.reference import ReferenceProposer
+from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.numerics import PINNED, VENDOR
 from glm_mtp.experiments import acceptance
 from glm_mtp.experiments.checkpoint import random_model
@@ -24,10 +25,6 @@ def config(overrides):
 @pytest.fixture(scope="module")
 def tiny_bf16():
     return random_model("tiny", seed=5, dtype=torch.bfloat16)
-
-
-def bits(t):
-    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def test_target_numerics_by_name(tiny_bf16):

@@ -7,7 +7,8 @@ from glm_mtp.reference.block import mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.moe import moe_block
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
-from glm_mtp.reference.weights import MlpWeights, MoeWeights, same_bytes
+from glm_mtp.reference.bytes import same_bytes
+from glm_mtp.reference.weights import MlpWeights, MoeWeights
 from glm_mtp.experiments.target import Target, TargetWeights, grouped_moe
 from glm_mtp.experiments.train import build_models, mtp_forward, sequence_losses, trainable
 

@@ -40,8 +40,8 @@ def test_the_shipped_configs_pass():
     ("threads=0", "threads"),
     ("model.max_seq_len=0", "model.max_seq_len"),
     ("model.dtype=int8", "model.dtype"),
-    ("experiment.num_prompts=0", "experiment.num_prompts"),
-    ("experiment.check_lossless=maybe", "experiment.check_lossless"),
+    ("run.num_prompts=0", "run.num_prompts"),
+    ("run.check_lossless=maybe", "run.check_lossless"),
     ("+backend.name=fast", "backend.name"),
     ("speedup.costs=fast", "speedup.costs"),
     ("speedup.repeats=0", "speedup.repeats"),
@@ -137,3 +137,76 @@ def test_exit_on_bad_config_removes_only_what_hydra_wrote(tmp_path, capsys):
     with pytest.raises(SystemExit):
         validate.exit_on_bad_config(validate.check_acceptance, config("config", ["policy=x"]), str(run_dir), "prog")
     assert sorted(os.listdir(run_dir)) == ["summary.json"]
+
+
+# ---- settings whose rule needs another setting or a file: checked before any work ---------------
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["num_drafts=100000"], r"^num_drafts must fit model.max_seq_len: .* = 100113 exceeds model.max_seq_len=256"),
+    (["run.prompt_tokens=250"], r"^num_drafts must fit model.max_seq_len"),
+    (["model=tiny_random", "num_drafts=100", "experiment=smoke"], r"^num_drafts must fit model.max_seq_len"),
+    (["model.path=/nonexistent/ckpt"], r"^model.path must be a checkpoint directory .*does not exist"),
+    (["model=tiny_random", "model.preset=huge"], r"^model.preset must be a preset name"),
+    (["draft=sampled", "temperature=1e-45"], r"^temperature must suit draft=sampled: .*too small"),
+    (["draft=sampled", "temperature=1e39"], r"^temperature must suit draft=sampled"),
+])
+def test_a_setting_that_breaks_another_or_a_file_is_refused_up_front(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        validate.check_acceptance(config("config", overrides))
+
+
+def test_model_path_that_is_a_file_and_a_costs_file_that_is_not_json(tmp_path):
+    f = tmp_path / "f.txt"
+    f.write_text("not json")
+    with pytest.raises(ValueError, match="^model.path must be a checkpoint directory .*is not a directory"):
+        validate.check_acceptance(config("config", [f"model.path={f}"]))
+    with pytest.raises(ValueError, match=r"^speedup.costs: .*f.txt: not valid JSON"):
+        validate.check_acceptance(config("config", [f"speedup.costs={f}"]))
+    f.write_text('{"c": 0.1, "v": [0.0]}')
+    with pytest.raises(ValueError, match=r"^speedup.costs: .*holds v for k <= 1, fewer than num_drafts = 3"):
+        validate.check_acceptance(config("config", [f"speedup.costs={f}"]))
+    f.write_text('{"c": 0.1, "v": [0.0, 0.01, 0.02]}')
+    validate.check_acceptance(config("config", [f"speedup.costs={f}"]))
+
+
+@pytest.mark.parametrize("override, match", [
+    ("arch.hidden_size=-4", r"^arch must describe a valid model"),
+    ("+arch.bogus=1", r"^arch.bogus must be a field of MtpConfig"),
+    ("train.seq_len=300", r"^train.seq_len must be <= arch.index_topk"),
+])
+def test_a_bad_arch_is_refused_before_training(override, match):
+    with pytest.raises(ValueError, match=match):
+        validate.check_train(config("train", [override]))
+
+
+def test_train_out_must_be_a_place_a_checkpoint_can_go(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("keep")
+    for out, match in ((f, "exists and is not a folder"), (full, "not empty and holds no checkpoint")):
+        with pytest.raises(ValueError, match=f"^out must be a new folder.*{match}"):
+            validate.check_train(config("train", [f"out={out}"]))
+    validate.check_train(config("train", [f"out={tmp_path / 'new'}"]))
+
+
+@pytest.mark.parametrize("argv", [["num_drafts=100000"], ["model.path=/nonexistent/ckpt"]])
+def test_acceptance_cli_refuses_a_run_that_cannot_fit_with_one_line_and_no_run_dir(tmp_path, argv):
+    run_dir = tmp_path / "run"
+    proc = run_module("glm_mtp.experiments.acceptance", *argv, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("python -m glm_mtp.experiments.acceptance: error: ") and "\n" not in err, err
+    assert not run_dir.exists()
+
+
+def test_train_cli_refuses_an_existing_file_as_out_before_training(tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "taken"
+    out.write_text("x")
+    proc = run_module("glm_mtp.experiments.train", f"out={out}", "logger=none", "tokenizer.limit_items=4",
+                      "tokenizer.vocab_size=300", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().startswith("python -m glm_mtp.experiments.train: error: out must be a new folder")
+    assert proc.stdout == "" and not run_dir.exists() and out.read_text() == "x"

@@ -17,6 +17,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.reference.bytes import keyed_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +43,7 @@ def weights(request, tiny_cfg) -> MtpWeights:
 
 def state_bytes(prop, state) -> dict[str, tuple]:
     """export_state as (shape, dtype, raw bytes) per key: byte equality, -0.0 != 0.0."""
-    out = {}
-    for k, t in prop.export_state(state).items():
-        out[k] = (tuple(t.shape), str(t.dtype), t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return out
+    return keyed_bytes(prop.export_state(state))
 
 
 class DrafterPair:

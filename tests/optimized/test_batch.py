@@ -3,6 +3,7 @@ drafter against each state drafted ALONE by the reference, byte for byte (drafts
 ``export_state`` byte), over rounds with random subsets, orders, lengths, accept counts, joins and
 leaves; refusals name the state and leave every state byte-identical; broken variants are caught."""
 
+import dataclasses
 import random
 
 import pytest
@@ -206,7 +207,8 @@ def test_mutant_one_x_for_every_state_is_caught(weights, monkeypatch):
     def first_row_everywhere(values, targets, ok):
         real(values[:1].expand(values.shape[0], -1), targets, ok)
 
-    monkeypatch.setattr("glm_mtp.optimized.kernels.scatter_rows_torch", first_row_everywhere)
+    programs = bt.opt.programs
+    monkeypatch.setattr(programs, "step", dataclasses.replace(programs.step, scatter_rows=first_row_everywhere))
     with pytest.raises(AssertionError):
         bt.round(bt.seqs, 2)
 
@@ -225,7 +227,8 @@ def test_padded_buckets_and_their_graph_keys(weights, monkeypatch):
     """As on CUDA with graphs: a batch of B runs its bucket's rows (the spare ones on the scratch
     state) under the key (bucket, num_drafts); the real rows' bytes stay those of each state alone.
     On CPU the programs run eagerly, so the padding is what this checks."""
-    import glm_mtp.optimized.proposer as proposer
+    import glm_mtp.optimized.programs as programs
+    from glm_mtp.optimized.graphs import GraphKey
 
     keys = []
 
@@ -233,17 +236,17 @@ def test_padded_buckets_and_their_graph_keys(weights, monkeypatch):
         keys.append((key, capture))
         program()
 
-    monkeypatch.setattr(proposer, "run_program", record)
-    monkeypatch.setattr(OptimizedProposer, "_batch_captures", lambda self, bb: True)
+    monkeypatch.setattr(programs, "run_program", record)
+    monkeypatch.setattr(programs.DevicePrograms, "batch_captures", lambda self, bb: True)
     bt = Batched(weights, seed=8, max_batch=8)
     for n in (3, 8, 5, 12, 1):
         bt.join(n)
     bt.round(bt.seqs[:3], 2)  # 3 rows -> bucket 4
     bt.round(bt.seqs, 1)  # 5 -> 8
     bt.round(bt.seqs[1:2], 0)  # num_drafts 0 only rewinds: never captured, its own row count
-    proposes = [k for k in keys if k[0][1] != -1]
-    assert proposes == [((4, 2), True), ((8, 1), True), ((1, 0), False)]
-    assert all(key[0] in (1, 2, 4, 8) and capture for key, capture in keys if key[1] == -1)  # catch-ups, bucketed
+    proposes = [k for k in keys if k[0].program != "catchup"]
+    assert proposes == [(GraphKey.draft(2, rows=4), True), (GraphKey.draft(1, rows=8), True), (GraphKey.draft(0, rows=1), False)]
+    assert all(key.rows in (1, 2, 4, 8) and capture for key, capture in keys if key.program == "catchup")  # catch-ups, bucketed
 
 
 @pytest.mark.gpu
@@ -264,7 +267,7 @@ def test_batch_on_cuda_with_graphs(dtype):
             bt.leave(bt.seqs[0])
             bt.join(9)
     bb = bt.opt._batch[torch.device("cuda", torch.cuda.current_device())]
-    assert bb.graphs and all(n in (1, 2, 4, 8, 16) for n, _ in bb.graphs)
+    assert bb.graphs and all(key.rows in (1, 2, 4, 8, 16) for key in bb.graphs)
 
 
 def test_a_layer_the_fused_step_does_not_take_drafts_each_state_in_turn(tiny_cfg):

@@ -8,23 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_mtp.optimized.block import Fused, block_rows
+from glm_mtp.optimized.block import PrimitiveKernels, block_rows
 from glm_mtp.reference.attention import Rope, cache_rows, row_projections, write_cache_rows
 from glm_mtp.reference.block import REFERENCE_HOOKS, BlockHooks, mtp_rows
+from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.numerics import PINNED
 from glm_mtp.reference.state import LayerCache, num_blocks
 
 MAX_SEQ = 40
 
 
-def ints(t: torch.Tensor) -> torch.Tensor:
-    """The bits of ``t`` as integers (byte comparison: -0.0 != 0.0, NaN payloads count)."""
-    view = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
-    return t.contiguous().view(view[t.dtype])
-
-
 def pools(cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-    return ints(cache.kv_pool), ints(cache.index_pool)
+    return bits(cache.kv_pool), bits(cache.index_pool)
 
 
 def fresh(weights):
@@ -49,11 +44,11 @@ def test_fused_write_rows_hook_stores_the_default_bytes(weights, mode, T):
     kv, k = row_projections(attn, a)
     (ref, rope), (got, _), (gated, _) = fresh(weights), fresh(weights), fresh(weights)
     write_cache_rows(attn, cfg, kv, k, slots, rope, ref, PINNED)
-    fused = Fused(mode)
+    fused = PrimitiveKernels(mode)
     fused.write_rows_hook(attn, cfg, kv, k, slots, rope, got, fused.ops, ok=torch.tensor([True]))
     fused.write_rows_hook(attn, cfg, kv, k, slots, rope, gated, fused.ops, ok=torch.tensor([False]))
     assert all(torch.equal(x, y) for x, y in zip(pools(got), pools(ref)))
-    assert int(ints(ref.kv_pool).ne(0).sum()) > 0  # something was written
+    assert int(bits(ref.kv_pool).ne(0).sum()) > 0  # something was written
     assert all(int(x.ne(0).sum()) == 0 for x in pools(gated))  # ok false: nothing stored
 
 
@@ -65,8 +60,8 @@ def test_default_write_rows_is_cache_rows_then_write(weights):
     (cache, rope) = fresh(weights)
     write_cache_rows(attn, cfg, kv, k, slots, rope, cache)
     kv_rows, index_rows = cache_rows(attn, cfg, kv, k, *rope.at(slots))
-    assert torch.equal(ints(cache.kv_rows()[slots]), ints(kv_rows))
-    assert torch.equal(ints(cache.index_rows()[slots]), ints(index_rows))
+    assert torch.equal(bits(cache.kv_rows()[slots]), bits(kv_rows))
+    assert torch.equal(bits(cache.index_rows()[slots]), bits(index_rows))
 
 
 @pytest.mark.parametrize("T", [1, 6])
@@ -77,8 +72,8 @@ def test_block_rows_is_mtp_rows(weights, T):
     slots = torch.arange(T)
     (ref_cache, rope), (opt_cache, _) = fresh(weights), fresh(weights)
     ref = mtp_rows(weights, tokens, hiddens, slots, ref_cache, rope, rows_read=T)
-    x, pre_norm = block_rows(weights, tokens, hiddens, slots, opt_cache, rope, torch.tensor([True]), Fused("torch"))
-    assert torch.equal(ints(x), ints(ref.x)) and torch.equal(ints(pre_norm), ints(ref.pre_norm))
+    x, pre_norm = block_rows(weights, tokens, hiddens, slots, opt_cache, rope, torch.tensor([True]), PrimitiveKernels("torch"))
+    assert torch.equal(bits(x), bits(ref.x)) and torch.equal(bits(pre_norm), bits(ref.pre_norm))
     assert all(torch.equal(p, q) for p, q in zip(pools(opt_cache), pools(ref_cache)))
 
 
@@ -99,5 +94,5 @@ def test_a_write_rows_hook_that_skips_the_latent_norm_is_caught(weights):
     (ref_cache, rope), (bad_cache, _) = fresh(weights), fresh(weights)
     ref = mtp_rows(weights, tokens, hiddens, slots, ref_cache, rope, hooks=REFERENCE_HOOKS)
     bad = mtp_rows(weights, tokens, hiddens, slots, bad_cache, rope, hooks=BlockHooks(write_rows=raw_latent))
-    assert not torch.equal(ints(bad_cache.kv_pool), ints(ref_cache.kv_pool))
-    assert not torch.equal(ints(bad.x), ints(ref.x))
+    assert not torch.equal(bits(bad_cache.kv_pool), bits(ref_cache.kv_pool))
+    assert not torch.equal(bits(bad.x), bits(ref.x))

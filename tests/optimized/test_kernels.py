@@ -7,7 +7,7 @@ import torch
 from glm_mtp.optimized.kernels import embed_rows_torch, embed_rows_triton, rope_cache_write_torch, rope_cache_write_triton
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 DTYPES = [torch.float32, torch.bfloat16]
 

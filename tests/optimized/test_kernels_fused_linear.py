@@ -21,8 +21,8 @@ from glm_mtp.optimized.kernels.fused_linear import (
 )
 from glm_mtp.reference import numerics
 from glm_mtp.reference.attention import LATENT_NORM_EPS
+from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.weights import same_bytes
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 EPS = 1e-5
@@ -34,21 +34,16 @@ def _rand(gen, *shape, dtype):
     return (torch.randn(*shape, generator=gen) * torch.exp(torch.randn(*shape, generator=gen))).to(dtype)
 
 
-def _bits(t):
-    """The integer view that byte comparisons read (bf16/fp16 -> int16, fp32 -> int32)."""
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.dtype == FP32 else t
-
-
 def _equal(a, b):
     """Byte equality on integer views (shape and dtype too)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _equal_nan(a, b):
     """Byte equality except NaN payloads (not pinned): NaN where the other has NaN."""
     na, nb = torch.isnan(a.float()), torch.isnan(b.float())
     return (a.shape == b.shape and a.dtype == b.dtype and torch.equal(na, nb)
-            and torch.equal(_bits(a)[~na], _bits(b)[~nb]))
+            and torch.equal(bits(a)[~na], bits(b)[~nb]))
 
 
 # ---- block_input --------------------------------------------------------------------------------

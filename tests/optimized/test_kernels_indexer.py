@@ -16,6 +16,7 @@ from glm_mtp.optimized.kernels import (
 )
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope, new_cache_rows
+from glm_mtp.reference.bytes import bits, same_bytes
 from glm_mtp.reference.indexer import index_queries, index_scores, index_weight_scale, rope_first
 from glm_mtp.reference.numerics import linear, linear_acc, psum, recip, sqrt, up
 from glm_mtp.reference.state import LayerCache
@@ -28,15 +29,6 @@ ODD = TINY.replace(index_n_heads=3, index_head_dim=20, qk_rope_head_dim=6, kv_lo
                    rope_interleave=False, indexer_rope_interleave=False)
 MIXED = TINY.replace(rope_interleave=True, indexer_rope_interleave=False)
 CONFIGS = {"tiny": TINY, "small": SMALL, "odd": ODD, "mixed": MIXED}
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    """The integer view the comparisons use: -0.0 != +0.0, each NaN payload its own."""
-    return x.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int64: torch.int64}[x.dtype])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool((bits(a) == bits(b)).all())
 
 
 def _pool(cfg, dtype, blocks, gen, quantised=False):
@@ -81,7 +73,7 @@ def test_index_scores(dtype, name, blocks, slots):
     cos, sin = rope.at(slots)
     want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
-    assert same(want, got)
+    assert same_bytes(want, got)
     C = 16 * blocks
     visible = torch.arange(C)[None, :] <= slots[:, None]
     assert torch.isfinite(got[visible]).all() and (got[~visible] == float("-inf")).all()
@@ -90,7 +82,7 @@ def test_index_scores(dtype, name, blocks, slots):
     for t in range(T):
         r = slice(t, t + 1)
         alone = index_scores_triton(cfg, q[r], w[r], cos[r], sin[r], LayerCache(pool, pool, table), slots[r])
-        assert same(alone, got[t : t + 1])
+        assert same_bytes(alone, got[t : t + 1])
 
 
 def test_index_scores_twin_is_the_reference_path():
@@ -109,8 +101,8 @@ def test_index_scores_twin_is_the_reference_path():
     want = index_scores(q_idx, w_idx, LayerCache(pool, pool, table).index_rows())
     want = want.masked_fill(torch.arange(16 * blocks)[None, :] > slots[:, None], float("-inf"))
     q, w = linear(q_latent, attn.indexer.wq_b), linear(a, attn.indexer.weights_proj)
-    assert same(want, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
-    assert same(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    assert same_bytes(want, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    assert same_bytes(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
 
 
 def test_index_scores_relu_keeps_negative_zero():
@@ -125,7 +117,7 @@ def test_index_scores_relu_keeps_negative_zero():
     cos, sin = torch.ones(1, cfg.qk_rope_head_dim // 2), torch.zeros(1, cfg.qk_rope_head_dim // 2)  # RoPE keeps q > 0
     want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
-    assert same(want, got)
+    assert same_bytes(want, got)
     assert int(bits(got)[0, 3]) == int(bits(torch.tensor(-0.0))) and int(bits(got)[0, 19]) == int(bits(torch.tensor(-0.0)))
 
 
@@ -140,9 +132,9 @@ def test_index_scores_mutants():
     q, w = _queries(cfg, dtype, 3, gen)
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
     want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
-    assert same(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    assert same_bytes(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
     unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), LayerCache(pool, pool, table), slots)
-    assert not same(want, unrotated)
+    assert not same_bytes(want, unrotated)
     # Heads summed left to right instead of the psum tree.
     qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
     per_head = rearrange(linear_acc(rearrange(qh, "t h d -> (t h) d"), pool[table.long()].flatten(0, 1)),
@@ -151,9 +143,9 @@ def test_index_scores_mutants():
     folded = v[..., 0]
     for h in range(1, cfg.index_n_heads):
         folded = folded + v[..., h]
-    assert same(want[0], psum(v)[0])  # the tree is what the twin computes
+    assert same_bytes(want[0], psum(v)[0])  # the tree is what the twin computes
     visible = torch.arange(16 * blocks)[None, :] <= slots[:, None]
-    assert not same(want[visible], folded[visible])
+    assert not same_bytes(want[visible], folded[visible])
 
 
 # ---- selection ------------------------------------------------------------------------------------
@@ -193,7 +185,7 @@ def test_select_rows(kind, topk, S, slots):
     scores = _scores(kind, slots.shape[0], S, gen)
     want_rows, want_count = select_rows_torch(scores, slots, topk)
     rows, count = select_rows_triton(scores, slots, topk)
-    assert same(want_rows, rows) and same(want_count, count)
+    assert same_bytes(want_rows, rows) and same_bytes(want_count, count)
 
 
 def test_select_rows_nan_goes_first():
@@ -203,7 +195,7 @@ def test_select_rows_nan_goes_first():
     rows, count = select_rows_triton(scores, slots, 3)
     want_rows, want_count = select_rows_torch(scores, slots, 3)
     assert rows.tolist() == [[1, 4, 6]] and count.tolist() == [3]
-    assert same(want_rows, rows) and same(want_count, count)
+    assert same_bytes(want_rows, rows) and same_bytes(want_count, count)
     rows, _ = select_rows_triton(scores, slots, 6)  # -0.0 at row 3 before +0.0 at row 5
     assert rows.tolist() == [[0, 1, 2, 3, 4, 6]] == select_rows_torch(scores, slots, 6)[0].tolist()
 
@@ -215,12 +207,12 @@ def test_select_rows_mutant_ties_to_higher():
     slots = torch.tensor([95, 40, 16])
     scores = _scores("quantised", 3, S, gen)
     rows, count = select_rows_triton(scores, slots, topk)
-    assert same(rows, select_rows_torch(scores, slots, topk)[0])
+    assert same_bytes(rows, select_rows_torch(scores, slots, topk)[0])
     masked = scores.masked_fill(torch.arange(S)[None, :] > slots[:, None], float("-inf"))
     higher = (S - 1) - torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True).indices[:, :topk]
     listed = torch.arange(topk)[None, :] < count[:, None]
     mutant = torch.where(listed, torch.where(listed, higher, S).sort(dim=-1).values, 0)
-    assert not same(rows, mutant)
+    assert not same_bytes(rows, mutant)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -235,12 +227,12 @@ def test_scores_then_selection_with_ties(dtype):
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
     cos, sin = torch.ones_like(cos), torch.zeros_like(sin)  # keep the integer queries integer
     scores = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
-    assert same(scores, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
+    assert same_bytes(scores, index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
     visible = scores[0, :128]
     assert visible.unique().numel() < 40  # ties
     rows, count = select_rows_triton(scores, slots, cfg.index_topk)
     want_rows, want_count = select_rows_torch(scores, slots, cfg.index_topk)
-    assert same(want_rows, rows) and same(want_count, count)
+    assert same_bytes(want_rows, rows) and same_bytes(want_count, count)
     assert count.tolist() == [32, 1, 17]
 
 
@@ -285,11 +277,11 @@ def test_cache_rows_write(dtype, name, blocks, slots):
     for ok_value in (True, False):
         gen = torch.Generator().manual_seed(blocks * 10 + len(slots))
         want, got, before, _, _ = _write_both(cfg, dtype, slots, blocks, gen, ok_value)
-        assert same(want[0], got[0]) and same(want[1], got[1])
+        assert same_bytes(want[0], got[0]) and same_bytes(want[1], got[1])
         if ok_value:
-            assert not same(before[0], got[0]) and not same(before[1], got[1])
+            assert not same_bytes(before[0], got[0]) and not same_bytes(before[1], got[1])
         else:  # nothing written: the pools keep every byte
-            assert same(before[0], got[0]) and same(before[1], got[1])
+            assert same_bytes(before[0], got[0]) and same_bytes(before[1], got[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -312,7 +304,7 @@ def test_cache_rows_write_is_new_cache_rows(dtype):
     kv, k = linear(a, attn.kv_a_proj_with_mqa), linear(a, ix.wk)
     cache_rows_write_triton(cfg, kv, k, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos, rope.sin,
                             mine, torch.tensor([True]))
-    assert same(ref.kv_pool, mine.kv_pool) and same(ref.index_pool, mine.index_pool)
+    assert same_bytes(ref.kv_pool, mine.kv_pool) and same_bytes(ref.index_pool, mine.index_pool)
 
 
 def test_cache_rows_write_mutant_dropped_rounding():
@@ -321,13 +313,13 @@ def test_cache_rows_write_mutant_dropped_rounding():
     slots = torch.tensor([0, 15, 16])
     gen = torch.Generator().manual_seed(31)
     want, got, _, (kv, _, kv_norm, *_rest), table = _write_both(cfg, dtype, slots, 3, gen, True)
-    assert same(want[0], got[0])
+    assert same_bytes(want[0], got[0])
     Lkv = cfg.kv_lora_rank
     xf = up(kv[:, :Lkv])
     r = recip(sqrt(psum(xf * xf) / torch.tensor(float(Lkv)) + torch.tensor(LATENT_NORM_EPS)))
     mutant = (up(kv_norm) * (xf * r[:, None])).to(dtype)  # one rounding, not two
     stored = got[0][table[slots // 16].long(), slots % 16, :Lkv]
-    assert not same(stored, mutant)
+    assert not same_bytes(stored, mutant)
 
 
 # ---- compiled for the GPU -------------------------------------------------------------------------
@@ -350,18 +342,18 @@ def test_indexer_bytes_on_cuda(dtype):
     want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     q_, w_, cos_, sin_, pool_, table_, slots_ = [x.cuda() for x in (q, w, cos, sin, pool, table, slots)]
     got = index_scores_triton(cfg, q_, w_, cos_, sin_, LayerCache(pool_, pool_, table_), slots_).cpu()
-    assert same(want, got)
+    assert same_bytes(want, got)
     for kind in ("random", "quantised", "special"):
         scores = want if kind == "random" else _scores(kind, T, C, gen)
         want_rows, want_count = select_rows_torch(scores, slots, cfg.index_topk)
         rows, count = select_rows_triton(scores.cuda(), slots.cuda(), cfg.index_topk)
-        assert same(want_rows, rows.cpu()) and same(want_count, count.cpu())
+        assert same_bytes(want_rows, rows.cpu()) and same_bytes(want_count, count.cpu())
     for ok_value in (True, False):
         args, want_pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
         mine = [p.cuda() for p in want_pools]
         cache_rows_write_torch(cfg, *args, LayerCache(*want_pools, table), torch.tensor([ok_value]))
         cache_rows_write_triton(cfg, *[a.cuda() for a in args], LayerCache(*mine, table.cuda()), torch.tensor([ok_value]).cuda())
-        assert same(want_pools[0], mine[0].cpu()) and same(want_pools[1], mine[1].cpu())
+        assert same_bytes(want_pools[0], mine[0].cpu()) and same_bytes(want_pools[1], mine[1].cpu())
 
 
 # ---- per-row caches: one launch over rows of many sequences ---------------------------------------
@@ -381,7 +373,7 @@ def _clone(c):
 
 
 def _same_caches(a, b):
-    return all(same(x.kv_pool, y.kv_pool) and same(x.index_pool, y.index_pool) for x, y in zip(a, b, strict=True))
+    return all(same_bytes(x.kv_pool, y.kv_pool) and same_bytes(x.index_pool, y.index_pool) for x, y in zip(a, b, strict=True))
 
 
 # Row t in state ORDER[t]: rows 1, 2 share a state (one run), rows 0 and 4 another (two runs).
@@ -418,14 +410,14 @@ def test_index_scores_per_row_caches(dtype, name):
     caches = RowCaches.per_row([states[i] for i in ORDER], table=torch.zeros(8, 3, dtype=torch.int64))
     want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
     got = index_scores_triton(cfg, q, w, cos, sin, caches, slots)
-    assert same(want, got)
+    assert same_bytes(want, got)
     visible = torch.arange(16 * BLOCKS)[None, :] <= slots[:, None]
     assert torch.isfinite(got[visible]).all() and (got[~visible] == float("-inf")).all()
     for t in range(T):  # batch invariance: each row as if alone, in its own state's cache
         r = slice(t, t + 1)
         alone = index_scores_triton(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r])
-        assert same(alone, got[r])
-        assert same(alone, index_scores_torch(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r]))
+        assert same_bytes(alone, got[r])
+        assert same_bytes(alone, index_scores_torch(cfg, q[r], w[r], cos[r], sin[r], states[ORDER[t]], slots[r]))
 
 
 def test_index_scores_per_row_mutant_every_row_reads_line_zero():
@@ -444,14 +436,14 @@ def test_index_scores_per_row_mutant_every_row_reads_line_zero():
     want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
     launch = index_scores_launch(cfg, q, w, cos, sin, caches, slots, torch.empty_like(want))
     launch.run()
-    assert same(want, launch.args[7])
+    assert same_bytes(want, launch.args[7])
     broken = torch.empty_like(want)
     args = list(_with_stride(launch, 0).args)
     args[7] = broken
     type(launch)(launch.kernel, launch.grid, tuple(args), launch.meta).run()
     rows_elsewhere = torch.tensor([ORDER[t] != 0 for t in range(len(ORDER))])
-    assert same(want[~rows_elsewhere], broken[~rows_elsewhere])  # the rows in state 0 are right
-    assert not same(want[rows_elsewhere], broken[rows_elsewhere])
+    assert same_bytes(want[~rows_elsewhere], broken[~rows_elsewhere])  # the rows in state 0 are right
+    assert not same_bytes(want[rows_elsewhere], broken[rows_elsewhere])
 
 
 def _written(cache, slots):
@@ -493,10 +485,10 @@ def test_cache_rows_write_per_row_caches(dtype, name):
         for i, (c, b) in enumerate(zip(states, before)):
             mine = [ROW_SLOTS[t] for t in range(T) if ORDER[t] == i] if ok_value else []
             kept = ~_written(c, mine)
-            assert same(c.kv_pool[kept], b.kv_pool[kept]) and same(c.index_pool[kept], b.index_pool[kept])
+            assert same_bytes(c.kv_pool[kept], b.kv_pool[kept]) and same_bytes(c.index_pool[kept], b.index_pool[kept])
             if mine:  # the written rows changed (fresh random values over random contents)
                 w = _written(c, mine)
-                assert not same(c.kv_pool[w], b.kv_pool[w]) and not same(c.index_pool[w], b.index_pool[w])
+                assert not same_bytes(c.kv_pool[w], b.kv_pool[w]) and not same_bytes(c.index_pool[w], b.index_pool[w])
         if not ok_value:
             assert _same_caches(before, states)
 
@@ -565,10 +557,10 @@ def test_per_row_caches_on_cuda(dtype):
     want = index_scores_torch(cfg, q, w, cos, sin, RowCaches.per_row([states[i] for i in ORDER]), slots)
     got = index_scores_triton(cfg, q.cuda(), w.cuda(), cos.cuda(), sin.cuda(),
                               RowCaches.per_row([on_gpu[i] for i in ORDER]), slots.cuda()).cpu()
-    assert same(want, got)
+    assert same_bytes(want, got)
     args, _, _ = _write_inputs(cfg, dtype, slots, BLOCKS, gen)
     ok = torch.tensor([True])
     cache_rows_write_torch(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), ok)
     cache_rows_write_triton(cfg, *[a.cuda() for a in args], RowCaches.per_row([on_gpu[i] for i in ORDER]), ok.cuda())
     for c, g in zip(states, on_gpu, strict=True):
-        assert same(c.kv_pool, g.kv_pool.cpu()) and same(c.index_pool, g.index_pool.cpu())
+        assert same_bytes(c.kv_pool, g.kv_pool.cpu()) and same_bytes(c.index_pool, g.index_pool.cpu())

@@ -14,7 +14,7 @@ from glm_mtp.optimized.kernels.linear import (
     _tree, linear_acc_torch, linear_acc_triton, linear_blocks, linear_launch, linear_torch, linear_triton,
 )
 from glm_mtp.reference import numerics
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 

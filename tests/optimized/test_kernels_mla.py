@@ -28,6 +28,7 @@ from glm_mtp.optimized.kernels.paged import RowCaches, row_pools
 from glm_mtp.optimized.kernels.pinned_math import exp_f32 as _exp
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope, absorb_query, latent_query, sparse_mla
+from glm_mtp.reference.bytes import bits, same_bytes
 from glm_mtp.reference.numerics import exp, linear
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import MtpWeights
@@ -48,14 +49,6 @@ SHAPES = {
 
 def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view({F32: torch.int32, BF16: torch.int16}[x.dtype])
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 def _cfg(shape: str, interleave: bool = True) -> MtpConfig:
@@ -117,7 +110,7 @@ def test_absorbed_query_bytes(shape, interleave, T, dtype):
     for blocks in (MlaBlocks(), SMALL):
         got_abs, got_pe = absorbed_query_triton(cfg, q, kv_b, cos, sin, blocks=blocks)
         assert got_abs.dtype == F32 and got_pe.dtype == dtype
-        assert _same(got_abs, want_abs) and _same(got_pe, want_pe)
+        assert same_bytes(got_abs, want_abs) and same_bytes(got_pe, want_pe)
 
 
 def test_absorbed_query_twin_is_the_reference():
@@ -130,7 +123,7 @@ def test_absorbed_query_twin_is_the_reference():
     cos, sin = Rope.build(cfg, 16, "cpu").at(torch.tensor([0, 5, 9]))
     q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin)
     q_abs, q_pe2 = absorbed_query_triton(cfg, linear(q_latent, attn.q_b_proj), attn.kv_b_proj, cos, sin)
-    assert _same(q_pe2, q_pe) and _same(q_abs, absorb_query(attn, cfg, q_nope))
+    assert same_bytes(q_pe2, q_pe) and same_bytes(q_abs, absorb_query(attn, cfg, q_nope))
 
 
 # ---- the MLA over the lists -------------------------------------------------------------------------
@@ -157,7 +150,7 @@ def test_sparse_mla_bytes(shape, K, counts, dtype):
     want = sparse_mla_torch(cfg, *args)
     got = sparse_mla_triton(cfg, *args)
     assert got.shape == (len(counts), cfg.num_attention_heads * cfg.v_head_dim) and got.dtype == dtype
-    assert _same(got, want)
+    assert same_bytes(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -167,7 +160,7 @@ def test_sparse_mla_small_blocks(shape, K, counts, interleave, dtype):
     cfg = _cfg(shape, interleave)
     gen = torch.Generator().manual_seed(K + sum(counts))
     args = _mla_inputs(cfg, dtype, counts, K, gen)
-    assert _same(sparse_mla_triton(cfg, *args, blocks=SMALL), sparse_mla_torch(cfg, *args))
+    assert same_bytes(sparse_mla_triton(cfg, *args, blocks=SMALL), sparse_mla_torch(cfg, *args))
 
 
 @pytest.mark.slow
@@ -179,12 +172,12 @@ def test_sparse_mla_every_count():
     args = _mla_inputs(cfg, BF16, counts, 40, gen, blocks=4)
     want = sparse_mla_torch(cfg, *args)
     got = sparse_mla_triton(cfg, *args, blocks=MlaBlocks(soft_k=8, latent_k=8))
-    assert _same(got, want)
+    assert same_bytes(got, want)
     # Each row alone gives its bytes of the batch.
     q_abs, q_pe, cache, rows, count, kv_b = args
     for t in (0, 16, 32, 39):
         alone = sparse_mla_triton(cfg, q_abs[t : t + 1], q_pe[t : t + 1], cache, rows[t : t + 1], count[t : t + 1], kv_b)
-        assert _same(alone, want[t : t + 1])
+        assert same_bytes(alone, want[t : t + 1])
 
 
 def test_sparse_mla_passes_bound_the_scratch(monkeypatch):
@@ -193,7 +186,7 @@ def test_sparse_mla_passes_bound_the_scratch(monkeypatch):
     gen = torch.Generator().manual_seed(77)
     args = _mla_inputs(cfg, BF16, [3, 9, 1, 6, 2], 9, gen)
     monkeypatch.setattr(mla, "MLA_SCRATCH_ELEMENTS", 2 * cfg.num_attention_heads * 16)  # 2 rows a pass
-    assert _same(sparse_mla_triton(cfg, *args), sparse_mla_torch(cfg, *args))
+    assert same_bytes(sparse_mla_triton(cfg, *args), sparse_mla_torch(cfg, *args))
 
 
 def test_sparse_mla_is_the_reference_on_a_layer_cache():
@@ -213,7 +206,7 @@ def test_sparse_mla_is_the_reference_on_a_layer_cache():
     want = sparse_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(), rows, count)
     q_abs, q_pe2 = absorbed_query_triton(cfg, linear(q_latent, attn.q_b_proj), attn.kv_b_proj, cos, sin)
     got = sparse_mla_triton(cfg, q_abs, q_pe2, cache, rows, count, attn.kv_b_proj)
-    assert _same(got, want)
+    assert same_bytes(got, want)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy: -inf - -inf of an empty list
@@ -225,7 +218,7 @@ def test_sparse_mla_edge_counts_and_specials():
     gen = torch.Generator().manual_seed(7)
     args = list(_mla_inputs(cfg, F32, [0, 7, 8, 8], 8, gen))
     args[4] = torch.tensor([0, 7, 9, 8])
-    assert _same(sparse_mla_triton(cfg, *args), sparse_mla_torch(cfg, *args))
+    assert same_bytes(sparse_mla_triton(cfg, *args), sparse_mla_torch(cfg, *args))
     pool, table, rows = args[2].kv_pool, args[2].block_table, args[3]
     args[4] = torch.tensor([3, 7, 8, 4])
     rows[:, 3:] = 0
@@ -237,8 +230,8 @@ def test_sparse_mla_edge_counts_and_specials():
     want, got = sparse_mla_torch(cfg, *args), sparse_mla_triton(cfg, *args)
     nan = torch.isnan(want).reshape(4, -1).any(-1)
     assert nan.tolist() == [True, True, False, False]  # count 3 and 7 pad inside their trees; 8 and 4 do not
-    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(_bits(got)[~torch.isnan(want)],
-                                                                            _bits(want)[~torch.isnan(want)])
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(bits(got)[~torch.isnan(want)],
+                                                                            bits(want)[~torch.isnan(want)])
 
 
 def test_bad_arguments():
@@ -319,17 +312,17 @@ def test_sparse_mla_per_row_caches(shape, K, counts, blocks, dtype):
     want = sparse_mla_torch(cfg, q_abs, q_pe, caches, rows, count, kv_b)
     got = sparse_mla_triton(cfg, q_abs, q_pe, caches, rows, count, kv_b, blocks=blocks)
     assert got.shape == (len(OWNER), cfg.num_attention_heads * cfg.v_head_dim) and got.dtype == dtype
-    assert _same(got, want)
+    assert same_bytes(got, want)
     for t, o in enumerate(OWNER):
         one = (q_abs[t : t + 1], q_pe[t : t + 1])
         alone = sparse_mla_triton(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b, blocks=blocks)
-        assert _same(alone, got[t : t + 1]), t
-        assert _same(sparse_mla_torch(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b), want[t : t + 1])
+        assert same_bytes(alone, got[t : t + 1]), t
+        assert same_bytes(sparse_mla_torch(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b), want[t : t + 1])
     # A one-row RowCaches (stride 0) is the same as its LayerCache.
     t = 3
     one = RowCaches.per_row([states[OWNER[t]]])
     assert one.stride == 0
-    assert _same(sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], one, rows[t:], count[t:], kv_b, blocks=blocks),
+    assert same_bytes(sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], one, rows[t:], count[t:], kv_b, blocks=blocks),
                  sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], states[OWNER[t]], rows[t:], count[t:], kv_b, blocks=blocks))
 
 
@@ -340,7 +333,7 @@ def test_sparse_mla_per_row_passes(monkeypatch):
     states, q_abs, q_pe, rows, count, kv_b = _batch_inputs(cfg, BF16, 9, [1, 8, 9, 3, 9], gen)
     caches = RowCaches.per_row([states[o] for o in OWNER])
     monkeypatch.setattr(mla, "MLA_SCRATCH_ELEMENTS", 2 * cfg.num_attention_heads * 16)  # 2 rows a pass
-    assert _same(sparse_mla_triton(cfg, q_abs, q_pe, caches, rows, count, kv_b),
+    assert same_bytes(sparse_mla_triton(cfg, q_abs, q_pe, caches, rows, count, kv_b),
                  sparse_mla_torch(cfg, q_abs, q_pe, caches, rows, count, kv_b))
 
 
@@ -366,7 +359,7 @@ def test_per_row_mutant_is_caught(which, dtype):
     for launch in launches:
         launch.run()
     for t, o in enumerate(OWNER):
-        assert _same(out[t], want[t]) == (o == OWNER[0]), t
+        assert same_bytes(out[t], want[t]) == (o == OWNER[0]), t
 
 
 # ---- the tests can fail: kernels with one plausible mistake -------------------------------------------
@@ -477,8 +470,8 @@ def test_softmax_mutants_are_caught(mode):
     args = _mla_inputs(cfg, F32, [40, 37, 21], 40, gen)
     blocks = MlaBlocks(soft_k=16)
     want = sparse_mla_torch(cfg, *args)
-    assert _same(sparse_mla_triton(cfg, *args, blocks=blocks), want)
-    assert not _same(_run_with(cfg, args, blocks, 1, _softmax_mutant, mode), want)
+    assert same_bytes(sparse_mla_triton(cfg, *args, blocks=blocks), want)
+    assert not same_bytes(_run_with(cfg, args, blocks, 1, _softmax_mutant, mode), want)
 
 
 def _signed_zero_case(cfg, dtype):
@@ -503,9 +496,9 @@ def test_latent_mutants_are_caught(mode):
     cfg = _cfg("tiny")
     args = _signed_zero_case(cfg, BF16)
     want = sparse_mla_torch(cfg, *args)
-    assert (_bits(want) == torch.tensor(-0.0, dtype=BF16).view(torch.int16)).all()  # the case is what it claims
-    assert _same(sparse_mla_triton(cfg, *args), want)
-    assert not _same(_run_with(cfg, args, MlaBlocks(), 2, _latent_mutant, mode), want)
+    assert (bits(want) == torch.tensor(-0.0, dtype=BF16).view(torch.int16)).all()  # the case is what it claims
+    assert same_bytes(sparse_mla_triton(cfg, *args), want)
+    assert not same_bytes(_run_with(cfg, args, MlaBlocks(), 2, _latent_mutant, mode), want)
 
 
 @triton.jit
@@ -524,8 +517,8 @@ def test_exp_port_is_numerics_exp():
                    torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 88.7, 89.5, -103.9, -104.5, -87.3])))
     y, z = torch.empty_like(x), torch.empty_like(x)
     _exp_both[(triton.cdiv(x.numel(), 1024),)](x, y, z, x.numel(), B=1024)
-    assert _same(y, exp(x))
-    assert not _same(z, exp(x))
+    assert same_bytes(y, exp(x))
+    assert not same_bytes(z, exp(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -542,10 +535,10 @@ def test_nope_mla_bytes(dtype):
     cos = sin = torch.zeros(T, 0)
     want = absorbed_query_torch(cfg, q, attn.kv_b_proj, cos, sin)
     got = absorbed_query_triton(cfg, q, attn.kv_b_proj, cos, sin)
-    assert _same(got[0], want[0]) and got[1].shape == want[1].shape == (T, cfg.num_attention_heads, 0)
+    assert same_bytes(got[0], want[0]) and got[1].shape == want[1].shape == (T, cfg.num_attention_heads, 0)
     cache = LayerCache.allocate(cfg, 2, dtype, "cpu")
     cache.kv_pool.copy_(torch.randn(cache.kv_pool.shape, generator=g).to(dtype))
     rows, count = torch.tensor([[0, 1, 2, 5, 0], [3, 4, 7, 8, 9]]), torch.tensor([4, 5])
     want_o = sparse_mla_torch(cfg, want[0], want[1], cache, rows, count, attn.kv_b_proj)
     got_o = sparse_mla_triton(cfg, want[0], want[1], cache, rows, count, attn.kv_b_proj)
-    assert _same(got_o, want_o)
+    assert same_bytes(got_o, want_o)

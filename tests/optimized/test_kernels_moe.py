@@ -19,22 +19,13 @@ from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.linear import _tree
 from glm_mtp.optimized.kernels.pinned_math import exp_launch, exp_torch, exp_triton, sigmoid_f32
 from glm_mtp.reference import MtpConfig, MtpWeights, numerics
+from glm_mtp.reference.bytes import bits, same_bytes
 from glm_mtp.reference.moe import choose_experts, moe_block, route
 
 BF16, FP32 = torch.bfloat16, torch.float32
 DTYPES = pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
 # numpy warns on inf - inf and overflow inside the interpreted exp; the results are checked.
 NUMPY_WARNINGS = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _ints(x):
-    """The bits of a tensor as integers: what every comparison here compares."""
-    return x.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-                   torch.int64: torch.int64}[x.dtype])
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_ints(a), _ints(b))
 
 
 def _seed(*parts):
@@ -96,8 +87,8 @@ def test_exp_bytes_over_a_sweep_of_bit_patterns():
     assert ((want > 0) & (want < tiny)).sum() > 100  # denormal results
     assert torch.isinf(want).any() and (want == 0).any() and torch.isnan(want).any()
     got = exp_triton(x)
-    assert same(got, want)  # NaN included: both return the input NaN itself
-    assert same(exp_torch(x), want)
+    assert same_bytes(got, want)  # NaN included: both return the input NaN itself
+    assert same_bytes(exp_torch(x), want)
 
 
 @triton.jit
@@ -113,7 +104,7 @@ def test_tl_exp_is_caught():
     out = torch.empty_like(x)
     launch = exp_launch(x, out)
     Launch(_tl_exp_kernel, launch.grid, launch.args, launch.meta).run()
-    assert not same(out, numerics.exp(x))
+    assert not same_bytes(out, numerics.exp(x))
 
 
 # ---- the expert choice --------------------------------------------------------------------------
@@ -129,13 +120,13 @@ def test_route_bytes(name, T, tied):
     logits, bias = _logits(T, cfg.n_routed_experts, gen, tied), _bias(cfg.n_routed_experts, gen, tied)
     want_e, want_w = choose_experts(cfg, logits, bias)
     got_e, got_w = K.route_triton(cfg, logits, bias)
-    assert same(got_e, want_e) and same(got_w, want_w)
+    assert same_bytes(got_e, want_e) and same_bytes(got_w, want_w)
     twin_e, twin_w = K.route_torch(cfg, logits, bias)
-    assert same(twin_e, want_e) and same(twin_w, want_w)
+    assert same_bytes(twin_e, want_e) and same_bytes(twin_w, want_w)
     # Each row as if alone.
     for t in range(T):
         e1, w1 = K.route_triton(cfg, logits[t : t + 1], bias)
-        assert same(e1, want_e[t : t + 1]) and same(w1, want_w[t : t + 1])
+        assert same_bytes(e1, want_e[t : t + 1]) and same_bytes(w1, want_w[t : t + 1])
 
 
 @DTYPES
@@ -147,9 +138,9 @@ def test_route_is_the_reference_route_after_the_router(dtype):
     m = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
     want_e, want_w = route(moe, cfg, m)
     got_e, got_w = K.route_triton(cfg, numerics.linear_acc(m, moe.router), moe.e_score_correction_bias)
-    assert same(got_e, want_e) and same(got_w, want_w)
+    assert same_bytes(got_e, want_e) and same_bytes(got_w, want_w)
     bias_s = moe.e_score_correction_bias.to(dtype)  # a bias stored in S is promoted as route promotes it
-    assert all(same(a, b) for a, b in zip(K.route_triton(cfg, numerics.linear_acc(m, moe.router), bias_s),
+    assert all(same_bytes(a, b) for a, b in zip(K.route_triton(cfg, numerics.linear_acc(m, moe.router), bias_s),
                                           choose_experts(cfg, numerics.linear_acc(m, moe.router), bias_s)))
 
 
@@ -170,11 +161,11 @@ def test_route_ties_and_specials():
     bias = torch.zeros(8)
     want_e, want_w = choose_experts(cfg, logits, bias)
     got_e, got_w = K.route_triton(cfg, logits, bias)
-    assert same(got_e, want_e)
+    assert same_bytes(got_e, want_e)
     assert want_e[:3].tolist() == [[0, 1], [1, 2], [0, 1]] and want_e[3].tolist() == [2, 4]
     nan_w = torch.isnan(want_w)
     assert nan_w[3].all() and not nan_w[[0, 1, 2, 4]].any()
-    assert torch.equal(torch.isnan(got_w), nan_w) and torch.equal(_ints(got_w)[~nan_w], _ints(want_w)[~nan_w])
+    assert torch.equal(torch.isnan(got_w), nan_w) and torch.equal(bits(got_w)[~nan_w], bits(want_w)[~nan_w])
     assert (want_w[4] == 0).all()
 
 
@@ -240,9 +231,9 @@ def test_ties_to_the_higher_expert_are_caught():
         experts, weights = torch.empty_like(want_e), torch.empty_like(want_w)
         launch = K.route_launch(cfg, logits, bias, experts, weights)
         launch.run()
-        assert same(experts, want_e) and same(weights, want_w)
+        assert same_bytes(experts, want_e) and same_bytes(weights, want_w)
         Launch(_route_high_ties_kernel, launch.grid, launch.args, launch.meta).run()
-        assert same(experts, want_e) == agree
+        assert same_bytes(experts, want_e) == agree
 
 
 # ---- the experts --------------------------------------------------------------------------------
@@ -289,22 +280,22 @@ def test_experts_bytes(name, E, k, H, I, n_shared, T, dtype):
     w, m, res, experts, weights = _experts_case(E, k, H, I, n_shared, T, dtype, seed=_seed(name, T, str(dtype)))
     want_h, want_sh = K.experts_gate_up_torch(m, experts, w["gate"], w["up"], w["sg"], w["su"])
     got_h, got_sh = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"])
-    assert same(got_h, want_h)
-    assert (got_sh is None and want_sh is None) if not n_shared else same(got_sh, want_sh)
+    assert same_bytes(got_h, want_h)
+    assert (got_sh is None and want_sh is None) if not n_shared else same_bytes(got_sh, want_sh)
     want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
     got = K.experts_down_combine_triton(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
-    assert same(got, want)
+    assert same_bytes(got, want)
     if dtype == BF16:  # the roundings are exercised: truncating would differ somewhere
         acc = numerics.linear_acc(m, w["gate"][experts[0, 0]])
-        assert not torch.equal((acc.view(torch.int32) >> 16).to(torch.int16), _ints(acc.to(BF16)))
+        assert not torch.equal((acc.view(torch.int32) >> 16).to(torch.int16), bits(acc.to(BF16)))
     if T > 1 and name != "small":  # each row as if alone (small's widths cost the interpreter most)
         for t in range(T):
             h1, s1 = K.experts_gate_up_triton(m[t : t + 1], experts[t : t + 1], w["gate"], w["up"], w["sg"], w["su"])
-            assert same(h1, want_h[t : t + 1]) and (s1 is None or same(s1, want_sh[t : t + 1]))
+            assert same_bytes(h1, want_h[t : t + 1]) and (s1 is None or same_bytes(s1, want_sh[t : t + 1]))
             o1 = K.experts_down_combine_triton(want_h[t : t + 1], None if want_sh is None else want_sh[t : t + 1],
                                                experts[t : t + 1], weights[t : t + 1], w["down"], w["sd"],
                                                res[t : t + 1])
-            assert same(o1, want[t : t + 1])
+            assert same_bytes(o1, want[t : t + 1])
 
 
 def test_experts_read_in_place_from_strided_stacks():
@@ -318,16 +309,16 @@ def test_experts_read_in_place_from_strided_stacks():
     assert gate.stride() == (2 * I * H, H, 1) and down_pad.stride() == (H * (I + 16), I + 16, 1)
     want_h, want_sh = K.experts_gate_up_torch(m, experts, w["gate"], w["up"], w["sg"], w["su"])
     got_h, got_sh = K.experts_gate_up_triton(m, experts, gate, upw, w["sg"], w["su"])
-    assert same(got_h, want_h) and same(got_sh, want_sh)
+    assert same_bytes(got_h, want_h) and same_bytes(got_sh, want_sh)
     want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
-    assert same(K.experts_down_combine_triton(want_h, want_sh, experts, weights, down_pad, w["sd"], res), want)
+    assert same_bytes(K.experts_down_combine_triton(want_h, want_sh, experts, weights, down_pad, w["sd"], res), want)
     # Ids and weights as column views of wider (T, 2k) buffers, and transposed (k, T) ones.
     ex_wide, wt_wide = torch.cat([experts, experts], 1)[:, :k], torch.cat([weights, weights], 1)[:, :k]
     ex_t, wt_t = experts.T.contiguous().T, weights.T.contiguous().T
     assert ex_wide.stride(0) == 2 * k and ex_t.stride(1) == T
     for ex, wt in ((ex_wide, wt_wide), (ex_t, wt_t)):
-        assert same(K.experts_gate_up_triton(m, ex, gate, upw, w["sg"], w["su"])[0], want_h)
-        assert same(K.experts_down_combine_triton(want_h, want_sh, ex, wt, down_pad, w["sd"], res), want)
+        assert same_bytes(K.experts_gate_up_triton(m, ex, gate, upw, w["sg"], w["su"])[0], want_h)
+        assert same_bytes(K.experts_down_combine_triton(want_h, want_sh, ex, wt, down_pad, w["sd"], res), want)
 
 
 @NUMPY_WARNINGS
@@ -345,10 +336,10 @@ def test_kernels_chain_to_the_reference_moe(preset, T, dtype):
     sh = moe.shared
     hidden, shared = K.experts_gate_up_triton(m, experts, moe.experts_gate, moe.experts_up, sh.gate_proj, sh.up_proj)
     got = K.experts_down_combine_triton(hidden, shared, experts, weights, moe.experts_down, sh.down_proj, h)
-    assert same(got, want)
+    assert same_bytes(got, want)
     e2, w2 = K.route_torch(cfg, numerics.linear_acc(m, moe.router), moe.e_score_correction_bias)
     h2, s2 = K.experts_gate_up_torch(m, e2, moe.experts_gate, moe.experts_up, sh.gate_proj, sh.up_proj)
-    assert same(K.experts_down_combine_torch(h2, s2, e2, w2, moe.experts_down, sh.down_proj, h), want)
+    assert same_bytes(K.experts_down_combine_torch(h2, s2, e2, w2, moe.experts_down, sh.down_proj, h), want)
 
 
 def test_experts_bad_arguments():
@@ -410,9 +401,9 @@ def test_left_to_right_combine_is_caught():
     out = torch.empty_like(want)
     launch = K.experts_down_combine_launch(hidden, shared, experts, weights, w["down"], w["sd"], res, out)
     launch.run()
-    assert same(out, want)
+    assert same_bytes(out, want)
     Launch(_down_combine_left_to_right_kernel, launch.grid, launch.args, launch.meta).run()
-    assert not same(out, want)
+    assert not same_bytes(out, want)
 
 
 @NUMPY_WARNINGS
@@ -421,10 +412,10 @@ def test_experts_float16():
     w, m, res, experts, weights = _experts_case(8, 3, 96, 48, 2, 3, torch.float16, seed=59)
     want_h, want_sh = K.experts_gate_up_torch(m, experts, w["gate"], w["up"], w["sg"], w["su"])
     got_h, got_sh = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"])
-    assert same(got_h, want_h) and same(got_sh, want_sh)
+    assert same_bytes(got_h, want_h) and same_bytes(got_sh, want_sh)
     want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
     assert torch.isfinite(want).all()
-    assert same(K.experts_down_combine_triton(want_h, want_sh, experts, weights, w["down"], w["sd"], res), want)
+    assert same_bytes(K.experts_down_combine_triton(want_h, want_sh, experts, weights, w["down"], w["sd"], res), want)
 
 
 @NUMPY_WARNINGS
@@ -443,14 +434,14 @@ def test_clamped_gate_up_bytes(dtype):
 
     def same_nan_free(a, b):  # NaN payloads are not pinned (kernels/rounding.py): NaN where NaN, bytes elsewhere
         nan = torch.isnan(a)
-        return torch.equal(nan, torch.isnan(b)) and same(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+        return torch.equal(nan, torch.isnan(b)) and same_bytes(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
     assert same_nan_free(got_h, want_h) and same_nan_free(got_sh, want_sh)
-    assert same(got_h[0], want_h[0]) and same(got_sh[0], want_sh[0])  # the finite row: every byte
+    assert same_bytes(got_h[0], want_h[0]) and same_bytes(got_sh[0], want_sh[0])  # the finite row: every byte
     assert bool(torch.isnan(got_h[1]).all()) and bool(torch.isfinite(got_h[0]).all())
     raw = numerics.linear(m[0], w["gate"][experts[0, 0]]).float()
     assert bool((raw > limit).any()) and bool((raw < -limit).any())  # both sides exercised (g above, u both)
     plain_h, _ = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"])
-    assert not same(plain_h[0], want_h[0])  # the clamp matters here: a kernel without it is caught
+    assert not same_bytes(plain_h[0], want_h[0])  # the clamp matters here: a kernel without it is caught
     with pytest.raises(ValueError, match="limit must be a positive number"):
         K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"], limit=-1.0)

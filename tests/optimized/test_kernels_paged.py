@@ -9,13 +9,10 @@ import torch
 from glm_mtp.optimized.kernels import paged
 from glm_mtp.optimized.kernels.paged import RowCaches, RowTargets, cache_addresses, row_caches, scatter_rows_torch, scatter_rows_triton
 from glm_mtp.reference import MtpConfig
+from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.state import LayerCache
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=["fp32", "bf16", "int64"])
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
 def _values(gen, T, N, dtype):
@@ -41,8 +38,8 @@ def test_scatter_rows_kernel_equals_twin(dtype, ok):
     scatter_rows_triton(values, RowTargets.of(dst_k, column), flag)
     scatter_rows_torch(values, RowTargets.of(dst_t, column), flag)
     for t in range(T):
-        assert torch.equal(_bits(dst_k[t]), _bits(dst_t[t]))
-        assert torch.equal(_bits(dst_k[t]), _bits(values[t] if ok else before[t]))
+        assert torch.equal(bits(dst_k[t]), bits(dst_t[t]))
+        assert torch.equal(bits(dst_k[t]), bits(values[t] if ok else before[t]))
 
 
 def test_scatter_rows_mutant_every_row_through_line_zero_is_caught():
@@ -52,9 +49,9 @@ def test_scatter_rows_mutant_every_row_through_line_zero_is_caught():
     good = RowTargets.of(dst, torch.zeros(3, dtype=torch.int64))
     broken = RowTargets(good.tensors, good.addresses[:1].expand(3))  # stride 0: every row to dst[0]
     scatter_rows_triton(values, broken, torch.tensor([True]))
-    assert not torch.equal(_bits(dst[1]), _bits(values[1]))
+    assert not torch.equal(bits(dst[1]), bits(values[1]))
     scatter_rows_triton(values, good, torch.tensor([True]))
-    assert all(torch.equal(_bits(dst[t]), _bits(values[t])) for t in range(3))
+    assert all(torch.equal(bits(dst[t]), bits(values[t])) for t in range(3))
 
 
 def test_scatter_rows_refuses_mismatched_targets():

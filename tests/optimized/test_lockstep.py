@@ -5,6 +5,8 @@ same exception type) and export byte-identical states; a refused call changes no
 import pytest
 import torch
 
+from glm_mtp.optimized.graphs import GraphKey
+
 # A misuse: (name, needs a pending propose?, call(prop-free spec) -> (method, args)).
 # ``p`` is the next position, ``s`` the rows held, ``k`` the pending draft count, ``i`` inputs.
 MISUSE = [
@@ -114,7 +116,7 @@ def test_lockstep_cuda(weights, lockstep, make_inputs, cuda_graphs):
     seen = spec_decode(ls, make_inputs(w, seed=21), steps=24, k_max=4)
     assert seen.get("propose", 0) >= 5, seen
     if cuda_graphs:
-        assert set(ls.os.graphs) <= {-1, 1, 2, 3, 4} and any(k > 0 for k in ls.os.graphs)  # -1: the catch-up
+        assert set(ls.os.graphs) <= {GraphKey.catchup(), *(GraphKey.draft(k) for k in range(1, 5))} and any(key.num_drafts > 0 for key in ls.os.graphs)
     else:
         assert ls.os.graphs == {}
 

@@ -74,9 +74,9 @@ def test_mutant_ungated_pool_writes_are_caught(next_weights, monkeypatch):
 
 
 def test_mutant_propose_without_the_rewind_of_a_cut_pool_is_caught(next_weights, monkeypatch):
-    import glm_mtp.optimized.proposer as proposer
+    import glm_mtp.optimized.programs as programs
 
-    monkeypatch.setattr(proposer, "gated_forget", lambda cache, n, ok: None)
+    monkeypatch.setattr(programs, "gated_forget", lambda cache, n, ok: None)
     with pytest.raises(AssertionError, match="pool_complete"):
         walk(DrafterPair(next_weights, max_seq_len=32), Inputs(next_weights, seed=3))
 

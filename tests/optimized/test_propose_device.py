@@ -6,7 +6,7 @@ import torch
 
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import ReferenceProposer
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 
 def _pair(weights, inputs, rows=9):

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-import glm_mtp.optimized.proposer as opt_proposer
+import glm_mtp.optimized.programs as opt_programs
+from glm_mtp.optimized.graphs import GraphKey
 from glm_mtp.reference import SampledDrafts
 from glm_mtp.reference.numerics import acc_dtype, softmax, up
 
@@ -72,7 +73,7 @@ def test_mutant_library_softmax_is_caught(weights, inputs, lockstep, monkeypatch
     def library_probs(logits, temperature):
         return torch.softmax(up(logits) / temperature, dim=-1)
 
-    monkeypatch.setattr(opt_proposer, "draft_probs", library_probs)
+    monkeypatch.setattr(opt_programs, "draft_probs", library_probs)
     ls = lockstep(weights)
     with pytest.raises(AssertionError, match="propose_sampled"):
         play(ls, inputs, weights, 4, 1.0, seed=7)
@@ -84,7 +85,7 @@ def test_mutant_reciprocal_temperature_is_caught(weights, inputs, lockstep, monk
     def reciprocal_probs(logits, temperature):
         return softmax(up(logits) * (1 / temperature))
 
-    monkeypatch.setattr(opt_proposer, "draft_probs", reciprocal_probs)
+    monkeypatch.setattr(opt_programs, "draft_probs", reciprocal_probs)
     ls = lockstep(weights)
     with pytest.raises(AssertionError, match="propose_sampled"):
         play(ls, inputs, weights, 4, 0.37, seed=8)
@@ -131,4 +132,4 @@ def test_lockstep_sampled_cuda(weights, make_inputs, lockstep, cuda_graphs):
     results = play(ls, make_inputs(w, seed=3), w, 8, 0.8, seed=11)
     assert all(r.q.is_cuda for r in results)
     if cuda_graphs:
-        assert set(ls.os.graphs) <= {opt_proposer.sampled_key(k) for k in range(1, 5)} and ls.os.graphs
+        assert set(ls.os.graphs) <= {GraphKey.draft(k, sampled=True) for k in range(1, 5)} and ls.os.graphs

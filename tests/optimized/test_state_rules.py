@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+import glm_mtp.optimized.programs as opt_programs
 import glm_mtp.optimized.proposer as opt_module
 import glm_mtp.reference.proposer as ref_module
 from glm_mtp.optimized import OptimizedProposer
@@ -24,14 +25,14 @@ def row_fn(prop):
     fused step (``fused_rows``) where it takes one, else its per-primitive ``block_rows``."""
     if isinstance(prop, ReferenceProposer):
         return ref_module, "mtp_rows"
-    return opt_module, "fused_rows" if prop.step is not None else "block_rows"
+    return opt_programs, "fused_rows" if prop.step is not None else "block_rows"
 
 
 def draft_fn(prop):
     """Where a drafter turns a row's output into a draft (the fused step: ``fused_head``)."""
     if isinstance(prop, ReferenceProposer):
         return ref_module, "greedy_token"
-    return opt_module, "fused_head" if prop.step is not None else "greedy_token"
+    return opt_programs, "fused_head" if prop.step is not None else "greedy_token"
 
 
 CAUSE = "injected failure 7f3a"

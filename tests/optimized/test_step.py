@@ -6,18 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_mtp.optimized.step import StepKernels, fused_head, fused_rows, fusable
+from glm_mtp.optimized.step import StepKernels, fused_head, fused_rows, fusable, step_kernels
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
+from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.layers import greedy_token
 from glm_mtp.reference.state import LayerCache
-
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(BITS.get(t.dtype, torch.uint8))
 
 
 def caches(cfg: MtpConfig, dtype: torch.dtype, blocks: int, seed: int) -> tuple[LayerCache, LayerCache]:
@@ -67,14 +62,14 @@ def run_both(w: MtpWeights, k: StepKernels, context: int, new_rows: int, seed: i
 def test_twins_compose_to_the_reference(dtype, context, new_rows):
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=3, dtype=dtype)
     assert fusable(w)
-    run_both(w, StepKernels(triton=False), context, new_rows, seed=context * 7 + new_rows)
+    run_both(w, step_kernels(triton=False), context, new_rows, seed=context * 7 + new_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("context,new_rows", [(0, 1), (21, 1), (9, 3)])
 def test_interpreted_kernels_equal_the_reference_tiny(dtype, context, new_rows):
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=5, dtype=dtype)
-    run_both(w, StepKernels(triton=True), context, new_rows, seed=100 + context)
+    run_both(w, step_kernels(triton=True), context, new_rows, seed=100 + context)
 
 
 @pytest.mark.slow
@@ -82,4 +77,4 @@ def test_interpreted_kernels_equal_the_reference_tiny(dtype, context, new_rows):
 def test_interpreted_kernels_equal_the_reference_small(dtype):
     # 40 context rows > index_topk 32: the indexer's choice matters.
     w = MtpWeights.random(MtpConfig.preset("small"), seed=9, dtype=dtype)
-    run_both(w, StepKernels(triton=True), 40, 1, seed=11)
+    run_both(w, step_kernels(triton=True), 40, 1, seed=11)

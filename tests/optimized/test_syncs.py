@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import glm_mtp.optimized.proposer as opt_proposer
+from glm_mtp.optimized.graphs import GraphKey
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import ReferenceProposer
 
@@ -145,7 +146,7 @@ def test_cuda_graph_propose_has_no_sync(weights, inputs, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert drafts.shape == (3,) and drafts.is_cuda
-    assert list(st.graphs) == [3]
+    assert list(st.graphs) == [GraphKey.draft(3)]
     expected = drafts.tolist()
     opt.after_verify(0, st)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.reference.bytes import keyed_bytes
 
 
 @pytest.fixture(scope="session")
@@ -48,10 +49,7 @@ def inputs(weights, request) -> Inputs:
 
 def snapshot_bytes(prop, state) -> dict[str, bytes]:
     """export_state as raw bytes per key (plus shape and dtype), for byte-level comparisons."""
-    out = {}
-    for k, t in prop.export_state(state).items():
-        out[k] = (tuple(t.shape), str(t.dtype), t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return out
+    return keyed_bytes(prop.export_state(state))
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm_mtp.reference import CheckpointError, MtpConfig, MtpWeights
-from glm_mtp.reference.weights import same_bytes, weights_equal
+from glm_mtp.reference.bytes import same_bytes
+from glm_mtp.reference.weights import weights_equal
 
 CFG = MtpConfig.preset("tiny")
 P = f"model.layers.{CFG.mtp_layer_index}."

@@ -12,7 +12,7 @@ import torch
 from glm_mtp.conformance.sharded import check_sharded, check_sharded_runner, faulty_rank
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.distributed import NO_EP_ENV, launch
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 
 @pytest.mark.slow

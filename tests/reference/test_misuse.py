@@ -93,7 +93,7 @@ def test_state_stays_usable_after_a_refused_call(prop, inputs):
         prop.propose(1, inputs.hiddens(1), 11, 2, state)
     prop.after_verify(1, state)
     with pytest.raises(RuntimeError):
-        prop.after_verify(1, state)  # the seed would trim again and cut the kept first row
+        prop.after_verify(1, state)  # the engine's drafter would trim again and cut the kept first row
     assert prop.drafter_rows(state) == 11
 
 

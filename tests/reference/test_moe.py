@@ -109,7 +109,7 @@ def test_moe_block_matches_float64_formula(dtype, tol):
 def test_a_rows_moe_output_does_not_depend_on_its_batch():
     """Pinned numerics: the same row gives the same bytes alone or among others (routing, the
     routed experts and the shared expert alike)."""
-    from glm_mtp.reference.weights import same_bytes
+    from glm_mtp.reference.bytes import same_bytes
 
     cfg = MtpConfig.preset("tiny")
     w = MtpWeights.random(cfg, seed=7, dtype=torch.bfloat16)

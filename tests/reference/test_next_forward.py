@@ -132,7 +132,7 @@ def test_a_freed_state_exports_no_pools(prop):
     ],
 )
 def test_a_refused_call_leaves_every_byte_including_the_pools(prop, call, error):
-    from glm_mtp.reference.weights import same_bytes
+    from glm_mtp.reference.bytes import same_bytes
 
     state = prop.alloc_state("cpu")
     tokens, hiddens = inputs(10, seed=3)

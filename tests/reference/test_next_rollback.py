@@ -17,7 +17,7 @@ import torch
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference import proposer as proposer_mod
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import same_bytes
 
 CFG = MtpConfig.preset("glm5next_tiny")
 # Bytes a prefilled state has: x, pending and last_drafted belong to a propose.

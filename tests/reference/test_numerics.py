@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from glm_mtp.reference import numerics as nm
+from glm_mtp.reference.bytes import raw_bytes
 
 FLOATS = [torch.float32, torch.float64]
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def np_psum(v: np.ndarray) -> np.ndarray:
@@ -37,15 +34,15 @@ def rand(*shape, seed, dtype=torch.float32, scale=1.0):
 def test_psum_is_the_padded_tree(dtype):
     for n in list(range(0, 34)) + [63, 64, 65, 100, 6144 // 16, 1000]:
         x = rand(3, n, seed=n, dtype=dtype, scale=10 ** (n % 5))
-        assert bits(nm.psum(x)) == bits(torch.from_numpy(np_psum(x.numpy()))), n
+        assert raw_bytes(nm.psum(x)) == raw_bytes(torch.from_numpy(np_psum(x.numpy()))), n
 
 
 def test_psum_zero_signs_and_specials():
     z = torch.tensor
-    assert bits(nm.psum(z([-0.0]))) == bits(z(-0.0))  # n = 1 is the value itself
-    assert bits(nm.psum(z([-0.0, -0.0]))) == bits(z(-0.0))
-    assert bits(nm.psum(z([-0.0, -0.0, -0.0]))) == bits(z(0.0))  # the padding's +0.0 enters
-    assert bits(nm.psum(torch.zeros(0))) == bits(z(0.0))
+    assert raw_bytes(nm.psum(z([-0.0]))) == raw_bytes(z(-0.0))  # n = 1 is the value itself
+    assert raw_bytes(nm.psum(z([-0.0, -0.0]))) == raw_bytes(z(-0.0))
+    assert raw_bytes(nm.psum(z([-0.0, -0.0, -0.0]))) == raw_bytes(z(0.0))  # the padding's +0.0 enters
+    assert raw_bytes(nm.psum(torch.zeros(0))) == raw_bytes(z(0.0))
     assert math.isnan(nm.psum(z([1.0, float("nan"), 2.0])).item())
     assert nm.psum(z([float("inf"), 1.0, 5.0])).item() == float("inf")
 
@@ -55,11 +52,11 @@ def test_the_order_is_observable():
     x = rand(200, 1000, seed=1, scale=1e3)
     tree = nm.psum(x)
     seq = torch.from_numpy(np.add.reduce(x.numpy(), axis=-1, dtype=np.float32))
-    assert bits(tree) != bits(torch.sum(x, -1))
+    assert raw_bytes(tree) != raw_bytes(torch.sum(x, -1))
     left = x[:, 0].clone()
     for i in range(1, 1000):
         left = left + x[:, i]
-    assert bits(tree) != bits(left) and bits(tree) != bits(seq)
+    assert raw_bytes(tree) != raw_bytes(left) and raw_bytes(tree) != raw_bytes(seq)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -71,7 +68,7 @@ def test_psum_prefix_is_psum_of_each_prefix(dtype):
         x = torch.where(torch.arange(W) < lengths[:, None], x, torch.zeros_like(x))
         got = nm.psum_prefix(x, lengths)
         for t in range(40):
-            assert bits(got[t]) == bits(nm.psum(x[t, : int(lengths[t])])), (W, t)
+            assert raw_bytes(got[t]) == raw_bytes(nm.psum(x[t, : int(lengths[t])])), (W, t)
 
 
 def test_dot_and_linear_follow_the_tree_and_ignore_chunking(monkeypatch):
@@ -79,10 +76,10 @@ def test_dot_and_linear_follow_the_tree_and_ignore_chunking(monkeypatch):
     w = rand(40, 6144, seed=6, dtype=torch.bfloat16, scale=0.02)
     prods = x.float().numpy()[:, None, :] * w.float().numpy()[None]  # exact: bf16 x bf16 fits float32
     want = torch.from_numpy(np_psum(prods)).to(torch.bfloat16)
-    assert bits(nm.linear(x, w)) == bits(want)
+    assert raw_bytes(nm.linear(x, w)) == raw_bytes(want)
     monkeypatch.setattr(nm, "LINEAR_CHUNK_ELEMENTS", 3 * 6144 * 7)  # chunks of 7 output columns
-    assert bits(nm.linear(x, w)) == bits(want)
-    assert bits(nm.dot(x[0], w[3])) == bits(torch.from_numpy(np_psum(prods[0, 3])))
+    assert raw_bytes(nm.linear(x, w)) == raw_bytes(want)
+    assert raw_bytes(nm.dot(x[0], w[3])) == raw_bytes(torch.from_numpy(np_psum(prods[0, 3])))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -93,7 +90,7 @@ def test_rms_norm_step_by_step(dtype):
     r = f(1) / np.sqrt(np_psum(xf * xf) / f(96) + f(1e-5))
     normed = torch.from_numpy(xf * r[:, None]).to(dtype)
     want = (torch.from_numpy(w.float().numpy() * normed.float().numpy())).to(dtype)
-    assert bits(nm.rms_norm(x, w, 1e-5)) == bits(want)
+    assert raw_bytes(nm.rms_norm(x, w, 1e-5)) == raw_bytes(want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -104,7 +101,7 @@ def test_layer_norm_step_by_step(dtype):
     d = xf - (np_psum(xf) / f(48))[:, None]
     inv = f(1) / np.sqrt(np_psum(d * d) / f(48) + f(1e-6))
     want = torch.from_numpy((d * inv[:, None]) * w.float().numpy() + b.float().numpy()).to(dtype)
-    assert bits(nm.layer_norm(x, w, b, 1e-6)) == bits(want)
+    assert raw_bytes(nm.layer_norm(x, w, b, 1e-6)) == raw_bytes(want)
 
 
 def np_exp(x: np.ndarray) -> np.ndarray:
@@ -143,7 +140,7 @@ def test_exp_within_2_ulp_over_the_float32_range():
     assert ulp_error(got, x).max().item() <= 2.0
     # Overflow goes to inf exactly where float32 exp does; past the smallest denormal, to +0.0.
     assert (torch.isinf(got) == torch.isinf(torch.exp(x.double()).float())).all()
-    assert bits(nm.exp(x)) == bits(torch.from_numpy(np_exp(x.numpy())))  # the written algorithm
+    assert raw_bytes(nm.exp(x)) == raw_bytes(torch.from_numpy(np_exp(x.numpy())))  # the written algorithm
 
 
 def test_exp_edges():
@@ -152,23 +149,23 @@ def test_exp_edges():
               -87.33654, -87.5, -100.0, -103.9, -103.98, -104.5, -1e30, 1e-30, -1e-30, 2.0**-149])
     got = nm.exp(edge)
     assert got[0].item() == 1.0 and got[1].item() == 1.0
-    assert got[2].item() == float("inf") and bits(got[3]) == bits(t(0.0))
+    assert got[2].item() == float("inf") and raw_bytes(got[3]) == raw_bytes(t(0.0))
     assert math.isfinite(got[4].item()) and got[5].item() == got[6].item() == got[7].item() == float("inf")
     assert 0 < got[8].item() < 2.0**-125 and 0 < got[10].item() < 2.0**-126  # denormal results
-    assert bits(got[12:15]) == bits(torch.zeros(3))  # underflow to +0.0
+    assert raw_bytes(got[12:15]) == raw_bytes(torch.zeros(3))  # underflow to +0.0
     assert got[15].item() == got[16].item() == got[17].item() == 1.0
     assert ulp_error(got, edge).max().item() <= 2.0
     assert math.isnan(nm.exp(t([float("nan")])).item())
-    assert bits(nm.exp(t([1.5], dtype=torch.float64))) == bits(torch.exp(t([1.5], dtype=torch.float64)))
+    assert raw_bytes(nm.exp(t([1.5], dtype=torch.float64))) == raw_bytes(torch.exp(t([1.5], dtype=torch.float64)))
 
 
 def test_sigmoid_silu_softmax_are_their_compositions():
     x = rand(4, 37, seed=12, scale=6)
     e = nm.exp(-x)
-    assert bits(nm.sigmoid(x)) == bits(torch.div(torch.ones_like(x), 1.0 + e))
-    assert bits(nm.silu(x)) == bits(x * nm.sigmoid(x))
+    assert raw_bytes(nm.sigmoid(x)) == raw_bytes(torch.div(torch.ones_like(x), 1.0 + e))
+    assert raw_bytes(nm.silu(x)) == raw_bytes(x * nm.sigmoid(x))
     ex = nm.exp(x - x.amax(-1, keepdim=True))
-    assert bits(nm.softmax(x)) == bits(ex / nm.psum(ex)[:, None])
+    assert raw_bytes(nm.softmax(x)) == raw_bytes(ex / nm.psum(ex)[:, None])
     torch.testing.assert_close(nm.softmax(x).double(), torch.softmax(x.double(), -1), rtol=1e-6, atol=1e-7)
 
 
@@ -179,12 +176,12 @@ def test_list_softmax_is_softmax_of_each_list():
     p = nm.list_softmax(masked, lengths)
     for t in range(6):
         n = int(lengths[t])
-        assert bits(p[t, :n]) == bits(nm.softmax(s[t, :n]))
-        assert bits(p[t, n:]) == bits(torch.zeros(9 - n))
+        assert raw_bytes(p[t, :n]) == raw_bytes(nm.softmax(s[t, :n]))
+        assert raw_bytes(p[t, n:]) == raw_bytes(torch.zeros(9 - n))
 
 
 def test_sqrt_is_correctly_rounded():
     """torch's own float32 sqrt on the CPU is not (a vector-math library): numerics.sqrt must be,
     as numpy's (the hardware instruction) is."""
     x = torch.cat([torch.rand(200_000) * 4, rand(50_000, seed=14).abs() * 1e-30, rand(50_000, seed=15).abs() * 1e30])
-    assert bits(nm.sqrt(x)) == bits(torch.from_numpy(np.sqrt(x.numpy())))
+    assert raw_bytes(nm.sqrt(x)) == raw_bytes(torch.from_numpy(np.sqrt(x.numpy())))

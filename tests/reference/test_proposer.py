@@ -1,4 +1,4 @@
-"""The seed's invariants and every rule of DESIGN.md §4, one test each."""
+"""The engine drafter's invariants and every rule of DESIGN.md §4, one test each."""
 
 import logging
 

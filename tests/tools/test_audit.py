@@ -295,7 +295,7 @@ def test_broken_kernels_fail_the_audit(tmp_path, triton_cache):
 
 # The preset the suite audits: glm5's real widths, what a GPU runs. tiny and small (smaller blocks,
 # masked tails) are in the CLI's default run (``python -m glm_mtp.tools.audit``), at the cost of
-# another ~300 compiles that CI's time budget leaves to that command (README: PTX audit).
+# another ~300 compiles that CI's time budget leaves to that command (docs/performance.md: the PTX audit).
 AUDITED_PRESETS = ("glm5",)
 
 

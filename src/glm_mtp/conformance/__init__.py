@@ -9,9 +9,11 @@ the reference) is needed to import it; hypothesis only for ``machine.py``
 (``from glm_mtp.conformance.machine import lockstep_machine``); no Hydra, no W&B.
 
 The package, one concept per module: ``spec`` (scenario arguments, ops, the spec model),
-``scenarios`` (the generators), ``backends`` (names to proposers), ``side`` (one backend's half
-of a lockstep), ``lockstep`` (both halves compared after every call), ``report`` (findings and
-the run's table), ``runner`` (run and record), ``mutants``, ``compare``, ``sharded``, ``machine``.
+``scenarios`` (a run's scenarios, saved and loaded), ``choices`` (a ``Chooser`` and the argument
+helpers), ``single_state`` and ``batched`` (the generators), ``backends`` (names to proposers),
+``side`` (one backend's half of a lockstep), ``lockstep`` (both halves compared after every
+call), ``report`` (findings and the run's table), ``runner`` (run and record), ``mutants``,
+``compare``, ``sharded``, ``machine``.
 """
 
 from .backends import BackendError, resolve_backend

@@ -52,6 +52,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+DTYPE_NAMES = ("bfloat16", "float32", "float16", "float64")
+
+
+def settings_error(args: argparse.Namespace) -> str | None:
+    """Why a setting the run reads later is bad (checked before any weights are built), or ``None``."""
+    if args.scenario_index is not None and args.scenario_index >= args.scenarios:
+        return f"--scenario-index must be < --scenarios ({args.scenarios}), got {args.scenario_index}"
+    if args.dtype not in DTYPE_NAMES:
+        return f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {args.dtype!r}"
+    if args.threads < 0:
+        return f"--threads must be >= 0 (0: torch's default), got {args.threads}"
+    if args.scenario_file is not None and not os.path.isfile(args.scenario_file):
+        return f"--scenario-file {args.scenario_file} is not a file"
+    if args.device.startswith("cpu"):  # before anything imports triton (main says why)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from glm_mtp.reference.config import MtpConfig
+
+    try:
+        MtpConfig.preset(args.preset)
+    except ValueError as e:
+        return f"--preset: {e}"
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        return f"--device {args.device!r} is not a device ({e})"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {args.device}, but CUDA is not available"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device must be cpu or cuda[:N], got {args.device!r}"
+    return None
+
+
 def unwritable(path: str) -> str | None:
     """Why a report could not be written at ``path`` (checked before the run), or ``None``."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -79,7 +113,7 @@ def error(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.json and (why := unwritable(args.json)):
+    if (why := settings_error(args)) or (args.json and (why := unwritable(args.json))):
         return error(why)
     if args.device.startswith("cpu"):
         # Triton kernels run in its interpreter on the CPU; the variable must be set before

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from glm_mtp.reference.weights import same_bytes
+from glm_mtp.reference.bytes import bits, same_bytes
 
 # The keys export_state returns in both backends (DESIGN.md §4), in this order.
 EXPORT_KEYS = ("kv_rows", "index_rows", "x", "seq_len", "last_drafted", "pending", "block_table")
@@ -23,19 +23,6 @@ KPOOL_EXPORT_KEYS = ("pool_keys", "pool_complete", "pool_gates")
 def export_keys(cfg: object) -> tuple[str, ...]:
     """The keys ``export_state`` returns for a drafter of config ``cfg``, in order."""
     return EXPORT_KEYS + (KPOOL_EXPORT_KEYS if getattr(cfg, "is_next", False) else ())
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: Tensor) -> Tensor:
-    """The tensor's bytes as integers of its element size, on the CPU (shape kept)."""
-    t = t.detach().contiguous().cpu()
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    if t.dim() == 0:
-        return t.reshape(1).view(_INT_VIEW[t.element_size()]).reshape(())
-    return t.view(_INT_VIEW[t.element_size()])
-
 
 def describe_value(t: Tensor, index: tuple[int, ...]) -> str:
     """``t[index]`` with its bits in hex, e.g. ``0.125 (0x3e00)``."""

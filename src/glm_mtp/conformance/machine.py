@@ -1,6 +1,6 @@
 """The adversarial generator as a hypothesis ``RuleBasedStateMachine``.
 
-Each rule of ``scenarios.RULES`` (alloc, free, prefill, catch-up, propose, verify, a well-formed
+Each rule of ``single_state.RULES`` (alloc, free, prefill, catch-up, propose, verify, a well-formed
 round, a long prompt) becomes a machine rule whose choices hypothesis draws, so hypothesis
 explores misuse and odd orders and, on a difference, shrinks the call sequence to a short one.
 Every op runs in lockstep on both backends at once, with the same checks as ``run``.
@@ -10,7 +10,7 @@ Every op runs in lockstep on both backends at once, with the same checks as ``ru
     from glm_mtp.conformance.machine import lockstep_machine
     run_state_machine_as_test(lockstep_machine("optimized", "reference"), settings=settings(max_examples=50, deadline=None))
 
-The seeded walk in ``scenarios.adversarial`` uses the same rules; it is what ``run`` and the CLI
+The seeded walk in ``single_state.adversarial`` uses the same rules; it is what ``run`` and the CLI
 replay by (seed, index). On a difference the machine saves the failing call sequence as JSON
 (under ``$GLM_MTP_CONFORMANCE_DIR``, else the temp dir) and its message ends with a
 ``--scenario-file`` command that replays it.
@@ -29,8 +29,10 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from .backends import Factory
 from .lockstep import Harness
+from .choices import Chooser
 from .runner import replay_command
-from .scenarios import GENERATORS, MAX_DRAFTS, RULES, Chooser, save_scenario
+from .scenarios import GENERATORS, MAX_DRAFTS, save_scenario
+from .single_state import RULES
 from .spec import Op, SpecModel
 
 T = TypeVar("T")

@@ -286,11 +286,11 @@ class LibrarySums(SwappingMutant):
 
 class SecondVerify(Mutant):
     name = "second_verify"
-    rule = "after_verify with no propose pending raises RuntimeError (the seed trims again)"
+    rule = "after_verify with no propose pending raises RuntimeError (the engine's drafter would trim again)"
 
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         if not state.released and not state.pending:
-            # MUTATION: the seed's behaviour: trim again with the previous propose's count.
+            # MUTATION: the engine drafter's behaviour: trim again with the previous propose's count.
             ld = getattr(state, "_mutant_last", 0)
             keep = min(ld, check_int("num_accepted", num_accepted) + 1)
             state.seq_len = max(0, state.seq_len - (ld - keep))
@@ -357,7 +357,7 @@ class CatchupWritesX(Mutant):
             state.x = out.x[-1].clone()  # MUTATION
 
 
-# ---- batches (issue 12): each state of a batch exactly as its own call alone ---------------------
+# ---- batches: each state of a batch exactly as its own call alone ------------------------------
 
 
 class BatchPermuted(Mutant):

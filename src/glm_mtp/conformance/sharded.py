@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.reference.bytes import raw_bytes
 from glm_mtp.reference.distributed import launch
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 
@@ -31,7 +32,7 @@ SHARDED_DTYPES = ("bfloat16", "float32")
 
 
 def snapshot(prop: Any, state: Any) -> dict[str, bytes]:
-    return {k: v.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes() for k, v in prop.export_state(state).items()}
+    return {k: raw_bytes(v) for k, v in prop.export_state(state).items()}
 
 
 def make_backend(name: str, weights: MtpWeights, max_seq_len: int) -> Any:

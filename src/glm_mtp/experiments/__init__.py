@@ -9,7 +9,7 @@
 - ``train``, ``acceptance``, ``grid``: Hydra entry points (``python -m glm_mtp.experiments.X``);
   ``report`` and ``grid_report`` aggregate a sweep (argparse); ``speedup``: the speedup model
   S(k) = tau(k) / (1 + k c + v(k)) and its costs (measured, or GLM-5's from bytes). Results:
-  ``RESULTS.md``.
+  ``RESULTS.md`` at the repository's top (data in ``results/``).
 
 Importing this package imports neither Hydra nor W&B; the entry points do.
 """

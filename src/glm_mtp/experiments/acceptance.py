@@ -6,7 +6,7 @@ out-of-distribution text, with counts and bootstrap intervals over prompts.
     python -m glm_mtp.experiments.acceptance -m num_drafts=1,2,3,4,5 policy=first_row_kept,refeed
     python -m glm_mtp.experiments.report multirun/acceptance/<date>            # one table + plot
     python -m glm_mtp.experiments.acceptance temperature=1 draft=sampled       # drafts sampled from q
-    python -m glm_mtp.experiments.acceptance model.dtype=bfloat16 target_numerics=pinned experiment.check_lossless=true
+    python -m glm_mtp.experiments.acceptance model.dtype=bfloat16 target_numerics=pinned run.check_lossless=true
     python -m glm_mtp.experiments.acceptance batch_size=4                      # 4 prompts per propose_batch
 
 Modes: ``speculative`` (default) runs the speculative loop from each prompt, so after the prompt
@@ -23,7 +23,7 @@ no tracker).
 ``draft``: ``argmax`` (default) or ``sampled`` (each draft drawn from the drafter's softmax at the
 temperature, verified by full rejection sampling; needs ``temperature > 0``). ``target_numerics``:
 ``vendor`` (torch's kernels, default) or ``pinned`` (DESIGN.md §5: batch-invariant). With
-``experiment.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
+``run.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
 alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
 diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
 
@@ -42,9 +42,8 @@ import json
 import logging
 import math
 import os
-import subprocess
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -54,12 +53,10 @@ from . import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
 from .checkpoint import LoadedModel, load_checkpoint, random_model
+from .provenance import provenance
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
-
-MODES = ("speculative", "teacher_forced")
-SOURCES = ("heldout", "ood")
-
+from .validate import MODES, SOURCES, check_acceptance, check_batch_size
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``."""
@@ -101,40 +98,6 @@ def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed
         raise ValueError(f"the {source} source holds {len(stream)} tokens, fewer than prompt_tokens={prompt_tokens}")
     stride = (len(stream) - prompt_tokens) // max(1, num_prompts)
     return [stream[i * stride : i * stride + prompt_tokens] for i in range(num_prompts)]
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str | None:
-    """sha256 of a file's bytes (None when it does not exist)."""
-    if not os.path.exists(path):
-        return None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def git_commit() -> str | None:
-    """The package checkout's commit, ``+dirty`` when tracked files differ from it; None outside git."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
-def provenance(model: LoadedModel) -> dict[str, Any]:
-    """What a result depends on beyond its config: the code's commit, the checkpoint's weights and
-    the corpus split it was trained on (the sha256 recorded in its corpus.json)."""
-    ckpt, corpus = None, None
-    if model.path:
-        ckpt = file_sha256(Path(model.path) / "model.safetensors")
-        cj = Path(model.path) / "corpus.json"
-        if cj.exists():
-            corpus = json.loads(cj.read_text()).get("sha256")
-    return {"git_commit": git_commit(), "checkpoint_sha256": ckpt, "corpus_sha256": corpus}
 
 
 def fmt_ci(x: float, ci: list[float]) -> str:
@@ -186,22 +149,6 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
-    """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
-    needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
-    naming the option otherwise."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if batch_size > 1:
-        if mode != "speculative":
-            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time (batch_size=1)")
-        if policy != "first_row_kept":
-            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence (batch_size=1)")
-        if draft != "argmax":
-            raise ValueError(f"batch_size > 1 runs draft=argmax only; draft={draft} is single-sequence (batch_size=1)")
-    return batch_size
-
-
 def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
                         batch_size: int) -> Iterator[tuple[list[int], SpecResult]]:
     """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
@@ -215,12 +162,34 @@ def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], m
             yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens))
 
 
-def run(cfg: Any, run_dir: str) -> dict[str, Any]:
-    """Run the experiment of ``cfg`` (conf/config.yaml); write its files into ``run_dir``."""
-    from omegaconf import OmegaConf
+@dataclass
+class Measurement:
+    """What one acceptance run measured, before any statistics: the pooled and per-prompt counts
+    of the loop (or of teacher forcing), the generated text's 4-gram counts, the prompts whose
+    greedy output parted from the target's own (``check_lossless``), two samples and the time."""
 
-    from .wandb_log import make_logger
+    mode: str
+    source: str
+    batch_size: int
+    draft: str
+    numerics: str
+    model: LoadedModel
+    target: Target
+    proposer: Any
+    windows: list[list[int]]
+    stats: SpecStats
+    per_prompt: list[SpecStats]
+    generated: int
+    grams: int
+    distinct: int
+    check_lossless: bool
+    divergences: list[dict[str, int]]
+    samples: list[dict[str, Any]]
+    wall: float
 
+
+def measure(cfg: Any) -> Measurement:
+    """Load the model, build the prompts and run the loop (or teacher forcing) over them."""
     mode, source = cfg.get("mode", "speculative"), cfg.get("source", "heldout")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -230,40 +199,36 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
-    exp = cfg.experiment
+    prompts = cfg.run
     model = load_model(cfg.model)
     # Windows of prompt + max_new_tokens tokens in both modes, so the two see the same prompts
     # (paired in the report): teacher forcing scores the window's last max_new_tokens positions,
     # the loop starts from its first prompt_tokens and generates its own continuation.
-    windows = build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, cfg.seed, source)
+    windows = build_prompts(model, prompts.num_prompts, prompts.prompt_tokens + prompts.max_new_tokens, cfg.seed, source)
     max_seq_len = min(cfg.model.max_seq_len, model.target.config.max_position_embeddings)
-    need = exp.prompt_tokens + exp.max_new_tokens + cfg.num_drafts + 1
+    need = prompts.prompt_tokens + prompts.max_new_tokens + cfg.num_drafts + 1
     if need > max_seq_len:
         raise ValueError(f"prompt_tokens + max_new_tokens + num_drafts + 1 = {need} exceeds model.max_seq_len={max_seq_len}")
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
     target = Target(model.target, max_seq_len, numerics=numerics)
     proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
     decoder = SpeculativeDecoder(target, proposer, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
-    os.makedirs(run_dir, exist_ok=True)
-    group = cfg.get("group", None)
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
-                      name=f"{mode}-{source}-k{cfg.num_drafts}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}", group=group)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
     generated, grams, distinct = 0, 0, 0
-    check_lossless = bool(exp.check_lossless) and mode == "speculative" and cfg.temperature == 0
+    check_lossless = bool(prompts.check_lossless) and mode == "speculative" and cfg.temperature == 0
     divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    results = speculative_results(decoder, [w[: exp.prompt_tokens] for w in windows], exp.max_new_tokens, batch_size)
+    results = speculative_results(decoder, [w[: prompts.prompt_tokens] for w in windows], prompts.max_new_tokens, batch_size)
     for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, proposer, w, exp.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
+            st = teacher_forced(target, proposer, w, prompts.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
                                 draft=draft)
             if len(samples) < 2:
-                samples.append({"prompt": decode(w[: exp.prompt_tokens]), "continuation": decode(w[exp.prompt_tokens :]),
+                samples.append({"prompt": decode(w[: prompts.prompt_tokens]), "continuation": decode(w[prompts.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
             p, res = next(results)
@@ -272,7 +237,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:
-                plain = target_decode(target, p, exp.max_new_tokens)
+                plain = target_decode(target, p, prompts.max_new_tokens)
                 if res.tokens != plain:
                     at = next(i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y)
                     divergences.append({"prompt": len(per_prompt), "token": at})
@@ -280,28 +245,34 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
                 samples.append({"prompt": decode(p), "continuation": decode(res.tokens), "steps": st.steps, "accepted": st.accepted})
         stats.merge(st)
         per_prompt.append(st)
-    wall = time.perf_counter() - t0
+    return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt, generated,
+                       grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0)
+
+
+def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
+    """The run's summary (summary.json): acceptance per position with bootstrap intervals over
+    prompts, the speedup model at this run's costs and at GLM-5's, timings, provenance."""
+    stats, windows, divergences = m.stats, m.windows, m.divergences
     # Greedy speculative decoding against the target's own one-token greedy decode, per prompt:
     # "token" is the first generated token (0-based) where the two part.
     lossless = ({"prompts": len(windows), "identical": len(windows) - len(divergences), "diverged": divergences}
-                if check_lossless else None)
-
-    counts_pp = {"reached": [s.reached for s in per_prompt], "accepted": [s.accepted for s in per_prompt],
-                 "steps": [s.steps for s in per_prompt]}
+                if m.check_lossless else None)
+    counts_pp = {"reached": [s.reached for s in m.per_prompt], "accepted": [s.accepted for s in m.per_prompt],
+                 "steps": [s.steps for s in m.per_prompt]}
     ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
     # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
     # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).
     sp_cfg = cfg.get("speedup") or {}
-    costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), target, proposer, cfg.num_drafts,
-                              windows[0][: max(2, exp.prompt_tokens)], sp_cfg.get("repeats", 15))
+    costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), m.target, m.proposer, cfg.num_drafts,
+                              windows[0][: max(2, cfg.run.prompt_tokens)], sp_cfg.get("repeats", 15))
     speedup = spd.speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed, source=costs["source"])
     speedup["cost_details"] = costs
     glm5 = spd.glm5_costs(cfg.num_drafts)
     g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
     speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}  # these taus at GLM-5's costs
-    summary = {
-        "mode": mode,
-        "source": source,
+    return {
+        "mode": m.mode,
+        "source": m.source,
         "acceptance_per_position": stats.alpha,  # conditional: P(draft i accepted | drafts 1..i-1 accepted)
         "alpha_ci": ci["alpha_ci"],
         "cumulative": stats.alpha_cumulative,  # P(at least i drafts accepted) per verification
@@ -317,81 +288,97 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
         "temperature": float(cfg.temperature),
         "feed_hidden": cfg.feed_hidden,
         "prompts": len(windows),
-        "batch_size": batch_size,
-        "prompt_tokens": exp.prompt_tokens,
-        "scored_positions": stats.steps if mode == "teacher_forced" else None,
-        "generated_tokens": generated,
+        "batch_size": m.batch_size,
+        "prompt_tokens": cfg.run.prompt_tokens,
+        "scored_positions": stats.steps if m.mode == "teacher_forced" else None,
+        "generated_tokens": m.generated,
         # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
         # saw the same prompts and are paired in report.py, across modes too.
         "prompts_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
-        "distinct_4gram_ratio": distinct / grams if grams else float("nan"),
+        "distinct_4gram_ratio": m.distinct / m.grams if m.grams else float("nan"),
         "verify_forwards": stats.steps,
         "draft_seconds": stats.draft_s,
         "verify_seconds": stats.verify_s,
         "prefill_seconds": stats.prefill_s,
         "draft_share": stats.draft_share,
-        "wall_seconds": wall,
+        "wall_seconds": m.wall,
         "lossless_greedy": None if lossless is None else not divergences,
         "lossless": lossless,
-        "draft": draft,
-        "target_numerics": numerics,
+        "draft": m.draft,
+        "target_numerics": m.numerics,
         "dtype": cfg.model.dtype,
         "speedup": speedup,
-        "checkpoint": model.path or f"random:{cfg.model.preset}",
-        **provenance(model),
-        "group": group,
+        "checkpoint": m.model.path or f"random:{cfg.model.preset}",
+        **provenance(m.model),
+        "group": cfg.get("group", None),
         "seed": cfg.seed,
-        "samples": samples,
+        "samples": m.samples,
     }
-    table = format_table(summary)
-    print(table)
-    what = f"{stats.steps} positions of {source} text" if mode == "teacher_forced" else f"{generated} tokens"
-    print(f"τ = {stats.tau:.3f} tokens per target forward; {what} from {len(windows)} prompts in {wall:.1f}s "
-          f"(drafting {stats.draft_share:.0%} of the loop)"
+
+
+def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
+    """Print the run's table and lines; write summary.json, acceptance.png and speedup.png into
+    ``run_dir``; log it all to the configured logger (W&B offline, or none)."""
+    from omegaconf import OmegaConf
+
+    from .wandb_log import make_logger
+
+    mode, source, k = summary["mode"], summary["source"], cfg.num_drafts
+    counts, speedup, lossless = summary["counts"], summary["speedup"], summary["lossless"]
+    print(format_table(summary))
+    what = f"{counts['steps']} positions of {source} text" if mode == "teacher_forced" else f"{summary['generated_tokens']} tokens"
+    print(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} prompts in "
+          f"{summary['wall_seconds']:.1f}s (drafting {summary['draft_share']:.0%} of the loop)"
           + ("" if lossless is None else f"; greedy output equals the target's on {lossless['identical']}/{lossless['prompts']} prompts"))
-    if divergences:
-        print("diverged (prompt, first differing token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in divergences))
+    if lossless is not None and lossless["diverged"]:
+        print("diverged (prompt, first differing token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
     print(spd.format_line(speedup))
+    os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png = os.path.join(run_dir, "acceptance.png")
     plot_acceptance(summary, png)
     spd.plot_speedup(speedup, os.path.join(run_dir, "speedup.png"),
-                     f"{mode}, {source}, k ≤ {cfg.num_drafts}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs {speedup['costs']}")
+                     f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs {speedup['costs']}")
 
-    log.log_acceptance(stats.alpha, f"alpha per position (k={cfg.num_drafts}, {cfg.policy}, {mode})", summary)
-    log.log({"tau": stats.tau, **{f"alpha_{i + 1}": a for i, a in enumerate(stats.alpha)},
-             **{f"cumulative_{i + 1}": a for i, a in enumerate(stats.alpha_cumulative)},
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
+                      name=f"{mode}-{source}-k{k}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}", group=summary["group"])
+    alpha, cumulative = summary["acceptance_per_position"], summary["cumulative"]
+    log.log_acceptance(alpha, f"alpha per position (k={k}, {cfg.policy}, {mode})", summary)
+    log.log({"tau": summary["mean_accepted_length"], **{f"alpha_{i + 1}": a for i, a in enumerate(alpha)},
+             **{f"cumulative_{i + 1}": a for i, a in enumerate(cumulative)},
              "speedup/best_k": speedup["best_k"], **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
-             "time/draft_s": stats.draft_s, "time/verify_s": stats.verify_s, "time/draft_share": stats.draft_share})
-    log.log_samples(samples)
+             "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
+             "time/draft_share": summary["draft_share"]})
+    log.log_samples(summary["samples"])
     log.log_image("acceptance_plot", png)
     log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))
     log.summary({k: v for k, v in summary.items() if k not in ("samples", "counts_per_prompt")})
     log.finish()
+
+
+def run(cfg: Any, run_dir: str) -> dict[str, Any]:
+    """Run the experiment of ``cfg`` (conf/config.yaml): measure, summarise, write its files
+    into ``run_dir``. Returns the summary."""
+    summary = summarise(cfg, measure(cfg))
+    write(cfg, summary, run_dir)
     return summary
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from .entry import hydra_main
 
-    @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="config")
-    def _main(cfg: Any) -> None:
+    def body(cfg: Any, hc: Any) -> None:
         from omegaconf import open_dict
 
-        from .validate import check_acceptance, exit_on_bad_config
-
-        hc = HydraConfig.get()
-        exit_on_bad_config(check_acceptance, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.acceptance")
         if cfg.get("group") is None and hc.mode is not None and hc.mode.name == "MULTIRUN":
             with open_dict(cfg):  # a sweep's runs share a W&B group: its directory's name
                 cfg.group = os.path.basename(os.path.normpath(hc.sweep.dir))
         run(cfg, hc.runtime.output_dir)
 
-    _main()
+    hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance, body)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ glm_mtp.tools.counters``, Triton's interpreter for the optimized backend's kerne
 ``kernel_bytes_per_draft`` (the bytes they load and store), ``floor_bytes_per_draft`` (the
 weights a draft step must read plus its attended rows) and ``kernel_floor_ratio``. They do not
 depend on k (the marginal draft step of a propose) nor on ``--device``. The reference backend is
-counted the same way (its torch operators); the 1.15x target of issue 11 is the optimized one's.
+counted the same way (its torch operators).
 
 Writes ``bench.json`` (one record per measurement), ``bench.md`` and ``bench.png`` into ``--out``.
 
@@ -387,6 +387,21 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         p.error(f"--max-position-embeddings must be >= 1, got {a.max_position_embeddings}")
     if a.context + max(a.drafts) + 2 > a.max_seq_len:
         p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
+    if a.max_position_embeddings is not None and a.context + max(a.drafts) + 2 > a.max_position_embeddings:
+        p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps max_seq_len)")
+    if a.checkpoint is not None and not a.target_costs:
+        p.error("--checkpoint is the toy target of --target-costs; pass --target-costs too")
+    if a.target_costs and device.type != "cpu":
+        p.error("--target-costs runs on the CPU (the experiments' target is eager torch)")
+    if a.checkpoint is not None:
+        from glm_mtp.reference.checkpoint import check_checkpoint_directory
+
+        try:
+            check_checkpoint_directory("--checkpoint", a.checkpoint)
+        except ValueError as e:
+            p.error(str(e))
+        if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
+            p.error(f"--checkpoint: {a.checkpoint} holds no config.json (not a checkpoint directory)")
     out = a.out or os.path.join("outputs", "bench", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}")
     if why := unwritable_dir(out):  # before the measurements, not after them
         p.error(f"--out {why}")
@@ -402,8 +417,6 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     bc = parse_args(argv)
     if bc.target_costs:
-        if bc.device != "cpu":
-            raise SystemExit("--target-costs runs on the CPU (the experiments' target is eager torch)")
         run_target_costs(bc)
         print((Path(bc.out) / "costs.md").read_text())
         print(f"wrote {bc.out}/costs.json, costs.md")

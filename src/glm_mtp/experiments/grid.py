@@ -95,14 +95,16 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     from omegaconf import OmegaConf, open_dict
 
     from . import acceptance, train
+    from .provenance import file_sha256, git_commit
     from .speculative import make_proposer
     from .target import Target
-    from .validate import check_acceptance
+    from .validate import check_acceptance, trained_model_config
 
     os.makedirs(run_dir, exist_ok=True)
     checkpoint = os.path.join(run_dir, "checkpoint")
+    trained = trained_model_config(cfg)
     for c in eval_configs(cfg, checkpoint).values():  # refuse a bad evaluation before the training
-        check_acceptance(c)
+        check_acceptance(c, trained)
     with open_dict(cfg):
         cfg.out = checkpoint
     t0 = time.perf_counter()
@@ -118,7 +120,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     # The feed ablation: do the two feeds draft different tokens at all on these weights?
     first = next(iter(eval_configs(cfg, checkpoint).values()))
     model = acceptance.load_model(first.model)
-    exp = first.experiment
+    exp = first.run
     windows = acceptance.build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, first.seed, first.source)
     windows = windows[: cfg.eval.feed_prompts]
     max_seq_len = min(first.model.max_seq_len, model.target.config.max_position_embeddings)
@@ -130,8 +132,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
         "mtp_depth": t.mtp_depth, "mtp_distill": float(t.mtp_distill), "base": t.get("base"), "steps": final["steps"],
         "batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed, "final": final, "train_minutes": train_minutes,
         "eval_minutes": eval_minutes, "evals": evals, "feed_agreement": agreement, "checkpoint": checkpoint,
-        "checkpoint_sha256": acceptance.file_sha256(os.path.join(checkpoint, "model.safetensors")),
-        "git_commit": acceptance.git_commit(), "config": OmegaConf.to_container(cfg, resolve=True),
+        "checkpoint_sha256": file_sha256(os.path.join(checkpoint, "model.safetensors")),
+        "git_commit": git_commit(), "config": OmegaConf.to_container(cfg, resolve=True),
     }
     with open(os.path.join(run_dir, "grid.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -143,18 +145,11 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from .entry import command_line, hydra_main
+    from .validate import check_grid
 
-    @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="grid")
-    def _main(cfg: Any) -> None:
-        from .validate import check_grid, exit_on_bad_config
-
-        hc = HydraConfig.get()
-        exit_on_bad_config(check_grid, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.grid")
-        run(cfg, hc.runtime.output_dir, " ".join(["python -m glm_mtp.experiments.grid", *hc.overrides.task]))
-
-    _main()
+    prog = "python -m glm_mtp.experiments.grid"
+    hydra_main("grid", prog, check_grid, lambda cfg, hc: run(cfg, hc.runtime.output_dir, command_line(prog, hc)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import math
 import os
 from typing import Any
 
+from .sweep_jobs import sweep_jobs
 from .stats import paired_difference
 
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--feeds", default=None, help="instead: the feed agreement of one checkpoint (shipped or a directory)")
     ap.add_argument("--prompts", type=int, default=8, help="--feeds: held-out windows (of the acceptance experiment's 32)")
     ap.add_argument("--num-drafts", type=int, default=3)
+    ap.add_argument("--partial", action="store_true", help="report a sweep with failed or missing jobs anyway (they are listed first)")
     args = ap.parse_args(argv)
     if args.feeds:
         fa = checkpoint_feeds(args.feeds, args.prompts, args.num_drafts)
@@ -162,7 +164,15 @@ def main(argv: list[str] | None = None) -> str:
         return text
     if not args.grid_dir:
         ap.error("grid_dir is required (or --feeds CHECKPOINT)")
-    jobs = load_jobs(args.grid_dir)
+    if not os.path.isdir(args.grid_dir):
+        ap.error(f"grid_dir: {args.grid_dir} is not a directory")
+    incomplete = sweep_jobs(args.grid_dir, "grid.json").problem()
+    if incomplete and not args.partial:  # a table of the survivors would read as the whole sweep
+        ap.exit(2, f"{ap.prog}: error: {args.grid_dir}: {incomplete} (rerun them, or pass --partial)\n")
+    try:
+        jobs = load_jobs(args.grid_dir)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     out = args.out or args.grid_dir
     os.makedirs(out, exist_ok=True)
     g0 = jobs[0]
@@ -170,6 +180,8 @@ def main(argv: list[str] | None = None) -> str:
     text = (f"{len(jobs)} variants; training: {g0['steps']} steps of {g0['batch_size']} x {g0['seq_len']} tokens from base "
             f"{g0['base']}; evaluation: k = {e0['num_drafts']}, {e0['prompts']} held-out prompts, 95% bootstrap intervals over prompts.\n\n"
             + acceptance_table(jobs))
+    if incomplete:  # --partial: say so before any table
+        text = f"**Incomplete sweep:** {incomplete}.\n\n" + text
     pairs = paired_table(jobs)
     if pairs:
         text += "\n\nPaired differences (same target, same prompts):\n\n" + pairs

@@ -8,7 +8,7 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - one row per run: conditional ``α_i`` = P(draft i accepted | drafts 1..i-1 accepted) and
   cumulative ``P(acc ≥ i)`` = P(at least i drafts accepted), each with its bootstrap 95%
   interval over prompts, and ``τ`` (tokens per target forward);
-- greedy runs with ``experiment.check_lossless=true``: prompts whose speculative output equals
+- greedy runs with ``run.check_lossless=true``: prompts whose speculative output equals
   the target's own greedy decode, and where the others part;
 - paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
   for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
@@ -24,6 +24,8 @@ import math
 import os
 from typing import Any
 
+from .sweep_jobs import sweep_jobs
+from .validate import unwritable_dir
 from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
@@ -146,7 +148,7 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
 
 
 def lossless_table(runs: list[dict[str, Any]]) -> str:
-    """One row per greedy run that checked losslessness (``experiment.check_lossless``): the
+    """One row per greedy run that checked losslessness (``run.check_lossless``): the
     target's numerics and dtype, prompts, how many gave the target's own greedy decode token for
     token, and where the others part (prompt index @ first differing generated token, 0-based).
     Empty when no run checked."""
@@ -208,11 +210,28 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
     ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS + tuple(EXTRA_SETTINGS)} (default: policy)")
     ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"), help="acceptance columns (default: both)")
+    ap.add_argument("--partial", action="store_true", help="report a sweep with failed or missing jobs anyway (they are listed first)")
     args = ap.parse_args(argv)
-    runs = load_summaries(args.sweep_dir)
+    if not os.path.isdir(args.sweep_dir):
+        ap.error(f"sweep_dir: {args.sweep_dir} is not a directory")
+    known = SETTINGS + tuple(EXTRA_SETTINGS)
+    for pair in args.pair.split(","):
+        if pair not in known:
+            ap.error(f"--pair: {pair!r} is not a setting; choose from {', '.join(known)}")
+    if args.out is not None and (why := unwritable_dir(args.out)) is not None:
+        ap.error(f"--out: {why}")
+    incomplete = sweep_jobs(args.sweep_dir, "summary.json").problem()
+    if incomplete and not args.partial:  # a table of the survivors would read as the whole sweep
+        ap.exit(2, f"{ap.prog}: error: {args.sweep_dir}: {incomplete} (rerun them, or pass --partial)\n")
+    try:
+        runs = load_summaries(args.sweep_dir)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     out = args.out or args.sweep_dir
     os.makedirs(out, exist_ok=True)
     text = markdown_table(runs, args.view)
+    if incomplete:  # --partial: say so before any table
+        text = f"**Incomplete sweep:** {incomplete}.\n\n" + text
     sp = speedup_table(runs)
     if sp:
         text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/speedup.py; τ(k) from each run's counts, "

@@ -11,7 +11,7 @@ hidden at the position before it, one step is
 
 Rollback policies (what the drafter keeps of the rows its propose wrote):
 
-- ``first_row_kept`` (the seed's, default): ``after_verify(a)`` keeps rows [m-1, m-1+min(k, a+1));
+- ``first_row_kept`` (the engine's drafter's, default): ``after_verify(a)`` keeps rows [m-1, m-1+min(k, a+1));
   kept rows past the first hold the drafter's own ``x`` instead of the target's hidden; when all
   k were accepted the drafter is one row behind and catches up ``(d_k, h_{m+k-1})``.
 - ``refeed``: ``after_verify(0)`` keeps only the first row, then a catch-up re-writes rows
@@ -31,7 +31,7 @@ Verification:
   emitted tokens are distributed exactly as sampling from the target alone, for either way of
   drafting (``draft``):
 
-  - ``argmax`` (default; the seed's, as production engines do): the drafter drafts its argmax, so
+  - ``argmax`` (default, as production engines do): the drafter drafts its argmax, so
     ``q`` is one-hot at the draft: accept with probability ``p(d)``, and on rejection draw from
     ``p`` with ``d`` removed;
   - ``sampled``: the drafter draws each draft from its own ``q = softmax(logits / T)`` (the

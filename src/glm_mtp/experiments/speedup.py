@@ -235,10 +235,31 @@ def resolve_costs(spec: str, target: Any, proposer: Any, kmax: int, context: lis
         return measure_costs(target, proposer, kmax, context, repeats)
     if spec == "glm5":
         return glm5_costs(kmax)
-    import json
+    return {**read_costs_file(spec, kmax), "source": f"file:{spec}"}
 
-    with open(spec) as f:
-        costs = json.load(f)
+
+def read_costs_file(path: str, kmax: int) -> dict[str, Any]:
+    """A ``costs.json`` (``bench --target-costs``): a JSON object with ``c`` a finite number >= 0
+    and ``v`` a list of finite numbers covering ``k <= kmax``. ``ValueError`` naming the file and
+    the rule (the acceptance run reads it before any work, then again for its summary)."""
+    import json
+    import math
+
+    try:
+        with open(path) as f:
+            costs = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+    def number(x: Any) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+
+    if not isinstance(costs, dict) or not number(costs.get("c")) or not isinstance(costs.get("v"), list) \
+            or not all(number(x) for x in costs["v"]):
+        raise ValueError(f"{path}: must hold a JSON object with c (a number >= 0) and v (a list of numbers >= 0), "
+                         "as bench --target-costs writes")
     if len(costs["v"]) < kmax:
-        raise ValueError(f"{spec} holds v for k <= {len(costs['v'])}, fewer than num_drafts = {kmax}")
-    return {**costs, "source": f"file:{spec}"}
+        raise ValueError(f"{path} holds v for k <= {len(costs['v'])}, fewer than num_drafts = {kmax}")
+    return costs

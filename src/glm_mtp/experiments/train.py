@@ -470,7 +470,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
     log.log_image("loss_curve", png)
-    from .acceptance import git_commit
+    from .provenance import git_commit
 
     log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": corpus.split.digest(), "git_commit": git_commit()})
     log.finish()
@@ -488,18 +488,11 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from .entry import command_line, hydra_main
+    from .validate import check_train
 
-    @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name="train")
-    def _main(cfg: Any) -> None:
-        from .validate import check_train, exit_on_bad_config
-
-        hc = HydraConfig.get()
-        exit_on_bad_config(check_train, cfg, hc.runtime.output_dir, "python -m glm_mtp.experiments.train")
-        run(cfg, hc.runtime.output_dir, " ".join(["python -m glm_mtp.experiments.train", *hc.overrides.task]))
-
-    _main()
+    prog = "python -m glm_mtp.experiments.train"
+    hydra_main("train", prog, check_train, lambda cfg, hc: run(cfg, hc.runtime.output_dir, command_line(prog, hc)))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ FEED_HIDDEN = ("post_norm", "pre_norm")
 MODEL_KINDS = ("checkpoint", "random")
 MODEL_DTYPES = ("float32", "float64", "bfloat16")  # names of glm_mtp.registry.DTYPES (a test keeps them so)
 LOGGERS = ("none", "wandb")
+# An acceptance run's modes and text sources.
+MODES = ("speculative", "teacher_forced")
+SOURCES = ("heldout", "ood")
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -83,9 +86,26 @@ def check_logger(cfg: Any) -> None:
         need_choice(cfg, "logger.mode", ("offline", "online", "disabled"))
 
 
-def check_acceptance(cfg: Any) -> None:
-    """The acceptance experiment's settings (conf/config.yaml and its groups)."""
-    from .acceptance import MODES, SOURCES, check_batch_size
+def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
+    """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
+    needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
+    naming the option otherwise."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if batch_size > 1:
+        if mode != "speculative":
+            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time (batch_size=1)")
+        if policy != "first_row_kept":
+            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence (batch_size=1)")
+        if draft != "argmax":
+            raise ValueError(f"batch_size > 1 runs draft=argmax only; draft={draft} is single-sequence (batch_size=1)")
+    return batch_size
+
+
+def check_acceptance(cfg: Any, model: Any = None) -> None:
+    """The acceptance experiment's settings (conf/config.yaml and its groups). ``model``: the
+    ``MtpConfig`` of a checkpoint that does not exist yet (a grid job's, trained first), checked
+    against instead of reading ``model.path``."""
 
     need_choice(cfg, "mode", MODES)
     need_choice(cfg, "source", SOURCES)
@@ -106,15 +126,84 @@ def check_acceptance(cfg: Any) -> None:
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)
-    need_int(cfg, "experiment.num_prompts", 1)
-    need_int(cfg, "experiment.prompt_tokens", 1)
-    need_int(cfg, "experiment.max_new_tokens", 1)
-    need_bool(cfg, "experiment.check_lossless")
+    need_int(cfg, "run.num_prompts", 1)
+    need_int(cfg, "run.prompt_tokens", 1)
+    need_int(cfg, "run.max_new_tokens", 1)
+    need_bool(cfg, "run.check_lossless")
     costs = _get(cfg, "speedup.costs")
     if not isinstance(costs, str) or (costs not in ("measured", "glm5") and not os.path.isfile(costs)):
         raise ValueError(f"speedup.costs must be measured, glm5 or the path of a costs.json, got {costs!r}")
     need_int(cfg, "speedup.repeats", 1)
     check_logger(cfg)
+    # Settings whose rule needs another setting or a file: every file the run reads later is read now.
+    if costs not in ("measured", "glm5"):
+        from .speedup import read_costs_file
+
+        try:
+            read_costs_file(costs, _get(cfg, "num_drafts"))
+        except ValueError as e:
+            raise ValueError(f"speedup.costs: {e}") from None
+    model = model_config(cfg) if model is None else model
+    check_lengths(cfg, model.max_position_embeddings)
+    if draft_kind(cfg) == "sampled":
+        check_sampling_temperature(cfg)
+
+
+def draft_kind(cfg: Any) -> str:
+    return _get(cfg, "draft")
+
+
+def model_config(cfg: Any) -> Any:
+    """The ``model`` group's ``MtpConfig``, read now: a random preset by name, or the checkpoint's
+    ``config.json`` (``model.path``, null: the shipped one), which must be a checkpoint folder."""
+    from glm_mtp.reference import MtpConfig
+    from glm_mtp.reference.checkpoint import check_checkpoint_directory
+
+    if _get(cfg, "model.kind") == "random":
+        preset = _get(cfg, "model.preset")
+        try:
+            return MtpConfig.preset(preset)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"model.preset must be a preset name: {e}") from None
+    path = _get(cfg, "model").get("path")
+    if path is None:
+        from .checkpoint import shipped_checkpoint
+
+        path = str(shipped_checkpoint())
+    if not isinstance(path, str):
+        raise ValueError(f"model.path must be a checkpoint directory or null (the shipped checkpoint), got {path!r}")
+    try:
+        check_checkpoint_directory("model.path", path)
+        return MtpConfig.from_hf_config(path)
+    except (OSError, ValueError) as e:
+        message = str(e).removeprefix("model.path: ")
+        raise ValueError(f"model.path must be a checkpoint directory (config.json and safetensors): {message}") from None
+
+
+def check_lengths(cfg: Any, max_position_embeddings: int) -> None:
+    """The rows a run needs fit the drafter and the target: ``prompt_tokens + max_new_tokens +
+    num_drafts + 1 <= model.max_seq_len``, itself capped at the model's context."""
+    longest = min(_get(cfg, "model.max_seq_len"), max_position_embeddings)
+    keys = ("run.prompt_tokens", "run.max_new_tokens", "num_drafts")
+    need = sum(_get(cfg, k) for k in keys) + 1
+    if need > longest:
+        cap = f" (capped at the model's max_position_embeddings={max_position_embeddings})" if longest < _get(cfg, "model.max_seq_len") else ""
+        raise ValueError(f"num_drafts must fit model.max_seq_len: {' + '.join(keys)} + 1 = {need} exceeds "
+                         f"model.max_seq_len={longest}{cap}")
+
+
+def check_sampling_temperature(cfg: Any) -> None:
+    """With sampled drafts, the drafter divides its logits by the temperature in A (float32, or
+    float64 for float64 weights): the temperature must be a finite normal number there (the rule
+    against the head's logit bound is the drafter's, at its first sampled propose)."""
+    from glm_mtp.reference.contract import check_temperature
+    from glm_mtp.reference.numerics import acc_dtype
+    from glm_mtp.registry import DTYPES
+
+    try:
+        check_temperature(_get(cfg, "temperature"), 0.0, acc_dtype(DTYPES[_get(cfg, "model.dtype")]))
+    except ValueError as e:
+        raise ValueError(f"temperature must suit draft=sampled: {e}") from None
 
 
 def check_train(cfg: Any) -> None:
@@ -138,6 +227,68 @@ def check_train(cfg: Any) -> None:
     if _get(cfg, "tokenizer.limit_items") is not None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
+    trained_model_config(cfg)
+    out = _get(cfg, "out") if "out" in cfg else None
+    if out is not None:
+        check_out(out)
+
+
+def trained_model_config(cfg: Any) -> Any:
+    """The ``MtpConfig`` a training run makes: from ``arch.*`` (checked, ``check_arch``) or, with
+    ``train.base``, the base checkpoint's (its arch is used)."""
+    from glm_mtp.reference import MtpConfig
+
+    base = _get(cfg, "train").get("base")
+    if base is None:
+        return check_arch(cfg)
+    if base == "shipped":
+        from .checkpoint import shipped_checkpoint
+
+        base = str(shipped_checkpoint())
+    return MtpConfig.from_hf_config(base)
+
+
+def check_arch(cfg: Any) -> Any:
+    """``arch.*`` builds an ``MtpConfig`` (with the tokenizer's vocab_size) that the run can
+    train at ``train.seq_len``: its own rules, named ``arch.<field>``, and the context rules."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from glm_mtp.reference import MtpConfig
+
+    arch = _get(cfg, "arch")
+    values = OmegaConf.to_container(arch) if OmegaConf.is_config(arch) else dict(arch)
+    fields = {f.name for f in dataclasses.fields(MtpConfig)}
+    for key in values:
+        if key not in fields or key == "vocab_size":
+            raise ValueError(f"arch.{key} must be a field of MtpConfig (vocab_size comes from tokenizer.vocab_size), got an unknown key")
+    try:
+        mcfg = MtpConfig(**values, vocab_size=_get(cfg, "tokenizer.vocab_size"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"arch must describe a valid model: {e}") from None
+    seq_len = _get(cfg, "train.seq_len")
+    if seq_len > mcfg.index_topk:
+        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained, got {seq_len}")
+    if seq_len + 1 > mcfg.max_position_embeddings:
+        raise ValueError(f"train.seq_len must be < arch.max_position_embeddings ({mcfg.max_position_embeddings}), got {seq_len}")
+    return mcfg
+
+
+def check_out(out: object) -> None:
+    """Where a trained checkpoint goes: a path a save may replace (``checkpoint.check_save_target``),
+    in a writable folder."""
+    from glm_mtp.reference.checkpoint import check_save_target
+
+    if not isinstance(out, str) or not out:
+        raise ValueError(f"out must be a directory path or null, got {out!r}")
+    try:
+        target = check_save_target(out)
+    except ValueError as e:
+        raise ValueError(f"out must be a new folder, an empty one or a checkpoint: {str(e).removeprefix('save: ')}") from None
+    why = unwritable_dir(os.path.dirname(target))
+    if why is not None:
+        raise ValueError(f"out must be in a writable folder: {why}")
 
 
 def check_grid(cfg: Any) -> None:

@@ -30,8 +30,8 @@ Exponential(1) noise (k, V) in float32) and returns the drafts with q (k, V), ke
 
 from glm_mtp.reference import DraftProposer, MtpConfig, MtpWeights
 
-from .block import Fused
+from .block import PrimitiveKernels
 from .proposer import OptimizedProposer, with_triton_kernels
 from .state import OptimizedState
 
-__all__ = ["OptimizedProposer", "with_triton_kernels", "OptimizedState", "Fused", "DraftProposer", "MtpConfig", "MtpWeights"]
+__all__ = ["OptimizedProposer", "with_triton_kernels", "OptimizedState", "PrimitiveKernels", "DraftProposer", "MtpConfig", "MtpWeights"]

@@ -8,7 +8,7 @@ reads and writes only static buffers and the states' own tensors through address
 
 ``BatchBuffers`` holds the static inputs of up to ``max_batch`` rows on one device. On CUDA a
 batch of B rows runs the program captured for its bucket (the next power of two, at most
-``max_batch``), keyed by (bucket, num_drafts); the bucket's spare rows are padding rows that
+``max_batch``), keyed by ``graphs.GraphKey`` (program, num_drafts, bucket); the bucket's spare rows are padding rows that
 point at a private scratch state, so they never touch a caller's state. Rows never interact (every
 kernel computes each row as if alone), so padding cannot change a real row's bytes.
 """
@@ -27,10 +27,6 @@ from glm_mtp.reference.config import MtpConfig
 
 from .kernels.paged import ADDRESS_COLUMNS, RowCaches, RowTargets
 from .state import OptimizedState
-
-# The graph key's num_drafts part of a batched catch-up (proposes use num_drafts >= 1).
-CATCHUP = -1
-
 
 def bucket(rows: int, max_batch: int) -> int:
     """The captured batch size serving ``rows`` rows: the next power of two, at most ``max_batch``."""
@@ -52,7 +48,7 @@ class BatchBuffers:
         x_table / seq_table: (max_batch,) int64, each row's state ``x`` and device row count.
         outs: per num_drafts k, (max_batch, k + 1) int64: each row's check code, then its drafts.
         pad: the scratch state padding rows read and write.
-        graphs / graph_pool: captured programs keyed by (bucket, num_drafts), and their pool.
+        graphs / graph_pool: captured programs keyed by ``graphs.GraphKey`` (rows = the bucket), and their pool.
         device: where it all lives.
     """
 

@@ -8,7 +8,7 @@ which changes no result). Four pieces differ, all exact by construction:
 
 - the block's GEMVs (eh_proj, q_a/q_b, kv_a, the indexer's wq_b/wk/weights_proj and key scores,
   o_proj, the router, every expert's gate/up/down) in the pinned GEMV kernel (``kernels.linear``:
-  the ``psum`` tree over K), through ``Fused.ops``: the pinned primitives with the kernel's
+  the ``psum`` tree over K), through ``PrimitiveKernels.ops``: the pinned primitives with the kernel's
   ``linear``/``linear_acc``/``swiglu``, passed as ``ops`` to the reference's functions (a
   row-parallel ``o_proj`` keeps the reference's own per-rank sum);
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
@@ -60,21 +60,47 @@ from .kernels import (
 KernelMode = Literal["auto", "triton", "torch"]
 
 
+def triton_runs_on(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` in this process, or ``None`` when they
+    can: on CUDA they need a CUDA device; elsewhere they need Triton's CPU interpreter, which a
+    kernel takes when ``TRITON_INTERPRET=1`` is set before triton compiles it (read from one of
+    this package's kernels, so setting the variable too late is caught as well)."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .kernels import linear
+
+    if isinstance(linear._tree, InterpretedFunction):
+        return None
+    return (f"the weights are on {device} and Triton has no driver there; its CPU interpreter needs TRITON_INTERPRET=1 "
+            "set before triton is imported (set it in the environment, or use kernels='auto' or 'torch', the kernels' "
+            "byte-equal torch twins)")
+
+
+def takes_triton(mode: KernelMode, t: Tensor) -> bool:
+    """Whether a kernel runs as Triton (else its torch twin, proven byte-equal to it) on tensors
+    like ``t`` under ``mode``: ``auto`` takes the kernels on CUDA and the twins on CPU, where
+    Triton only has its (slow) interpreter; ``triton`` forces the kernels (on CPU that needs
+    ``TRITON_INTERPRET=1`` set before triton is imported); ``torch`` the twins. Only the
+    ``KERNEL_DTYPES`` take a kernel. The fused step's kernel set is chosen by it too."""
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return t.dtype in KERNEL_DTYPES
+    return t.is_cuda and t.dtype in KERNEL_DTYPES
+
+
 @dataclass(frozen=True)
-class Fused:
-    """Which implementation the fused pieces use: the Triton kernel or its torch twin (proven
-    byte-equal to it). ``auto`` takes the kernels on CUDA and the twins on CPU, where Triton
-    only has its (slow) interpreter; ``triton`` forces the kernels (on CPU that needs
-    ``TRITON_INTERPRET=1`` set before triton is imported)."""
+class PrimitiveKernels:
+    """The per-primitive block's pieces (the pinned GEMV, the embedding gather, the RoPE cache
+    write; the ``BlockHooks`` of ``reference.block.mtp_rows``), each the Triton kernel or its twin
+    as ``takes_triton(mode, ...)`` says."""
 
     mode: KernelMode = "auto"
 
     def use_triton(self, t: Tensor) -> bool:
-        if self.mode == "torch":
-            return False
-        if self.mode == "triton":
-            return t.dtype in KERNEL_DTYPES
-        return t.is_cuda and t.dtype in KERNEL_DTYPES
+        return takes_triton(self.mode, t)
 
     def embed(self, embed: Tensor, tokens: Tensor, slots: Tensor) -> Tensor:
         """``embed[tokens]`` (T, H) with slot-0 rows zeroed."""
@@ -172,7 +198,7 @@ def gated_write(cache: LayerCache, slots: Tensor, kv_rows: Tensor, index_rows: T
 
 
 def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor,
-                      fused: "Fused | None" = None) -> None:
+                      fused: "PrimitiveKernels | None" = None) -> None:
     """``reference.kpool.write_pools`` gated by ``ok`` (1,) bool, with no host read: the gates
     ``gates`` (T, D) at ``slots`` (T,), then the key of every pool a row completes
     (``kernels.kpool``: the kernel or its twin, as ``fused`` chooses; the twin without one)."""
@@ -198,7 +224,7 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
 
 
 def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                     ok: Tensor, ops: Numerics = PINNED, fused: "Fused | None" = None) -> tuple[Tensor, Tensor]:
+                     ok: Tensor, ops: Numerics = PINNED, fused: "PrimitiveKernels | None" = None) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
     ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
@@ -227,11 +253,11 @@ def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Nu
 
 
 def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-               ok: Tensor, fused: Fused) -> tuple[Tensor, Tensor]:
+               ok: Tensor, kernels: PrimitiveKernels) -> tuple[Tensor, Tensor]:
     """``glm_mtp.reference.block.mtp_rows`` on rows pairing ``tokens`` (T,) with ``hiddens``
-    (T, H) at ``slots`` (T,), with ``fused``'s pieces; cache writes only where ``ok`` (1,) bool
+    (T, H) at ``slots`` (T,), with ``kernels``' pieces; cache writes only where ``ok`` (1,) bool
     is set. Reads the whole capacity (a static shape; no result depends on it).
 
     Returns ``(x, pre_norm)``, each (T, H): the post-norm output and the layer output."""
-    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=fused.hooks(ok))
+    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=kernels.hooks(ok))
     return out.x, out.pre_norm

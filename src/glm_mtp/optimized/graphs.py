@@ -10,11 +10,33 @@ replay the graph. Without CUDA (or with graphs switched off) the program simply 
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 import torch
 
-from .state import OptimizedState
+Program = Literal["draft", "sampled", "catchup"]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which captured program a graph is: ``program`` (``draft`` the k argmax draft steps,
+    ``sampled`` the k sampled ones, ``catchup`` one context row per state), its ``num_drafts``
+    (0 for a catch-up) and the ``rows`` it runs (1 for one state; a batch's bucket)."""
+
+    program: Program
+    num_drafts: int = 0
+    rows: int = 1
+
+    @classmethod
+    def draft(cls, num_drafts: int, *, sampled: bool = False, rows: int = 1) -> "GraphKey":
+        """The k-draft propose's key (argmax, or ``sampled``)."""
+        return cls("sampled" if sampled else "draft", num_drafts, rows)
+
+    @classmethod
+    def catchup(cls, rows: int = 1) -> "GraphKey":
+        """The one-row catch-up's key (one row for each of ``rows`` states)."""
+        return cls("catchup", 0, rows)
 
 # One side stream per device for every warm-up and capture: cuBLAS keeps a workspace per stream
 # for the life of the process, so a fresh stream per state would grow memory with every state.
@@ -28,8 +50,9 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[device]
 
 
-def run_program(state: OptimizedState, key: int, program: Callable[[], None], capture: bool) -> None:
-    """Run ``program`` on ``state``'s buffers: replay its graph under ``key`` if captured, else
+def run_program(state: Any, key: GraphKey, program: Callable[[], None], capture: bool) -> None:
+    """Run ``program`` on ``state``'s buffers (an ``OptimizedState`` or ``BatchBuffers``: its
+    ``device``, ``graphs`` and ``graph_pool``): replay its graph under ``key`` if captured, else
     (with ``capture`` on a CUDA state) warm it up, capture it for next time; else run it eagerly."""
     if not capture or state.device.type != "cuda":
         program()
@@ -38,7 +61,7 @@ def run_program(state: OptimizedState, key: int, program: Callable[[], None], ca
         _run_captured(state, key, program)
 
 
-def _run_captured(state: OptimizedState, key: int, program: Callable[[], None]) -> None:
+def _run_captured(state: Any, key: GraphKey, program: Callable[[], None]) -> None:
     graph = state.graphs.get(key)
     if graph is not None:
         graph.replay()
@@ -65,7 +88,7 @@ def _run_captured(state: OptimizedState, key: int, program: Callable[[], None]) 
             except Exception:
                 pass
             raise RuntimeError(
-                f"capturing program {key} (num_drafts, -1 for the catch-up, -2 - num_drafts for a sampled propose) failed ({e}); "
+                f"capturing program {key} failed ({e}); "
                 "OptimizedProposer(..., cuda_graphs=False) runs it uncaptured"
             ) from e
         graph.capture_end()

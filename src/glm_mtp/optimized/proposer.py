@@ -18,6 +18,10 @@ What differs from the reference is scheduling only:
 state's cache through a device-side address table, one captured program per (bucket,
 ``num_drafts``) on CUDA; every state's bytes are those of its single calls.
 
+This module is the host side: argument checks, input fills, the read-back, refusals and
+counters. The device programs it runs (the k draft steps, the catch-ups, their batched forms)
+are ``optimized/programs.py``'s, captured and replayed by ``optimized/graphs.py``.
+
 Every check and counter rule the two drafters share is ``glm_mtp.reference.contract``'s, called
 by both. Prefill and catch-up take the contract's host-side checks (a sync, as in the reference)
 and run the same fused block in the reference's batches: eagerly, except the one-row catch-up of the spec-decode
@@ -26,8 +30,7 @@ loop, which runs from the static buffers as a captured program too.
 
 from __future__ import annotations
 
-import logging
-import math
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -35,32 +38,15 @@ from torch import Tensor
 from glm_mtp.reference import contract
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.contract import FeedHidden, Tokens
-from glm_mtp.reference.layers import draft_probs, greedy_token, sampled_token
-from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_inputs
 from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.weights import MtpWeights
 
-from .block import Fused, KernelMode, block_rows, gated_forget
-from .step import StepKernels, fusable, fused_head, fused_rows
-from .batch import CATCHUP, BatchBuffers, BatchRows, bucket
-from .graphs import run_program
+from .batch import BatchBuffers
+from .block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
+from .programs import CHECK_OK, HIDDEN_FINITE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens
 from .state import OptimizedState, Unsettled
-
-logger = logging.getLogger(__name__)
-
-# Bits of the device-side check code (out[0]); all set means the propose's inputs were good
-# (a sampled propose also sets NOISE_POSITIVE when its noise is positive and finite).
-HIDDEN_FINITE, TOKEN_IN_RANGE, NOISE_POSITIVE = 1, 2, 4
-CHECK_OK = HIDDEN_FINITE | TOKEN_IN_RANGE
-SAMPLED_CHECK_OK = CHECK_OK | NOISE_POSITIVE
-# The graph key of the one-row catch-up (propose graphs are keyed by num_drafts >= 1).
-CATCHUP_KEY = -1
-
-
-def sampled_key(k: int) -> int:
-    """The graph key of a sampled propose of ``k >= 1`` drafts: -2 - k (below the catch-up's -1)."""
-    return -2 - k
+from .step import StepKernels, fusable, step_kernels
 
 
 def read_back(t: Tensor) -> list[int]:
@@ -92,6 +78,8 @@ class OptimizedProposer:
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+        if kernels == "triton" and (why := triton_runs_on(weights.device)) is not None:
+            raise ValueError(f"kernels='triton' cannot run here: {why}")
         self.weights = weights
         self.config = weights.config
         self.max_seq_len = sizes.max_seq_len
@@ -99,13 +87,16 @@ class OptimizedProposer:
         self.capacity = sizes.capacity
         self.feed_hidden: FeedHidden = feed_hidden
         self._rope: dict[torch.device, Rope] = {}
-        self.fused = Fused(kernels)
+        self.primitives = PrimitiveKernels(kernels)
         # The fused step (optimized/step.py) runs GLM-5's MTP layer; other layers (a dense MLP,
         # shards, float64) take the per-primitive block.
-        self.step = StepKernels(triton=self.fused.use_triton(weights.embed_tokens)) if fusable(weights) else None
+        step = step_kernels(takes_triton(kernels, weights.embed_tokens)) if fusable(weights) else None
         self.cuda_graphs = bool(cuda_graphs)
         self.max_batch = contract.check_int("max_batch", max_batch, 1)
         self._batch: dict[torch.device, BatchBuffers] = {}
+        # No collectives in a captured program: sharded weights all-gather / all-reduce eagerly.
+        self.programs = DevicePrograms(weights, feed_hidden, self.primitives, step, self.rope,
+                                       captures=self.cuda_graphs and weights.shard_spec is None)
 
     # ---- the contract's simple queries ------------------------------------------------------
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
@@ -196,7 +187,7 @@ class OptimizedProposer:
         if code != CHECK_OK:
             st.seq_len, st.pending, st.last_drafted = u.seq_len, False, 0
             st.deferred_error = (
-                f"propose_device: {self._check_message(code)}; that propose of {u.num_drafts} drafts was "
+                f"propose_device: {self._refusal(code, st.tok_in)}; that propose of {u.num_drafts} drafts was "
                 "discarded and left the state unchanged"
             )
 
@@ -213,12 +204,6 @@ class OptimizedProposer:
             message, st.deferred_error = st.deferred_error, None
             raise ValueError(message)
 
-    @staticmethod
-    def _check_message(code: int) -> str:
-        if not code & TOKEN_IN_RANGE:
-            return "last_token: token id is outside [0, vocab_size)"
-        return "target_hidden holds NaN or inf"
-
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
                         position: int, num_drafts: int, sample: tuple[object, object] | None = None) -> tuple[int, int]:
         """The contract's propose checks (``contract.propose_args``), minus the ones that read
@@ -229,12 +214,16 @@ class OptimizedProposer:
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
                                      device_checks=True)
         if sample is not None:
-            temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device)
+            try:
+                temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device, self.logit_limit)
+            except ValueError:
+                contract.check_args_data(args, self.weights)  # the data checks come first (on refusal only: a read)
+                raise
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
             if sample is not None:
-                st.temp.fill_(temperature)  # rounded to A, as the reference's torch.tensor([temperature])
+                st.temp.fill_(temperature)  # already rounded to A by the check: exact
                 if args.num_drafts:
                     st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
         return args.position, args.num_drafts
@@ -250,65 +239,21 @@ class OptimizedProposer:
         st.pos.fill_(args.position)
 
     # ---- drafting ----------------------------------------------------------------------
-    def _program(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
-        """The k draft steps on the state's static buffers: no host reads, so it is captured as is.
+    @property
+    def step(self) -> StepKernels | None:
+        """The fused step's kernels (``programs.step``), or ``None`` for a layer it does not take."""
+        return self.programs.step
 
-        Draft 1 writes slot ``pos`` from ``(tok_in, hid_in)``; draft i > 1 slot ``pos + i - 1``
-        from the previous draft (straight from its argmax) and the drafter's own hidden. Every
-        write (rows, ``x``, the device row count) is gated by the input check ``ok``. ``sampled``:
-        draft i is ``argmax(q_i / noise[i])`` with ``q_i`` (the reference's ``draft_probs`` at
-        ``temp``) stored in ``q[i]``, and the check covers the noise too."""
-        V = self.config.vocab_size
-        tok_ok = (st.tok_in >= 0) & (st.tok_in < V)  # (1,)
-        finite = torch.isfinite(st.hid_in).all().reshape(1)  # (1,)
-        code = finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE
-        ok = finite & tok_ok
-        if sampled and k:
-            noise, q = st.sample_buffers(k, V)
-            noise_ok = ((noise > 0) & (noise < math.inf)).all().reshape(1)  # NaN fails both
-            code = code + noise_ok.long() * NOISE_POSITIVE
-            ok = ok & noise_ok
-        st.ok.copy_(ok)
-        st.out[:1].copy_(code)
-        gated_forget(st.cache, st.pos, st.ok)  # rows past pos become unreachable: their pools incomplete
-        token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
-        hidden = st.hid_in
-        rope = self.rope(st.device)
-        x = None
-        for i in range(k):
-            slot = st.pos + i  # (1,)
-            if self.step is not None and not sampled:
-                pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step)
-                x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
-            else:
-                if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
-                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step)
-                    x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
-                else:
-                    x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.fused)
-                logits = self.fused.linear(x, self.weights.lm_head)  # (1, V): the head
-                if sampled:
-                    q[i : i + 1].copy_(draft_probs(logits, st.temp))
-                    token = sampled_token(q[i : i + 1], noise[i : i + 1])  # (1,) on the device
-                else:
-                    token = greedy_token(logits)  # (1,): argmax on the device
-            st.out[1 + i : 2 + i].copy_(token)
-            hidden = x if self.feed_hidden == "post_norm" else pre_norm
-        if x is not None:
-            st.x.copy_(torch.where(st.ok, x[0], st.x))
-            st.out[1 : k + 1].copy_(torch.where(st.ok, st.out[1 : k + 1], -1))
-        st.seq_dev.copy_(torch.where(st.ok, st.pos + k, st.seq_dev))
+    @cached_property
+    def logit_limit(self) -> float:
+        """The head's logit bound (``contract.logit_bound``), read once, at the first sampled propose."""
+        return contract.logit_bound(self.weights)
 
     @property
     def captures(self) -> bool:
         """Whether programs are captured on CUDA: graphs on, and no collectives in the block
         (sharded weights all-gather / all-reduce, which this backend does not capture)."""
-        return self.cuda_graphs and self.weights.shard_spec is None
-
-    def _run(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
-        # num_drafts = 0 only rewinds: a handful of tiny ops, not worth a graph.
-        key = sampled_key(k) if sampled else k
-        run_program(st, key, lambda: self._program(st, k, sampled), capture=self.captures and k > 0)
+        return self.programs.captures
 
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
@@ -318,7 +263,7 @@ class OptimizedProposer:
         with self._use(state, "propose") as st:
             position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts)
             with writing(st, "propose"):
-                self._run(st, k)
+                self.programs.run_draft(st, k)
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             return self._finish_propose(st, values, position, k)
 
@@ -332,7 +277,7 @@ class OptimizedProposer:
             position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
                                                (temperature, noise))
             with writing(st, "propose_sampled"):
-                self._run(st, k, sampled=True)
+                self.programs.run_draft(st, k, sampled=True)
                 q = st.sample_buffers(k, self.config.vocab_size)[1].clone() if k else noise.new_zeros(0, self.config.vocab_size)
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             return SampledDrafts(self._finish_propose(st, values, position, k, sampled=True), q)
@@ -372,7 +317,7 @@ class OptimizedProposer:
             before = st.seq_len
             position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
             with writing(st, "propose_device"):
-                self._run(st, k)
+                self.programs.run_draft(st, k)
             st.seq_len, st.pending, st.last_drafted = position + k, True, k
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
             return st.out[1 : k + 1]
@@ -401,12 +346,12 @@ class OptimizedProposer:
             if not fused:
                 return self._propose_each(states, batch.args, k, call)
             bb = self._batch[states[0].device]
-            rows = self._bucket(len(states), bb, k)
+            rows = self.programs.batch_rows(len(states), bb, captured=k > 0)
             with bb.claim(call):
                 with writing_all(states, call):
-                    loaded = bb.load(states, self._batch_tokens(batch.args, bb.device), target_hiddens,
+                    loaded = bb.load(states, batch_tokens(batch.args, bb.device), target_hiddens,
                                      [a.position for a in batch.args], rows)
-                    run_program(bb, (rows, k), lambda: self._batch_program(bb, loaded, k), capture=self._batch_captures(bb) and k > 0)
+                    self.programs.run_draft_batch(bb, loaded, k)
                     values = read_back(bb.out(k)[: len(states)].flatten())  # the one sync: codes and drafts
                 return self._finish_batch(call, bb, states, batch.args, values, k)
 
@@ -429,12 +374,11 @@ class OptimizedProposer:
                         self._write_rows(r.token, r.hidden, r.row_base, st)
             else:
                 bb = self._batch[owed[0].device]
-                n = self._bucket(len(owed), bb, CATCHUP)
+                n = self.programs.batch_rows(len(owed), bb, captured=True)
                 with bb.claim(call), writing_all(owed, call):
                     loaded = bb.load(owed, torch.cat([r.token for r in rows]), torch.cat([r.hidden for r in rows]),
                                      [r.row_base for r in rows], n)
-                    run_program(bb, (n, CATCHUP), lambda: self._batch_program(bb, loaded, CATCHUP),
-                                capture=self._batch_captures(bb))
+                    self.programs.run_catchup_batch(bb, loaded)
             for r, st in zip(rows, owed):
                 st.seq_len = r.row_base + 1
                 written[r.b] = 1
@@ -452,52 +396,6 @@ class OptimizedProposer:
         if len(states) > self.max_batch:
             raise ValueError(f"{call}: {len(states)} states, more than this drafter's max_batch={self.max_batch}")
         return states
-
-    def _batch_captures(self, bb: BatchBuffers) -> bool:
-        """Whether batch programs are captured: only with the Triton kernels, which read the
-        per-row address tables on the device (the twins index the states' tensors on the host,
-        which a replay would not follow)."""
-        return self.captures and self.step is not None and self.step.triton and bb.device.type == "cuda"
-
-    def _bucket(self, rows: int, bb: BatchBuffers, k: int) -> int:
-        """Rows the program runs: the captured bucket on CUDA, exactly ``rows`` otherwise."""
-        return bucket(rows, bb.max_batch) if self._batch_captures(bb) and k != 0 else rows
-
-    @staticmethod
-    def _batch_tokens(args: list[contract.ProposeArgs], device: torch.device) -> Tensor:
-        """The batch's last tokens as one (B,) int64 tensor (one copy for Python ints)."""
-        if all(not isinstance(a.token, Tensor) for a in args):
-            return torch.tensor([a.token for a in args], dtype=torch.int64)
-        return torch.cat([a.token.to(device=device, dtype=torch.int64).reshape(1) if isinstance(a.token, Tensor)
-                          else torch.tensor([a.token], dtype=torch.int64, device=device) for a in args])
-
-    def _batch_program(self, bb: BatchBuffers, loaded: BatchRows, k: int) -> None:
-        """The batch's k draft steps (``k == CATCHUP``: one context row each) on the static
-        buffers: the single-state program's steps with rows for states. No host reads."""
-        n = loaded.rows
-        tok, hid, pos = bb.tok_in[:n], bb.hid_in[:n], bb.pos[:n]
-        rope = self.rope(bb.device)
-        if k == CATCHUP:  # checked on the host: the gate is constant true
-            fused_rows(self.weights, tok, hid, pos, loaded.caches, rope, bb.always, self.step)
-            self.step.scatter_rows((pos + 1)[:, None], loaded.seqs, bb.always)
-            return
-        V = self.config.vocab_size
-        out = bb.out(k)[:n]  # (n, k + 1)
-        tok_ok = (tok >= 0) & (tok < V)  # (n,)
-        finite = torch.isfinite(hid).all(dim=1)  # (n,)
-        out[:, 0].copy_(finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE)
-        bb.ok.copy_((finite & tok_ok).all().reshape(1))  # one bad row refuses the batch
-        token = torch.where(tok_ok, tok, 0)
-        hidden, x = hid, None
-        for i in range(k):
-            pre_norm = fused_rows(self.weights, token, hidden, pos + i, loaded.caches, rope, bb.ok, self.step)
-            x, token = fused_head(self.weights, pre_norm, self.step)  # (n, H), (n,)
-            out[:, 1 + i].copy_(token)
-            hidden = x if self.feed_hidden == "post_norm" else pre_norm
-        if x is not None:
-            self.step.scatter_rows(x, loaded.xs, bb.ok)
-            out[:, 1:].copy_(torch.where(bb.ok, out[:, 1:], -1))
-        self.step.scatter_rows((pos + k)[:, None], loaded.seqs, bb.ok)
 
     def _finish_batch(self, call: str, bb: BatchBuffers, states: list[DrafterState], args: list[contract.ProposeArgs],
                       values: list[int], k: int) -> list[list[int]]:
@@ -518,7 +416,7 @@ class OptimizedProposer:
         with writing_all(states, call):
             for st, a in zip(states, args):
                 self._fill_inputs(st, a)
-                self._run(st, k)
+                self.programs.run_draft(st, k)
                 drafts.append(read_back(st.out[: k + 1]))
         for st, a, d in zip(states, args, drafts):
             st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
@@ -539,7 +437,7 @@ class OptimizedProposer:
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:
         """Rows ``row_base + i`` from ``(tokens[i], hiddens[i])``: the reference's batch, one call."""
         slots = st.slots[row_base : row_base + tokens.shape[0]]  # (T,), a view: no allocation
-        self._rows(tokens, hiddens, slots, st)
+        self.programs.rows(tokens, hiddens, slots, st)
         st.seq_len = row_base + tokens.shape[0]
         st.seq_dev.fill_(st.seq_len)
 
@@ -563,23 +461,10 @@ class OptimizedProposer:
             st.tok_in.copy_(ids)
             st.hid_in.copy_(hiddens)
             st.pos.fill_(row_base)
-            run_program(st, CATCHUP_KEY, lambda: self._catchup_program(st), capture=self.captures)
+            self.programs.run_catchup(st)
             st.seq_len = row_base + 1
             return
         self._write_rows(ids, hiddens, row_base, st)
-
-    def _catchup_program(self, st: OptimizedState) -> None:
-        """One context row from the static inputs, already checked on the host: slot ``pos``."""
-        self._rows(st.tok_in, st.hid_in, st.pos, st)
-        st.seq_dev.copy_(st.pos + 1)
-
-    def _rows(self, tokens: Tensor, hiddens: Tensor, slots: Tensor, st: OptimizedState) -> None:
-        """Context rows (no head): the fused block, or the per-primitive one."""
-        if self.step is not None:
-            fused_rows(self.weights, tokens, hiddens, slots, st.row_table, self.rope(st.device), st.always, self.step)
-        else:
-            block_rows(self.weights, tokens, hiddens, slots, st.cache, self.rope(st.device), st.always, self.fused)
-
 
 def with_triton_kernels(weights: MtpWeights, max_seq_len: int) -> OptimizedProposer:
     """An ``OptimizedProposer`` that runs its Triton kernels on every device (on CPU through the

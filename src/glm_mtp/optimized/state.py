@@ -49,7 +49,8 @@ class OptimizedState(DrafterState):
         temp: (1,) in A, a sampled propose's temperature.
         sample_bufs: per ``num_drafts`` k of a sampled propose, its static ``(noise, q)``, each
             (k, V) in A: allocated at the first sampled propose of that k (as its graph is captured).
-        graphs: captured CUDA graphs, one per ``num_drafts`` (key k; a sampled propose -2 - k) and one (key -1) for the one-row catch-up.
+        graphs: captured CUDA graphs by ``graphs.GraphKey``: one per ``num_drafts`` (argmax and
+            sampled apart) and one for the one-row catch-up.
         graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
         unsettled: a ``propose_device`` the host has not yet confirmed.
         deferred_error: the message of a discarded ``propose_device``, raised by the next

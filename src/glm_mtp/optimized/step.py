@@ -30,7 +30,7 @@ takes the per-primitive path (``glm_mtp.optimized.block.block_rows``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from torch import Tensor
@@ -42,14 +42,6 @@ from glm_mtp.reference.weights import MoeWeights, MtpWeights
 from . import kernels
 from .kernels.paged import RowCaches, row_caches
 
-# The fused pieces, in schedule order: each is ``kernels.<name>_triton`` or its twin ``_torch``.
-PIECES = (
-    "block_input", "norm_linear", "cache_rows_write", "absorbed_query", "index_scores", "select_rows",
-    "sparse_mla", "linear_residual", "route", "experts_gate_up", "experts_down_combine", "head_partials",
-    "argmax_reduce",
-    "scatter_rows",  # the batched programs' last write: each row into its own state's tensors
-)
-
 
 def fusable(w: MtpWeights) -> bool:
     """Whether ``fused_rows`` runs this layer: a MoE MLP, no shards (a sharded layer runs the
@@ -60,14 +52,55 @@ def fusable(w: MtpWeights) -> bool:
 
 @dataclass(frozen=True)
 class StepKernels:
-    """Every fused piece of the step, each the Triton kernel (``triton=True``) or its twin."""
+    """Every fused piece of the step, each the Triton kernel (``triton``) or its torch twin
+    (proven byte-equal to it); made by ``step_kernels``."""
 
     triton: bool
+    block_input: Callable[..., Any]
+    norm_linear: Callable[..., Any]
+    cache_rows_write: Callable[..., Any]
+    absorbed_query: Callable[..., Any]
+    index_scores: Callable[..., Any]
+    select_rows: Callable[..., Any]
+    sparse_mla: Callable[..., Any]
+    linear_residual: Callable[..., Any]
+    route: Callable[..., Any]
+    experts_gate_up: Callable[..., Any]
+    experts_down_combine: Callable[..., Any]
+    head_partials: Callable[..., Any]
+    argmax_reduce: Callable[..., Any]
+    scatter_rows: Callable[..., Any]
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name not in PIECES:
-            raise AttributeError(name)
-        return getattr(kernels, f"{name}_{'triton' if self.triton else 'torch'}")
+
+def kernel_pairs() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """Every piece of the step, in schedule order: ``name -> (Triton kernel, torch twin)``. Read
+    from ``kernels`` when called, so a drafter built after a test wraps a kernel calls the wrapper."""
+    return {
+        "block_input": (kernels.block_input_triton, kernels.block_input_torch),
+        "norm_linear": (kernels.norm_linear_triton, kernels.norm_linear_torch),
+        "cache_rows_write": (kernels.cache_rows_write_triton, kernels.cache_rows_write_torch),
+        "absorbed_query": (kernels.absorbed_query_triton, kernels.absorbed_query_torch),
+        "index_scores": (kernels.index_scores_triton, kernels.index_scores_torch),
+        "select_rows": (kernels.select_rows_triton, kernels.select_rows_torch),
+        "sparse_mla": (kernels.sparse_mla_triton, kernels.sparse_mla_torch),
+        "linear_residual": (kernels.linear_residual_triton, kernels.linear_residual_torch),
+        "route": (kernels.route_triton, kernels.route_torch),
+        "experts_gate_up": (kernels.experts_gate_up_triton, kernels.experts_gate_up_torch),
+        "experts_down_combine": (kernels.experts_down_combine_triton, kernels.experts_down_combine_torch),
+        "head_partials": (kernels.head_partials_triton, kernels.head_partials_torch),
+        "argmax_reduce": (kernels.argmax_reduce_triton, kernels.argmax_reduce_torch),
+        "scatter_rows": (kernels.scatter_rows_triton, kernels.scatter_rows_torch),
+    }
+
+
+# The fused pieces, in schedule order (the fields of ``StepKernels``); ``scatter_rows`` is the
+# batched programs' last write, each row into its own state's tensors.
+PIECES = tuple(f.name for f in fields(StepKernels) if f.name != "triton")
+
+
+def step_kernels(triton: bool) -> StepKernels:
+    """The step's Triton kernels (``triton``) or their torch twins, from ``kernel_pairs()``."""
+    return StepKernels(triton, **{name: pair[0 if triton else 1] for name, pair in kernel_pairs().items()})
 
 
 def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, caches: LayerCache | RowCaches,

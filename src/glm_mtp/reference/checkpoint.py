@@ -31,6 +31,17 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
+# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
+# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
+IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def float32_tensor(cfg: MtpConfig, name: str) -> bool:
+    """Whether a tensor stays float32 whatever the weights' dtype: the routing bias (both
+    families) and, in glm5_next, the router itself (transformers keeps ``gate.weight`` in fp32)."""
+    return name.endswith("e_score_correction_bias") or (cfg.is_next and name.endswith("mlp.gate.weight"))
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not hold what its config promises."""
 
@@ -41,6 +52,25 @@ class CheckpointError(ValueError):
 
 def _unreadable(path: str, e: BaseException) -> CheckpointError:
     return CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})")
+
+
+def check_checkpoint_directory(call: str, directory: object) -> str:
+    """``directory`` as a path string to an existing directory (a symbolic link to one is
+    followed, as in a Hugging Face cache); ``ValueError`` naming the argument for another type,
+    a missing path, a broken link or a path that is not a directory (a checkpoint is a folder:
+    ``config.json`` and its safetensors)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"{call}: directory must be a path (str or os.PathLike), got {type(directory).__name__}")
+    path = os.fspath(directory)
+    if not isinstance(path, str):
+        raise ValueError(f"{call}: directory must be a text path, got {type(path).__name__}")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{call}: directory {path!r} is a broken symbolic link (to {os.readlink(path)!r})")
+    if not os.path.exists(path):
+        raise ValueError(f"{call}: directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{call}: directory {path!r} is not a directory (a checkpoint is a folder holding config.json and safetensors)")
+    return path
 
 
 def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
@@ -166,12 +196,15 @@ def check_finite(tensors: dict[str, Tensor], where: dict[str, str]) -> None:
 def load_mtp_tensors(
     directory: str | os.PathLike[str],
     cfg: MtpConfig,
+    expected: dict[str, tuple[int, ...]],
     experts: range | None = None,
     allow_non_finite: bool = False,
     cast: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """The MTP layer's tensors (layer-relative names), the embedding and the head; of the routed
     experts only those in ``experts`` when given (an expert-parallel rank's block) are read.
+    ``expected``: the layer's tensor names and shapes (``weights.mtp_tensor_shapes(cfg)``: the
+    weights' layout, which this file layer does not know).
 
     Raises ``CheckpointError`` naming the tensor for a missing tensor, an unexpected tensor
     inside the MTP layer, or a wrong shape, and naming the file too for a dtype other than the
@@ -179,12 +212,9 @@ def load_mtp_tensors(
     them all to one) or, unless ``allow_non_finite``, a NaN/inf value in a tensor read
     (``check_finite``).
     """
-    from .weights import IGNORED_MTP_COPIES, float32_tensor, mtp_tensor_shapes
-
     wmap = checkpoint_weight_map(directory)
     prefix = cfg.layer_prefix
     embed_name = cfg.embed_tokens_name
-    expected = mtp_tensor_shapes(cfg)
     present = {k[len(prefix):] for k in wmap if k.startswith(prefix)}
     for name, shape in expected.items():
         if name not in present:
@@ -351,6 +381,26 @@ def swap_in(new: str, target: str) -> None:
         warnings.warn(f"saved, but the previous checkpoint at {aside} could not be deleted: {e}", stacklevel=3)
 
 
+def check_save_target(directory: str | os.PathLike[str]) -> str:
+    """Where a save may go, as ``save_checkpoint`` resolves it (a link to a folder is followed):
+    a new path, an empty folder or one holding a checkpoint, never a file, a non-empty folder
+    without a checkpoint or the working directory. ``ValueError`` otherwise; nothing is written
+    (callers check an output path before a long run with it)."""
+    target = os.path.realpath(os.fspath(directory))
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            raise ValueError(f"save: {target} exists and is not a folder")
+        entries = os.listdir(target)
+        if entries and SINGLE_FILE not in entries and INDEX_FILE not in entries:
+            raise ValueError(
+                f"save: refusing to write into {target}: it is not empty and holds no checkpoint "
+                f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
+            )
+        if target == os.path.realpath(os.getcwd()):
+            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+    return target
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str], config: dict[str, Any], tensors: dict[str, Tensor], shard_size: int | None = None
 ) -> None:
@@ -385,18 +435,7 @@ def save_checkpoint(
     """
     check_shard_size(shard_size)
     flat = writable_tensors(tensors)
-    target = os.path.realpath(os.fspath(directory))
-    if os.path.exists(target):
-        if not os.path.isdir(target):
-            raise ValueError(f"save: {target} exists and is not a folder")
-        entries = os.listdir(target)
-        if entries and SINGLE_FILE not in entries and INDEX_FILE not in entries:
-            raise ValueError(
-                f"save: refusing to write into {target}: it is not empty and holds no checkpoint "
-                f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
-            )
-        if target == os.path.realpath(os.getcwd()):
-            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+    target = check_save_target(directory)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     new = _sibling(target, "saving")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from contextlib import ExitStack, contextmanager
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .attention import Rope
+from .bytes import raw_bytes
 from .kpool import empty_snapshot as empty_kpool_snapshot
 from .state import BLOCK_ROWS, DrafterState, check_sound, num_blocks, rewind_rows, writing
 from .weights import MtpWeights
@@ -43,8 +45,7 @@ WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]
 
 def hidden_fingerprint(hidden: Tensor) -> str:
     """16 hex digits of a hash of the tensor's bytes."""
-    data = hidden.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+    return hashlib.blake2b(raw_bytes(hidden), digest_size=8).hexdigest()
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:
@@ -74,11 +75,27 @@ def check_token_dtype(name: str, tokens: Tensor) -> None:
         raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
 
 
+def check_strided(name: str, t: Tensor) -> None:
+    """A tensor argument must be dense (``torch.strided``): a sparse or other layout has no rows
+    to copy or reshape (torch would fail deep inside the call)."""
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def check_token_device(name: str, tokens: Tensor, device: torch.device) -> None:
+    """A token tensor must be on the state's ``device`` or in host memory (the CPU): both are
+    copied into the drafter's rows; any other device (a meta tensor, another accelerator) is a
+    ``ValueError`` naming the argument, raised before anything is written."""
+    if tokens.device != device and tokens.device.type != "cpu":
+        raise ValueError(f"{name} must be on the state's device {device} or the CPU, got {tokens.device}")
+
+
 def one_token(last_token: int | Tensor) -> int | Tensor:
     """``last_token`` as an int, or as a (1,) tensor when a tensor of one id was given (0-d or
     (1,)); any other tensor shape is a ``ValueError`` naming the argument. The range is checked
     by the caller (on the host, or on the device by the optimized backend)."""
     if isinstance(last_token, Tensor):
+        check_strided("last_token", last_token)
         if last_token.dim() > 1 or last_token.numel() != 1:
             raise ValueError(f"last_token must be an int or a tensor of one token id (0-d or (1,)), got shape {tuple(last_token.shape)}")
         return last_token.reshape(1)
@@ -89,9 +106,13 @@ def token_ids(name: str, tokens: Tokens, vocab_size: int, device: torch.device) 
     """``tokens`` as an int64 tensor (n,) on ``device``, every id in [0, vocab_size) (a tensor's
     range is read on the host: a sync)."""
     if not isinstance(tokens, Tensor):
+        if not isinstance(tokens, (list, tuple, range)):
+            raise ValueError(f"{name} must be a list of token ids or a 1-D integer tensor, got {type(tokens).__name__}")
         values = [check_token_id(name, v, vocab_size) for v in tokens]
         return torch.tensor(values, dtype=torch.int64, device=device)
+    check_strided(name, tokens)
     check_token_dtype(name, tokens)
+    check_token_device(name, tokens, device)
     if tokens.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tokens.shape)}")
     ids = tokens.to(device=device, dtype=torch.int64)
@@ -107,6 +128,7 @@ def check_hiddens(name: str, hiddens: object, rows: int, weights: MtpWeights, de
     H = weights.config.hidden_size
     if not isinstance(hiddens, Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(hiddens).__name__}")
+    check_strided(name, hiddens)
     if tuple(hiddens.shape) != (rows, H):
         raise ValueError(f"{name} must have shape ({rows}, {H}), got {tuple(hiddens.shape)}")
     if hiddens.dtype != weights.dtype:
@@ -122,6 +144,49 @@ def check_capacity(name: str, end: int, capacity: int) -> None:
     """Rows up to ``end`` must fit the state's ``capacity``."""
     if end > capacity:
         raise ValueError(f"{name}: rows up to {end} would run past the state's capacity of {capacity} rows")
+
+
+def logit_bound(weights: MtpWeights) -> float:
+    """An upper bound on ``|up(logits)|`` for every row the drafter's head can produce, from the
+    weights alone (float64, two reductions: one host read). The head reads ``x =
+    rms_norm(pre_norm) * gamma``, and an RMS-normalised row has ``|x_j| <= sqrt(H) * |gamma_j|``,
+    so ``|logit| <= H * max|lm_head| * sqrt(H) * max|gamma|``; the factor ``1 + 2**-6`` covers
+    the rounding of ``x`` and of the logits to S and the A accumulation. Capped at the largest
+    finite S value (a logit is stored in S)."""
+    H = weights.config.hidden_size
+    head = torch.aminmax(weights.lm_head.detach())
+    gamma = torch.aminmax(weights.shared_head_norm.detach())
+    max_head = max(-float(head.min), float(head.max))
+    max_gamma = max(-float(gamma.min), float(gamma.max))
+    bound = H * max_head * math.sqrt(H) * max_gamma * (1 + 2**-6)
+    return min(bound, torch.finfo(weights.dtype).max)
+
+
+def check_temperature(temperature: object, logit_limit: float, acc: torch.dtype) -> float:
+    """A sampling temperature, valid when the draft distribution it drives, ``softmax(up(logits)
+    / T)`` with ``T`` rounded to the accumulation dtype ``acc``, is defined in ``acc`` for every
+    logit the head can produce (``|logit| <= logit_limit``, ``logit_bound``): ``T`` is a real
+    number whose value in ``acc`` is a finite normal number (1e39 overflows float32, 1e-45
+    rounds to a subnormal) and ``logit_limit / T`` is finite in ``acc`` (a smaller ``T`` turns a
+    logit into inf and ``q`` into NaN). Returns ``T`` rounded to ``acc``, as a Python float, so
+    that storing it in ``acc`` is exact. ``ValueError`` naming the argument otherwise."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a real number, got {type(temperature).__name__}")
+    try:
+        value = float(temperature)
+    except OverflowError:  # an int past float64
+        value = math.inf
+    if not value > 0:  # NaN fails too
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    info = torch.finfo(acc)
+    rounded = float(torch.tensor(min(value, 2 * info.max), dtype=acc)) if value < math.inf else math.inf
+    if not math.isfinite(rounded):
+        raise ValueError(f"temperature must be finite and > 0 in {acc} (its largest value is {info.max:.4g}), got {temperature!r}")
+    least = max(info.tiny, logit_limit / info.max)
+    if not rounded >= least:
+        raise ValueError(f"temperature {temperature!r} is too small for {acc}: the draft distribution softmax(logits / T) "
+                         f"needs T >= {least:.3g} (the head's logits reach {logit_limit:.3g}; a smaller T overflows them to inf)")
+    return rounded
 
 
 # ---- the drafter and its states ----------------------------------------------------------------
@@ -266,8 +331,21 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
     ``position``, the rows held, ``last_token``, ``target_hidden``, ``num_drafts``, the capacity.
 
     ``device_checks``: leave the two checks that read the data (a token tensor's range, the
-    hidden's finiteness) to the caller, which runs them on the device. Logs the hidden's
-    fingerprint when ``FINGERPRINT_ENV`` is 1 (a debugging aid; it syncs)."""
+    hidden's finiteness) to the caller, which runs them on the device. When a later check
+    refuses, they are read on the host first (on refusal only), so the first failing check in
+    the contract's order decides in every backend. Logs the hidden's fingerprint when
+    ``FINGERPRINT_ENV`` is 1 (a debugging aid; it syncs)."""
+    if device_checks:
+        try:
+            return _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, True)
+        except (TypeError, ValueError, RuntimeError):
+            _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
+            raise
+    return _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
+
+
+def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, position: object, num_drafts: object,
+                  state: DrafterState, weights: MtpWeights, capacity: int, device_checks: bool) -> ProposeArgs:
     position = check_int("position", position)
     if state.seq_len < position:
         raise RuntimeError(f"{call}: the drafter holds {state.seq_len} rows, behind position {position}; catch up first")
@@ -277,8 +355,11 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
         check_token_id("last_token", token, vocab)
     elif device_checks:
         check_token_dtype("last_token", token)
+        check_token_device("last_token", token, state.device)
     else:
         token = token_ids("last_token", token, vocab, state.device)
+    if isinstance(target_hidden, Tensor):
+        check_strided("target_hidden", target_hidden)
     hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
     check_hiddens("target_hidden", hidden, 1, weights, state.device, finite=not device_checks)
     num_drafts = check_int("num_drafts", num_drafts)
@@ -342,6 +423,7 @@ def batch_values(call: str, name: str, values: object, B: int) -> list[int | Ten
     """``values``, one per state: a list/tuple of B Python ints or a (B,) integer tensor (each
     row a (1,) view). Ranges are the per-state checks'."""
     if isinstance(values, Tensor):
+        check_strided(name, values)
         check_token_dtype(name, values)
         if values.dim() != 1 or values.shape[0] != B:
             raise ValueError(f"{call}: {name} must be a ({B},) tensor, one per state, got shape {tuple(values.shape)}")
@@ -366,6 +448,7 @@ def batch_hiddens(call: str, name: str, hiddens: object, B: int, H: int) -> list
     per-state checks')."""
     if not isinstance(hiddens, Tensor):
         raise ValueError(f"{call}: {name} must be a tensor, got {type(hiddens).__name__}")
+    check_strided(f"{call}: {name}", hiddens)
     if hiddens.dim() != 2 or tuple(hiddens.shape) != (B, H):
         raise ValueError(f"{call}: {name} must have shape ({B}, {H}), one row per state, got {tuple(hiddens.shape)}")
     return [hiddens[b : b + 1] for b in range(B)]
@@ -419,9 +502,14 @@ def check_data(call: str, args: Sequence[ProposeArgs], weights: MtpWeights) -> N
     finiteness), on the host, for states ``0..len(args)-1`` in order: the first failure raises."""
     for b, a in enumerate(args):
         with batch_item(call, b):
-            if isinstance(a.token, Tensor):
-                token_ids("last_token", a.token, weights.config.vocab_size, a.token.device)
-            check_hiddens("target_hidden", a.hidden, 1, weights, a.hidden.device)
+            check_args_data(a, weights)
+
+
+def check_args_data(args: ProposeArgs, weights: MtpWeights) -> None:
+    """The data checks ``propose_args`` left to the device, for one propose, on the host."""
+    if isinstance(args.token, Tensor):
+        token_ids("last_token", args.token, weights.config.vocab_size, args.token.device)
+    check_hiddens("target_hidden", args.hidden, 1, weights, args.hidden.device)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,8 +26,10 @@ from torch import Tensor
 from . import contract
 from .attention import Rope
 from .block import draft_logits, mtp_rows
+from .bytes import same_bytes
 from .contract import (  # noqa: F401  (re-exported: the contract's names, where callers found them)
-    FINGERPRINT_ENV, FeedHidden, Tokens, WriteRows, check_int, check_token_dtype, check_token_id, hidden_fingerprint, one_token,
+    FINGERPRINT_ENV, FeedHidden, Tokens, WriteRows, check_int, check_temperature, check_token_dtype, check_token_id,
+    hidden_fingerprint, one_token,
 )
 from .layers import draft_probs, greedy_token, sampled_token
 from .numerics import acc_dtype
@@ -38,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class DraftProposer(Protocol):
-    """What an engine calls on a drafter (the seed's ``DraftProposer`` trait, in snake_case)."""
+    """What an engine calls on a drafter (the engine's ``DraftProposer`` trait, in snake_case)."""
 
     max_seq_len: int
 
@@ -76,9 +79,7 @@ class SampledDrafts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampledDrafts):
             return NotImplemented
-        a, b = self.q.detach().cpu().contiguous(), other.q.detach().cpu().contiguous()
-        return (self.drafts == other.drafts and a.shape == b.shape and a.dtype == b.dtype
-                and a.reshape(-1).view(torch.uint8).numpy().tobytes() == b.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return self.drafts == other.drafts and same_bytes(self.q.detach().cpu(), other.q.detach().cpu())
 
 
 @runtime_checkable
@@ -89,20 +90,12 @@ class SamplingProposer(DraftProposer, Protocol):
                         temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts: ...
 
 
-def check_temperature(temperature: object) -> float:
-    """A sampling temperature: a finite real number > 0; ``ValueError`` naming it otherwise."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
-    return float(temperature)
-
-
 def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The noise of a sampled propose: a ``(num_drafts, vocab_size)`` tensor of the acc dtype
     ``dtype`` on ``device`` (its values, positive and finite, are checked by the backend)."""
     if not isinstance(noise, Tensor):
         raise ValueError(f"noise must be a tensor, got {type(noise).__name__}")
+    contract.check_strided("noise", noise)
     if tuple(noise.shape) != (num_drafts, vocab_size):
         raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got {tuple(noise.shape)}")
     if noise.dtype != dtype:
@@ -113,10 +106,11 @@ def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: to
 
 
 def sampling_inputs(temperature: object, noise: object, num_drafts: int, weights: MtpWeights,
-                    device: torch.device) -> tuple[float, Tensor]:
+                    device: torch.device, logit_limit: float) -> tuple[float, Tensor]:
     """The checks of ``propose_sampled``'s own arguments that read no data, shared by both
-    drafters: ``(temperature, noise)``."""
-    return (check_temperature(temperature),
+    drafters: ``(temperature, noise)``, the temperature rounded to A (``contract.check_temperature``
+    against the head's ``logit_limit``, ``contract.logit_bound``)."""
+    return (check_temperature(temperature, logit_limit, acc_dtype(weights.dtype)),
             check_noise_shape(noise, num_drafts, weights.config.vocab_size, acc_dtype(weights.dtype), device))
 
 
@@ -245,7 +239,12 @@ class ReferenceProposer:
 
     def sampling_inputs(self, temperature: object, noise: object, num_drafts: int, state: DrafterState) -> tuple[float, Tensor]:
         """``sampling_inputs`` for this drafter's weights and ``state``'s device."""
-        return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device)
+        return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device, self.logit_limit)
+
+    @cached_property
+    def logit_limit(self) -> float:
+        """The head's logit bound (``contract.logit_bound``), read once, at the first sampled propose."""
+        return contract.logit_bound(self.weights)
 
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
                       states: list[DrafterState]) -> list[list[int]]:

@@ -8,27 +8,22 @@ place. Routed experts are stored stacked ``(E, ...)`` so a row's experts are one
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
+from .bytes import same_bytes
+from .checkpoint import (
+    WEIGHT_DTYPES, check_checkpoint_directory, check_shard_size, count_non_finite, float32_tensor, load_mtp_tensors, save_checkpoint,
+)
 from .config import MtpConfig
 from .distributed import ShardSpec, ep_propose_enabled
-
-# Copies of the target's embedding and head that some checkpoints carry inside the MTP layer.
-# Engines use the target's own tensors (DESIGN.md §2), so these are accepted and never read.
-IGNORED_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 # The KPool indexer's tensors (glm5_next), relative to the layer: nn.Parameters, so no ".weight".
 KPOOL_APE = "self_attn.indexer.index_kpool_compress_ape"
 KPOOL_GATE = "self_attn.indexer.index_kpool_compress_gate"
-
-
-def float32_tensor(cfg: MtpConfig, name: str) -> bool:
-    """Whether a tensor stays float32 whatever the weights' dtype: the routing bias (both
-    families) and, in glm5_next, the router itself (transformers keeps ``gate.weight`` in fp32)."""
-    return name.endswith("e_score_correction_bias") or (cfg.is_next and name.endswith("mlp.gate.weight"))
 
 
 @dataclass
@@ -253,6 +248,72 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devic
     return t.mul_(shape[-1] ** -0.5)
 
 
+# ---- the rules every made MtpWeights obeys -------------------------------------------------------
+# Checked wherever weights are made (``random``, ``to``, ``from_pretrained``, ``shard``, the
+# constructor), before the work where an argument decides it: a drafter computes in its weights'
+# dtype, so an int8 model would draft zeros for every input instead of failing.
+
+ROUTING_BIAS = "e_score_correction_bias"
+
+
+def check_weight_dtype(name: str, dtype: object) -> torch.dtype:
+    """``dtype`` as a weight dtype (one of ``WEIGHT_DTYPES``); ``ValueError`` naming ``name``."""
+    if not isinstance(dtype, torch.dtype) or dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"{name} must be a floating torch.dtype ({', '.join(map(str, WEIGHT_DTYPES))}), got {dtype!r}")
+    return dtype
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` (a device, or a string torch parses); ``ValueError`` naming ``name``."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{name}: {device!r} is not a device ({e})") from None
+
+
+def check_cast_finite(name: str, before: Tensor, after: Tensor) -> None:
+    """A cast must not make a finite weight non-finite (a bfloat16 value past float16's 65504
+    becomes inf): ``ValueError`` naming the tensor. One read of ``after`` (``count_non_finite``)."""
+    if after.dtype == before.dtype:
+        return
+    bad = count_non_finite(after)
+    if bad and bad > count_non_finite(before):
+        raise ValueError(f"tensor {name!r}: casting {before.dtype} to {after.dtype} overflows {bad - count_non_finite(before)} "
+                         f"finite value(s) to inf (the largest {after.dtype} value is {torch.finfo(after.dtype).max:g}); "
+                         "keep a wider dtype")
+
+
+def check_shard_args(call: str, names: tuple[str, str, str], rank: object, world: object, row_parallel_o_proj: object) -> None:
+    """The expert-parallel arguments (``names``: how ``call`` calls rank, world and
+    row_parallel_o_proj): integers with ``0 <= rank < world`` and a bool flag, checked even when
+    ``world == 1`` shards nothing (a rank of 3 in a world of 1 is a mistake, not a no-op)."""
+    rank_name, world_name, flag_name = names
+    for name, value, least in ((world_name, world, 1), (rank_name, rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{call}: {name} must be an integer, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"{call}: {name} must be >= {least}, got {value}")
+    if rank >= world:  # type: ignore[operator]
+        raise ValueError(f"{call}: {rank_name} must be in [0, {world_name}={world}), got {rank}")
+    if not isinstance(row_parallel_o_proj, bool):
+        raise ValueError(f"{call}: {flag_name} must be a bool, got {type(row_parallel_o_proj).__name__}")
+
+
+def field_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of a weights dataclass and of the dataclasses it holds, by field path
+    (``layer.mlp.experts_gate``); a sharded layer's tensors are its shard's."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if isinstance(value, Tensor):
+            yield prefix + f.name, value
+        elif is_dataclass(value) and not isinstance(value, (type, ShardSpec)):
+            yield from field_tensors(value, f"{prefix}{f.name}.")
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -279,6 +340,20 @@ class MtpWeights:
     eh_proj: Tensor
     layer: DecoderLayerWeights
     shared_head_norm: Tensor
+
+    def __post_init__(self) -> None:
+        """Every weight in the one weight dtype (``WEIGHT_DTYPES``) on one device, the routing
+        bias in float32 (it is used for selection only): checked from the tensors' metadata."""
+        dtype, device = self.eh_proj.dtype, self.eh_proj.device
+        check_weight_dtype("the weights' dtype (eh_proj's)", dtype)
+        for name, t in field_tensors(self):
+            # the routing bias, and glm5_next's router (checkpoint.float32_tensor), stay float32
+            stays_float32 = name.endswith(ROUTING_BIAS) or (self.config.is_next and name.endswith("mlp.router"))
+            want = torch.float32 if stays_float32 else dtype
+            if t.dtype != want:
+                raise ValueError(f"tensor {name!r} has dtype {t.dtype}; every weight must be {want}")
+            if t.device != device:
+                raise ValueError(f"tensor {name!r} is on {t.device}; every weight must be on {device}")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -325,8 +400,13 @@ class MtpWeights:
         """This rank's share: experts ``[rank E/W, (rank+1) E/W)`` and, when
         ``row_parallel_o_proj``, its heads' ``o_proj`` columns; everything else replicated.
         Unchanged (every weight on every rank) when ``world == 1`` or ``GLM_MTP_NO_EP_PROPOSE=1``."""
+        check_shard_args("shard", ("rank", "world", "row_parallel_o_proj"), rank, world, row_parallel_o_proj)
         if world == 1 or not ep_propose_enabled():
             return self
+        if self.shard_spec is not None:
+            raise ValueError("shard: these weights are already a shard; shard the full weights")
+        if self.config.n_routed_experts % world:
+            raise ValueError(f"shard: world={world} must divide n_routed_experts={self.config.n_routed_experts}")
         spec = ShardSpec(rank, world, group, row_parallel_o_proj)
         return MtpWeights.from_tensors(self.config, self.mtp_tensors(), self.embed_tokens, self.lm_head, spec)
 
@@ -337,7 +417,10 @@ class MtpWeights:
         """Random weights of a sensible scale, the same for the same seed on every device of a
         type. Drawn tensor by tensor on ``device`` and cast at once, so the peak memory is the
         model in ``dtype`` plus one float32 tensor (GLM-5's real widths fit)."""
-        device = torch.device(device)
+        check_weight_dtype("dtype", dtype)
+        device = check_device("device", device)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {type(seed).__name__}")
         gen = torch.Generator(device).manual_seed(seed)
         made = {}
         for name, shape in {**embed_head_tensor_shapes(cfg), **mtp_tensor_shapes(cfg)}.items():
@@ -365,13 +448,22 @@ class MtpWeights:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MtpWeights":
         """A copy on another device and/or in another dtype (the routing bias, and glm5_next's
-        router, stay float32)."""
-        mtp = {
-            n: t.to(device=device) if float32_tensor(self.config, n) else t.to(device=device, dtype=dtype)
-            for n, t in self.mtp_tensors().items()
-        }
+        router, stay float32).
+        ``dtype`` must be a weight dtype (``WEIGHT_DTYPES``), and a cast that overflows a finite
+        weight to inf is refused, naming the tensor (``check_cast_finite``)."""
+        if dtype is not None:
+            check_weight_dtype("dtype", dtype)
+        if device is not None:
+            device = check_device("device", device)
+
+        def moved(name: str, t: Tensor) -> Tensor:
+            out = t.to(device=device) if float32_tensor(self.config, name) else t.to(device=device, dtype=dtype)
+            check_cast_finite(name, t, out)
+            return out
+
+        mtp = {n: moved(n, t) for n, t in self.mtp_tensors().items()}
         return MtpWeights.from_tensors(
-            self.config, mtp, self.embed_tokens.to(device=device, dtype=dtype), self.lm_head.to(device=device, dtype=dtype)
+            self.config, mtp, moved("model.embed_tokens.weight", self.embed_tokens), moved("lm_head.weight", self.lm_head)
         )
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -384,8 +476,6 @@ class MtpWeights:
         checkpoint is refused (details: ``checkpoint.save_checkpoint``). A tied embedding and head
         are written as two tensors and load back bit-exact. ``shard_size`` must be a positive
         int or None (``ValueError`` before anything is written)."""
-        from .checkpoint import check_shard_size, save_checkpoint
-
         check_shard_size(shard_size)
         save_checkpoint(directory, self.config.to_hf_dict(), {**(extra or {}), **self.state_dict()}, shard_size)
 
@@ -424,36 +514,35 @@ class MtpWeights:
                 shard (see ``shard``).
             allow_non_finite: skip the NaN/inf check.
         """
-        from .checkpoint import WEIGHT_DTYPES, load_mtp_tensors
-
-        if dtype is not None and dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"from_pretrained: dtype must be a floating torch.dtype ({', '.join(map(str, WEIGHT_DTYPES))}) or None, got {dtype!r}"
-            )
+        call = "from_pretrained"
+        directory = check_checkpoint_directory(call, directory)
+        if dtype is not None:
+            check_weight_dtype(f"{call}: dtype", dtype)
+        device = check_device(f"{call}: device", device)
+        check_shard_args(call, ("ep_rank", "ep_world", "row_parallel_o_proj"), ep_rank, ep_world, row_parallel_o_proj)
+        if not isinstance(allow_non_finite, bool):
+            raise ValueError(f"{call}: allow_non_finite must be a bool, got {type(allow_non_finite).__name__}")
         cfg = MtpConfig.from_hf_config(directory)
         spec = ShardSpec(ep_rank, ep_world, group, row_parallel_o_proj) if ep_world > 1 and ep_propose_enabled() else None
+        if spec is not None and cfg.n_routed_experts % ep_world:
+            raise ValueError(f"{call}: ep_world={ep_world} must divide the checkpoint's n_routed_experts={cfg.n_routed_experts}")
         mtp, embed, head = load_mtp_tensors(
             directory,
             cfg,
+            mtp_tensor_shapes(cfg),
             experts=spec.expert_range(cfg.n_routed_experts) if spec else None,
             allow_non_finite=allow_non_finite,
             cast=dtype is not None,
         )
 
         def place(name: str, t: Tensor) -> Tensor:
-            if float32_tensor(cfg, name):
-                return t.to(device=device, dtype=torch.float32)
-            return t.to(device=device, dtype=dtype or t.dtype)
+            out = t.to(device=device, dtype=torch.float32 if float32_tensor(cfg, name) else dtype or t.dtype)
+            if not allow_non_finite:  # the finite rule holds for the weights returned, not only those read
+                check_cast_finite(name, t, out)
+            return out
 
         mtp = {n: place(n, t) for n, t in mtp.items()}
-        return cls.from_tensors(cfg, mtp, place("embed", embed), place("head", head), spec)
-
-
-def same_bytes(a: Tensor, b: Tensor) -> bool:
-    """Byte equality of two tensors (shape and dtype too): -0.0 != 0.0, NaN == the same NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+        return cls.from_tensors(cfg, mtp, place("model.embed_tokens.weight", embed), place("lm_head.weight", head), spec)
 
 
 def weights_equal(a: MtpWeights, b: MtpWeights) -> bool:
@@ -478,6 +567,5 @@ __all__ = [
     "float32_tensor",
     "KPOOL_APE",
     "KPOOL_GATE",
-    "same_bytes",
     "weights_equal",
 ]

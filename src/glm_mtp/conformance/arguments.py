@@ -1,0 +1,405 @@
+"""Hostile arguments as a hypothesis ``RuleBasedStateMachine``: every public call of the drafter
+contract (prefill, catch-up, propose, sampled propose, both batches, after_verify, rewinds,
+export, free) with arguments drawn across types, dtypes, devices, shapes, ranges and special
+floats, played on two backends at once.
+
+``machine.lockstep_machine`` plays well-formed scenario ops (misuse of the call order, odd
+orders) as data; this machine passes raw Python values and tensors, the way a hostile caller
+would, and checks DESIGN.md §4's promise about bad input after every step:
+
+- either both backends refuse, with the same exception type and message, a ``ValueError`` or
+  ``TypeError`` naming an argument (or a ``RuntimeError`` of the lifecycle), and every state
+  is byte-identical to before and still usable (not poisoned);
+- or both return the same result (drafts, ``q`` and row counts compared by bytes) and hold
+  byte-identical states.
+
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+    from glm_mtp.conformance.arguments import argument_machine
+    run_state_machine_as_test(argument_machine(), settings=settings(max_examples=50, deadline=None))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from torch import Tensor
+
+from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.reference.proposer import SampledDrafts
+
+# What a refusal may be: arguments (ValueError, TypeError) and the lifecycle (RuntimeError).
+REFUSALS = (ValueError, TypeError, RuntimeError)
+SPECIAL_FLOATS = (0.0, -0.0, 1e-45, 1e-40, 1e-38, 1e-30, 0.5, 1.0, 3e38, 3.5e38, 1e39, math.inf, -math.inf, math.nan, -1.0)
+STATES = 3
+
+
+def devices() -> list[str]:
+    """Devices an argument may live on: the CPU, a data-less meta tensor, CUDA when present."""
+    return ["cpu", "meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def state_bytes(prop: Any, state: Any) -> dict[str, tuple]:
+    """``export_state`` as (shape, dtype, bytes) per key."""
+    return {k: (tuple(t.shape), str(t.dtype), t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            for k, t in prop.export_state(state).items()}
+
+
+def result_bytes(value: Any) -> Any:
+    """A call's result in a form compared by bytes: tensors (``SampledDrafts.q``) as raw bytes."""
+    if isinstance(value, SampledDrafts):
+        return ("sampled", value.drafts, result_bytes(value.q))
+    if isinstance(value, Tensor):
+        return (tuple(value.shape), str(value.dtype), value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    if isinstance(value, (list, tuple)):
+        return [result_bytes(v) for v in value]
+    return value
+
+
+class Draws:
+    """Argument values for one call, drawn from hypothesis data: mostly valid ones near the
+    state's row count (so calls get deep into a sequence), the rest across every kind of wrong."""
+
+    def __init__(self, data: Any, cfg: MtpConfig, dtype: torch.dtype) -> None:
+        self.data, self.cfg, self.dtype = data, cfg, dtype
+
+    def draw(self, strategy: st.SearchStrategy) -> Any:
+        return self.data.draw(strategy)
+
+    def kind(self, *kinds: str, valid: int = 6) -> str:
+        """``"valid"`` with weight ``valid`` among ``kinds``."""
+        return self.draw(st.sampled_from(["valid"] * valid + list(kinds)))
+
+    def integer(self, valid: st.SearchStrategy) -> Any:
+        """An integer argument: ``valid`` mostly, else negative, huge, a bool, a float, a tensor, a string."""
+        k = self.kind("negative", "huge", "bool", "float", "tensor", "float_tensor", "none", "str")
+        if k == "valid":
+            return self.draw(valid)
+        if k == "negative":
+            return self.draw(st.integers(-2**70, -1))
+        if k == "huge":
+            return self.draw(st.sampled_from([2**31, 2**63, 2**70, 10**6]))
+        if k == "bool":
+            return self.draw(st.booleans())
+        if k == "float":
+            return self.draw(st.sampled_from([1.0, 2.5, math.nan, math.inf]))
+        if k == "tensor":
+            return torch.tensor(self.draw(valid), dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])))
+        if k == "float_tensor":
+            return torch.tensor(float(self.draw(valid)))
+        return None if k == "none" else "3"
+
+    def token_id(self) -> int:
+        return self.draw(st.integers(0, self.cfg.vocab_size - 1))
+
+    def token(self) -> Any:
+        """One token: an int or a tensor of one id, or anything wrong."""
+        V = self.cfg.vocab_size
+        k = self.kind("out_of_range", "huge", "bool", "float", "tensor", "bad_tensor", "none", valid=5)
+        if k == "valid":
+            return self.token_id()
+        if k == "out_of_range":
+            return self.draw(st.sampled_from([-1, V, V + 7, -2**40]))
+        if k == "huge":
+            return 2**64
+        if k == "bool":
+            return True
+        if k == "float":
+            return float(self.token_id())
+        if k == "none":
+            return None
+        value = self.draw(st.sampled_from([self.token_id(), -1, V]))
+        if k == "tensor":
+            shape = self.draw(st.sampled_from([(), (1,)]))
+            dtype = self.draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint32, torch.uint64]))
+            value = value % 256 if dtype.is_signed is False else value
+            if shape == (1,) and self.draw(st.integers(0, 5)) == 0:
+                return torch.full(shape, value).to_sparse()  # int64: torch has no sparse unsigned tensors
+            return torch.full(shape, value, dtype=dtype, device=self.draw(st.sampled_from(devices())))
+        shape = self.draw(st.sampled_from([(2,), (1, 1), (0,)]))
+        dtype = self.draw(st.sampled_from([torch.int64, torch.float32, torch.bool]))
+        return torch.full(shape, value, dtype=dtype) if dtype != torch.bool else torch.ones(shape, dtype=torch.bool)
+
+    def tokens(self, n: int) -> Any:
+        """``n`` tokens: a list of ints or a 1-D tensor, or anything wrong."""
+        k = self.kind("list_bad_id", "tensor_bad_id", "float_tensor", "2d", "device", "not_a_sequence", "wrong_length", valid=5)
+        ids = [self.token_id() for _ in range(n)]
+        if k == "valid":
+            return ids if self.draw(st.booleans()) else torch.tensor(ids, dtype=self.draw(st.sampled_from([torch.int64, torch.int32])))
+        if k == "list_bad_id":
+            return ids + [self.draw(st.sampled_from([-1, self.cfg.vocab_size, 1.0, None, True]))]
+        if k == "tensor_bad_id":
+            return torch.tensor(ids + [self.cfg.vocab_size])
+        if k == "float_tensor":
+            return torch.tensor(ids, dtype=torch.float32)
+        if k == "2d":
+            return torch.tensor(ids).reshape(1, -1)
+        if k == "device":
+            return torch.tensor(ids, device=self.draw(st.sampled_from(devices())))
+        if k == "not_a_sequence":
+            return self.draw(st.sampled_from([None, 5, "abc"]))
+        return ids[:-1] if ids else [0]
+
+    def hiddens(self, rows: int | None) -> Any:
+        """Hiddens ``(rows, H)`` (``rows`` None: a single ``(H,)`` or ``(1, H)``), fresh random,
+        or of a wrong shape, dtype or device, holding NaN/inf, a view, or not a tensor."""
+        H = self.cfg.hidden_size
+        shape = (self.draw(st.sampled_from([(H,), (1, H)]))) if rows is None else (rows, H)
+        seed = self.draw(st.integers(0, 2**31 - 1))
+        base = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul_(self.draw(st.sampled_from([1.0, 1.0, 1e-3, 300.0])))
+        k = self.kind("dtype", "shape", "nan", "inf", "huge", "device", "view", "sparse", "not_a_tensor", valid=5)
+        if k == "valid":
+            return base.to(self.dtype)
+        if k == "dtype":
+            other = self.draw(st.sampled_from([d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+                                               if d != self.dtype]))
+            return base.to(other)
+        if k == "shape":
+            return torch.randn(self.draw(st.sampled_from([(H + 1,), (2, H - 1), (0, H), (1, 1, H), ()]))).to(self.dtype)
+        if k in ("nan", "inf"):
+            t = base.to(self.dtype).reshape(-1, H) if base.numel() else base.to(self.dtype)
+            if t.numel():
+                t[self.draw(st.integers(0, t.shape[0] - 1)), self.draw(st.integers(0, H - 1))] = math.nan if k == "nan" else -math.inf
+            return t.reshape(shape)
+        if k == "huge":  # finite, at the dtype's edge
+            return torch.full(shape, torch.finfo(self.dtype).max, dtype=self.dtype)
+        if k == "device":
+            return base.to(self.dtype).to(self.draw(st.sampled_from(devices())))
+        if k == "sparse":
+            return base.to(self.dtype).to_sparse()
+        if k == "view":  # a strided view of the right shape
+            wide = torch.randn(*shape[:-1], 2 * H).to(self.dtype)
+            return wide[..., ::2]
+        return self.draw(st.sampled_from([None, 1.0, [0.0] * H]))
+
+    def temperature(self) -> Any:
+        k = self.kind("special", "int", "bool", "str", valid=4)
+        if k == "valid":
+            return self.draw(st.floats(0.05, 4.0))
+        if k == "special":
+            return self.draw(st.sampled_from(SPECIAL_FLOATS))
+        if k == "int":
+            return self.draw(st.sampled_from([1, 0, -3, 10**400]))
+        return True if k == "bool" else "1.0"
+
+    def noise(self, k: int) -> Any:
+        V = self.cfg.vocab_size
+        seed = self.draw(st.integers(0, 2**31 - 1))
+        noise = torch.empty(max(k, 0) if isinstance(k, int) and k < 64 else 1, V).exponential_(generator=torch.Generator().manual_seed(seed))
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        kind = self.kind("zero", "nan", "inf", "negative", "tiny", "dtype", "shape", "device", "not_a_tensor", valid=5)
+        noise = noise.to(acc)
+        if kind == "valid":
+            return noise
+        if kind in ("zero", "nan", "inf", "negative", "tiny") and noise.numel():
+            value = {"zero": 0.0, "nan": math.nan, "inf": math.inf, "negative": -1.0, "tiny": 1e-45}[kind]
+            noise[self.draw(st.integers(0, noise.shape[0] - 1)), self.draw(st.integers(0, V - 1))] = value
+            return noise
+        if kind == "dtype":
+            return noise.to(torch.bfloat16 if acc == torch.float32 else torch.float32)
+        if kind == "shape":
+            return noise[:, :-1]
+        if kind == "device":
+            return noise.to(self.draw(st.sampled_from(devices())))
+        return None if kind == "not_a_tensor" else noise
+
+
+class Outcome:
+    """What a call did on one backend: its result (by bytes) or its refusal."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.error: BaseException | None = None
+        self.value: Any = None
+        try:
+            self.value = result_bytes(fn())
+        except REFUSALS as e:
+            self.error = e
+
+    def describe(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}" if self.error is not None else f"returned {self.value!r:.300}"
+
+
+def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, dtype: torch.dtype = torch.bfloat16,
+                     max_seq_len: int = 32, weights_seed: int = 0) -> type[RuleBasedStateMachine]:
+    """A machine class playing hostile calls on ``candidate(weights, max_seq_len)`` (default: the
+    optimized drafter, which takes its kernels' torch twins on CPU) and the reference.
+
+    Args:
+        candidate: a drafter factory; its states must be on the weights' device (the CPU here).
+        dtype, max_seq_len, weights_seed: the tiny preset's weights and the drafters' length.
+    """
+    if candidate is None:
+        from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
+    weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
+    cfg = weights.config
+    sides = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
+
+    class ArgumentMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.states = [[p.alloc_state("cpu") for p in sides] for _ in range(STATES)]
+            self.calls: list[str] = []
+
+        # ---- the one check of every step ------------------------------------------------
+        def play(self, call: str, args: dict[str, Any], fn: Callable[[Any, list[Any]], Any], touched: list[int]) -> None:
+            """Run ``fn(prop, states_of_that_backend)`` on both backends and check the outcome."""
+            self.calls.append(f"{call}({', '.join(f'{k}={short(v)}' for k, v in args.items())})")
+            before = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(sides)]
+            outcomes = [Outcome(lambda s=s, p=p: fn(p, [pair[s] for pair in self.states])) for s, p in enumerate(sides)]
+            ref, cand = outcomes
+            where = "\n  ".join(self.calls)
+            context = f"{call}: reference {ref.describe()}; candidate {cand.describe()}\ncalls:\n  {where}"
+            assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
+            if ref.error is not None:
+                assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
+                if isinstance(ref.error, (ValueError, TypeError)):
+                    names = [*args, "state", "token id", "temperature", "noise", "hidden"]
+                    assert any(n in str(ref.error) for n in names), f"a refusal that names no argument: {context}"
+                after = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(sides)]
+                assert after == before, f"a refused call changed a state: {context}"
+                for pair in self.states:
+                    for st_ in pair:
+                        assert st_.poisoned is None, f"a refused call poisoned a state ({st_.poisoned}): {context}"
+            else:
+                assert ref.value == cand.value, f"different results: {context}"
+
+        @invariant()
+        def states_agree(self) -> None:
+            for i, (r, c) in enumerate(self.states):
+                assert r.poisoned is None and c.poisoned is None, f"state {i} poisoned: {r.poisoned or c.poisoned}"
+                assert state_bytes(sides[0], r) == state_bytes(sides[1], c), f"state {i} differs after:\n  " + "\n  ".join(self.calls)
+
+        def seq_len(self, i: int) -> int:
+            return sides[0].drafter_rows(self.states[i][0]) if not self.states[i][0].released else 0
+
+        def live(self, i: int) -> bool:
+            return not self.states[i][0].released
+
+        # ---- rules ------------------------------------------------------------------------
+        @rule(data=st.data())
+        def prefill(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            d = Draws(data, cfg, dtype)
+            n = d.draw(st.sampled_from([0, 1, 2, 5, 9, max_seq_len, max_seq_len + 1]))
+            tokens, hiddens = d.tokens(n), d.hiddens(n)
+            self.play("prefill_drafter", {"state": i, "prompt_tokens": tokens, "hiddens": hiddens},
+                      lambda p, s: p.prefill_drafter(tokens, hiddens, s[i]), [i])
+
+        @rule(data=st.data())
+        def catchup(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            d = Draws(data, cfg, dtype)
+            n = d.draw(st.sampled_from([0, 1, 1, 2, 3]))
+            base = self.seq_len(i)
+            row_base = d.integer(st.sampled_from([base, base, base, max(base - 1, 0), base + 1, 60, 63]))
+            pos_base = d.integer(st.sampled_from([base]))
+            tokens, hiddens = d.tokens(n), d.hiddens(n)
+            self.play("catchup_drafter", {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
+                      lambda p, s: p.catchup_drafter(tokens, hiddens, row_base, pos_base, s[i]), [i])
+
+        def propose_args(self, d: Draws, i: int) -> tuple[Any, Any, Any, Any]:
+            base = self.seq_len(i)
+            position = d.integer(st.sampled_from([base, base, max(base - 1, 0), max(base - 3, 0), 0, base + 1]))
+            num_drafts = d.integer(st.sampled_from([0, 1, 2, 3, 3, 4, 70]))
+            return d.token(), d.hiddens(None), position, num_drafts
+
+        @rule(data=st.data())
+        def propose(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            d = Draws(data, cfg, dtype)
+            token, hidden, position, k = self.propose_args(d, i)
+            self.play("propose", {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
+                      lambda p, s: p.propose(token, hidden, position, k, s[i]), [i])
+
+        @rule(data=st.data())
+        def propose_sampled(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            d = Draws(data, cfg, dtype)
+            token, hidden, position, k = self.propose_args(d, i)
+            temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
+            self.play("propose_sampled", {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
+                                          "num_drafts": k, "temperature": temperature, "noise": noise},
+                      lambda p, s: p.propose_sampled(token, hidden, position, k, temperature, noise, s[i]), [i])
+
+        def batch(self, d: Draws) -> list[int]:
+            order = d.draw(st.permutations(range(STATES)))
+            size = d.draw(st.sampled_from([0, 1, 2, 2, 3]))
+            picked = list(order[:size])
+            if picked and d.draw(st.integers(0, 9)) == 0:
+                picked.append(picked[0])  # a state twice
+            return picked
+
+        @rule(data=st.data())
+        def propose_batch(self, data: Any) -> None:
+            d = Draws(data, cfg, dtype)
+            picked = self.batch(d)
+            args = [self.propose_args(d, i) for i in picked]
+            k = d.integer(st.sampled_from([0, 1, 2, 3]))
+            if d.draw(st.booleans()):
+                tokens: Any = [a[0] for a in args]
+            else:
+                tokens = torch.tensor([d.token_id() for _ in picked], dtype=torch.int64)
+                if d.draw(st.integers(0, 4)) == 0 and picked:
+                    tokens[-1] = d.draw(st.sampled_from([-1, cfg.vocab_size]))
+            H = cfg.hidden_size
+            rows = [a[1] for a in args]
+            if rows and all(isinstance(r, Tensor) and r.layout == torch.strided and r.numel() == H and r.dtype == dtype
+                            and r.device.type == "cpu" for r in rows):
+                hiddens: Any = torch.stack([r.reshape(H) for r in rows])
+            else:
+                hiddens = d.hiddens(len(picked))
+            positions = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
+            self.play("propose_batch", {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
+                                        "num_drafts": k},
+                      lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]), list(range(STATES)))
+
+        @rule(data=st.data())
+        def catchup_batch(self, data: Any) -> None:
+            d = Draws(data, cfg, dtype)
+            picked = self.batch(d)
+            tokens = d.tokens(len(picked))
+            hiddens = d.hiddens(len(picked))
+            bases = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [d.integer(st.integers(0, 8)) for _ in picked]
+            self.play("catchup_batch", {"states": picked, "tokens": tokens, "hiddens": hiddens, "row_bases": bases},
+                      lambda p, s: p.catchup_batch(tokens, hiddens, bases, [s[i] for i in picked]), list(range(STATES)))
+
+        @rule(data=st.data())
+        def after_verify(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            d = Draws(data, cfg, dtype)
+            drafted = self.states[i][0].last_drafted
+            num_accepted = d.integer(st.integers(0, max(drafted, 0) + 1))
+            self.play("after_verify", {"state": i, "num_accepted": num_accepted},
+                      lambda p, s: p.after_verify(num_accepted, s[i]), [i])
+
+        @rule(data=st.data())
+        def free_or_renew(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            if self.live(i) and data.draw(st.booleans()):
+                self.play("free_state", {"state": i}, lambda p, s: p.free_state(s[i]), [i])
+            else:
+                self.calls.append(f"alloc_state() -> state {i}")
+                self.states[i] = [p.alloc_state("cpu") for p in sides]
+
+        @rule(data=st.data())
+        def queries(self, data: Any) -> None:
+            i = data.draw(st.integers(0, STATES - 1))
+            n = data.draw(st.integers(0, 2 * max_seq_len))
+            self.play("queries", {"state": i, "max_seq_len": n},
+                      lambda p, s: (p.drafter_rows(s[i]), p.last_pair_key(s[i]), p.prefill_hidden_rows(n)), [i])
+
+    return ArgumentMachine
+
+
+def short(value: Any) -> str:
+    """A call argument for the failure report (tensors by shape, dtype and device)."""
+    if isinstance(value, Tensor):
+        dense = value.layout == torch.strided and value.device.type != "meta"
+        extra = f", {value.tolist()}" if dense and value.numel() <= 4 else ("" if dense else f", {value.layout}")
+        return f"tensor({tuple(value.shape)}, {value.dtype}, {value.device}{extra})"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
