@@ -2,7 +2,7 @@
 # One script for a GPU machine that has torch, triton, einops, safetensors, hypothesis and pytest
 # but no package registry: first the PTX audit of every Triton kernel (compiled for sm_90 at the
 # tiny, small and glm5 presets; it needs no GPU), then the conformance suite on CUDA (tiny and
-# small, bf16 and fp32; batched at tiny), the gpu-marked tests, then the benchmarks (one sequence,
+# small, bf16 and fp32; batched at tiny; the glm5_next family at glm5next_tiny, audited at glm5next), the gpu-marked tests, then the benchmarks (one sequence,
 # then batches). Everything lands under $OUT (or outputs/gpu_check); a short table is printed last. Budget: about 8 minutes on an H100/H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,23 @@ for preset in tiny small; do
     echo "conformance optimized vs reference, cuda $preset $dtype, $scen scenarios: exit $rc" | tee -a "$summary"
     tail -n 3 "$log"
   done
+done
+
+# The glm5_next family (GLM-5.3-Flash): its kernels audited at glm5next widths, then lockstep on CUDA
+# (the per-primitive block with the family's kernels, captured), batched generator included.
+timeout 200 $PY -m glm_mtp.tools.audit --arch sm_90 --presets glm5next >"$OUT/audit-glm5next.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+echo "ptx audit sm_90, glm5next: exit $rc ($(tail -n 1 "$OUT/audit-glm5next.log"))" | tee -a "$summary"
+for dtype in bfloat16 float32; do
+  log="$OUT/conformance-glm5next_tiny-$dtype.log"
+  timeout 150 $PY -m glm_mtp.conformance --candidate optimized --baseline reference --device cuda \
+    --dtype "$dtype" --preset glm5next_tiny --scenarios 40 --seed 0 --generators realistic,adversarial,batched \
+    --json "$OUT/conformance-glm5next_tiny-$dtype.json" >"$log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  echo "conformance optimized vs reference, cuda glm5next_tiny $dtype, 40 scenarios: exit $rc" | tee -a "$summary"
+  tail -n 3 "$log"
 done
 
 # Batched drafting on CUDA: propose_batch / catchup_batch against each state alone (graphs per bucket).

@@ -1,8 +1,8 @@
 """The conformance suite on the glm5_next family (GLM-5.3-Flash's KPool indexer, DESIGN.md §7).
 
-The optimized drafter does not serve this family yet (it refuses it, naming the family), so the
-family's lockstep runs the reference against a second reference (and the KPool mutants against
-the reference, tests/conformance/test_mutants.py), with the spec model checking every step's
+The family's lockstep runs the reference against a second reference (and the KPool mutants
+against the reference, tests/conformance/test_mutants.py; the optimized drafter against the
+reference: tests/optimized/test_next_family.py), with the spec model checking every step's
 bookkeeping and the KPool contract (a pool is complete exactly when its rows are held). The
 scenarios of ``glm5next_tiny`` (kpool 4) cross pool boundaries in prefill, catch-up, propose and
 trim.
@@ -68,11 +68,10 @@ def test_reference_equals_a_second_reference_across_pool_boundaries(monkeypatch)
         assert events[what] > 0, (what, dict(events))
 
 
-def test_the_cli_runs_the_family_and_refuses_the_optimized_backend(capsys):
+def test_the_cli_runs_the_family_on_both_backends(capsys):
     assert main(["--candidate", "reference", "--baseline", "reference", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 0
-    assert main(["--candidate", "optimized", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 2
-    err = capsys.readouterr().err
-    assert "family 'glm5_next'" in err and "not supported by the optimized drafter" in err
+    assert main(["--candidate", "optimized", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_a_kpool_mutant_fails_the_cli(capsys):

@@ -519,3 +519,26 @@ def test_exp_port_is_numerics_exp():
     _exp_both[(triton.cdiv(x.numel(), 1024),)](x, y, z, x.numel(), B=1024)
     assert same_bytes(y, exp(x))
     assert not same_bytes(z, exp(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_nope_mla_bytes(dtype):
+    """glm5_next's NoPE MLA (qk_rope_head_dim 0: no rotation compiled, no rope lanes read): the
+    absorbed query and the sparse MLA over lists equal their twins (the reference's code) at
+    glm5next_tiny, a -0.0-free result included."""
+    cfg = MtpConfig.preset("glm5next_tiny")
+    assert cfg.qk_rope_head_dim == 0
+    attn = MtpWeights.random(cfg, seed=4, dtype=dtype).layer.attn
+    g = torch.Generator().manual_seed(12)
+    T = 2
+    q = torch.randn(T, cfg.num_attention_heads * cfg.qk_nope_head_dim, generator=g).to(dtype)
+    cos = sin = torch.zeros(T, 0)
+    want = absorbed_query_torch(cfg, q, attn.kv_b_proj, cos, sin)
+    got = absorbed_query_triton(cfg, q, attn.kv_b_proj, cos, sin)
+    assert same_bytes(got[0], want[0]) and got[1].shape == want[1].shape == (T, cfg.num_attention_heads, 0)
+    cache = LayerCache.allocate(cfg, 2, dtype, "cpu")
+    cache.kv_pool.copy_(torch.randn(cache.kv_pool.shape, generator=g).to(dtype))
+    rows, count = torch.tensor([[0, 1, 2, 5, 0], [3, 4, 7, 8, 9]]), torch.tensor([4, 5])
+    want_o = sparse_mla_torch(cfg, want[0], want[1], cache, rows, count, attn.kv_b_proj)
+    got_o = sparse_mla_triton(cfg, want[0], want[1], cache, rows, count, attn.kv_b_proj)
+    assert same_bytes(got_o, want_o)

@@ -417,3 +417,32 @@ def test_experts_float16():
     want = K.experts_down_combine_torch(want_h, want_sh, experts, weights, w["down"], w["sd"], res)
     assert torch.isfinite(want).all()
     assert same_bytes(K.experts_down_combine_triton(want_h, want_sh, experts, weights, w["down"], w["sd"], res), want)
+
+
+@NUMPY_WARNINGS
+@DTYPES
+def test_clamped_gate_up_bytes(dtype):
+    """glm5_next's clamped SwiGLU inside the gate/up kernel (routed and shared experts) against
+    the twin built from ``layers.clamped_swiglu_hidden``, at a limit that clamps a good share of
+    gates and ups from above and below, a NaN row kept NaN; the unclamped kernel differs there."""
+    E, k, H, I, T = 8, 3, 32, 16, 2
+    w, m, res, experts, weights = _experts_case(E, k, H, I, 1, T, dtype, seed=91)
+    m = m * 8  # projections of O(1..10): the limit bites
+    m[1, 3] = float("nan")
+    limit = 1.25
+    want_h, want_sh = K.experts_gate_up_torch(m, experts, w["gate"], w["up"], w["sg"], w["su"], limit=limit)
+    got_h, got_sh = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"], limit=limit)
+
+    def same_nan_free(a, b):  # NaN payloads are not pinned (kernels/rounding.py): NaN where NaN, bytes elsewhere
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and same_bytes(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+    assert same_nan_free(got_h, want_h) and same_nan_free(got_sh, want_sh)
+    assert same_bytes(got_h[0], want_h[0]) and same_bytes(got_sh[0], want_sh[0])  # the finite row: every byte
+    assert bool(torch.isnan(got_h[1]).all()) and bool(torch.isfinite(got_h[0]).all())
+    raw = numerics.linear(m[0], w["gate"][experts[0, 0]]).float()
+    assert bool((raw > limit).any()) and bool((raw < -limit).any())  # both sides exercised (g above, u both)
+    plain_h, _ = K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"])
+    assert not same_bytes(plain_h[0], want_h[0])  # the clamp matters here: a kernel without it is caught
+    with pytest.raises(ValueError, match="limit must be a positive number"):
+        K.experts_gate_up_triton(m, experts, w["gate"], w["up"], w["sg"], w["su"], limit=-1.0)

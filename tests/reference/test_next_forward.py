@@ -120,13 +120,6 @@ def test_a_freed_state_exports_no_pools(prop):
     assert snap["pool_gates"].shape == (0, CFG.index_head_dim)
 
 
-def test_the_optimized_drafter_refuses_the_family():
-    from glm_mtp.optimized import OptimizedProposer
-
-    with pytest.raises(ValueError, match="family 'glm5_next'.*not supported by the optimized drafter"):
-        OptimizedProposer(MtpWeights.random(CFG, seed=0), max_seq_len=32)
-
-
 @pytest.mark.parametrize(
     "call, error",
     [

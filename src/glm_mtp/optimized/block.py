@@ -18,7 +18,11 @@ which changes no result). Four pieces differ, all exact by construction:
   (the ``write_rows`` hook: it gets the raw projections, applies the reference's norms and hands
   the normed latent and the layer-normed index key to the kernel, which rotates and stores);
 - the chosen experts' weights gathered on the device rather than read in place through host
-  ids (``gathered_expert_outputs``): copies of the same values.
+  ids (``gathered_expert_outputs``): copies of the same values;
+- glm5_next (DESIGN.md §7): the rows are stored as normed (NoPE: no RoPE anywhere), and the
+  KPool indexer (the ``kpool`` hook, ``gated_kpool_rows``) writes its gates and pooled keys gated
+  by ``ok`` and reads every pool of the capacity in a static shape, the ones a row cannot see
+  masked out as the reference masks them (so no host read of the rows' pool count).
 
 Nothing here reads a device value on the host: slots arrive as a device tensor, so the same code
 runs eagerly on CPU and under CUDA-graph capture.
@@ -37,11 +41,17 @@ from glm_mtp.reference.attention import Rope, normed_latent
 from glm_mtp.reference.block import BlockHooks, mtp_rows
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
-from glm_mtp.reference.moe import moe_block
+from glm_mtp.reference.moe import expert_swiglu, moe_block
 from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
 from glm_mtp.reference.state import LayerCache
-from glm_mtp.reference.weights import AttentionWeights, MoeWeights, MtpWeights
+from glm_mtp.reference.state import BLOCK_ROWS
+from glm_mtp.reference.weights import AttentionWeights, IndexerWeights, MoeWeights, MtpWeights
 
+from .kernels.kpool import (
+    KPOOL_DTYPES, pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton,
+    select_pool_rows_torch, select_pool_rows_triton,
+)
+from .kernels.moe import experts_gate_up_triton
 from .kernels import (
     KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
     rope_cache_write_torch, rope_cache_write_triton,
@@ -143,25 +153,102 @@ class PrimitiveKernels:
         index-key norm on the raw projections, then RoPE and the paged write in one kernel."""
         latent = normed_latent(attn, cfg, kv, ops)  # (T, Lkv)
         k_normed = normed_index_keys(attn.indexer, k, ops)  # (T, D), RoPE comes in the write
-        self.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_normed, slots, rope, cache, ok)
+        if cfg.is_next:  # NoPE: the rows are stored as normed
+            gated_write(cache, slots, latent, k_normed, ok)
+        else:
+            self.rope_cache_write(cfg, latent, kv[:, cfg.kv_lora_rank :], k_normed, slots, rope, cache, ok)
 
     def moe_hook(self, moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics) -> Tensor:
-        """``BlockHooks.moe``: ``moe_block`` with the experts' weights gathered on the device."""
+        """``BlockHooks.moe``: ``moe_block`` with the experts' weights gathered on the device; a
+        clamped SwiGLU (glm5_next) on the Triton path runs the routed experts' gate/up in the
+        experts kernel with the clamp inside (``clamped_expert_outputs``)."""
+        if moe.swiglu_limit is not None and self.use_triton(m) and m.dtype == moe.experts_gate.dtype:
+            return moe_block(moe, cfg, m, ops, outputs=self.clamped_expert_outputs)
         return moe_block(moe, cfg, m, ops, outputs=gathered_expert_outputs)
+
+    def clamped_expert_outputs(self, moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics) -> Tensor:
+        """``reference.moe.expert_outputs`` of clamped experts: every row's chosen experts' clamped
+        SwiGLU hidden in one launch of ``kernels.moe``'s gate/up kernel (``limit``; ids read on the
+        device), then each slot's down projection on its expert's rows gathered on the device."""
+        hidden, _ = experts_gate_up_triton(m, experts, moe.experts_gate, moe.experts_up, limit=moe.swiglu_limit)  # (T, k, I)
+        out = []
+        for t in range(m.shape[0]):
+            down = torch.index_select(moe.experts_down, 0, experts[t])  # (k, H, I)
+            out.append(torch.stack([self.linear(hidden[t, j], down[j]) for j in range(experts.shape[1])]))  # (k, H)
+        return torch.stack(out)  # (T, k, H)
+
+    def kpool_hook(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
+                   cache: LayerCache, ops: Numerics, *, ok: Tensor) -> tuple[Tensor, Tensor]:
+        """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool."""
+        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops, fused=self)
 
     def hooks(self, ok: Tensor) -> BlockHooks:
         """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
-        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok), moe=self.moe_hook)
+        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok), moe=self.moe_hook,
+                          kpool=partial(self.kpool_hook, ok=ok))
+
+
+def gated_write(cache: LayerCache, slots: Tensor, kv_rows: Tensor, index_rows: Tensor, ok: Tensor) -> None:
+    """``LayerCache.write`` of rows (T, ·) at ``slots`` (T,), each row kept only where ``ok``
+    (1,) bool is set (the old bytes are written back otherwise)."""
+    block = cache.block_table[slots // BLOCK_ROWS].long()
+    offset = slots % BLOCK_ROWS
+    cache.kv_pool[block, offset] = torch.where(ok, kv_rows, cache.kv_pool[block, offset])
+    cache.index_pool[block, offset] = torch.where(ok, index_rows, cache.index_pool[block, offset])
+
+
+def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor,
+                      fused: "PrimitiveKernels | None" = None) -> None:
+    """``reference.kpool.write_pools`` gated by ``ok`` (1,) bool, with no host read: the gates
+    ``gates`` (T, D) at ``slots`` (T,), then the key of every pool a row completes
+    (``kernels.kpool``: the kernel or its twin, as ``fused`` chooses; the twin without one)."""
+    kpc = cache.kpool
+    assert kpc is not None, "a glm5_next layer needs a KPool cache"
+    kpc.gates[slots] = torch.where(ok, gates, kpc.gates[slots])
+    args = (cfg, ix, slots, cache.index_pool, cache.block_table, kpc.gates, kpc.keys, kpc.complete, ok)
+    if fused is not None and fused.use_triton(cache.index_pool) and cache.index_pool.dtype in KPOOL_DTYPES:
+        pool_keys_write_triton(*args)
+    else:
+        pool_keys_write_torch(*args)
+
+
+def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
+    """``KPoolCache.forget_from(n)`` for a device row count ``n`` (1,) int64, only where ``ok``
+    (1,) bool is set: a propose's rewind to its position, with no host read (a no-op without
+    KPool rows)."""
+    kpc = cache.kpool
+    if kpc is None:
+        return
+    pools = torch.arange(kpc.complete.shape[0], device=n.device)
+    kpc.complete.copy_(kpc.complete & ~(ok & (pools >= n // kpc.kpool)))
+
+
+def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+                     ok: Tensor, ops: Numerics = PINNED, fused: "PrimitiveKernels | None" = None) -> tuple[Tensor, Tensor]:
+    """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
+    every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
+    ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
+    as ``select_pool_rows`` masks them, and a list's values do not depend on its padded width.
+    Returns ``rows`` (T, K), ``count`` (T,)."""
+    gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
+    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
+    keys = cache.kpool.keys
+    if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
+        scores = pool_scores_triton(cfg, q_raw, w_raw, keys, slots)  # (T, P): -inf past the visible pools
+        return select_pool_rows_triton(cfg, scores, slots)
+    scores = pool_scores_torch(cfg, q_raw, w_raw, keys, slots)
+    return select_pool_rows_torch(cfg, scores, slots)
 
 
 def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:
     """``glm_mtp.reference.moe.expert_outputs`` without a host read of the expert ids (so it can
     be captured): each row's experts are gathered on the device (copies), then run alone."""
     out = []
+    swiglu = expert_swiglu(moe, ops)  # clamped in glm5_next
     for t in range(m.shape[0]):
         ids = experts[t]  # (k,)
         gate, up, down = (torch.index_select(x, 0, ids) for x in (moe.experts_gate, moe.experts_up, moe.experts_down))
-        out.append(torch.stack([ops.swiglu(m[t], gate[j], up[j], down[j]) for j in range(ids.shape[0])]))  # (k, H)
+        out.append(torch.stack([swiglu(m[t], gate[j], up[j], down[j]) for j in range(ids.shape[0])]))  # (k, H)
     return torch.stack(out)  # (T, k, H)
 
 

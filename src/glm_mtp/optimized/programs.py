@@ -28,7 +28,7 @@ from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers, BatchRows, bucket
-from .block import PrimitiveKernels, block_rows
+from .block import PrimitiveKernels, block_rows, gated_forget
 from .graphs import GraphKey, run_program
 from .state import OptimizedState
 from .step import StepKernels, fused_head, fused_rows
@@ -93,6 +93,7 @@ class DevicePrograms:
             ok = ok & noise_ok
         st.ok.copy_(ok)
         st.out[:1].copy_(code)
+        gated_forget(st.cache, st.pos, st.ok)  # rows past pos become unreachable: their pools incomplete
         token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
         hidden = st.hid_in
         rope = self.rope(st.device)

@@ -77,15 +77,9 @@ class OptimizedProposer:
                  kernels: KernelMode = "auto", cuda_graphs: bool = True, max_batch: int = 16) -> None:
         # The contract's argument checks and sizes (the reference's, the same function).
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
-        family = getattr(getattr(weights, "config", None), "family", "glm5")
-        if family != "glm5":  # its kernels are GLM-5's (RoPE MLA, per-row indexer keys, SwiGLU)
-            raise ValueError(
-                f"OptimizedProposer: family {family!r} (GLM-5.3-Flash's KPool indexer, NoPE MLA, clamped SwiGLU) "
-                "is not supported by the optimized drafter yet; use ReferenceProposer for it"
-            )
         if weights.block_scaled and not fusable(weights):  # only the fused step's kernels read fp8 bytes
             raise ValueError("OptimizedProposer: block-scaled fp8 weights (DESIGN.md §8) run in the fused step only "
-                             f"(a MoE layer, no shards, storage dtype one of {KERNEL_DTYPES}), got storage {weights.dtype}; "
+                             f"(GLM-5's family, a MoE layer, no shards, storage dtype one of {KERNEL_DTYPES}), got storage {weights.dtype}; "
                              "draft them with ReferenceProposer, or pass weights.dequantize(...)")
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
@@ -167,6 +161,10 @@ class OptimizedProposer:
             with writing(st, "reset_state"):
                 st.cache.kv_pool.zero_()
                 st.cache.index_pool.zero_()
+                if st.cache.kpool is not None:
+                    st.cache.kpool.gates.zero_()
+                    st.cache.kpool.keys.zero_()
+                    st.cache.kpool.complete.zero_()
                 st.x.zero_()
                 st.seq_dev.zero_()
             st.seq_len, st.pending, st.last_drafted = 0, False, 0

@@ -109,6 +109,8 @@ class OptimizedState(DrafterState):
         if self.released:
             return []
         found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
+        if self.cache.kpool is not None:
+            found += [self.cache.kpool.gates, self.cache.kpool.keys, self.cache.kpool.complete]
         found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots, self.temp]
         found += [t for pair in self.sample_bufs.values() for t in pair]
         return [t for t in found if t is not None]

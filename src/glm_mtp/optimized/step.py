@@ -49,7 +49,7 @@ def fusable(w: MtpWeights) -> bool:
     """Whether ``fused_rows`` runs this layer: a MoE MLP, no shards (a sharded layer runs the
     reference's collectives), storage in a dtype the kernels take."""
     return (isinstance(w.layer.mlp, MoeWeights) and w.shard_spec is None
-            and w.dtype in kernels.KERNEL_DTYPES)
+            and w.dtype in kernels.KERNEL_DTYPES and not w.config.is_next)
 
 
 @dataclass(frozen=True)

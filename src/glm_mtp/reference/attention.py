@@ -31,7 +31,7 @@ from .layers import apply_rope, rope_table
 from .fp8 import weight_values
 from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up
 from .state import LayerCache
-from .weights import AttentionWeights
+from .weights import AttentionWeights, IndexerWeights
 
 # RMSNorm epsilon of q_a_layernorm and kv_a_layernorm, fixed by GLM-5's architecture (glm5_next
 # uses its rms_norm_eps: ``MtpConfig.latent_norm_eps`` says which).
@@ -104,6 +104,12 @@ def write_cache_rows(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tens
 # must store exactly ``cache_rows``' values at ``slots`` (the default, ``write_cache_rows``); the
 # optimized drafter passes its fused RoPE + paged write, gated by a device flag.
 WriteRowsFn = Callable[[AttentionWeights, MtpConfig, Tensor, Tensor, Tensor, Rope, LayerCache, Numerics], None]
+
+# How the KPool indexer (glm5_next) lists new rows' attended rows, its pool writes included:
+# ``kpool(ix, cfg, a (T, H), q_latent (T, Lq), slots (T,), cache, ops) -> (rows (T, K), count (T,))``.
+# It must store and return exactly ``kpool.kpool_rows``' values (the default); the optimized
+# drafter passes one gated by a device flag, with no host read.
+KPoolRowsFn = Callable[[IndexerWeights, MtpConfig, Tensor, Tensor, Tensor, LayerCache, Numerics], tuple[Tensor, Tensor]]
 
 
 def split_kv_b(attn: AttentionWeights, cfg: MtpConfig, acc: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
@@ -196,13 +202,15 @@ def output_projection(attn: AttentionWeights, cfg: MtpConfig, out: Tensor, ops: 
 
 
 def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-                  rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows) -> Tensor:
+                  rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
+                  kpool: KPoolRowsFn = kpool_rows) -> Tensor:
     """Attention for new rows ``a`` (T, H) at ``slots`` (T,): writes their rows into ``cache``,
     then each attends over the rows the indexer selects for it. Returns ``(T, H)``.
 
     ``rows_read``: the cache rows ``[0, rows_read)`` read, at least ``max(slots) + 1`` (the
     default: the whole capacity). No result depends on it; the indexer's cost does.
-    ``write_rows``: how the new rows are stored (``WriteRowsFn``; default ``write_cache_rows``)."""
+    ``write_rows``: how the new rows are stored (``WriteRowsFn``; default ``write_cache_rows``).
+    ``kpool``: the KPool indexer of a glm5_next layer (``KPoolRowsFn``; default ``kpool_rows``)."""
     cos, sin = rope.at(slots)  # (T, R/2)
     q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin, ops)
     kv, k = row_projections(attn, a, ops)  # (T, Lkv + R), (T, D)
@@ -214,7 +222,7 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
     if cfg.is_next:
         if not ops.pinned:
             raise ValueError("the KPool indexer (glm5_next) runs with the pinned numerics only")
-        rows, count = kpool_rows(attn.indexer, cfg, a, q_latent, slots, cache, ops)  # (T, K), (T,)
+        rows, count = kpool(attn.indexer, cfg, a, q_latent, slots, cache, ops)  # (T, K), (T,)
     else:
         q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
         rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Rope, WriteRowsFn, dsa_attention, write_cache_rows
+from .attention import KPoolRowsFn, Rope, WriteRowsFn, dsa_attention, write_cache_rows
+from .kpool import kpool_rows
 from .config import MtpConfig
 from .moe import moe_block
 from .numerics import PINNED, Numerics, linear
@@ -33,6 +34,7 @@ EmbedFn = Callable[[MtpWeights, Tensor, Tensor], Tensor]
 def decoder_layer(
     layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
     moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
+    kpool: KPoolRowsFn = kpool_rows,
 ) -> Tensor:
     """One decoder layer (GLM-5's, or GLM-5.3-Flash's with ``cfg.family == "glm5_next"``: the
     same residual structure, its attention and MoE pieces chosen by the config) on new rows ``h``
@@ -45,9 +47,10 @@ def decoder_layer(
             at least ``max(slots) + 1``. No result depends on it.
         ops: the primitives: ``PINNED`` (the drafter) or ``VENDOR`` (training, the target).
         write_rows: how the new rows reach the cache (``attention.WriteRowsFn``).
+        kpool: the KPool indexer of a glm5_next layer (``attention.KPoolRowsFn``).
     """
     a = ops.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
-    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops, write_rows)
+    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops, write_rows, kpool)
     m = ops.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, MlpWeights):
         return h + ops.swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
@@ -85,12 +88,15 @@ class BlockHooks:
         write_rows: ``attention.WriteRowsFn``, how new rows reach the cache from their raw
             projections (default ``attention.write_cache_rows``).
         moe: ``MoeFn``, the MoE of a sparse layer (default ``moe.moe_block``).
+        kpool: ``attention.KPoolRowsFn``, the KPool indexer of a glm5_next layer, its pool
+            writes included (default ``kpool.kpool_rows``).
     """
 
     ops: Numerics = PINNED
     embed: EmbedFn = embed_rows
     write_rows: WriteRowsFn = write_cache_rows
     moe: MoeFn = moe_block
+    kpool: KPoolRowsFn = kpool_rows
 
 
 REFERENCE_HOOKS = BlockHooks()
@@ -103,7 +109,7 @@ def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cach
     reference's, with the pinned numerics)."""
     ops = hooks.ops
     u = block_input(w, hooks.embed(w, tokens, slots), hiddens, ops)
-    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows)
+    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows, hooks.kpool)
     return BlockOutput(x=ops.rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
 
 

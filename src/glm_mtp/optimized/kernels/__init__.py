@@ -11,13 +11,17 @@ CUDA and, by default, the twin on CPU (the interpreter is slow).
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, fused_linear, indexer, linear, linear_fp8, mla, moe, paged, pinned_math, rope_cache
+from . import embed, fused_linear, indexer, kpool, linear, linear_fp8, mla, moe, paged, pinned_math, rope_cache
 from .embed import embed_rows_torch, embed_rows_triton
 from .fused_linear import (
     argmax_reduce_torch, argmax_reduce_triton, block_input_torch, block_input_triton, head_partials_torch,
     head_partials_triton, linear_residual_torch, linear_residual_triton, norm_linear_torch, norm_linear_triton,
 )
 from .indexer import index_scores_torch, index_scores_triton, select_rows_torch, select_rows_triton
+from .kpool import (
+    pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton, select_pool_rows_torch,
+    select_pool_rows_triton,
+)
 from .launch import AuditLaunch, Launch
 from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton
 from .linear_fp8 import linear_fp8_acc_torch, linear_fp8_acc_triton, linear_fp8_torch, linear_fp8_triton
@@ -36,7 +40,7 @@ from .rope_cache import (
 # its launches at a config and weight dtype built by the same function its launcher calls;
 # ``python -m glm_mtp.tools.audit`` compiles them for the GPU and checks the PTX. A new
 # kernel module joins this tuple (tests/tools/test_audit.py audits every entry).
-AUDITED = (embed, rope_cache, linear, linear_fp8, fused_linear, mla, indexer, pinned_math, moe, paged)
+AUDITED = (embed, rope_cache, linear, linear_fp8, fused_linear, mla, indexer, pinned_math, moe, paged, kpool)
 
 __all__ = [name for name in dir() if name.endswith(("_torch", "_triton"))] + [
     "KERNEL_DTYPES", "AUDITED", "AuditLaunch", "Launch", "RowCaches", "RowTargets", "row_caches",

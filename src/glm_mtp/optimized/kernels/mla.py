@@ -283,7 +283,8 @@ def absorbed_query_launch(cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Ten
     args = (q, kv_b_proj, q_abs, cos, sin, q_pe, Lkv, nope, q.stride(0), nope + R, (nope + v) * Lkv, 1, Lkv,
             q_abs.stride(0), q_abs.stride(1), cos.stride(0), q_pe.stride(0), q_pe.stride(1), R // 2,
             *_fp8_args(kv_s, cos, 0, Lkv))
-    meta.update(ROPE=True, INTERLEAVE=cfg.rope_interleave, BLOCK_R2=_p2(max(R // 2, 1)),
+    # NoPE (glm5_next, qk_rope_head_dim 0): no rotation is compiled in at all.
+    meta.update(ROPE=R > 0, INTERLEAVE=cfg.rope_interleave, BLOCK_R2=_p2(max(R // 2, 1)),
                 PE_BF16=q_pe.dtype == torch.bfloat16, FP8=kv_s is not None)
     return Launch(_head_gemv_kernel, (T, nh, triton.cdiv(Lkv, block_n)), args, meta)
 
@@ -332,6 +333,7 @@ def _mla_scores_kernel(
     LEVELS_R: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
     TO_BF16: tl.constexpr,  # the pools' dtype: bfloat16, else float32
+    HAS_ROPE: tl.constexpr,  # R > 0; NoPE (glm5_next) reads and multiplies no rope lanes
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -356,13 +358,16 @@ def _mla_scores_kernel(
             root = _tree(qv[:, None, :] * cv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_L, LEVELS_L)  # (BLOCK_H, BLOCK_K)
             roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
         dot_c = _tree(roots, BLOCK_H, BLOCK_K, NCHUNK_L, LEVELS_CL)
-        r = tl.arange(0, BLOCK_R)
-        r_in = r < R
-        pv = tl.load(qpe_ptr + t * stride_pt + h[:, None] * stride_ph + r[None, :], mask=h_in[:, None] & r_in[None, :],
-                     other=0.0).to(tl.float32)
-        kv = tl.load(kv_rows[:, None] + Lkv + r[None, :], mask=k_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)
-        dot_r = _tree(pv[:, None, :] * kv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_R, LEVELS_R)
-        s = (dot_c + dot_r) * scale
+        if HAS_ROPE:
+            r = tl.arange(0, BLOCK_R)
+            r_in = r < R
+            pv = tl.load(qpe_ptr + t * stride_pt + h[:, None] * stride_ph + r[None, :],
+                         mask=h_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)
+            kv = tl.load(kv_rows[:, None] + Lkv + r[None, :], mask=k_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)
+            dot_r = _tree(pv[:, None, :] * kv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_R, LEVELS_R)
+            s = (dot_c + dot_r) * scale
+        else:  # the reference adds the empty rope dot, psum of nothing = +0.0 (it turns -0.0 into +0.0)
+            s = (dot_c + 0.0) * scale
         tl.store(s_ptr + (t * nh + h[:, None]) * K + k[None, :], s, mask=h_in[:, None] & k_in[None, :])
 
 
@@ -537,7 +542,7 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: Lay
          q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), rows.stride(0), float(cfg.qk_head_dim**-0.5)),
         dict(BLOCK_H=sh, BLOCK_K=sk, BLOCK_L=sl, LEVELS_L=_log2(sl), NCHUNK_L=_p2(Lkv) // sl,
              LEVELS_CL=_log2(_p2(Lkv) // sl), BLOCK_R=_p2(R), LEVELS_R=_log2(_p2(R)), ROWS_PER_BLOCK=BLOCK_ROWS,
-             TO_BF16=pool_bf16, enable_fp_fusion=False))
+             TO_BF16=pool_bf16, HAS_ROPE=R > 0, enable_fp_fusion=False))
     # Softmax.
     fh, fk = min(_p2(nh), b.soft_heads), min(PK, b.soft_k)
     softmax = Launch(
@@ -674,7 +679,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     out = []
     for variant, T in (("step", 1), ("rows", 8), ("batch", 16)):
         q_abs, q_pe = abstract((T, nh, Lkv), torch.float32), abstract((T, nh, R), dtype)
-        angles = abstract((T, max(R // 2, 1)), torch.float32)
+        angles = abstract((T, R // 2), torch.float32)  # (T, 0) for NoPE: never read
         out.append(AuditLaunch("mla:absorbed_query", variant, absorbed_query_launch(
             cfg, abstract((T, nh * (nope + R)), dtype), kv_b, angles, angles, q_abs, q_pe, cuda=True)))
         scratch = MlaScratch.empty(T, nh, K, Lkv, "meta")

@@ -6,6 +6,7 @@ Replaces, in ``glm_mtp.reference.moe.moe_block`` and ``block.decoder_layer``::
 
     experts, weights = choose_experts(cfg, logits, bias)          # route after linear_acc
     hidden[t, j]  = swiglu_hidden(m[t], gate[e], up[e])           # e = experts[t, j]
+                    (glm5_next: clamped_swiglu_hidden at swiglu_limit, the ``limit`` argument)
     y[t, j]       = linear(hidden[t, j], down[e])
     out = h + round_S(combine(weights, y) + up(swiglu(m, shared)))
 
@@ -40,7 +41,8 @@ from .launch import AuditLaunch, Launch, abstract
 from .linear import _tree
 from .linear_fp8 import FP8_BLOCK, e4m3_to_f32
 from .pinned_math import key_value, order_key, sigmoid_f32, silu_f32
-from .rounding import to_storage
+from .rounding import float32_bits, to_storage
+from glm_mtp.reference.layers import clamped_swiglu_hidden
 
 # Storage dtypes of the expert kernels (activations and weights).
 MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -232,7 +234,9 @@ def _gate_up_kernel(
     stride_ht,
     stride_hj,
     stride_st,
+    limit_bits,  # swiglu_limit's float32 bits (read only with CLAMP)
     K: tl.constexpr,  # routed slots; slot K is the shared expert
+    CLAMP: tl.constexpr,  # glm5_next's clamped SwiGLU
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     LEVELS_K: tl.constexpr,
@@ -268,6 +272,10 @@ def _gate_up_kernel(
     # swiglu_hidden: round_S(silu(up(round_S(gate))) * up(round_S(up)))
     g_r = to_storage(gate, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
     u_r = to_storage(upv, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)
+    if CLAMP:  # g = min(g, L), u = min(max(u, -L), L): exact, and a NaN fails every comparison so stays NaN
+        L = limit_bits.to(tl.float32, bitcast=True)
+        g_r = tl.where(g_r > L, L, g_r)
+        u_r = tl.where(u_r > L, L, tl.where(u_r < -L, -L, u_r))
     h = silu_f32(g_r) * u_r
     tl.store(dst, to_storage(h, TO_BF16, TO_F16, NAN_BITS), mask=n_in)
 
@@ -332,8 +340,9 @@ def _storage_meta(dtype: torch.dtype, cuda: bool) -> dict:
 
 def experts_gate_up_launch(m: Tensor, experts: Tensor, experts_gate: Tensor, experts_up: Tensor,
                            shared_gate: Tensor | None, shared_up: Tensor | None, hidden: Tensor,
-                           shared_hidden: Tensor | None, cuda: bool | None = None) -> Launch:
-    """The gate/up launch: grid (column blocks, k + 1 slots (k without a shared expert), T)."""
+                           shared_hidden: Tensor | None, cuda: bool | None = None, limit: float | None = None) -> Launch:
+    """The gate/up launch: grid (column blocks, k + 1 slots (k without a shared expert), T);
+    ``limit``: glm5_next's ``swiglu_limit`` (the clamped SwiGLU), None for GLM-5's."""
     (T, H), k, I = m.shape, experts.shape[1], experts_gate.shape[1]
     has_shared = shared_gate is not None
     Is = shared_gate.shape[0] if has_shared else 0
@@ -355,32 +364,42 @@ def experts_gate_up_launch(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
             m.stride(0), experts.stride(0),
             experts_gate.stride(0), experts_gate.stride(1), experts_up.stride(0), experts_up.stride(1),
             sg.stride(0) if has_shared else 0, su.stride(0) if has_shared else 0, hidden.stride(0), hidden.stride(1),
-            sh.stride(0) if has_shared else 0)
-    meta = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1, NCHUNK=nchunk,
+            sh.stride(0) if has_shared else 0, float32_bits(limit) if limit is not None else 0)
+    meta = dict(K=k, CLAMP=limit is not None, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1, NCHUNK=nchunk,
                 LEVELS_C=nchunk.bit_length() - 1, **_storage_meta(hidden.dtype, cuda), FP8=fp8)
     grid = (triton.cdiv(max(I, Is), block_n), k + int(has_shared), T)
     return Launch(_gate_up_kernel, grid, args, meta)
 
 
 def experts_gate_up_torch(m: Tensor, experts: Tensor, experts_gate: Tensor, experts_up: Tensor,
-                          shared_gate: Tensor | None = None, shared_up: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                          shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
+                          limit: float | None = None) -> tuple[Tensor, Tensor | None]:
     """The twin: ``numerics.swiglu_hidden`` of each row on each of its experts (read in place, as
-    ``moe.expert_outputs`` reads them), and of the rows on the shared expert."""
+    ``moe.expert_outputs`` reads them), and of the rows on the shared expert; with ``limit``
+    (glm5_next) the reference's ``layers.clamped_swiglu_hidden`` at that limit."""
+    def swiglu_hidden(x: Tensor, gate: Tensor, upw: Tensor) -> Tensor:
+        if limit is None:
+            return numerics.swiglu_hidden(x, gate, upw)
+        return clamped_swiglu_hidden(x, gate, upw, limit)
+
     hidden = torch.empty(*experts.shape, experts_gate.shape[1], dtype=m.dtype, device=m.device)
     for t, ids in enumerate(experts.tolist()):
         for j, e in enumerate(ids):
-            hidden[t, j] = numerics.swiglu_hidden(m[t], experts_gate[e], experts_up[e])
-    shared = None if shared_gate is None else numerics.swiglu_hidden(m, shared_gate, shared_up)
+            hidden[t, j] = swiglu_hidden(m[t], experts_gate[e], experts_up[e])
+    shared = None if shared_gate is None else swiglu_hidden(m, shared_gate, shared_up)
     return hidden, shared
 
 
 def experts_gate_up_triton(m: Tensor, experts: Tensor, experts_gate: Tensor, experts_up: Tensor,
-                           shared_gate: Tensor | None = None, shared_up: Tensor | None = None
-                           ) -> tuple[Tensor, Tensor | None]:
+                           shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
+                           limit: float | None = None) -> tuple[Tensor, Tensor | None]:
     """The kernel for the chosen experts' SwiGLU hidden: ``m`` (T, H) S, ``experts`` (T, k) int64,
     ``experts_gate``/``experts_up`` (E, I, H) -> ``hidden`` (T, k, I) S and the shared expert's
-    ``shared_hidden`` (T, Is) S (None without one), in one launch, byte-equal to the twin."""
+    ``shared_hidden`` (T, Is) S (None without one), in one launch, byte-equal to the twin.
+    ``limit``: glm5_next's ``swiglu_limit`` (routed and shared experts clamped), > 0."""
     name = "experts_gate_up_triton"
+    if limit is not None and not (isinstance(limit, (int, float)) and limit > 0):
+        raise ValueError(f"{name}: limit must be a positive number (swiglu_limit) or None, got {limit!r}")
     if m.dim() != 2 or m.dtype not in MOE_DTYPES:
         raise ValueError(f"{name}: m must be (T, H) in one of {MOE_DTYPES}, got {tuple(m.shape)} {m.dtype}")
     if experts.dim() != 2 or experts.dtype != torch.int64 or experts.shape[0] != m.shape[0]:
@@ -405,7 +424,7 @@ def experts_gate_up_triton(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
     hidden = torch.empty(T, k, I, dtype=m.dtype, device=m.device)
     shared = None if shared_gate is None else torch.empty(T, shared_gate.shape[0], dtype=m.dtype, device=m.device)
     if T and (k or shared is not None):
-        experts_gate_up_launch(m, experts, experts_gate, experts_up, shared_gate, shared_up, hidden, shared).run()
+        experts_gate_up_launch(m, experts, experts_gate, experts_up, shared_gate, shared_up, hidden, shared, limit=limit).run()
     return hidden, shared
 
 
@@ -596,7 +615,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         launches += [
             AuditLaunch("moe:route", variant, route_launch(cfg, logits, bias, experts, weights)),
             AuditLaunch("moe:gate_up", variant, experts_gate_up_launch(m, experts, gate, upw, sg, su, hidden, sh,
-                                                                       cuda=True)),
+                                                                       cuda=True, limit=cfg.swiglu_limit)),
             AuditLaunch("moe:down_combine", variant, experts_down_combine_launch(hidden, sh, experts, weights, down, sd,
                                                                                  res, abstract((T, H), dtype),
                                                                                  cuda=True)),
