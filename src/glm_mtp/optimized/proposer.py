@@ -30,7 +30,6 @@ loop, which runs from the static buffers as a captured program too.
 
 from __future__ import annotations
 
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -86,6 +85,9 @@ class OptimizedProposer:
         if kernels == "triton" and (why := triton_runs_on(weights.device)) is not None:
             raise ValueError(f"kernels='triton' cannot run here: {why}")
         self.weights = weights
+        # The head's logit bound (contract.logit_bound) for the temperature rule: read here, once,
+        # so a sampled propose reads nothing on the host.
+        self.logit_limit = contract.logit_bound(weights)
         self.config = weights.config
         self.max_seq_len = sizes.max_seq_len
         self.blocks = sizes.blocks
@@ -248,11 +250,6 @@ class OptimizedProposer:
     def step(self) -> StepKernels | None:
         """The fused step's kernels (``programs.step``), or ``None`` for a layer it does not take."""
         return self.programs.step
-
-    @cached_property
-    def logit_limit(self) -> float:
-        """The head's logit bound (``contract.logit_bound``), read once, at the first sampled propose."""
-        return contract.logit_bound(self.weights)
 
     @property
     def captures(self) -> bool:

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import math
 import os
+import struct
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -162,6 +163,17 @@ def logit_bound(weights: MtpWeights) -> float:
     return min(bound, torch.finfo(weights.dtype).max)
 
 
+def round_to(value: float, acc: torch.dtype) -> float:
+    """``value`` rounded to nearest even in ``acc`` (float32 or float64), as a Python float, on
+    the host without torch (a sampled propose reads nothing back): inf where it overflows."""
+    if acc == torch.float64:
+        return value
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def check_temperature(temperature: object, logit_limit: float, acc: torch.dtype) -> float:
     """A sampling temperature, valid when the draft distribution it drives, ``softmax(up(logits)
     / T)`` with ``T`` rounded to the accumulation dtype ``acc``, is defined in ``acc`` for every
@@ -179,7 +191,7 @@ def check_temperature(temperature: object, logit_limit: float, acc: torch.dtype)
     if not value > 0:  # NaN fails too
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
     info = torch.finfo(acc)
-    rounded = float(torch.tensor(min(value, 2 * info.max), dtype=acc)) if value < math.inf else math.inf
+    rounded = round_to(value, acc)
     if not math.isfinite(rounded):
         raise ValueError(f"temperature must be finite and > 0 in {acc} (its largest value is {info.max:.4g}), got {temperature!r}")
     least = max(info.tiny, logit_limit / info.max)

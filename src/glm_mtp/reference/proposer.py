@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -133,6 +132,9 @@ class ReferenceProposer:
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm") -> None:
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         self.weights = weights
+        # The head's logit bound (contract.logit_bound) for the temperature rule: read here, once,
+        # so a sampled propose reads nothing on the host.
+        self.logit_limit = contract.logit_bound(weights)
         self.config = weights.config
         self.max_seq_len = sizes.max_seq_len
         self.blocks = sizes.blocks
@@ -240,11 +242,6 @@ class ReferenceProposer:
     def sampling_inputs(self, temperature: object, noise: object, num_drafts: int, state: DrafterState) -> tuple[float, Tensor]:
         """``sampling_inputs`` for this drafter's weights and ``state``'s device."""
         return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device, self.logit_limit)
-
-    @cached_property
-    def logit_limit(self) -> float:
-        """The head's logit bound (``contract.logit_bound``), read once, at the first sampled propose."""
-        return contract.logit_bound(self.weights)
 
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
                       states: list[DrafterState]) -> list[list[int]]:
