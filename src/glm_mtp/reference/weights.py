@@ -304,12 +304,13 @@ def check_shard_args(call: str, names: tuple[str, str, str], rank: object, world
         raise ValueError(f"{call}: {flag_name} must be a bool, got {type(row_parallel_o_proj).__name__}")
 
 
-def field_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
-    """Every tensor of a weights dataclass and of the dataclasses it holds, by field path
-    (``layer.mlp.experts_gate``); a sharded layer's tensors are its shard's."""
+def field_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, Tensor | fp8.BlockScaledWeight]]:
+    """Every weight of a weights dataclass and of the dataclasses it holds, by field path
+    (``layer.mlp.experts_gate``): a tensor, or a block-scaled fp8 weight as one (its own
+    ``__post_init__`` checks its two tensors); a sharded layer's weights are its shard's."""
     for f in fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
-        if isinstance(value, Tensor):
+        if isinstance(value, (Tensor, fp8.BlockScaledWeight)):
             yield prefix + f.name, value
         elif is_dataclass(value) and not isinstance(value, (type, ShardSpec)):
             yield from field_tensors(value, f"{prefix}{f.name}.")
@@ -351,7 +352,8 @@ class MtpWeights:
             # the routing bias, and glm5_next's router (checkpoint.float32_tensor), stay float32
             stays_float32 = name.endswith(ROUTING_BIAS) or (self.config.is_next and name.endswith("mlp.router"))
             want = torch.float32 if stays_float32 else dtype
-            if t.dtype != want:
+            # A block-scaled weight is e4m3 values with float32 scales (DESIGN.md §8), checked by its own type.
+            if not fp8.is_block_scaled(t) and t.dtype != want:
                 raise ValueError(f"tensor {name!r} has dtype {t.dtype}; every weight must be {want}")
             if t.device != device:
                 raise ValueError(f"tensor {name!r} is on {t.device}; every weight must be on {device}")

@@ -519,12 +519,8 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     finally:
         prop.free_state(state)
     step_launches, step_bytes = c2.launches - c1.launches, c2.kernel_bytes - c1.kernel_bytes
-    if weights.block_scaled:  # 1 byte a value of each fp8 matrix plus its scales (DESIGN.md §8)
-        from glm_mtp.optimized.step_bytes import draft_step_bytes
-
-        floor = draft_step_bytes(weights.config, held + 2, weights.eh_proj.element_size(), block_scaled=True).total
-    else:
-        floor = floor_bytes_per_draft(weights.config, weights.dtype, held + 2)
+    # fp8 weights: 1 byte a value of each block-scaled matrix plus its scales (DESIGN.md §8)
+    floor = floor_bytes_per_draft(weights.config, weights.dtype, held + 2, block_scaled=weights.block_scaled)
     return dict(
         backend=backend, kernels=kernels if backend == "optimized" else None, preset=cfg_name(weights),
         dtype=str(weights.dtype).removeprefix("torch."), context_rows=held, visible_rows=held + 2,

@@ -3,49 +3,78 @@
 The launch counters (``glm_mtp.tools.counters``) compare the bytes a draft step's launches move
 with it, the benchmark (``glm_mtp.experiments.bench``) turns it into a time at the device's copy
 bandwidth, and the speedup model (``glm_mtp.experiments.speedup``) counts GLM-5's draft step in
-parameters from it. It needs only a config, so GLM-5's floor is known without its weights.
+parameters from it. It needs only a config (the layer's tensor shapes), so GLM-5's floor is known
+without its weights, in plain storage or with the weights DESIGN.md §8 lets be fp8 block-scaled.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass
+
 import torch
 
+from glm_mtp.reference import fp8
+from glm_mtp.reference.checkpoint import float32_tensor
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.weights import mtp_tensor_shapes
+
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
-def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int) -> int:
-    """Bytes one draft step of a drafter with ``cfg`` and weights in ``dtype`` must read, at
-    ``visible_rows`` rows visible to it (its own included):
+@dataclass(frozen=True)
+class StepBytes:
+    """One draft step's floor, split where it goes (bytes).
 
-    - every weight of the MTP layer it multiplies or scales by: ``enorm``, ``hnorm``,
-      ``eh_proj``; the input and post-attention norms; attention ``q_a_proj``,
-      ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
-      ``o_proj``; the indexer's ``wq_b``, ``wk``, ``k_norm`` weight and bias, ``weights_proj``;
-      the router and its score-correction bias (float32: 4 bytes an expert whatever ``dtype``);
-      the ``num_experts_per_tok`` chosen routed experts' gate/up/down (the others are not read);
-      the shared experts; ``shared_head.norm``;
+    Args:
+        layer: the MTP layer's weights read (the chosen experts only, the shared one, norms, biases).
+        head: ``lm_head`` (V x H in S) and one embedding row.
+        cache: the indexer keys of the visible rows and the listed MLA rows (S).
+    """
+
+    layer: int
+    head: int
+    cache: int
+
+    @property
+    def total(self) -> int:
+        return self.layer + self.head + self.cache
+
+
+def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2, block_scaled: bool = False) -> StepBytes:
+    """The floor of one draft step at ``visible_rows`` rows visible to it (its own included),
+    with weights of ``storage_bytes`` per value (2: bf16):
+
+    - every tensor of the MTP layer (``mtp_tensor_shapes``), of the routed experts only the
+      ``num_experts_per_tok`` chosen ones (the others are not read); a tensor that stays float32
+      (``checkpoint.float32_tensor``: the routing bias, glm5_next's router) at 4 bytes a value;
+      with ``block_scaled``, every weight ``fp8.may_be_fp8`` names at 1 byte a value plus a
+      float32 scale per 128 x 128 block;
     - one embedding row and the whole ``lm_head``;
-    - the attended rows: the indexer keys of the ``visible_rows`` visible rows and the MLA rows
-      of the ``min(index_topk, visible_rows)`` rows the indexer lists, in the cache's dtype
-      (the weights' dtype).
+    - the attended rows: the indexer keys of the visible rows and the MLA rows of the
+      ``min(index_topk, visible_rows)`` rows the indexer lists, in the cache's dtype (S).
 
     The step's stores (its new cache rows, a hidden, a token) are a few hundred bytes and not
-    part of the floor.
-    """
-    H, nh, Lq, Lkv, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    D, I = cfg.index_head_dim, cfg.moe_intermediate_size
-    params = (
-        H  # one embedding row
-        + 3 * H + 2 * H * H  # enorm, hnorm, shared_head.norm; eh_proj
-        + 2 * H  # input / post-attention norms
-        + Lq * H + Lq + nh * cfg.qk_head_dim * Lq  # q_a_proj, q_a_layernorm, q_b_proj
-        + (Lkv + R) * H + Lkv + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * Lkv  # kv_a, norm, kv_b
-        + H * nh * cfg.v_head_dim  # o_proj
-        + cfg.index_n_heads * D * Lq + D * H + 2 * D + cfg.index_n_heads * H  # indexer
-        + cfg.n_routed_experts * H  # router
-        + cfg.num_experts_per_tok * 3 * I * H  # the chosen experts
-        + cfg.n_shared_experts * 3 * I * H  # the shared experts
-        + cfg.vocab_size * H  # the head
-    )
-    rows = visible_rows * D + min(visible_rows, cfg.index_topk) * (Lkv + R)
-    return (params + rows) * torch.empty(0, dtype=dtype).element_size() + cfg.n_routed_experts * 4  # + the fp32 bias
+    part of the floor."""
+    layer = 0
+    for name, shape in mtp_tensor_shapes(cfg).items():
+        m = _EXPERT.match(name)
+        if m and int(m.group(1)) >= cfg.num_experts_per_tok:
+            continue  # a step reads num_experts_per_tok experts' weights (counted as experts 0..k-1)
+        numel = math.prod(shape)
+        if float32_tensor(cfg, name):
+            layer += 4 * numel
+        elif block_scaled and fp8.may_be_fp8(name):
+            sn, sk = fp8.scale_shape(shape)
+            layer += numel + 4 * sn * sk
+        else:
+            layer += storage_bytes * numel
+    head = storage_bytes * (cfg.vocab_size + 1) * cfg.hidden_size
+    cache = storage_bytes * (visible_rows * cfg.index_head_dim + min(cfg.index_topk, visible_rows) * cfg.kv_row_width)
+    return StepBytes(layer, head, cache)
+
+
+def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int, block_scaled: bool = False) -> int:
+    """``draft_step_bytes(...).total`` for weights stored in ``dtype``."""
+    return draft_step_bytes(cfg, visible_rows, torch.empty(0, dtype=dtype).element_size(), block_scaled).total

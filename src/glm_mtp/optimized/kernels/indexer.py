@@ -46,7 +46,7 @@ from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
 from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
-from .pinned_math import order_key
+from .pinned_math import order_key, psum_rows
 from .rope_cache import check_row_caches
 from .rounding import float32_bits, round_to_storage
 
@@ -61,15 +61,6 @@ RADIX_BITS = 4
 AUDIT_CAPACITY = 4096
 # The rows of the audit's batched launch: one per sequence of a batched draft step.
 BATCH_ROWS = 16
-
-
-@triton.jit
-def _tree2(x, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
-    """``psum`` over the last axis of ``x`` (N, W), ``W = 2 ** LEVELS``. Returns (N,)."""
-    for level in tl.static_range(LEVELS):
-        a, b = tl.split(tl.reshape(x, (N, W >> (level + 1), 2)))
-        x = a + b
-    return tl.reshape(x, (N,))
 
 
 @triton.jit
@@ -144,11 +135,11 @@ def _index_scores_kernel(
             y = tl.where(first, x * c - xp * sn, x * c + xp * sn)
             y = round_to_storage(y, TO_BF16, NAN_BITS).to(tl.float32)  # RoPE's result in S, then up
             qh = tl.where(rot, y, x)  # (BLOCK_D,), +0.0 past D
-            dots = _tree2(keys * qh[None, :], BLOCK_S, BLOCK_D, LEVELS_D)  # (BLOCK_S,)
+            dots = psum_rows(keys * qh[None, :], BLOCK_S, BLOCK_D, LEVELS_D)  # (BLOCK_S,)
             wh = tl.load(w_row + h).to(tl.float32) * scale
             v = wh * tl.where(dots < 0.0, 0.0, dots)  # torch.relu: -0.0 and NaN pass through
             roots = tl.where(hcol[None, :] == h, v[:, None], roots)
-        score = _tree2(roots, BLOCK_S, BLOCK_H, LEVELS_H)
+        score = psum_rows(roots, BLOCK_S, BLOCK_H, LEVELS_H)
         tl.store(dst, tl.where(visible, score, float("-inf")), mask=s < C)
 
 

@@ -46,7 +46,7 @@ from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import IndexerWeights
 
 from .launch import AuditLaunch, Launch, abstract
-from .pinned_math import exp_f32
+from .pinned_math import exp_f32, psum_rows
 from .rounding import float32_bits, round_to_storage
 
 # Storage dtypes the kernel takes (its A is float32).
@@ -107,15 +107,6 @@ def _pool_keys_kernel(
 
 
 @triton.jit
-def _tree2(x, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
-    """``psum`` over the last axis of ``x`` (N, W), ``W = 2 ** LEVELS``. Returns (N,)."""
-    for level in tl.static_range(LEVELS):
-        a, b = tl.split(tl.reshape(x, (N, W >> (level + 1), 2)))
-        x = a + b
-    return tl.reshape(x, (N,))
-
-
-@triton.jit
 def _pool_scores_kernel(
     q_ptr,  # (T, Hi * D) S, the raw wq_b output (no RoPE), row stride q_stride
     w_ptr,  # (T, Hi) S, the raw weights_proj output, row stride w_stride
@@ -159,11 +150,11 @@ def _pool_scores_kernel(
         roots = tl.zeros((BLOCK_P, BLOCK_H), tl.float32)  # +0.0: the heads' padding
         for h in range(0, Hi):
             qh = tl.load(q_row + h * D + d, mask=d_in, other=0.0).to(tl.float32)
-            dots = _tree2(keys * qh[None, :], BLOCK_P, BLOCK_D, LEVELS_D) * dot_scale  # (BLOCK_P,)
+            dots = psum_rows(keys * qh[None, :], BLOCK_P, BLOCK_D, LEVELS_D) * dot_scale  # (BLOCK_P,)
             wh = tl.load(w_row + h).to(tl.float32) * head_scale
             v = wh * tl.where(dots < 0.0, 0.0, dots)  # torch.relu: -0.0 and NaN pass through
             roots = tl.where(hcol[None, :] == h, v[:, None], roots)
-        score = _tree2(roots, BLOCK_P, BLOCK_H, LEVELS_H)
+        score = psum_rows(roots, BLOCK_P, BLOCK_H, LEVELS_H)
         tl.store(dst, tl.where(visible, score, float("-inf")), mask=p < P)
 
 

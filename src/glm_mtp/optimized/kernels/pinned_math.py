@@ -87,6 +87,16 @@ def silu_f32(x):
 
 
 @triton.jit
+def psum_rows(x, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
+    """``psum`` over the last axis of ``x`` (N, W), ``W = 2 ** LEVELS``, adjacent pairs first
+    (``tl.sum`` is not the pinned order). Returns (N,)."""
+    for level in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (N, W >> (level + 1), 2)))
+        x = a + b
+    return tl.reshape(x, (N,))
+
+
+@triton.jit
 def order_key(v):
     """An int32 that orders as torch's sort orders float32 ``v``: ``-0.0`` equal to ``+0.0``,
     every NaN (any sign, any payload) above ``+inf`` and equal to each other. Integer compares
