@@ -12,7 +12,7 @@ def config(overrides):
         return compose("config", overrides=overrides)
 
 
-COMMON = ["logger=none", "model=tiny_random", "experiment=smoke", "experiment.max_new_tokens=8", "speedup.costs=glm5"]
+COMMON = ["logger=none", "model=tiny_random", "experiment=smoke", "run.max_new_tokens=8", "speedup.costs=glm5"]
 
 
 def test_fp8_weights_run_and_pair_with_plain(tmp_path):

@@ -369,7 +369,7 @@ class MtpWeights:
     @property
     def block_scaled(self) -> bool:
         """Whether any weight is block-scaled fp8 (DESIGN.md §8); S is still ``dtype``."""
-        return any(fp8.is_block_scaled(t) for t in self.mtp_tensors().values())
+        return any(fp8.is_block_scaled(t) for _, t in field_tensors(self))  # a sharded layer too
 
     def quantize_fp8(self) -> "MtpWeights":
         """A copy with every weight §8 lets be fp8 block-scaled (``fp8.quantize_fp8``: per-block
