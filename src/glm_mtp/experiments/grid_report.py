@@ -25,7 +25,7 @@ import math
 import os
 from typing import Any
 
-from .sweep_jobs import sweep_jobs
+from .sweep_jobs import refuse_incomplete
 from .stats import paired_difference
 
 
@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> str:
         ap.error("grid_dir is required (or --feeds CHECKPOINT)")
     if not os.path.isdir(args.grid_dir):
         ap.error(f"grid_dir: {args.grid_dir} is not a directory")
-    incomplete = sweep_jobs(args.grid_dir, "grid.json").problem()
-    if incomplete and not args.partial:  # a table of the survivors would read as the whole sweep
-        ap.exit(2, f"{ap.prog}: error: {args.grid_dir}: {incomplete} (rerun them, or pass --partial)\n")
+    incomplete = refuse_incomplete(ap, args.grid_dir, "grid.json", args.partial)
     try:
         jobs = load_jobs(args.grid_dir)
     except FileNotFoundError as e:

@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any
 
-from .sweep_jobs import sweep_jobs
+from .sweep_jobs import refuse_incomplete
 from .validate import unwritable_dir
 from .stats import paired_difference
 
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> str:
             ap.error(f"--pair: {pair!r} is not a setting; choose from {', '.join(known)}")
     if args.out is not None and (why := unwritable_dir(args.out)) is not None:
         ap.error(f"--out: {why}")
-    incomplete = sweep_jobs(args.sweep_dir, "summary.json").problem()
-    if incomplete and not args.partial:  # a table of the survivors would read as the whole sweep
-        ap.exit(2, f"{ap.prog}: error: {args.sweep_dir}: {incomplete} (rerun them, or pass --partial)\n")
+    incomplete = refuse_incomplete(ap, args.sweep_dir, "summary.json", args.partial)
     try:
         runs = load_summaries(args.sweep_dir)
     except FileNotFoundError as e:

@@ -11,6 +11,7 @@ unfinished) job, a job number without a folder one that never ran.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import re
@@ -85,3 +86,13 @@ def sweep_jobs(root: str, result_file: str) -> SweepJobs:
     if expected is not None:
         jobs.missing = [i for i in range(expected) if i not in numbers]
     return jobs
+
+
+def refuse_incomplete(ap: argparse.ArgumentParser, root: str, result_file: str, partial: bool) -> str:
+    """A report's check of the sweep at ``root`` before it reads anything: with failed or missing
+    jobs it exits with status 2 naming them (a table of the survivors would read as the whole
+    sweep) unless ``partial``; returns the problem ("" for a complete sweep) for the report to state."""
+    incomplete = sweep_jobs(root, result_file).problem()
+    if incomplete and not partial:
+        ap.exit(2, f"{ap.prog}: error: {root}: {incomplete} (rerun them, or pass --partial)\n")
+    return incomplete
