@@ -37,3 +37,21 @@ def test_floor_bytes_of_tiny_by_hand():
     assert floor_bytes_per_draft(w.config, w.dtype, 3) == 2 * (weights + 3 * 16 + 3 * 24) + 32
     w32 = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
     assert floor_bytes_per_draft(w32.config, w32.dtype, 10) == 4 * (weights + rows) + 32
+
+
+def test_floor_counts_pooled_keys_and_selected_pools_in_glm5next():
+    from glm_mtp.tools.floor import attended_row_bytes
+
+    cfg = MtpConfig.preset("glm5next_tiny")  # kp 4, index_topk 8: two pools listed
+    D, row = cfg.index_head_dim, cfg.kv_row_width  # 16, 16 (NoPE: the latent only)
+    # 10 rows visible (slot 9): pools 0 and 1 complete, both listed, tail rows 8 and 9.
+    assert attended_row_bytes(cfg, 10, 2) == 2 * (2 * D + (2 * 4 + 2) * row)
+    # 23 rows: 5 complete pools scored, 2 listed (8 rows) and a tail of 3.
+    assert attended_row_bytes(cfg, 23, 2) == 2 * (5 * D + (8 + 3) * row)
+    # A row that completes its pool has no tail: its pool is one of the scored ones.
+    assert attended_row_bytes(cfg, 24, 2) == 2 * (6 * D + 8 * row)
+    # Before its first pool completes a row reads no pooled key, only its own rows.
+    assert attended_row_bytes(cfg, 3, 2) == 2 * (3 * row)
+    # At GLM-5.3-Flash's sizes the scored keys are 1/16 of GLM-5's per-row keys.
+    big = MtpConfig.preset("glm5next")
+    assert attended_row_bytes(big, 4096 * 16, 2) - attended_row_bytes(big, 4096, 2) == 2 * (4096 * 15 // 16) * 128

@@ -30,7 +30,8 @@ class StepBytes:
     Args:
         layer: the MTP layer's weights read (the chosen experts only, the shared one, norms, biases).
         head: ``lm_head`` (V x H in S) and one embedding row.
-        cache: the indexer keys of the visible rows and the listed MLA rows (S).
+        cache: what the indexer scores (GLM-5: the index keys of the visible rows; glm5_next: the
+            pooled keys of the visible complete pools) and the MLA rows it lists (S).
     """
 
     layer: int
@@ -52,8 +53,7 @@ def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2, 
       with ``block_scaled``, every weight ``fp8.may_be_fp8`` names at 1 byte a value plus a
       float32 scale per 128 x 128 block;
     - one embedding row and the whole ``lm_head``;
-    - the attended rows: the indexer keys of the visible rows and the MLA rows of the
-      ``min(index_topk, visible_rows)`` rows the indexer lists, in the cache's dtype (S).
+    - the attended rows, in the cache's dtype (S): ``attended_row_bytes``.
 
     The step's stores (its new cache rows, a hidden, a token) are a few hundred bytes and not
     part of the floor."""
@@ -71,8 +71,29 @@ def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2, 
         else:
             layer += storage_bytes * numel
     head = storage_bytes * (cfg.vocab_size + 1) * cfg.hidden_size
-    cache = storage_bytes * (visible_rows * cfg.index_head_dim + min(cfg.index_topk, visible_rows) * cfg.kv_row_width)
-    return StepBytes(layer, head, cache)
+    return StepBytes(layer, head, attended_row_bytes(cfg, visible_rows, storage_bytes))
+
+
+def attended_row_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2) -> int:
+    """The cache bytes a step at ``visible_rows`` rows (its own included, so its slot is
+    ``visible_rows - 1``) must read:
+
+    - GLM-5: the index key of every visible row, and the MLA rows of the
+      ``min(index_topk, visible_rows)`` rows the indexer lists;
+    - glm5_next (KPool): the pooled key of every visible complete pool
+      (``floor(visible_rows / kp)``), and the MLA rows of the pools it selects
+      (``min(index_topk / kp, pools) * kp``) and of its tail (``visible_rows mod kp``).
+
+    The pooled-key write of a step that completes a pool (its pool's kp index rows and gates,
+    once per kp steps) is not part of the floor."""
+    if visible_rows <= 0:
+        return 0
+    if cfg.is_next:
+        kp = cfg.index_kpool
+        pools = visible_rows // kp
+        listed = min(cfg.kpool_pools_selected, pools) * kp + visible_rows % kp
+        return storage_bytes * (pools * cfg.index_head_dim + listed * cfg.kv_row_width)
+    return storage_bytes * (visible_rows * cfg.index_head_dim + min(cfg.index_topk, visible_rows) * cfg.kv_row_width)
 
 
 def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int, block_scaled: bool = False) -> int:
