@@ -6,6 +6,7 @@ import pytest
 import torch
 from einops import rearrange
 
+from glm_mtp.optimized.kernels.paged import ADDRESS_COLUMNS
 from glm_mtp.optimized.kernels import (
     cache_rows_write_torch,
     cache_rows_write_triton,
@@ -388,7 +389,7 @@ def _with_stride(launch, stride):
 
     args = list(launch.args)
     i = next(j for j, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a.dim() == 2)
-    assert args[i + 1] == 3
+    assert args[i + 1] == ADDRESS_COLUMNS
     args[i + 1] = stride
     return Launch(launch.kernel, launch.grid, tuple(args), launch.meta)
 
@@ -407,7 +408,7 @@ def test_index_scores_per_row_caches(dtype, name):
     T = slots.shape[0]
     q, w = _queries(cfg, dtype, T, gen)
     cos, sin = Rope.build(cfg, 16 * BLOCKS, "cpu").at(slots)
-    caches = RowCaches.per_row([states[i] for i in ORDER], table=torch.zeros(8, 3, dtype=torch.int64))
+    caches = RowCaches.per_row([states[i] for i in ORDER], table=torch.zeros(8, ADDRESS_COLUMNS, dtype=torch.int64))
     want = index_scores_torch(cfg, q, w, cos, sin, caches, slots)
     got = index_scores_triton(cfg, q, w, cos, sin, caches, slots)
     assert same_bytes(want, got)

@@ -24,7 +24,7 @@ from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.mla import (
     MlaBlocks, MlaScratch, _list_level, _physical_rows, _prefix_tree, sparse_mla_launches,
 )
-from glm_mtp.optimized.kernels.paged import RowCaches, row_pools
+from glm_mtp.optimized.kernels.paged import ADDRESS_COLUMNS, RowCaches, row_pools
 from glm_mtp.optimized.kernels.pinned_math import exp_f32 as _exp
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope, absorb_query, latent_query, sparse_mla
@@ -306,9 +306,9 @@ def test_sparse_mla_per_row_caches(shape, K, counts, blocks, dtype):
     cfg = _cfg(shape)
     gen = torch.Generator().manual_seed(_seed("batch", shape, K))
     states, q_abs, q_pe, rows, count, kv_b = _batch_inputs(cfg, dtype, K, counts, gen)
-    table = torch.full((8, 3), -1, dtype=torch.int64)  # a static buffer, longer than the batch
+    table = torch.full((8, ADDRESS_COLUMNS), -1, dtype=torch.int64)  # a static buffer, longer than the batch
     caches = RowCaches.per_row([states[o] for o in OWNER], table)
-    assert caches.stride == 3
+    assert caches.stride == ADDRESS_COLUMNS
     want = sparse_mla_torch(cfg, q_abs, q_pe, caches, rows, count, kv_b)
     got = sparse_mla_triton(cfg, q_abs, q_pe, caches, rows, count, kv_b, blocks=blocks)
     assert got.shape == (len(OWNER), cfg.num_attention_heads * cfg.v_head_dim) and got.dtype == dtype
@@ -353,7 +353,7 @@ def test_per_row_mutant_is_caught(which, dtype):
     launches = sparse_mla_launches(cfg, q_abs, q_pe, caches, rows, count, kv_b, scratch, out)
     args = list(launches[which].args)
     stride_at = next(i for i, a in enumerate(args) if a is caches.addresses) + 1
-    assert args[stride_at] == 3
+    assert args[stride_at] == ADDRESS_COLUMNS
     args[stride_at] = 0
     launches[which] = Launch(launches[which].kernel, launches[which].grid, tuple(args), launches[which].meta)
     for launch in launches:

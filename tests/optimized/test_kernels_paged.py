@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm_mtp.optimized.kernels import paged
-from glm_mtp.optimized.kernels.paged import RowCaches, RowTargets, cache_addresses, row_caches, scatter_rows_torch, scatter_rows_triton
+from glm_mtp.optimized.kernels.paged import ADDRESS_COLUMNS, RowCaches, RowTargets, cache_addresses, row_caches, scatter_rows_torch, scatter_rows_triton
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.state import LayerCache
@@ -67,15 +67,20 @@ def test_row_caches_tables_and_runs():
     one = row_caches(caches[0])
     assert one.stride == 0 and one.addresses.tolist() == [cache_addresses(caches[0])]
     rows = [caches[0], caches[0], caches[2], caches[1], caches[1]]
-    table = torch.full((8, 3), -1, dtype=torch.int64)
+    table = torch.full((8, ADDRESS_COLUMNS), -1, dtype=torch.int64)
     rc = RowCaches.per_row(rows, table)
-    assert rc.stride == 3 and rc.addresses.data_ptr() == table.data_ptr()
+    assert rc.stride == ADDRESS_COLUMNS and rc.addresses.data_ptr() == table.data_ptr()
     assert table[:5].tolist() == [cache_addresses(c) for c in rows] and table[5:].eq(-1).all()
     assert [(c is caches[i], s) for (c, s), i in zip(rc.runs(5), (0, 2, 1))] == [
         (True, slice(0, 2)), (True, slice(2, 3)), (True, slice(3, 5))]
     assert rc.cache_of(3) is caches[1] and one.cache_of(4) is caches[0]
     with pytest.raises(ValueError, match="table must be int64"):
         RowCaches.per_row(rows, torch.zeros(4, 3, dtype=torch.int64))
+    # A GLM-5 line has no KPool cache (0s, never read); a glm5_next line names its three tensors.
+    assert cache_addresses(caches[0])[3:] == [0, 0, 0]
+    nxt = LayerCache.allocate(MtpConfig.preset("glm5next_tiny"), 3, torch.float32, "cpu")
+    kp = nxt.kpool
+    assert cache_addresses(nxt)[3:] == [kp.gates.data_ptr(), kp.keys.data_ptr(), kp.complete.data_ptr()]
 
 
 def test_a_misaligned_pool_is_refused():

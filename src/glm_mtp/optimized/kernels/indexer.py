@@ -69,8 +69,8 @@ def _index_scores_kernel(
     w_ptr,  # (T, Hi) S, the raw weights_proj output, row stride w_stride
     cos_ptr,  # (T, R/2) float32, the rows' angles, row stride cos_stride
     sin_ptr,
-    addresses_ptr,  # (1 or T, 3) int64: each row's (kv_pool, index_pool, block_table) (paged.RowCaches)
-    addr_stride,  # the address table's row stride: 0 (one cache for every row) or 3 (one per row)
+    addresses_ptr,  # (1 or T, ADDRESS_COLUMNS) int64: each row's cache addresses (paged.RowCaches)
+    addr_stride,  # the address table's row stride: 0 (one cache for every row) or ADDRESS_COLUMNS (one per row)
     slots_ptr,  # (T,) int64
     out_ptr,  # (T, C) float32, row stride out_stride
     C,

@@ -4,8 +4,10 @@ A draft step over a batch runs every sequence's new row through the same launche
 read once for all of them), but each row reads and writes its own sequence's paged pools. The
 cache kernels (``cache_rows_write``, ``index_scores``, ``sparse_mla``) therefore take a
 ``RowCaches``: an address table on the device, one line per row, ``(kv_pool, index_pool,
-block_table)`` as integers, which the kernel turns into pointers (``row_pools``). Rows of one
-sequence (a catch-up, a prefill, a single propose) share one line: the table's row stride is 0.
+block_table)`` as integers, which the kernel turns into pointers (``row_pools``), then, for a
+glm5_next layer, the KPool cache's ``(gates, keys, complete)`` (``row_kpool``; 0 in a GLM-5 line,
+never read). Rows of one sequence (a catch-up, a prefill, a single propose) share one line: the
+table's row stride is 0.
 
 The table holds addresses, not copies: a state's pools never move between ``alloc_state`` and
 ``free_state``, so a line stays valid for the state's life, and a CUDA graph that reads the table
@@ -27,9 +29,10 @@ from glm_mtp.reference.state import LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
 
-# The columns of an address table: each row's kv pool, index pool and block table.
-KV_POOL, INDEX_POOL, BLOCK_TABLE = 0, 1, 2
-ADDRESS_COLUMNS = 3
+# The columns of an address table: each row's kv pool, index pool and block table, then its
+# KPool cache's gates, pooled keys and complete flags (glm5_next; 0 where the layer has none).
+KV_POOL, INDEX_POOL, BLOCK_TABLE, POOL_GATES, POOL_KEYS, POOL_COMPLETE = 0, 1, 2, 3, 4, 5
+ADDRESS_COLUMNS = 6
 
 
 # The kernels tell the compiler each address is a multiple of this (``row_pools``), as Triton
@@ -40,8 +43,10 @@ ADDRESS_ALIGN = 16
 def cache_addresses(cache: LayerCache) -> list[int]:
     """One line of an address table: ``cache``'s pools and block table as integers, each
     ``ADDRESS_ALIGN``-byte aligned (torch allocations are; a view at an odd offset is refused)."""
-    line = [cache.kv_pool.data_ptr(), cache.index_pool.data_ptr(), cache.block_table.data_ptr()]
-    for name, address in zip(("kv_pool", "index_pool", "block_table"), line):
+    kp = cache.kpool
+    line = [cache.kv_pool.data_ptr(), cache.index_pool.data_ptr(), cache.block_table.data_ptr(),
+            *((kp.gates.data_ptr(), kp.keys.data_ptr(), kp.complete.data_ptr()) if kp is not None else (0, 0, 0))]
+    for name, address in zip(("kv_pool", "index_pool", "block_table", "kpool.gates", "kpool.keys", "kpool.complete"), line):
         if address % ADDRESS_ALIGN:
             raise ValueError(f"RowCaches: the cache's {name} starts {address % ADDRESS_ALIGN} bytes past a "
                              f"{ADDRESS_ALIGN}-byte boundary; the cache kernels need aligned pools (LayerCache.allocate's are)")
@@ -55,7 +60,7 @@ class RowCaches:
     Args:
         caches: one ``LayerCache`` (every row in it) or T of them (row t in ``caches[t]``); the
             twins read these, the kernels read ``addresses``.
-        addresses: ``(len(caches), 3)`` int64 on the caches' device, each line
+        addresses: ``(len(caches), ADDRESS_COLUMNS)`` int64 on the caches' device, each line
             ``cache_addresses(caches[i])``.
     """
 
@@ -70,7 +75,7 @@ class RowCaches:
 
     @classmethod
     def per_row(cls, caches: Sequence[LayerCache], table: Tensor | None = None) -> "RowCaches":
-        """Row t in ``caches[t]``. ``table``: a static ``(>= T, 3)`` int64 buffer on the device to
+        """Row t in ``caches[t]``. ``table``: a static ``(>= T, ADDRESS_COLUMNS)`` int64 buffer on the device to
         write the lines into (its first T lines are used); without one, a new table."""
         caches = tuple(caches)
         if not caches:
@@ -135,6 +140,22 @@ def row_pools(addresses_ptr, t, stride, TO_BF16: tl.constexpr):
     else:
         kv_ptr, ix_ptr = kv.to(tl.pointer_type(tl.float32)), ix.to(tl.pointer_type(tl.float32))
     return tl.multiple_of(kv_ptr, 16), tl.multiple_of(ix_ptr, 16), tl.multiple_of(bt, 16)
+
+
+@triton.jit
+def row_kpool(addresses_ptr, t, stride, TO_BF16: tl.constexpr):
+    """Row ``t``'s KPool cache pointers ``(gates, keys, complete)`` from an address table read
+    with row ``stride``: gates (capacity, D) and keys (pools, D) in S, complete (pools,) bool as
+    bytes; each ``ADDRESS_ALIGN``-aligned (see ``row_pools``). Only a glm5_next line has them."""
+    line = addresses_ptr + t * stride
+    gates = tl.load(line + 3)
+    keys = tl.load(line + 4)
+    done = tl.load(line + 5).to(tl.pointer_type(tl.int8))
+    if TO_BF16:
+        g_ptr, k_ptr = gates.to(tl.pointer_type(tl.bfloat16)), keys.to(tl.pointer_type(tl.bfloat16))
+    else:
+        g_ptr, k_ptr = gates.to(tl.pointer_type(tl.float32)), keys.to(tl.pointer_type(tl.float32))
+    return tl.multiple_of(g_ptr, 16), tl.multiple_of(k_ptr, 16), tl.multiple_of(done, 16)
 
 
 # ---- per-row destinations: the batched programs' writes into each state's own tensors -----------

@@ -177,8 +177,8 @@ def _cache_rows_write_kernel(
     slots_ptr,  # (T,) int64
     cos_ptr,  # (C, R/2) float32 table
     sin_ptr,
-    addresses_ptr,  # (1 or T, 3) int64: each row's (kv_pool, index_pool, block_table) (paged.RowCaches)
-    addr_stride,  # the address table's row stride: 0 (one cache for every row) or 3 (one per row)
+    addresses_ptr,  # (1 or T, ADDRESS_COLUMNS) int64: each row's cache addresses (paged.RowCaches)
+    addr_stride,  # the address table's row stride: 0 (one cache for every row) or ADDRESS_COLUMNS (one per row)
     ok_ptr,  # (1,) uint8 (the bool flag's byte): write only when nonzero
     kv_stride,
     k_stride,
