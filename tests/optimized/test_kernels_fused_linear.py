@@ -3,7 +3,7 @@ composition (block.embed_rows + block_input, rms_norm + linear / linear_acc, res
 rms_norm + linear + greedy_token): byte equality on fresh random inputs through Triton's CPU
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1), bf16 and fp32, T = 1 and T > 1, K with
 masked tails and several chunks (96 = 64 + 32, 200, 600, 6144 = 4096 + 2048), N not a multiple of
-the block, 1..4 weights in one launch, a slot-0 row, ties and NaN in the argmax. Mutants (a
+the block, 1..5 weights in one launch, a slot-0 row, ties and NaN in the argmax. Mutants (a
 left-to-right sum, a truncating bf16 cast, a dropped intermediate rounding, ties to the higher
 index, the last NaN winning) are swapped into the same kernel and give other bytes: the
 comparisons can fail."""
@@ -103,11 +103,12 @@ def _norm_inputs(T, K, Ns, dtype, seed):
     (3, 96, [5, 37, 8, 3], True, True),
     (3, 200, [33, 1], False, True),
     (1, 200, [8, 17, 2], True, False),
+    (2, 160, [11, 6, 3, 19, 2], True, True),  # five weights: glm5_next's input norm
     (5, 600, [9, 16], False, True),  # two row blocks, each storing its normed rows
     (1, 6144, [3, 9, 1, 4], True, True),
 ])
 def test_norm_linear_bytes(T, K, Ns, dtype, acc, store_normed):
-    """1..4 weights (N = 1 included, N not a multiple of the block) in one launch, S or A outputs,
+    """1..5 weights (N = 1 included, N not a multiple of the block) in one launch, S or A outputs,
     the normed rows stored or not: each output equal to rms_norm + linear / linear_acc."""
     x, nw, ws = _norm_inputs(T, K, Ns, dtype, seed=T * 1009 + K + sum(Ns))
     outs, normed = norm_linear_triton(x, nw, EPS, ws, acc=acc, store_normed=store_normed)
@@ -143,8 +144,8 @@ def test_norm_linear_other_eps_dtype_and_strided_weights():
 
 
 def test_norm_linear_bad_arguments():
-    x, nw, ws = _norm_inputs(2, 16, [3] * 5, FP32, seed=1)
-    with pytest.raises(ValueError, match="1..4 weights"):
+    x, nw, ws = _norm_inputs(2, 16, [3] * 6, FP32, seed=1)
+    with pytest.raises(ValueError, match="1..5 weights"):
         norm_linear_triton(x, nw, EPS, ws)
     with pytest.raises(ValueError, match="16 columns"):
         norm_linear_triton(x, nw, EPS, [ws[0][:, :8]])

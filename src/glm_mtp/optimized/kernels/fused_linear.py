@@ -8,7 +8,7 @@ roots reduced by the same tree; lanes past K are ``+0.0``), with a prologue that
 - ``block_input``: ``a = cat(rms_norm(embed[tokens] (zeroed at slot 0), enorm), rms_norm(hiddens,
   hnorm))``, ``y = linear(a, eh_proj)``;
 - ``norm_linear``: ``a = rms_norm(x, norm_weight)``, ``y_i = linear(a, W_i)`` (or ``linear_acc``)
-  for 1..4 weights of the same K in ONE launch: the grid runs over the weights' concatenated
+  for 1..5 weights of the same K in ONE launch: the grid runs over the weights' concatenated
   output blocks and each program picks its weight (pointer, N, strides) from its block index;
   optionally ``a`` itself is stored (by the programs of the first output block);
 - ``linear_residual``: ``residual + linear(x, W)`` (torch's S add: ``round_S(up(r) + up(y))``);
@@ -54,7 +54,7 @@ from .linear_fp8 import FP8_BLOCK, e4m3_to_f32, fp8_linear_blocks
 from .rounding import to_storage
 
 # At most this many weights share one norm_linear launch.
-MAX_WEIGHTS = 4
+MAX_WEIGHTS = 5
 # Epilogues.
 EPI_STORE, EPI_RESIDUAL, EPI_ARGMAX = 0, 1, 2
 # Prologues: the GEMV's input is x as is, rms_norm(x), or the block input's two normed halves.
@@ -145,20 +145,20 @@ def _fused_linear_kernel(
     slot_ptr,  # (T,) int64 slots (PRO_HALVES)
     nw_ptr,  # (K,) the norm's weight (PRO_NORM); enorm (H,) (PRO_HALVES)
     nw2_ptr,  # (H,) hnorm (PRO_HALVES)
-    w0, w1, w2, w3,  # (N_i, K) weights, contiguous last dim (FP8: their e4m3 bytes, uint8)
-    c0, c1, c2, c3,  # FP8: (ceil(N_i/128), ceil(K/128)) float32 scales, contiguous last dim
-    o0, o1, o2, o3,  # (T, N_i) outputs (EPI_STORE, EPI_RESIDUAL)
+    w0, w1, w2, w3, w4,  # (N_i, K) weights, contiguous last dim (FP8: their e4m3 bytes, uint8)
+    c0, c1, c2, c3, c4,  # FP8: (ceil(N_i/128), ceil(K/128)) float32 scales, contiguous last dim
+    o0, o1, o2, o3, o4,  # (T, N_i) outputs (EPI_STORE, EPI_RESIDUAL)
     res_ptr,  # (T, N) residual (EPI_RESIDUAL)
     normed_ptr,  # (T, K) the normed input, S (STORE_NORMED)
     pv_ptr,  # (T, P) float32 partial argmax values (EPI_ARGMAX)
     pi_ptr,  # (T, P) int64 partial argmax indices (EPI_ARGMAX)
     T, K, H, V,
     stride_x, stride_e, stride_res, stride_normed, stride_p,
-    n0, n1, n2, n3,
-    sw0, sw1, sw2, sw3,
-    sc0, sc1, sc2, sc3,
-    so0, so1, so2, so3,
-    B1, B2, B3,  # the first output block of weights 1, 2, 3
+    n0, n1, n2, n3, n4,
+    sw0, sw1, sw2, sw3, sw4,
+    sc0, sc1, sc2, sc3, sc4,
+    so0, so1, so2, so3, so4,
+    B1, B2, B3, B4,  # the first output block of weights 1, 2, 3, 4
     eps,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEVELS_K: tl.constexpr,
     NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr,
@@ -186,6 +186,11 @@ def _fused_linear_kernel(
         w_ptr, o_ptr, N = tl.where(s, w3, w_ptr), tl.where(s, o3, o_ptr), tl.where(s, n3, N)
         stride_w, stride_o, nb = tl.where(s, sw3, stride_w), tl.where(s, so3, stride_o), tl.where(s, pid - B3, nb)
         c_ptr, stride_c = tl.where(s, c3, c_ptr), tl.where(s, sc3, stride_c)
+    if NW > 4:
+        s = pid >= B4
+        w_ptr, o_ptr, N = tl.where(s, w4, w_ptr), tl.where(s, o4, o_ptr), tl.where(s, n4, N)
+        stride_w, stride_o, nb = tl.where(s, sw4, stride_w), tl.where(s, so4, stride_o), tl.where(s, pid - B4, nb)
+        c_ptr, stride_c = tl.where(s, c4, c_ptr), tl.where(s, sc4, stride_c)
 
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -343,7 +348,7 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
     cs = (scales + [scales[0]] * pad) if fp8 else [x] * MAX_WEIGHTS  # plain: never read
     scs = [c.stride(0) for c in cs] if fp8 else [0] * MAX_WEIGHTS
     big = 1 << 30  # the first block of an absent weight: past every program
-    bstarts = [starts[i] if i < nw else big for i in (1, 2, 3)]
+    bstarts = [starts[i] if i < nw else big for i in range(1, MAX_WEIGHTS)]
     dummy = x
     args = (
         x, emb if emb is not None else dummy, tokens if tokens is not None else dummy,
@@ -378,7 +383,7 @@ def block_input_launch(embed: Tensor, tokens: Tensor, slots: Tensor, hiddens: Te
 
 def norm_linear_launch(x: Tensor, norm_weight: Tensor, eps: float, weights: Sequence[Tensor], outs: Sequence[Tensor],
                        normed: Tensor | None = None, acc: bool = False, cuda: bool | None = None) -> Launch:
-    """``norm_linear``'s launch: ``x`` (T, K), ``norm_weight`` (K,), 1..4 ``weights`` (N_i, K) into
+    """``norm_linear``'s launch: ``x`` (T, K), ``norm_weight`` (K,), 1..5 ``weights`` (N_i, K) into
     ``outs`` (T, N_i) (float32 when ``acc``, else x's dtype), and the normed rows into ``normed``
     (T, K) when given."""
     cuda = outs[0].is_cuda if cuda is None else cuda
@@ -505,7 +510,7 @@ def norm_linear_torch(x: Tensor, norm_weight: Tensor, eps: float, weights: Seque
 
 def norm_linear_triton(x: Tensor, norm_weight: Tensor, eps: float, weights: Sequence[Tensor], acc: bool = False,
                        store_normed: bool = False) -> tuple[list[Tensor], Tensor | None]:
-    """The kernel: ``x`` (T, K), ``norm_weight`` (K,), 1..4 ``weights`` (N_i, K) of one dtype, or
+    """The kernel: ``x`` (T, K), ``norm_weight`` (K,), 1..5 ``weights`` (N_i, K) of one dtype, or
     all block-scaled fp8 (``BlockScaledWeight``: their bytes and scales read as they are) ->
     ([y_i (T, N_i)], normed (T, K) or None), byte-equal to ``norm_linear_torch``. ONE launch for
     all weights; the weights are read in place (any row stride, contiguous last dim)."""
