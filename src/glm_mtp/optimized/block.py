@@ -205,7 +205,7 @@ def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: 
     kpc = cache.kpool
     assert kpc is not None, "a glm5_next layer needs a KPool cache"
     kpc.gates[slots] = torch.where(ok, gates, kpc.gates[slots])
-    args = (cfg, ix, slots, cache.index_pool, cache.block_table, kpc.gates, kpc.keys, kpc.complete, ok)
+    args = (cfg, ix, slots, cache, ok)
     if fused is not None and fused.use_triton(cache.index_pool) and cache.index_pool.dtype in KPOOL_DTYPES:
         pool_keys_write_triton(*args)
     else:
@@ -228,15 +228,16 @@ def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Te
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
     ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
-    as ``select_pool_rows`` masks them, and a list's values do not depend on its padded width.
+    as ``select_pool_rows`` masks them (the kernel writes no score there, and its selection reads
+none), and a list's values do not depend on its padded width.
     Returns ``rows`` (T, K), ``count`` (T,)."""
     gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
     q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
     keys = cache.kpool.keys
     if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
-        scores = pool_scores_triton(cfg, q_raw, w_raw, keys, slots)  # (T, P): -inf past the visible pools
+        scores = pool_scores_triton(cfg, q_raw, w_raw, cache, slots)  # (T, P): written at the visible pools only
         return select_pool_rows_triton(cfg, scores, slots)
-    scores = pool_scores_torch(cfg, q_raw, w_raw, keys, slots)
+    scores = pool_scores_torch(cfg, q_raw, w_raw, cache, slots)
     return select_pool_rows_torch(cfg, scores, slots)
 
 

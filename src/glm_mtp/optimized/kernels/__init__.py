@@ -19,8 +19,8 @@ from .fused_linear import (
 )
 from .indexer import index_scores_torch, index_scores_triton, select_rows_torch, select_rows_triton
 from .kpool import (
-    pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton, select_pool_rows_torch,
-    select_pool_rows_triton,
+    pool_keys_write_torch, pool_keys_write_triton, pool_scores_torch, pool_scores_triton, pools_forget_torch,
+    pools_forget_triton, select_pool_rows_torch, select_pool_rows_triton,
 )
 from .launch import AuditLaunch, Launch
 from .linear import linear_acc_torch, linear_acc_triton, linear_torch, linear_triton

@@ -153,19 +153,25 @@ def _order_key(x):
 def _select_rows_kernel(
     scores_ptr,  # (T, S) float32, row stride score_stride
     slots_ptr,  # (T,) int64
-    rows_ptr,  # (T, K) int64, row stride rows_stride
+    rows_ptr,  # (T, W) int64, row stride rows_stride
     count_ptr,  # (T,) int64
     S,
     K,
+    W,  # the list's width: K (rows), or K * KPOOL + KPOOL - 1 (pools and a tail)
     score_stride,
     rows_stride,
     BLOCK: tl.constexpr,
     RADIX: tl.constexpr,  # bits per pass; divides 32
+    KPOOL: tl.constexpr,  # 1: the scores are rows'; else pools' of KPOOL rows (glm5_next)
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t)
-    V = tl.minimum(tl.maximum(slot + 1, 0), S)  # visible rows: [0, V)
-    n = tl.minimum(slot + 1, K)  # the list's length (count)
+    if KPOOL == 1:
+        V = tl.minimum(tl.maximum(slot + 1, 0), S)  # visible rows: [0, V)
+        n = tl.minimum(slot + 1, K)  # the list's length (count)
+    else:
+        V = tl.minimum(tl.maximum((slot + 1) // KPOOL, 0), S)  # complete pools whose last row is <= slot
+        n = tl.minimum(V, K)  # the pools listed
     row = scores_ptr + t * score_stride
     lanes = tl.arange(0, BLOCK)
     digits = tl.arange(0, 1 << RADIX)
@@ -205,14 +211,27 @@ def _select_rows_kernel(
         eq_rank = tl.cumsum(eq, axis=0) - eq + equal_seen  # integer; equal rows at lower indices
         take = (((key > theta) & m) | ((eq != 0) & (eq_rank < equal_wanted))).to(tl.int64)
         pos = tl.cumsum(take, axis=0) - take + listed  # integer; ascending slot order
-        tl.store(out + pos, s.to(tl.int64), mask=take != 0)
+        if KPOOL == 1:
+            tl.store(out + pos, s.to(tl.int64), mask=take != 0)
+        else:  # a listed pool is its KPOOL rows, in order
+            j = tl.arange(0, KPOOL)
+            tl.store(out + pos[:, None] * KPOOL + j[None, :], s.to(tl.int64)[:, None] * KPOOL + j[None, :],
+                     mask=(take[:, None] != 0) & (j[None, :] < KPOOL))
         equal_seen += tl.sum(eq, axis=0)  # integer
         listed += tl.sum(take, axis=0)  # integer
+    if KPOOL == 1:
+        count = n
+    else:  # then the tail: the rows of the slot's own incomplete pool, up to the slot
+        jt = tl.arange(0, KPOOL)
+        start = ((slot + 1) // KPOOL) * KPOOL
+        tail = slot + 1 - start  # in [0, KPOOL)
+        tl.store(out + n * KPOOL + jt, start + jt, mask=jt < tail)
+        count = n * KPOOL + tail
     # Padding past the list: slot 0.
-    for ch in range(n // BLOCK, tl.cdiv(K, BLOCK)):
+    for ch in range(count // BLOCK, tl.cdiv(W, BLOCK)):
         j = ch * BLOCK + lanes
-        tl.store(out + j, tl.zeros((BLOCK,), tl.int64), mask=(j >= n) & (j < K))
-    tl.store(count_ptr + t, n)
+        tl.store(out + j, tl.zeros((BLOCK,), tl.int64), mask=(j >= count) & (j < W))
+    tl.store(count_ptr + t, count)
 
 
 # ---- index scores ---------------------------------------------------------------------------------
@@ -321,19 +340,25 @@ def select_rows_torch(scores: Tensor, slots: Tensor, topk: int) -> tuple[Tensor,
     return select_rows(scores, slots, topk)
 
 
-def select_rows_launch(scores: Tensor, slots: Tensor, rows: Tensor, count: Tensor) -> Launch:
+def select_rows_launch(scores: Tensor, slots: Tensor, rows: Tensor, count: Tensor, kpool: int = 1,
+                       topk: int | None = None) -> Launch:
     """The kernel's launch for ``scores`` (T, S) float32 into ``rows`` (T, K) and ``count`` (T,),
-    int64: the one place its grid and constexprs are computed."""
+    int64: the one place its grid and constexprs are computed. ``kpool`` > 1: the scores are pools'
+    of ``kpool`` rows (``kpool.select_pool_rows_launch``), ``topk`` pools listed, and ``rows`` is
+    (T, topk * kpool + kpool - 1)."""
     T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise TypeError(f"select_rows_triton: scores must be float32 with a contiguous last dim, got {scores.dtype}")
     if slots.shape != (T,) or slots.dtype != torch.int64:
         raise ValueError(f"select_rows_triton: slots must be int64 ({T},)")
-    K = rows.shape[1]
-    if rows.shape != (T, K) or rows.dtype != torch.int64 or rows.stride(-1) != 1 or count.shape != (T,) or count.dtype != torch.int64:
+    W = rows.shape[1]
+    K = W if kpool == 1 else topk
+    if kpool != 1 and (topk is None or W != topk * kpool + kpool - 1):
+        raise ValueError(f"select_rows_triton: pools of {kpool} rows need topk and a list of topk * kpool + kpool - 1 rows")
+    if rows.shape != (T, W) or rows.dtype != torch.int64 or rows.stride(-1) != 1 or count.shape != (T,) or count.dtype != torch.int64:
         raise ValueError("select_rows_triton: rows must be int64 (T, K), count int64 (T,)")
-    args = (scores, slots, rows, count, S, K, scores.stride(0), rows.stride(0))
-    meta = dict(BLOCK=SELECT_BLOCK, RADIX=RADIX_BITS, enable_fp_fusion=False)
+    args = (scores, slots, rows, count, S, K, W, scores.stride(0), rows.stride(0))
+    meta = dict(BLOCK=SELECT_BLOCK, RADIX=RADIX_BITS, KPOOL=kpool, enable_fp_fusion=False)
     return Launch(_select_rows_kernel, (T,), args, meta)
 
 

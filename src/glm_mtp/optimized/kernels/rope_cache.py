@@ -24,6 +24,11 @@ sequence's cache, so one launch writes a batch of sequences' rows): each program
 ``(kv_pool, index_pool, block_table)`` from the address table (``paged.row_pools``; stride 0 when
 every row shares one cache), and the twin writes each run of rows into its cache as if alone.
 
+A glm5_next layer (DESIGN.md §7) has no RoPE (R = 0: nothing is rotated, the rows are stored as
+normed) and one more row to store: its KPool gate ``linear(a, kpool_gate)`` (``gates``), copied
+into the row's ``KPoolCache.gates`` at its slot (``paged.row_kpool``) by the same program, so the
+pooled-key kernel after it finds every row of a completed pool in place.
+
 The norms' sums are ``psum`` trees over the row (lanes past the width are ``+0.0``, and so is
 ``x - mu`` there), divisions ``div_rn`` and roots ``sqrt_rn``, the epsilons passed as float32
 bits; each normed value is rounded to S where the reference rounds it, before RoPE reads it.
@@ -53,7 +58,7 @@ from glm_mtp.reference.numerics import layer_norm, rms_norm
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
-from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
+from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_kpool, row_pools
 from .rounding import float32_bits, round_to_storage
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -171,6 +176,7 @@ def _layer_norm_at(k_row, w_ptr, b_ptr, idx, mask, mu, inv, TO_BF16: tl.constexp
 def _cache_rows_write_kernel(
     kv_ptr,  # (T, Lkv + R) S, kv_a_proj's raw output, row stride kv_stride
     k_ptr,  # (T, D) S, the indexer wk's raw output, row stride k_stride
+    gates_ptr,  # (T, D) S, the KPool gates (HAS_GATES), row stride gates_stride
     kv_norm_ptr,  # (Lkv,) S, kv_a_layernorm
     k_norm_w_ptr,  # (D,) S, k_norm weight
     k_norm_b_ptr,  # (D,) S, k_norm bias
@@ -182,6 +188,7 @@ def _cache_rows_write_kernel(
     ok_ptr,  # (1,) uint8 (the bool flag's byte): write only when nonzero
     kv_stride,
     k_stride,
+    gates_stride,
     Lkv,
     R,
     D,
@@ -197,6 +204,7 @@ def _cache_rows_write_kernel(
     TO_BF16: tl.constexpr,
     NAN_BITS: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    HAS_GATES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     ok = tl.load(ok_ptr).to(tl.int32)
@@ -250,6 +258,11 @@ def _cache_rows_write_kernel(
     s = tl.load(sin_row + pair, mask=rot, other=0.0)
     y = tl.where(rot, tl.where(first, y0 * c - yp * s, y0 * c + yp * s), y0)  # x1: x1 c - x2 s; x2: x2 c + x1 s
     tl.store(ix_row + cd, round_to_storage(y, TO_BF16, NAN_BITS), mask=dm & ((cd * 0 + ok) != 0))
+
+    if HAS_GATES:  # the KPool gate row, stored as computed, dense by slot
+        gates_row, _, _ = row_kpool(addresses_ptr, t, addr_stride, TO_BF16)
+        g = tl.load(gates_ptr + t * gates_stride + cd, mask=dm)
+        tl.store(gates_row + slot * D + cd, g, mask=dm & ((cd * 0 + ok) != 0))
 
 
 def rope_cache_write_torch(
@@ -355,7 +368,7 @@ def rope_cache_write_triton(
 
 def _cache_rows_write_one(cfg: MtpConfig, kv: Tensor, k: Tensor, kv_norm_weight: Tensor, k_norm_weight: Tensor,
                           k_norm_bias: Tensor, slots: Tensor, cos_table: Tensor, sin_table: Tensor, cache: LayerCache,
-                          ok: Tensor) -> None:
+                          ok: Tensor, gates: Tensor | None) -> None:
     """The twin for rows that all live in ``cache``."""
     Lkv = cfg.kv_lora_rank
     cos, sin = cos_table[slots], sin_table[slots]  # (T, R/2)
@@ -366,6 +379,10 @@ def _cache_rows_write_one(cfg: MtpConfig, kv: Tensor, k: Tensor, kv_norm_weight:
     keep = ok.reshape(())
     cache.write(slots, torch.where(keep, torch.cat((latent, k_pe), dim=-1), cache.kv_pool[block, offset]),
                 torch.where(keep, key, cache.index_pool[block, offset]))
+    if gates is not None:
+        kpc = cache.kpool
+        assert kpc is not None, "gates need a KPool cache"
+        kpc.gates[slots] = torch.where(keep, gates, kpc.gates[slots])
 
 
 def cache_rows_write_torch(
@@ -380,9 +397,11 @@ def cache_rows_write_torch(
     sin_table: Tensor,
     caches: LayerCache | RowCaches,
     ok: Tensor,
+    gates: Tensor | None = None,
 ) -> None:
     """The twin: ``attention.cache_rows``' math from the raw GEMV outputs, then
-    ``LayerCache.write``, each row's write kept only where ``ok`` is set.
+    ``LayerCache.write``, each row's write kept only where ``ok`` is set. A glm5_next layer
+    (NoPE: R = 0, so nothing is rotated) also stores its rows' KPool ``gates`` by slot.
 
     Args:
         kv: (T, Lkv + R) S, ``kv_a_proj_with_mqa``'s raw output.
@@ -393,17 +412,21 @@ def cache_rows_write_torch(
         caches: the paged cache every row is written to (a ``LayerCache``), or one per row
             (``paged.RowCaches``): each run of rows in one cache is written as if alone.
         ok: (1,) or () bool; nothing is written when it is false.
+        gates: (T, D) S, the KPool gates ``linear(a, kpool_gate)`` (glm5_next), stored into each
+            row's ``KPoolCache.gates`` at its slot; ``None`` for GLM-5.
     """
     for cache, rows in row_caches(caches).runs(slots.shape[0]):
         _cache_rows_write_one(cfg, kv[rows], k[rows], kv_norm_weight, k_norm_weight, k_norm_bias, slots[rows], cos_table,
-                              sin_table, cache, ok)
+                              sin_table, cache, ok, None if gates is None else gates[rows])
 
 
-def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, index_width: int | None) -> torch.dtype:
+def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, index_width: int | None,
+                     kpool: bool = False) -> torch.dtype:
     """The host-side checks of a cache kernel's ``RowCaches`` (no device reads): one cache or T,
-    the address table int64 ``(len(caches), 3)``, every cache's pools contiguous with the widths
-    given (``None``: that pool is not read) and the same dtype, shape and block count as the first.
-    Returns the pools' dtype."""
+    the address table int64 ``(len(caches), ADDRESS_COLUMNS)``, every cache's pools contiguous with
+    the widths given (``None``: that pool is not read) and the same dtype, shape and block count as
+    the first; with ``kpool``, every cache's KPool cache too (gates (capacity, D), keys (pools, D)
+    and complete (pools,) bool, contiguous, the pools' dtype). Returns the pools' dtype."""
     n = len(rc.caches)
     if n not in (1, T):
         raise ValueError(f"{name}: {n} caches for {T} rows (one for every row, or one per row)")
@@ -423,7 +446,23 @@ def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, ind
             if width is not None and (tuple(pool.shape) != (blocks, BLOCK_ROWS, width) or not pool.is_contiguous()):
                 raise ValueError(f"{name}: every pool must be contiguous ({blocks}, {BLOCK_ROWS}, {width}), got "
                                  f"{tuple(pool.shape)}")
+        if kpool:
+            check_kpool_cache(name, c, dtype)
     return dtype
+
+
+def check_kpool_cache(name: str, cache: LayerCache, dtype: torch.dtype) -> None:
+    """``cache`` has a KPool cache the kernels can address: gates (capacity, D) and keys (pools, D)
+    contiguous in ``dtype``, complete (pools,) bool."""
+    kpc = cache.kpool
+    if kpc is None:
+        raise ValueError(f"{name}: a glm5_next layer's cache needs its KPool cache (LayerCache.kpool)")
+    capacity, D = cache.capacity, cache.index_pool.shape[-1]
+    pools = capacity // kpc.kpool
+    for arg, x, shape, dt in (("gates", kpc.gates, (capacity, D), dtype), ("keys", kpc.keys, (pools, D), dtype),
+                              ("complete", kpc.complete, (pools,), torch.bool)):
+        if tuple(x.shape) != shape or x.dtype != dt or not x.is_contiguous():
+            raise ValueError(f"{name}: kpool.{arg} must be a contiguous {shape} {dt} tensor, got {tuple(x.shape)} {x.dtype}")
 
 
 def cache_rows_write_launch(
@@ -438,6 +477,7 @@ def cache_rows_write_launch(
     sin_table: Tensor,
     caches: LayerCache | RowCaches,
     ok: Tensor,
+    gates: Tensor | None = None,
     cuda: bool | None = None,
 ) -> Launch:
     """The kernel's launch, arguments checked (see ``cache_rows_write_triton``): the one place its
@@ -449,19 +489,23 @@ def cache_rows_write_launch(
     dtype = rc.caches[0].kv_pool.dtype
     if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
         raise TypeError(f"cache_rows_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
-    check_row_caches("cache_rows_write_triton", rc, T, Lkv + R, D)
+    check_row_caches("cache_rows_write_triton", rc, T, Lkv + R, D, kpool=gates is not None)
     if kv.shape != (T, Lkv + R) or k.shape != (T, D):
         raise ValueError(f"cache_rows_write_triton: kv {tuple(kv.shape)} / k {tuple(k.shape)} must be ({T}, {Lkv + R}) / ({T}, {D})")
+    if gates is not None and gates.shape != (T, D):
+        raise ValueError(f"cache_rows_write_triton: gates {tuple(gates.shape)} must be ({T}, {D})")
     for name, x in (("kv", kv), ("k", k), ("kv_norm_weight", kv_norm_weight), ("k_norm_weight", k_norm_weight),
-                    ("k_norm_bias", k_norm_bias)):
+                    ("k_norm_bias", k_norm_bias), *((("gates", gates),) if gates is not None else ())):
         if x.stride(-1) != 1 or x.dtype != dtype:
             raise ValueError(f"cache_rows_write_triton: {name} must be {dtype} with a contiguous last dim")
     cuda = rc.addresses.is_cuda if cuda is None else cuda
     block_l, block_d = triton.next_power_of_2(Lkv), triton.next_power_of_2(D)
     args = (
-        kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table, rc.addresses, rc.stride,
+        kv, k, k if gates is None else gates, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table,
+        rc.addresses, rc.stride,
         ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
-        kv.stride(0), k.stride(0), Lkv, R, D, float32_bits(LATENT_NORM_EPS), float32_bits(K_NORM_EPS),
+        kv.stride(0), k.stride(0), 0 if gates is None else gates.stride(0), Lkv, R, D, float32_bits(LATENT_NORM_EPS),
+        float32_bits(K_NORM_EPS),
     )
     meta = dict(
         KV_INTERLEAVE=cfg.rope_interleave,
@@ -474,6 +518,7 @@ def cache_rows_write_launch(
         TO_BF16=dtype == torch.bfloat16,
         NAN_BITS=0x7FFF if cuda else 0xFFFF,
         ROWS_PER_BLOCK=BLOCK_ROWS,
+        HAS_GATES=gates is not None,
         enable_fp_fusion=False,
     )
     return Launch(_cache_rows_write_kernel, (T,), args, meta)
@@ -491,6 +536,7 @@ def cache_rows_write_triton(
     sin_table: Tensor,
     caches: LayerCache | RowCaches,
     ok: Tensor,
+    gates: Tensor | None = None,
 ) -> None:
     """``rope_cache_write_triton`` with the two norms fused in: the latent's ``rms_norm`` and the
     index key's ``k_norm`` (``layer_norm``); arguments as ``cache_rows_write_torch``, byte-equal to
@@ -501,7 +547,7 @@ def cache_rows_write_triton(
     if slots.shape[0] == 0:
         return
     cache_rows_write_launch(cfg, kv, k, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table,
-                            caches, ok).run()
+                            caches, ok, gates).run()
 
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
@@ -513,7 +559,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     ``aligned``: a draft step or the one-row catch-up (``slots`` a fresh (1,) tensor).
     ``unaligned``: context rows from an odd row, ``slots[row:]`` 8 bytes off a 16-byte boundary.
     ``batch`` (``cache_rows_write``): a batched draft step, ``BATCH_ROWS`` rows each in its own
-    cache (an address table of one line per row, stride 3)."""
+    cache (an address table of one line per row, stride ADDRESS_COLUMNS)."""
     if dtype not in KERNEL_DTYPES:
         return []
     Lkv, R, D, rows = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, 4
