@@ -15,7 +15,8 @@ from glm_mtp.optimized.kernels import kpool as K
 from glm_mtp.optimized.kernels.paged import RowCaches
 from glm_mtp.optimized.kernels.rope_cache import cache_rows_write_torch, cache_rows_write_triton
 from glm_mtp.reference import MtpConfig, MtpWeights
-from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.attention import Rope, normed_latent
+from glm_mtp.reference.indexer import normed_index_keys
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference.kpool import KPoolCache, pool_scores, pooled_keys, select_pool_rows, write_pools
 from glm_mtp.reference.numerics import softmax, up
@@ -160,9 +161,12 @@ def test_cache_rows_write_stores_gates(dtype):
         cache_rows_write_torch(cfg, *args, RowCaches.per_row([twin[i] for i in ORDER]), okt, gates)
         cache_rows_write_triton(cfg, *args, RowCaches.per_row([states[i] for i in ORDER]), okt, gates)
         assert all(_same(a, b) for a, b in zip(states, twin))
-        if ok:
+        if ok:  # the reference's rows: normed_latent (at cfg.latent_norm_eps) and k_norm, no RoPE
+            latent, key = normed_latent(attn, cfg, kv), normed_index_keys(ix, k)
             for t, i in enumerate(ORDER):
-                assert same_bytes(states[i].kpool.gates[slots[t]], gates[t])
+                c, s = states[i], slots[t : t + 1]
+                assert same_bytes(c.kpool.gates[s][0], gates[t])
+                assert same_bytes(c.kv_rows()[s][0], latent[t]) and same_bytes(c.index_rows()[s][0], key[t])
         else:
             assert all(_same(a, b) for a, b in zip(states, before))
 

@@ -9,6 +9,8 @@ import torch
 
 from glm_mtp.conformance import run
 from glm_mtp.optimized import block as opt_block
+from glm_mtp.optimized import kernels, proposer
+from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference import MtpConfig, MtpWeights
 
 from .conftest import DrafterPair, Inputs
@@ -61,16 +63,37 @@ def test_walk_across_pool_boundaries(next_weights):
     assert pair.os.cache.kpool.complete[:5].tolist() == [True, True, True, True, False]
 
 
+def test_the_fused_step_runs_the_family(next_weights):
+    assert DrafterPair(next_weights, max_seq_len=32).opt.step is not None
+
+
 def test_mutant_ungated_pool_writes_are_caught(next_weights, monkeypatch):
-    """Pool writes that ignore the device check: the refused propose marks pool 2 complete."""
-    real = opt_block.gated_pool_writes
+    """The fused step's pooled-key write ignoring the device check: the refused propose marks
+    pool 2 complete."""
+    real = kernels.pool_keys_write_torch
 
-    def ungated(ix, cfg, gates, slots, cache, ok):
-        return real(ix, cfg, gates, slots, cache, torch.ones_like(ok))
+    def ungated(cfg, ix, slots, caches, ok):
+        return real(cfg, ix, slots, caches, torch.ones_like(ok))
 
-    monkeypatch.setattr(opt_block, "gated_pool_writes", ungated)
+    monkeypatch.setattr(kernels, "pool_keys_write_torch", ungated)
     with pytest.raises(AssertionError, match="refused call changed the optimized state|pool"):
         walk(DrafterPair(next_weights, max_seq_len=32), Inputs(next_weights, seed=3))
+
+
+def test_mutant_per_primitive_ungated_pool_writes_are_caught(next_weights, monkeypatch):
+    """The per-primitive block (a layer the fused step does not take; here forced) with pool
+    writes that ignore the device check: caught the same way."""
+    real = opt_block.gated_pool_writes
+
+    def ungated(ix, cfg, gates, slots, cache, ok, fused=None):
+        return real(ix, cfg, gates, slots, cache, torch.ones_like(ok), fused)
+
+    monkeypatch.setattr(opt_block, "gated_pool_writes", ungated)
+    monkeypatch.setattr(proposer, "fusable", lambda w: False)
+    pair = DrafterPair(next_weights, max_seq_len=32)
+    assert pair.opt.step is None
+    with pytest.raises(AssertionError, match="refused call changed the optimized state|pool"):
+        walk(pair, Inputs(next_weights, seed=3))
 
 
 def test_mutant_propose_without_the_rewind_of_a_cut_pool_is_caught(next_weights, monkeypatch):
@@ -81,9 +104,10 @@ def test_mutant_propose_without_the_rewind_of_a_cut_pool_is_caught(next_weights,
         walk(DrafterPair(next_weights, max_seq_len=32), Inputs(next_weights, seed=3))
 
 
-def test_batch_of_states_at_different_lengths(next_weights):
+def batch_walk(next_weights) -> None:
     """propose_batch / catchup_batch on three states (3, 7 and 12 rows): the batch's rows complete
-    pools in some states and not others; every state's bytes are the reference's."""
+    pools in some states and not others, then a batch whose positions rewind two states into
+    complete pools; every state's bytes are the reference's after each call."""
     inp = Inputs(next_weights, seed=5)
     pairs = [DrafterPair(next_weights, max_seq_len=32) for _ in range(3)]
     ref, opt = pairs[0].ref, pairs[0].opt
@@ -96,14 +120,28 @@ def test_batch_of_states_at_different_lengths(next_weights):
         opt.prefill_drafter(toks, hids, o)
     toks, hids = inp.tokens(3), inp.hiddens(3)
     assert ref.catchup_batch(toks, hids, lens, rs) == opt.catchup_batch(toks, hids, lens, os_)
-    toks, hids, pos = inp.tokens(3), inp.hiddens(3), [n + 1 for n in lens]
-    assert ref.propose_batch(toks, hids, pos, 3, rs) == opt.propose_batch(toks, hids, pos, 3, os_)
-    for r, o in zip(rs, os_):
-        a, b = ref.export_state(r), opt.export_state(o)
-        assert a.keys() == b.keys()
-        for k in a:
-            assert a[k].shape == b[k].shape and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+    for pos in ([n + 1 for n in lens], [5, 4, 9]):  # then: rows 5.., 4.. and 9.. rewound (pools 1, 1 and 2 cut)
+        toks, hids = inp.tokens(3), inp.hiddens(3)
+        assert ref.propose_batch(toks, hids, pos, 3, rs) == opt.propose_batch(toks, hids, pos, 3, os_)
+        for r, o in zip(rs, os_):
+            a, b = ref.export_state(r), opt.export_state(o)
+            assert a.keys() == b.keys()
+            for k in a:
+                assert same_bytes(a[k], b[k]), k
+        for r, o in zip(rs, os_):
+            ref.after_verify(0, r)
+            opt.after_verify(0, o)
 
+
+def test_batch_of_states_at_different_lengths(next_weights):
+    batch_walk(next_weights)
+
+
+def test_mutant_batch_without_the_rewind_of_cut_pools_is_caught(next_weights, monkeypatch):
+    """A batched propose that forgets no pool: the rewound states keep stale complete flags."""
+    monkeypatch.setattr(kernels, "pools_forget_torch", lambda cfg, n, caches, ok: None)
+    with pytest.raises(AssertionError, match="pool_complete"):
+        batch_walk(next_weights)
 
 @pytest.mark.slow  # ~100 s in the interpreter on this machine
 def test_lockstep_with_interpreted_triton_kernels(monkeypatch):
@@ -118,9 +156,11 @@ def test_lockstep_with_interpreted_triton_kernels(monkeypatch):
             return fn(*args, **kwargs)
         return call
 
-    for name in ("pool_keys_write_triton", "pool_scores_triton", "select_pool_rows_triton", "experts_gate_up_triton"):
-        monkeypatch.setattr(opt_block, name, counted(name, getattr(opt_block, name)))
+    names = {"cache_rows_write_triton", "pool_keys_write_triton", "pool_scores_triton", "select_pool_rows_triton",
+             "pools_forget_triton", "experts_gate_up_triton", "sparse_mla_triton"}
+    for name in names:
+        monkeypatch.setattr(kernels, name, counted(name, getattr(kernels, name)))
     r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=1, seed=9, preset=PRESET, max_seq_len=24,
-            dtype=torch.bfloat16)
+            dtype=torch.bfloat16, generators=("realistic", "batched"))
     assert r.ok, r.first_difference
-    assert ran == {"pool_keys_write_triton", "pool_scores_triton", "select_pool_rows_triton", "experts_gate_up_triton"}
+    assert ran == names

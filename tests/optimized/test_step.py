@@ -11,6 +11,7 @@ from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import draft_logits, mtp_rows
 from glm_mtp.reference.bytes import bits
+from glm_mtp.reference.kpool import KPoolCache
 from glm_mtp.reference.layers import greedy_token
 from glm_mtp.reference.state import LayerCache
 
@@ -20,7 +21,9 @@ def caches(cfg: MtpConfig, dtype: torch.dtype, blocks: int, seed: int) -> tuple[
     g = torch.Generator().manual_seed(seed)
     a = LayerCache.allocate(cfg, blocks, dtype, "cpu")
     a.block_table.copy_(torch.randperm(blocks, generator=g).to(torch.int32))
-    b = LayerCache(a.kv_pool.clone(), a.index_pool.clone(), a.block_table.clone())
+    kp = a.kpool
+    b = LayerCache(a.kv_pool.clone(), a.index_pool.clone(), a.block_table.clone(),
+                   None if kp is None else KPoolCache(kp.gates.clone(), kp.keys.clone(), kp.complete.clone(), kp.kpool))
     return a, b
 
 
@@ -52,6 +55,9 @@ def run_both(w: MtpWeights, k: StepKernels, context: int, new_rows: int, seed: i
     assert_same("pre_norm", got, want.pre_norm)
     assert_same("kv_pool", opt_cache.kv_pool, ref_cache.kv_pool)
     assert_same("index_pool", opt_cache.index_pool, ref_cache.index_pool)
+    if cfg.is_next:  # the KPool cache: gates, pooled keys, complete flags
+        for name in ("gates", "keys", "complete"):
+            assert_same(f"kpool.{name}", getattr(opt_cache.kpool, name), getattr(ref_cache.kpool, name))
     x, token = fused_head(w, got, k)
     assert_same("x", x, want.x)
     assert torch.equal(token, greedy_token(draft_logits(w, want.x))), "drafts differ"
@@ -78,3 +84,20 @@ def test_interpreted_kernels_equal_the_reference_small(dtype):
     # 40 context rows > index_topk 32: the indexer's choice matters.
     w = MtpWeights.random(MtpConfig.preset("small"), seed=9, dtype=dtype)
     run_both(w, step_kernels(triton=True), 40, 1, seed=11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context,new_rows", [(0, 1), (14, 1), (21, 3)])
+def test_glm5_next_twins_compose_to_the_reference(dtype, context, new_rows):
+    """glm5_next (kpool 4, 2 pools listed): a first row, a row completing its pool with 3 pools
+    visible (the selection matters), and 3 rows of one call completing a pool mid-call."""
+    w = MtpWeights.random(MtpConfig.preset("glm5next_tiny"), seed=4, dtype=dtype)
+    assert fusable(w)
+    run_both(w, step_kernels(triton=False), context, new_rows, seed=context * 5 + new_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context,new_rows", [(15, 1), (21, 3)])
+def test_glm5_next_interpreted_kernels_equal_the_reference(dtype, context, new_rows):
+    w = MtpWeights.random(MtpConfig.preset("glm5next_tiny"), seed=6, dtype=dtype)
+    run_both(w, step_kernels(triton=True), context, new_rows, seed=200 + context)

@@ -293,16 +293,37 @@ def test_broken_kernels_fail_the_audit(tmp_path, triton_cache):
     assert "0 failed to compile, 0 forbidden instructions" in done.stdout
 
 
+# The glm5_next family's own kernels and the cache write that stores its gates, at glm5next's
+# widths (H 4096, index_topk 2048, kpool 16): compiled in the default run (tens of launches).
+FAMILY_MODULES = ("glm_mtp.optimized.kernels.kpool", "glm_mtp.optimized.kernels.rope_cache")
+
+
+def test_the_glm5_next_kernels_pass_at_glm5next(triton_cache):
+    """The pooled-key write, pool scores, pool selection and pools_forget (step, rows and batch
+    launches) and cache_rows_write with the gates, both dtypes, compiled for sm_90: 0 forbidden."""
+    done = _run_audit(["--presets", "glm5next", "--modules", *FAMILY_MODULES], triton_cache)
+    assert done.returncode == 0, done.stdout + done.stderr
+    modules = [importlib.import_module(m) for m in FAMILY_MODULES]
+    want = [(c.kernel, c.variant) for dtype in KERNEL_DTYPES for c in audit.cases(modules, MtpConfig.preset("glm5next"), dtype)]
+    rows = _table(done.stdout)
+    assert [tuple(r[:2]) for r in rows] == want
+    assert {"kpool:pool_keys_write", "kpool:pool_scores", "kpool:select_pool_rows", "kpool:pools_forget",
+            "cache_rows_write"} <= {k for k, _ in want}
+    for r in rows:
+        assert r[4] == "yes" and r[9] == "0", r
+    assert f"{len(want)} launches, {len(want)} compiled, 0 failed to compile, 0 forbidden instructions" in done.stdout
+
+
 # The preset the suite audits: glm5's real widths, what a GPU runs. tiny and small (smaller blocks,
 # masked tails) are in the CLI's default run (``python -m glm_mtp.tools.audit``), at the cost of
 # another ~300 compiles that CI's time budget leaves to that command (docs/performance.md: the PTX audit).
-AUDITED_PRESETS = ("glm5",)
+AUDITED_PRESETS = ("glm5", "glm5next")
 
 
 @pytest.mark.slow
-def test_every_drafter_kernel_passes_at_glm5(triton_cache):
-    """The acceptance run: every launch of every audited kernel, both cache dtypes, at glm5 (the
-    real widths), compiled for sm_90 and free of forbidden instructions.
+def test_every_drafter_kernel_passes_at_glm5_and_glm5next(triton_cache):
+    """The acceptance run: every launch of every audited kernel, both cache dtypes, at glm5 and
+    glm5next (the real widths of both families), compiled for sm_90 and free of forbidden instructions.
     TRITON_INTERPRET is left set where this process has it, so the restart is exercised too."""
     done = _run_audit(["--presets", *AUDITED_PRESETS], triton_cache, keep_interpret=True)
     assert done.returncode == 0, done.stdout + done.stderr

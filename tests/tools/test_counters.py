@@ -155,6 +155,27 @@ def test_measure_draft_step_tiny(dtype):
     json.dumps(r)
 
 
+@pytest.mark.parametrize("preset,dtype", [("tiny", torch.bfloat16), ("glm5next_tiny", torch.bfloat16),
+                                          ("glm5next_tiny", torch.float32)], ids=["tiny-bf16", "glm5next_tiny-bf16",
+                                                                                  "glm5next_tiny-fp32"])
+def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype):
+    """At most 24 launches and 1.15x the floor per draft step, and the same launches and bytes at
+    two capacities (a step reads what it attends to, never the capacity). glm5_next's counted
+    step (slot 19) completes pool 4 (its pooled key is computed) and sees 5 pools, 2 listed.
+    GLM-5's index_scores still stores -inf at every row past the slot: 4 bytes a row of capacity."""
+    w = MtpWeights.random(MtpConfig.preset(preset), seed=0, dtype=dtype)
+    small, large = (measure_draft_step(w, "triton", context=18, max_seq_len=m) for m in (64, 256))
+    assert small["launches_per_draft"] <= 24 and small["kernel_floor_ratio"] <= 1.15, small
+    for key in ("launches_per_draft", "triton_launches_per_draft", "floor_bytes_per_draft"):
+        assert small[key] == large[key], key
+    grown = 0 if w.config.is_next else 4 * (256 - 64)
+    assert large["kernel_bytes_per_draft"] - small["kernel_bytes_per_draft"] == grown
+    if w.config.is_next:  # the family's pieces ran, GLM-5's indexer did not
+        names = small["by_name_2"]
+        assert {"triton:_pool_keys_kernel", "triton:_pool_scores_kernel", "triton:_select_rows_kernel"} <= set(names)
+        assert "triton:_index_scores_kernel" not in names
+
+
 def test_measure_draft_step_reference_counts_torch_ops():
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
     r = measure_draft_step(w, backend="reference", context=4, max_seq_len=32)

@@ -167,6 +167,8 @@ class DevicePrograms:
         finite = torch.isfinite(hid).all(dim=1)  # (n,)
         out[:, 0].copy_(finite.long() * HIDDEN_FINITE + tok_ok.long() * TOKEN_IN_RANGE)
         bb.ok.copy_((finite & tok_ok).all().reshape(1))  # one bad row refuses the batch
+        if self.config.is_next:  # each state's rows past its position are gone: their pools incomplete
+            self.step.pools_forget(self.config, pos, loaded.caches, bb.ok)
         token = torch.where(tok_ok, tok, 0)
         hidden, x = hid, None
         for i in range(k):

@@ -24,9 +24,20 @@ cut into the launches a GPU runs for one draft step::
 plus the RoPE angles' two gathers. Each weight is read once per step; the attention reads the
 index keys of the visible rows and the kv rows of the listed ones, never the whole capacity.
 
+A glm5_next layer (DESIGN.md §7) is the same schedule with its own pieces: the input norm's
+launch also computes the KPool gate (5 weights); ``cache_rows_write`` stores the rows as normed
+(NoPE: nothing rotated) with their gates; the KPool indexer replaces 6-7 with
+
+     6a pool_keys_write     the key of every pool a new row completes, from its rows' keys and gates
+     6b pool_scores         I(t, p) over the row's visible complete pools only
+     7  select_pool_rows    its best index_topk / kp pools as rows, then its tail, ascending
+
+``absorbed_query`` and ``sparse_mla`` run without RoPE lanes, and ``experts_gate_up`` clamps the
+SwiGLU at ``swiglu_limit``. There are no RoPE angles to gather.
+
 ``fused_rows`` serves any number of rows T (a draft step: T = 1; a catch-up: its rows), each
-computed as if alone. It needs a MoE layer without shards (GLM-5's MTP layer); anything else
-takes the per-primitive path (``glm_mtp.optimized.block.block_rows``).
+computed as if alone. It needs a MoE layer without shards (GLM-5's and GLM-5.3-Flash's MTP
+layers); anything else takes the per-primitive path (``glm_mtp.optimized.block.block_rows``).
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from glm_mtp.reference.attention import LATENT_NORM_EPS, Rope
+from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.fp8 import BlockScaledWeight, is_block_scaled
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import MoeWeights, MtpWeights
@@ -48,8 +59,7 @@ from .kernels.paged import RowCaches, row_caches
 def fusable(w: MtpWeights) -> bool:
     """Whether ``fused_rows`` runs this layer: a MoE MLP, no shards (a sharded layer runs the
     reference's collectives), storage in a dtype the kernels take."""
-    return (isinstance(w.layer.mlp, MoeWeights) and w.shard_spec is None
-            and w.dtype in kernels.KERNEL_DTYPES and not w.config.is_next)
+    return isinstance(w.layer.mlp, MoeWeights) and w.shard_spec is None and w.dtype in kernels.KERNEL_DTYPES
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,9 @@ class StepKernels:
     absorbed_query: Callable[..., Any]
     index_scores: Callable[..., Any]
     select_rows: Callable[..., Any]
+    pool_keys_write: Callable[..., Any]
+    pool_scores: Callable[..., Any]
+    select_pool_rows: Callable[..., Any]
     sparse_mla: Callable[..., Any]
     linear_residual: Callable[..., Any]
     route: Callable[..., Any]
@@ -72,6 +85,7 @@ class StepKernels:
     head_partials: Callable[..., Any]
     argmax_reduce: Callable[..., Any]
     scatter_rows: Callable[..., Any]
+    pools_forget: Callable[..., Any]
 
 
 def kernel_pairs() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
@@ -84,6 +98,9 @@ def kernel_pairs() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
         "absorbed_query": (kernels.absorbed_query_triton, kernels.absorbed_query_torch),
         "index_scores": (kernels.index_scores_triton, kernels.index_scores_torch),
         "select_rows": (kernels.select_rows_triton, kernels.select_rows_torch),
+        "pool_keys_write": (kernels.pool_keys_write_triton, kernels.pool_keys_write_torch),
+        "pool_scores": (kernels.pool_scores_triton, kernels.pool_scores_torch),
+        "select_pool_rows": (kernels.select_pool_rows_triton, kernels.select_pool_rows_torch),
         "sparse_mla": (kernels.sparse_mla_triton, kernels.sparse_mla_torch),
         "linear_residual": (kernels.linear_residual_triton, kernels.linear_residual_torch),
         "route": (kernels.route_triton, kernels.route_torch),
@@ -92,11 +109,13 @@ def kernel_pairs() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
         "head_partials": (kernels.head_partials_triton, kernels.head_partials_torch),
         "argmax_reduce": (kernels.argmax_reduce_triton, kernels.argmax_reduce_torch),
         "scatter_rows": (kernels.scatter_rows_triton, kernels.scatter_rows_torch),
+        "pools_forget": (kernels.pools_forget_triton, kernels.pools_forget_torch),
     }
 
 
 # The fused pieces, in schedule order (the fields of ``StepKernels``); ``scatter_rows`` is the
-# batched programs' last write, each row into its own state's tensors.
+# batched programs' last write, each row into its own state's tensors, and ``pools_forget`` a
+# batched propose's rewind of glm5_next's pools.
 PIECES = tuple(f.name for f in fields(StepKernels) if f.name != "triton")
 
 
@@ -121,17 +140,26 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     rc = row_caches(caches)  # one address table for the call's cache kernels
 
     u = k.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
-    q_a, kv, k_raw, w_raw = norm_linear_by_format(
-        k, u, layer.input_layernorm, eps, [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj])
-    (q, q_idx), _ = k.norm_linear(q_a, attn.q_a_layernorm, LATENT_NORM_EPS, [attn.q_b_proj, ix.wq_b])
+    row_weights = [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj]
+    if cfg.is_next:  # the KPool gate reads the same normed row
+        row_weights.append(ix.kpool_gate)
+    q_a, kv, k_raw, w_raw, *gates = norm_linear_by_format(k, u, layer.input_layernorm, eps, row_weights)
+    (q, q_idx), _ = k.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, [attn.q_b_proj, ix.wq_b])
     k.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
-                       rope.sin, rc, ok)
+                       rope.sin, rc, ok, gates=gates[0] if gates else None)
 
     # Attention over the rows the indexer lists: this call's rows are in the cache already.
-    cos, sin = rope.at(slots)  # (T, R/2)
-    q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
-    scores = k.index_scores(cfg, q_idx, w_raw, cos, sin, rc, slots)  # (T, C) A
-    rows, count = k.select_rows(scores, slots, cfg.index_topk)  # (T, K), (T,)
+    if cfg.is_next:  # NoPE: no angles; the KPool indexer lists whole pools and the tail
+        no_angles = rope.cos[:1].expand(slots.shape[0], 0)  # (T, 0): a view, nothing gathered
+        q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, no_angles, no_angles)  # (T, nh, Lkv) A, (T, nh, 0)
+        k.pool_keys_write(cfg, ix, slots, rc, ok)
+        scores = k.pool_scores(cfg, q_idx, w_raw, rc, slots)  # (T, P) A, at the visible pools
+        rows, count = k.select_pool_rows(cfg, scores, slots)  # (T, Kp * kp + kp - 1), (T,)
+    else:
+        cos, sin = rope.at(slots)  # (T, R/2)
+        q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
+        scores = k.index_scores(cfg, q_idx, w_raw, cos, sin, rc, slots)  # (T, C) A
+        rows, count = k.select_rows(scores, slots, cfg.index_topk)  # (T, K), (T,)
     heads = k.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
     h = k.linear_residual(heads, attn.o_proj, u)  # (T, H)
 
@@ -140,7 +168,8 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     experts, weights = k.route(cfg, logits, moe.e_score_correction_bias)  # (T, k), (T, k)
     shared = moe.shared
     hidden, shared_hidden = k.experts_gate_up(m, experts, moe.experts_gate, moe.experts_up,
-                                              shared.gate_proj if shared else None, shared.up_proj if shared else None)
+                                              shared.gate_proj if shared else None, shared.up_proj if shared else None,
+                                              limit=moe.swiglu_limit)  # clamped in glm5_next
     return k.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
                                   shared.down_proj if shared else None, h)  # (T, H)
 

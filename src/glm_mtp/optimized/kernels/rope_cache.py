@@ -15,7 +15,7 @@ and adds one thing the reference does not need: every store is conditional on a 
 raw GEMV outputs ``kv`` (kv_a_proj, (T, Lkv + R)) and ``k`` (the indexer's wk, (T, D)) it stores
 exactly what ``attention.cache_rows`` computes from them::
 
-    latent = rms_norm(kv[:, :Lkv], kv_a_layernorm, LATENT_NORM_EPS)
+    latent = rms_norm(kv[:, :Lkv], kv_a_layernorm, cfg.latent_norm_eps)
     k_pe   = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
     key    = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
 
@@ -50,7 +50,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_mtp.reference.attention import LATENT_NORM_EPS
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import K_NORM_EPS, rope_first
 from glm_mtp.reference.layers import apply_rope
@@ -192,7 +191,7 @@ def _cache_rows_write_kernel(
     Lkv,
     R,
     D,
-    latent_eps_bits,  # int32: the bits of float32(LATENT_NORM_EPS)
+    latent_eps_bits,  # int32: the bits of float32(cfg.latent_norm_eps)
     k_eps_bits,  # int32: the bits of float32(K_NORM_EPS)
     KV_INTERLEAVE: tl.constexpr,
     INDEX_INTERLEAVE: tl.constexpr,
@@ -372,7 +371,7 @@ def _cache_rows_write_one(cfg: MtpConfig, kv: Tensor, k: Tensor, kv_norm_weight:
     """The twin for rows that all live in ``cache``."""
     Lkv = cfg.kv_lora_rank
     cos, sin = cos_table[slots], sin_table[slots]  # (T, R/2)
-    latent = rms_norm(kv[:, :Lkv], kv_norm_weight, LATENT_NORM_EPS)
+    latent = rms_norm(kv[:, :Lkv], kv_norm_weight, cfg.latent_norm_eps)
     k_pe = apply_rope(kv[:, Lkv:], cos, sin, cfg.rope_interleave)
     key = rope_first(layer_norm(k, k_norm_weight, k_norm_bias, K_NORM_EPS), cos, sin, cfg)
     block, offset = cache.block_table[slots // BLOCK_ROWS].long(), slots % BLOCK_ROWS
@@ -504,7 +503,7 @@ def cache_rows_write_launch(
         kv, k, k if gates is None else gates, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table,
         rc.addresses, rc.stride,
         ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
-        kv.stride(0), k.stride(0), 0 if gates is None else gates.stride(0), Lkv, R, D, float32_bits(LATENT_NORM_EPS),
+        kv.stride(0), k.stride(0), 0 if gates is None else gates.stride(0), Lkv, R, D, float32_bits(cfg.latent_norm_eps),
         float32_bits(K_NORM_EPS),
     )
     meta = dict(
@@ -559,7 +558,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     ``aligned``: a draft step or the one-row catch-up (``slots`` a fresh (1,) tensor).
     ``unaligned``: context rows from an odd row, ``slots[row:]`` 8 bytes off a 16-byte boundary.
     ``batch`` (``cache_rows_write``): a batched draft step, ``BATCH_ROWS`` rows each in its own
-    cache (an address table of one line per row, stride ADDRESS_COLUMNS)."""
+    cache (an address table of one line per row, stride ADDRESS_COLUMNS). At a glm5_next config
+    ``cache_rows_write`` stores the rows' KPool gates too, as the fused step calls it."""
     if dtype not in KERNEL_DTYPES:
         return []
     Lkv, R, D, rows = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, 4
@@ -576,9 +576,10 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         # One cache for every row: a one-line address table read with stride 0; a batch: one line per row.
         caches = RowCaches((cache,) * T, abstract((T, ADDRESS_COLUMNS), torch.int64)) if batch else \
             RowCaches((cache,), abstract((1, ADDRESS_COLUMNS), torch.int64))
+        gates = abstract((T, D), dtype) if cfg.is_next else None  # a glm5_next row's KPool gate
         return cache_rows_write_launch(cfg, abstract((T, Lkv + R), dtype), abstract((T, D), dtype), abstract((Lkv,), dtype),
                                        abstract((D,), dtype), abstract((D,), dtype), slots, table, table, caches, ok,
-                                       cuda=True)
+                                       gates=gates, cuda=True)
 
     return [
         AuditLaunch("rope_cache_write", "aligned", launch(1, abstract((1,), torch.int64))),
