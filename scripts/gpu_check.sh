@@ -46,7 +46,7 @@ for preset in tiny small; do
 done
 
 # The glm5_next family (GLM-5.3-Flash): its kernels audited at glm5next widths, then lockstep on CUDA
-# (the per-primitive block with the family's kernels, captured), batched generator included.
+# (the fused step with the family's kernels, captured), batched generator included.
 timeout 200 $PY -m glm_mtp.tools.audit --arch sm_90 --presets glm5next >"$OUT/audit-glm5next.log" 2>&1
 rc=$?
 [ $rc -ne 0 ] && status=1
@@ -78,7 +78,7 @@ rc=$?
 [ $rc -ne 0 ] && status=1
 echo "pytest -m gpu: exit $rc ($(tail -n 1 "$OUT/pytest-gpu.log"))" | tee -a "$summary"
 
-timeout 200 $PY -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5 \
+timeout 300 $PY -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5 glm5next_small glm5next \
   --drafts 1 2 3 4 5 --repeats 30 --out "$OUT/bench" >"$OUT/bench.log" 2>&1
 rc=$?
 [ $rc -ne 0 ] && status=1

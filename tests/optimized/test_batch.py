@@ -12,7 +12,7 @@ import torch
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.optimized.batch import bucket
 from glm_mtp.optimized.kernels import paged
-from glm_mtp.reference import ReferenceProposer
+from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 
 from .conftest import state_bytes
 
@@ -106,6 +106,53 @@ def test_batch_with_interpreted_kernels(weights):
     for n in (3, 12, 1):
         bt.join(n)
     bt.round(bt.seqs[::-1], 2)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def next_weights(request):
+    """glm5_next (kpool 4, 2 pools listed): a batch's rows complete pools in some states and not
+    others, and random accept counts rewind states into complete pools."""
+    return MtpWeights.random(MtpConfig.preset("glm5next_tiny"), seed=8, dtype=request.param)
+
+
+def test_glm5_next_batch_equals_each_state_alone(next_weights):
+    """The family through the fused step's batched programs: random rounds over a changing batch
+    of states at different lengths, each state's drafts and bytes the reference's alone."""
+    bt = Batched(next_weights, seed=4)
+    assert bt.opt.step is not None
+    for n in (1, 6, 13, 22):
+        bt.join(n)
+    for r in range(8):
+        if r == 3:
+            bt.join(bt.rng.randint(1, 25))
+        live = [s for s in bt.seqs if s["pos"] + 4 < bt.opt.capacity]
+        group = bt.rng.sample(live, bt.rng.randint(1, len(live)))
+        bt.round(group, bt.rng.choice([1, 2, 3, 4]))
+
+
+def test_glm5_next_batch_with_interpreted_kernels():
+    """The same with every piece a Triton kernel (the KPool ones through the per-row address
+    table, pools_forget included): a round that rewinds, then one that completes pools. bf16 only
+    (the kernels' dtypes are proven apart in test_kernels_kpool.py; the interpreter is slow)."""
+    w = MtpWeights.random(MtpConfig.preset("glm5next_tiny"), seed=8, dtype=torch.bfloat16)
+    bt = Batched(w, kernels="triton", max_seq_len=32, seed=5)
+    for n in (4, 11, 2):
+        bt.join(n)
+    bt.round(bt.seqs[::-1], 3)
+    bt.round(bt.seqs, 2)
+
+
+def test_glm5_next_refusal_changes_no_state(next_weights):
+    """A NaN hidden in one row refuses the batch, naming it; every state (pools included) unchanged."""
+    bt = Batched(next_weights, seed=6, max_batch=4)
+    for n in (7, 3, 12):
+        bt.join(n)
+    before = _snapshot(bt)
+    hid = bt.hiddens(3)
+    hid[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"states\[1\]"):
+        bt.opt.propose_batch(bt.tokens(3), hid, [s["pos"] for s in bt.seqs], 3, [s["opt"] for s in bt.seqs])
+    assert _snapshot(bt) == before
 
 
 def _snapshot(bt):

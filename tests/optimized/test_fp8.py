@@ -56,6 +56,26 @@ def test_fp8_lockstep_interpreted_kernels_wide(lockstep, make_inputs):
     assert ls.refused == 0
 
 
+# glm5_next (NoPE, the KPool indexer, clamped experts) with widths above 128.
+NEXT_WIDE = MtpConfig.preset("glm5next_tiny").replace(hidden_size=200, q_lora_rank=136, moe_intermediate_size=144)
+
+
+def test_fp8_glm5_next_lockstep_torch_twins(lockstep, make_inputs):
+    """The family's fp8 layer in the fused step (its gate, index weights and router stay plain)."""
+    q = MtpWeights.random(NEXT_WIDE, seed=5, dtype=torch.bfloat16).quantize_fp8()
+    ls = lockstep(q, max_seq_len=32, kernels="torch")
+    assert ls.opt.step is not None
+    loop(ls, make_inputs(q, seed=6), steps=6)
+    assert ls.refused == 0
+
+
+def test_fp8_glm5_next_lockstep_interpreted_kernels(lockstep, make_inputs):
+    q = MtpWeights.random(MtpConfig.preset("glm5next_tiny"), seed=5, dtype=torch.bfloat16).quantize_fp8()
+    ls = lockstep(q, max_seq_len=32, kernels="triton")
+    loop(ls, make_inputs(q, seed=7), steps=2)
+    assert ls.refused == 0
+
+
 def test_fp8_the_fused_step_cannot_take_is_refused():
     q = MtpWeights.random(MtpConfig.preset("tiny"), seed=1, dtype=torch.float64).quantize_fp8()
     with pytest.raises(ValueError, match="OptimizedProposer: block-scaled fp8 weights .* run in the fused step only"):

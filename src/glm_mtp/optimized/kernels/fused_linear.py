@@ -42,7 +42,6 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_mtp.reference import numerics
-from glm_mtp.reference.attention import LATENT_NORM_EPS
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.fp8 import BlockScaledWeight, scale_shape
 from glm_mtp.reference.layers import greedy_token
@@ -643,12 +642,12 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         launches.append(AuditLaunch("block_input", variant, block_input_launch(
             a(V, H), a(T, dt=torch.int64), a(T, dt=torch.int64), a(T, H), a(H), a(H), cfg.rms_norm_eps,
             a(H, 2 * H), a(T, H), cuda=True)))
-        attn_in = [a(Lq, H), a(cfg.kv_row_width, H), a(D, H), a(Hi, H)]
+        attn_in = [a(Lq, H), a(cfg.kv_row_width, H), a(D, H), a(Hi, H)] + ([a(D, H)] if cfg.is_next else [])  # + the KPool gate
         launches.append(AuditLaunch("norm_linear:input", variant, norm_linear_launch(
             a(T, H), a(H), cfg.rms_norm_eps, attn_in, [a(T, w.shape[0]) for w in attn_in], cuda=True)))
         q_b = [a(nh * cfg.qk_head_dim, Lq), a(Hi * D, Lq)]
         launches.append(AuditLaunch("norm_linear:q_a_norm", variant, norm_linear_launch(
-            a(T, Lq), a(Lq), LATENT_NORM_EPS, q_b, [a(T, w.shape[0]) for w in q_b], cuda=True)))
+            a(T, Lq), a(Lq), cfg.latent_norm_eps, q_b, [a(T, w.shape[0]) for w in q_b], cuda=True)))
         router = a(cfg.n_routed_experts, H)
         launches.append(AuditLaunch("norm_linear:router", variant, norm_linear_launch(
             a(T, H), a(H), cfg.rms_norm_eps, [router], [a(T, cfg.n_routed_experts, dt=torch.float32)], a(T, H),
@@ -672,7 +671,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             a(T, H), a(H), cfg.rms_norm_eps, fp8_in, [a(T, w.shape[0]) for w in fp8_in], cuda=True)))
         fp8_q_b = [q(nh * cfg.qk_head_dim, Lq), q(Hi * D, Lq)]
         launches.append(AuditLaunch("norm_linear:q_a_norm_fp8", variant, norm_linear_launch(
-            a(T, Lq), a(Lq), LATENT_NORM_EPS, fp8_q_b, [a(T, w.shape[0]) for w in fp8_q_b], cuda=True)))
+            a(T, Lq), a(Lq), cfg.latent_norm_eps, fp8_q_b, [a(T, w.shape[0]) for w in fp8_q_b], cuda=True)))
         launches.append(AuditLaunch("linear_residual_fp8", variant, linear_residual_launch(
             a(T, nh * cfg.v_head_dim), q(H, nh * cfg.v_head_dim), a(T, H), a(T, H), cuda=True)))
     return launches
