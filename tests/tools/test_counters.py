@@ -155,15 +155,19 @@ def test_measure_draft_step_tiny(dtype):
     json.dumps(r)
 
 
-@pytest.mark.parametrize("preset,dtype", [("tiny", torch.bfloat16), ("glm5next_tiny", torch.bfloat16),
-                                          ("glm5next_tiny", torch.float32)], ids=["tiny-bf16", "glm5next_tiny-bf16",
-                                                                                  "glm5next_tiny-fp32"])
-def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype):
-    """At most 24 launches and 1.15x the floor per draft step, and the same launches and bytes at
-    two capacities (a step reads what it attends to, never the capacity). glm5_next's counted
-    step (slot 19) completes pool 4 (its pooled key is computed) and sees 5 pools, 2 listed.
-    GLM-5's index_scores still stores -inf at every row past the slot: 4 bytes a row of capacity."""
+@pytest.mark.parametrize("preset,dtype,fp8", [("tiny", torch.bfloat16, False), ("glm5next_tiny", torch.bfloat16, False),
+                                              ("glm5next_tiny", torch.float32, False), ("glm5next_tiny", torch.bfloat16, True)],
+                         ids=["tiny-bf16", "glm5next_tiny-bf16", "glm5next_tiny-fp32", "glm5next_tiny-fp8"])
+def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8):
+    """At most 24 launches and 1.15x the floor per draft step (with fp8 weights: the fp8 floor,
+    1 byte a value plus the scales), and the same launches and bytes at two capacities (a step
+    reads what it attends to, never the capacity). glm5_next's counted step (slot 19) completes
+    pool 4 (its pooled key is computed) and sees 5 pools, 2 listed. GLM-5's index_scores still
+    stores -inf at every row past the slot: 4 bytes a row of capacity."""
     w = MtpWeights.random(MtpConfig.preset(preset), seed=0, dtype=dtype)
+    if fp8:
+        w = w.quantize_fp8()
+        assert floor_bytes_per_draft(w.config, dtype, 20, block_scaled=True) < floor_bytes_per_draft(w.config, dtype, 20)
     small, large = (measure_draft_step(w, "triton", context=18, max_seq_len=m) for m in (64, 256))
     assert small["launches_per_draft"] <= 24 and small["kernel_floor_ratio"] <= 1.15, small
     for key in ("launches_per_draft", "triton_launches_per_draft", "floor_bytes_per_draft"):

@@ -2,6 +2,7 @@
 
     python -m glm_mtp.experiments.bench                       # CPU: tiny, small, glm5_shape; k = 1..5
     python -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5
+    python -m glm_mtp.experiments.bench --presets glm5next_tiny glm5next_small   # GLM-5.3-Flash's layer, + its H200 projection
     python -m glm_mtp.experiments.bench --presets small --backends reference --max-position-embeddings 131072 --max-seq-len 131072
     python -m glm_mtp.experiments.bench --target-costs          # c and v(k) of the speedup model, toy target + GLM-5
 
@@ -12,7 +13,7 @@ bytes one draft step must read (the active weights, the head, the rows attended)
 those bytes over the device's copy bandwidth, measured in the same run. Backends are timed
 alternately, round by round, so their ratio holds on a noisy machine.
 
-At the presets of ``--counters`` (default on CPU: tiny and small; on CUDA none) each record also
+At the presets of ``--counters`` (default on CPU: those of ``COUNTER_PRESETS`` run; on CUDA none) each record also
 carries the launch counters of one draft step, measured on CPU in a subprocess (``python -m
 glm_mtp.tools.counters``, Triton's interpreter for the optimized backend's kernels):
 ``launches_per_draft`` (kernel launches plus the torch operators that would launch one on a GPU),
@@ -21,7 +22,12 @@ weights a draft step must read plus its attended rows) and ``kernel_floor_ratio`
 depend on k (the marginal draft step of a propose) nor on ``--device``. The reference backend is
 counted the same way (its torch operators).
 
-Writes ``bench.json`` (one record per measurement), ``bench.md`` and ``bench.png`` into ``--out``.
+From the optimized backend's counts at each family's widest counted preset the bench projects
+that family's full-width draft step on an H200 (``glm5``, ``glm5next``; ``tools.floor.project_step``:
+the floor there times the counted ratio at the HBM bandwidth, plus the launches; a model).
+
+Writes ``bench.json`` (one record per measurement, and ``projection``), ``bench.md`` and
+``bench.png`` into ``--out``.
 
 ``--target-costs`` measures instead the costs of the speedup model (``speedup.py``) for the
 experiments' toy target (the shipped checkpoint, or ``--checkpoint DIR``) on this machine: a
@@ -51,7 +57,7 @@ import torch
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 from glm_mtp.tools.counters import LaunchCounter
-from glm_mtp.tools.floor import floor_bytes_per_draft
+from glm_mtp.tools.floor import H200_BYTES_PER_S, GRAPH_LAUNCH_S, floor_bytes_per_draft, project_step
 from glm_mtp.tools.timing import copy_bandwidth, state_nbytes, timed
 
 from .validate import unwritable_dir
@@ -59,7 +65,7 @@ from .validate import unwritable_dir
 # The weight dtypes the bench runs (names of glm_mtp.registry.DTYPES).
 BENCH_DTYPES = ("bfloat16", "float16", "float32")
 # Presets whose draft step the launch counters measure by default (the interpreter is slow).
-COUNTER_PRESETS = ("tiny", "small")
+COUNTER_PRESETS = ("tiny", "small", "glm5next_tiny", "glm5next_small")
 # The counter fields each record gains (None where a preset was not counted).
 COUNTER_FIELDS = ("launches_per_draft", "triton_launches_per_draft", "kernel_bytes_per_draft", "floor_bytes_per_draft",
                   "kernel_floor_ratio", "launches_per_propose_overhead", "kernel_bytes_per_propose_overhead")
@@ -228,6 +234,34 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def projections(records: list[dict[str, Any]], dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The H200 projection of each family's full-width step (``tools.floor.project_step``: a
+    model, not a measurement), from the optimized backend's counts at the widest preset of that
+    family this run counted (``small`` over ``tiny``)."""
+    counted = {r["preset"]: r for r in records if r["backend"] == "optimized" and r["kernel_floor_ratio"] is not None}
+    widest: dict[str, dict[str, Any]] = {}
+    for preset, r in counted.items():
+        family = MtpConfig.preset(preset).family
+        if family not in widest or r["floor_bytes_per_draft"] > widest[family]["floor_bytes_per_draft"]:
+            widest[family] = r
+    out = []
+    for r in widest.values():
+        p = project_step(r["preset"], r["kernel_floor_ratio"], r["launches_per_draft"], dtype)
+        out.append(dict(preset=p.preset, counted_at=p.counted_at, visible_rows=p.visible_rows, floor_bytes=p.floor_bytes,
+                        kernel_floor_ratio=p.kernel_floor_ratio, launches=p.launches, step_bytes=p.step_bytes, step_ms=p.step_ms))
+    return out
+
+
+def projection_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"H200 projection (a model, not a measurement: bytes at {H200_BYTES_PER_S / 1e12:.1f} TB/s plus "
+             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller preset of the family):",
+             "", "| preset | counted at | visible rows | floor GB | x floor | launches | projected ms/draft |", "|---|---|---|---|---|---|---|"]
+    for p in rows:
+        lines.append(f"| {p['preset']} | {p['counted_at']} | {p['visible_rows']} | {p['floor_bytes'] / 1e9:.3f} | "
+                     f"{p['kernel_floor_ratio']:.2f} | {p['launches']} | {p['step_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -279,10 +313,12 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
         config=dataclasses.asdict(bc),
     )
     capacity = ", ".join(dict.fromkeys(f"{r['preset']} {r['max_seq_len']}" for r in records))  # max_seq_len in effect
-    (out / "bench.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    projected = projections(records, parse_dtype(bc.dtype))
+    (out / "bench.json").write_text(json.dumps(dict(meta=meta, records=records, projection=projected), indent=1))
     (out / "bench.md").write_text(
         f"Device: {meta['device']} ({bc.device}, {bc.dtype}); copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s; "
         f"{bc.context} context rows; capacity {capacity} rows; median of {bc.repeats} runs.\n\n" + markdown_table(records)
+        + (f"\n{projection_table(projected)}" if projected else "")
     )
     plot(records, out / "bench.png")
     return records
@@ -423,6 +459,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     records = run(bc)
     print(markdown_table(records))
+    projected = projections(records, parse_dtype(bc.dtype))
+    if projected:
+        print(projection_table(projected))
     print(f"wrote {bc.out}/bench.json, bench.md, bench.png")
 
 

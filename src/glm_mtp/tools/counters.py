@@ -625,6 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (else a short table)")
+    p.add_argument("--weights", default="plain", choices=["plain", "fp8"],
+                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by quantize_fp8)")
     p.add_argument("--batch", type=int, default=None,
                    help="measure one batched draft step (propose_batch) over this many states instead (optimized backend)")
     a = p.parse_args(argv)
@@ -641,6 +643,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--context must be >= 1 and --max-seq-len >= --context + 4")
     torch.set_num_threads(1)
     weights = MtpWeights.random(cfg, seed=a.seed, dtype=parse_dtype(a.dtype), device="cpu")
+    if a.weights == "fp8":
+        weights = weights.quantize_fp8()
     if a.batch is not None:
         if a.batch < 1 or a.backend != "optimized":
             p.error("--batch must be >= 1, with --backend optimized")
@@ -653,11 +657,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{result['kernel_bytes_per_step']} bytes/step ({result['kernel_bytes_per_row']:.0f} per row)")
         return
     result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
-    result["preset"] = a.preset
+    result["preset"], result["weights"] = a.preset, a.weights
     if a.json:
         print(json.dumps(result))
         return
-    print(f"{a.preset} {a.dtype} {a.backend}: {result['launches_per_draft']} launches/draft "
+    print(f"{a.preset} {a.dtype} ({a.weights} weights) {a.backend}: {result['launches_per_draft']} launches/draft "
           f"({result['triton_launches_per_draft']} Triton), {result['kernel_bytes_per_draft']} bytes/draft, "
           f"floor {result['floor_bytes_per_draft']} bytes (x{result['kernel_floor_ratio']:.2f}); "
           f"per propose +{result['launches_per_propose_overhead']} launches, +{result['kernel_bytes_per_propose_overhead']} bytes")

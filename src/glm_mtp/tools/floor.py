@@ -99,3 +99,50 @@ def attended_row_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2
 def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int, block_scaled: bool = False) -> int:
     """``draft_step_bytes(...).total`` for weights stored in ``dtype``."""
     return draft_step_bytes(cfg, visible_rows, torch.empty(0, dtype=dtype).element_size(), block_scaled).total
+
+
+# ---- a draft step on an H200, as a model -------------------------------------------------------
+# Not a measurement: a step in a CUDA graph costs its bytes at the HBM bandwidth plus a fixed
+# cost per launch. 4.8 TB/s is the H200's HBM3e peak; ~1.5 us a launch inside a graph.
+H200_BYTES_PER_S = 4.8e12
+GRAPH_LAUNCH_S = 1.5e-6
+# The full-width preset of each family, the one a projection is made for.
+FULL_PRESET = {"glm5": "glm5", "glm5_next": "glm5next"}
+
+
+@dataclass(frozen=True)
+class StepProjection:
+    """One draft step at a full-width preset, projected from counts made at a smaller one.
+
+    Args:
+        preset: the full-width preset (``glm5``, ``glm5next``).
+        counted_at: the preset whose draft step was counted (its kernel/floor ratio and launches).
+        visible_rows: rows visible to the step.
+        floor_bytes: the floor at ``preset`` (``floor_bytes_per_draft``).
+        kernel_floor_ratio / launches: as counted at ``counted_at``; neither grows with the widths
+            (the launches are a fixed schedule, and the ratio falls as weights dominate).
+    """
+
+    preset: str
+    counted_at: str
+    visible_rows: int
+    floor_bytes: int
+    kernel_floor_ratio: float
+    launches: int
+
+    @property
+    def step_bytes(self) -> float:
+        return self.floor_bytes * self.kernel_floor_ratio
+
+    @property
+    def step_ms(self) -> float:
+        return (self.step_bytes / H200_BYTES_PER_S + self.launches * GRAPH_LAUNCH_S) * 1e3
+
+
+def project_step(counted_at: str, kernel_floor_ratio: float, launches: int, dtype: torch.dtype,
+                 visible_rows: int = 4096, block_scaled: bool = False) -> StepProjection:
+    """The draft step of ``counted_at``'s family at its full width (``FULL_PRESET``), from the
+    kernel/floor ratio and launches counted at ``counted_at`` (a model: see ``H200_BYTES_PER_S``)."""
+    full = FULL_PRESET[MtpConfig.preset(counted_at).family]
+    floor = floor_bytes_per_draft(MtpConfig.preset(full), dtype, visible_rows, block_scaled)
+    return StepProjection(full, counted_at, visible_rows, floor, kernel_floor_ratio, launches)
