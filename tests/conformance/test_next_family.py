@@ -74,5 +74,17 @@ def test_the_cli_runs_the_family_on_both_backends(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_the_cli_runs_the_family_through_the_interpreted_kernels(tmp_path):
+    """``--kernels triton``: the fused step's Triton kernels (the KPool ones included), through
+    the interpreter on CPU, against the reference; the report names that backend."""
+    import json
+
+    out = tmp_path / "r.json"
+    assert main(["--kernels", "triton", "--preset", PRESET, "--scenarios", "1", "--max-drafts", "2", "--max-seq-len", "24",
+                 "--seed", "5", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["ok"] is True and rep["candidate"].endswith("with_triton_kernels"), rep["candidate"]
+
+
 def test_a_kpool_mutant_fails_the_cli(capsys):
     assert main(["--candidate", "mutant:kpool_misaligned", "--preset", PRESET, "--scenarios", "2", "--json", ""]) == 1
