@@ -234,8 +234,13 @@ def check_train(cfg: Any) -> None:
     base = _get(cfg, "train").get("base")
     if base is not None and base != "shipped" and not (isinstance(base, str) and os.path.isfile(os.path.join(base, "config.json"))):
         raise ValueError(f"train.base must be null, shipped or a checkpoint directory (with config.json), got {base!r}")
+    if "indexer_loss_weight" in _get(cfg, "train"):
+        need_float(cfg, "train.indexer_loss_weight", 0.0)
     need_int(cfg, "tokenizer.vocab_size", 1)
     need_int(cfg, "tokenizer.sample_every", 1)
+    tok_path = _get(cfg, "tokenizer").get("path")
+    if tok_path is not None and tok_path != "shipped" and not (isinstance(tok_path, str) and os.path.isfile(os.path.join(tok_path, "tokenizer.json"))):
+        raise ValueError(f"tokenizer.path must be null, shipped or a checkpoint directory (with tokenizer.json and corpus.json), got {tok_path!r}")
     if _get(cfg, "tokenizer.limit_items") is not None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
@@ -280,8 +285,9 @@ def check_arch(cfg: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise ValueError(f"arch must describe a valid model: {e}") from None
     seq_len = _get(cfg, "train.seq_len")
-    if seq_len > mcfg.index_topk:
-        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained, got {seq_len}")
+    if seq_len > mcfg.index_topk and not mcfg.is_next:
+        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not trained "
+                         f"(arch.family=glm5_next trains its KPool indexer), got {seq_len}")
     if seq_len + 1 > mcfg.max_position_embeddings:
         raise ValueError(f"train.seq_len must be < arch.max_position_embeddings ({mcfg.max_position_embeddings}), got {seq_len}")
     return mcfg
