@@ -86,6 +86,25 @@ def check_logger(cfg: Any) -> None:
         need_choice(cfg, "logger.mode", ("offline", "online", "disabled"))
 
 
+ATTENTION = ("sparse", "dense")
+
+
+def check_attention(attention: object, backend: str, model: Any) -> str:
+    """``attention``: ``sparse`` (the drafter's own selection) or ``dense`` (every visible row: the
+    KPool selection swapped in the reference drafter, so a glm5_next model on backend=reference).
+    ``ValueError`` naming the setting otherwise."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {attention!r}")
+    if attention == "dense":
+        if backend != "reference":
+            raise ValueError(f"attention=dense swaps the drafter's KPool selection in the reference drafter only (backend=reference); "
+                             f"backend={backend} fuses its own selection")
+        if not model.is_next:
+            raise ValueError("attention=dense swaps the KPool indexer of a glm5_next model (e.g. model=next_shipped); "
+                             "this model is of the glm5 family")
+    return attention
+
+
 def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
     """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
     needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
@@ -156,6 +175,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
         except ValueError as e:
             raise ValueError(f"speedup.costs: {e}") from None
     model = model_config(cfg) if model is None else model
+    check_attention(cfg.get("attention", "sparse"), _get(cfg, "backend.name"), model)
     check_lengths(cfg, model.max_position_embeddings)
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
@@ -179,9 +199,12 @@ def model_config(cfg: Any) -> Any:
             raise ValueError(f"model.preset must be a preset name: {e}") from None
     path = _get(cfg, "model").get("path")
     if path is None:
-        from .checkpoint import shipped_checkpoint
+        from .checkpoint import SHIPPED, shipped_checkpoint
 
-        path = str(shipped_checkpoint())
+        try:
+            path = str(shipped_checkpoint(_get(cfg, "model").get("shipped") or SHIPPED))
+        except FileNotFoundError as e:
+            raise ValueError(f"model.shipped: {e}") from None
     if not isinstance(path, str):
         raise ValueError(f"model.path must be a checkpoint directory or null (the shipped checkpoint), got {path!r}")
     try:

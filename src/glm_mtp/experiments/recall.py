@@ -1,0 +1,120 @@
+"""The drafter's sparse selection in an acceptance run: which selection it attends through
+(``attention``: ``sparse``, its KPool indexer, or ``dense``, every visible row) and how much of
+the dense attention the selection keeps at every drafted position (the indexer's recall,
+``reference.recall``).
+
+A ``RecallProbe`` is the drafter's ``KPoolRowsFn`` (glm5_next): it runs the chosen selection and,
+while ``ProbedProposer.propose`` runs, records for each drafted row its draft position i (1..k),
+its slot, how many rows it could see and how many it attended, and its recall. Prefill and
+catch-up rows are selected the same way and not recorded. Recording adds a dense attention
+computation to every drafted row (the loop's ``draft_seconds`` include it); the speedup model's
+measured costs are timed with recording off.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from glm_mtp.reference.attention import KPoolRowsFn
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.kpool import kpool_all_rows, kpool_rows
+from glm_mtp.reference.numerics import Numerics
+from glm_mtp.reference.recall import selection_recall
+from glm_mtp.reference.state import LayerCache
+from glm_mtp.reference.weights import IndexerWeights, MtpWeights
+
+ATTENTION = ("sparse", "dense")
+# attention -> the drafter's KPool selection (a choice of piece, not a second drafter)
+SELECTIONS: dict[str, KPoolRowsFn] = {"sparse": kpool_rows, "dense": kpool_all_rows}
+
+
+def selection(attention: str) -> KPoolRowsFn:
+    """The ``KPoolRowsFn`` of ``attention`` (``sparse`` | ``dense``); ``ValueError`` otherwise."""
+    if attention not in SELECTIONS:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    return SELECTIONS[attention]
+
+
+@dataclass
+class RecallProbe:
+    """A ``KPoolRowsFn`` that selects through ``select`` and records drafted rows' recall.
+
+    Args:
+        weights: the MTP layer (its attention weights give the dense distribution).
+        select: the selection it runs (``kpool_rows`` or ``kpool_all_rows``).
+    """
+
+    weights: MtpWeights
+    select: KPoolRowsFn
+    records: list[dict[str, float]] = field(default_factory=list)
+    position: int | None = None  # the next draft position while a propose runs, else None
+
+    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+                 ops: Numerics) -> tuple[Tensor, Tensor]:
+        rows, count = self.select(ix, cfg, a, q_latent, slots, cache, ops)
+        if self.position is not None:  # a propose writes its drafts one row per call
+            S = int(slots.max()) + 1
+            r = selection_recall(self.weights.layer.attn, cfg, q_latent, cache.kv_rows(S), slots, rows, count)  # (T,)
+            for t in range(slots.shape[0]):
+                self.position += 1
+                self.records.append({"position": self.position, "slot": int(slots[t]), "visible": int(slots[t]) + 1,
+                                     "attended": int(count[t]), "recall": float(r[t])})
+        return rows, count
+
+
+class ProbedProposer:
+    """A drafter whose ``propose`` calls are recorded by its ``RecallProbe`` (every other call
+    and attribute is the drafter's own)."""
+
+    def __init__(self, proposer: Any, probe: RecallProbe) -> None:
+        self._proposer = proposer
+        self.probe = probe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._proposer, name)
+
+    def propose(self, *args: Any, **kwargs: Any) -> list[int]:
+        self.probe.position = 0
+        try:
+            return self._proposer.propose(*args, **kwargs)
+        finally:
+            self.probe.position = None
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear interpolation between order statistics; NaN when empty)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def recall_summary(records: list[dict[str, float]], num_drafts: int) -> dict[str, Any]:
+    """``summary.json``'s ``recall``: median, lower decile (p10) and mean of the drafted rows'
+    recall, overall and per draft position, and how often selection was real (the row could see
+    more rows than it attended)."""
+
+    def stats(rs: list[dict[str, float]]) -> dict[str, float]:
+        vals = [r["recall"] for r in rs]
+        return {"rows": len(vals), "median": quantile(vals, 0.5), "p10": quantile(vals, 0.1),
+                "mean": statistics.fmean(vals) if vals else float("nan"), "min": min(vals) if vals else float("nan")}
+
+    real = [r for r in records if r["attended"] < r["visible"]]
+    return {
+        **stats(records),
+        "per_position": [stats([r for r in records if r["position"] == i + 1]) for i in range(num_drafts)],
+        "selection_real_share": len(real) / len(records) if records else float("nan"),
+        "mean_visible": statistics.fmean(r["visible"] for r in records) if records else float("nan"),
+        "mean_attended": statistics.fmean(r["attended"] for r in records) if records else float("nan"),
+        "definition": "share of the dense head-averaged attention mass (float64) on the rows the drafter attended, per drafted row",
+    }
+
+
+__all__ = ["ATTENTION", "SELECTIONS", "selection", "RecallProbe", "ProbedProposer", "quantile", "recall_summary"]
