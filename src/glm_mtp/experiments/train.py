@@ -344,6 +344,8 @@ def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float
     t = cfg.train
     ov = [o for n, o in corpus.split.overlap.items() if n in corpus.split.heldout]
     max_lines, max_grams = max((o.lines for o in ov), default=0.0), max((o.ngrams for o in ov), default=0.0)
+    repro_test = ("`tests/experiments/test_train_next.py` (sha256 of the written files, twice; another seed differs)" if mcfg.is_next
+                  else "`tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock\na thousand times slower)")
     tok_path = cfg.tokenizer.get("path")
     reused = f"; reused from `tokenizer.path={tok_path}` (the same split, checked by its sha256), not retrained" if tok_path else ""
     based = (f"\n\nBase: the target, embedding, head and tokenizer of `train.base={t.base}`, frozen; only the MTP layer was "
@@ -370,8 +372,7 @@ cosine from {t.lr:g} to {t.min_lr:g} at step {t.steps}, `training_log.json` hold
 windows are drawn from a generator seeded with the seed, and torch runs `train.threads` = {t.threads}
 thread(s) (set by the command: the reductions' order depends on the thread count). So the same
 command on the same Python and torch gives a byte-identical `model.safetensors`; checked on short
-runs by `tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock
-a thousand times slower).
+runs by {repro_test}.
 
 ## Data
 
