@@ -6,7 +6,7 @@ import torch
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference.kpool import kpool_all_rows, select_pool_rows, visible_rows
-from glm_mtp.reference.recall import recall_of
+from glm_mtp.reference.recall import oracle_pool_recall, recall_of
 
 CFG = MtpConfig.preset("glm5next_tiny")  # index_kpool 4, index_topk 8
 
@@ -51,3 +51,18 @@ def test_recall_is_one_for_every_row_and_the_listed_mass_otherwise():
     listed = torch.stack([mass[t, rows[t, : count[t]]].sum() for t in range(8)])
     torch.testing.assert_close(r, listed, rtol=0, atol=1e-12)
     assert bool((r < 1).all()) and bool((r > 0).all())
+
+
+def test_the_oracle_keeps_the_most_mass_any_selection_can():
+    slots = torch.arange(20, 28)
+    g = torch.Generator().manual_seed(3)
+    mass = torch.rand(8, 28, generator=g, dtype=torch.float64).masked_fill(torch.arange(28)[None] > slots[:, None], 0.0)
+    mass = mass / mass.sum(-1, keepdim=True)
+    best = oracle_pool_recall(mass, slots, CFG)
+    for seed in range(20):  # random pool scores: never above the oracle
+        rows, count = select_pool_rows(torch.rand(8, 7, generator=torch.Generator().manual_seed(seed)), slots, CFG)
+        assert bool((recall_of(mass, rows, count, slots) <= best + 1e-12).all())
+    uniform = torch.ones(8, 28, dtype=torch.float64).masked_fill(torch.arange(28)[None] > slots[:, None], 0.0)
+    uniform = uniform / uniform.sum(-1, keepdim=True)
+    # Flat attention: every selection keeps its share of the rows, the oracle too.
+    torch.testing.assert_close(oracle_pool_recall(uniform, slots, CFG), (2 * 4 + (slots + 1) % 4).double() / (slots + 1), rtol=0, atol=1e-12)

@@ -366,6 +366,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     recall = summary.get("recall")
     if recall is not None:
         print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 {recall['p10']:.4f} "
+              f"(oracle {recall['oracle_median']:.4f}, {recall['oracle_p10']:.4f}; dense entropy / log(visible) {recall['entropy_median']:.3f}) "
               f"({recall['rows']} rows; selection real in {recall['selection_real_share']:.0%}, "
               f"{recall['mean_attended']:.0f} of {recall['mean_visible']:.0f} visible rows attended on average)")
     os.makedirs(run_dir, exist_ok=True)
@@ -386,6 +387,8 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
              "time/draft_share": summary["draft_share"],
              **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"], "recall/mean": recall["mean"],
+                                           "recall/oracle_median": recall["oracle_median"], "recall/oracle_p10": recall["oracle_p10"],
+                                           "recall/entropy_median": recall["entropy_median"],
                                            "recall/selection_real_share": recall["selection_real_share"],
                                            **{f"recall/p10_{i + 1}": p["p10"] for i, p in enumerate(recall["per_position"])},
                                            **{f"recall/median_{i + 1}": p["median"] for i, p in enumerate(recall["per_position"])}})})

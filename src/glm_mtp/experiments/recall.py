@@ -5,7 +5,9 @@ the dense attention the selection keeps at every drafted position (the indexer's
 
 A ``RecallProbe`` is the drafter's ``KPoolRowsFn`` (glm5_next): it runs the chosen selection and,
 while ``ProbedProposer.propose`` runs, records for each drafted row its draft position i (1..k),
-its slot, how many rows it could see and how many it attended, and its recall. Prefill and
+its slot, how many rows it could see and how many it attended, its recall, the oracle recall
+(the best KPool selection of index_topk rows plus the tail: what a perfect indexer keeps) and
+the dense distribution's entropy over the log of the visible rows (1: uniform). Prefill and
 catch-up rows are selected the same way and not recorded. Recording adds a dense attention
 computation to every drafted row (the loop's ``draft_seconds`` include it); the speedup model's
 measured costs are timed with recording off.
@@ -17,13 +19,14 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from glm_mtp.reference.attention import KPoolRowsFn
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.kpool import kpool_all_rows, kpool_rows
 from glm_mtp.reference.numerics import Numerics
-from glm_mtp.reference.recall import selection_recall
+from glm_mtp.reference.recall import dense_attention_mass, oracle_pool_recall, recall_of
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import IndexerWeights, MtpWeights
 
@@ -58,11 +61,14 @@ class RecallProbe:
         rows, count = self.select(ix, cfg, a, q_latent, slots, cache, ops)
         if self.position is not None:  # a propose writes its drafts one row per call
             S = int(slots.max()) + 1
-            r = selection_recall(self.weights.layer.attn, cfg, q_latent, cache.kv_rows(S), slots, rows, count)  # (T,)
+            mass = dense_attention_mass(self.weights.layer.attn, cfg, q_latent, cache.kv_rows(S), slots)  # (T, S)
+            r, best = recall_of(mass, rows, count, slots), oracle_pool_recall(mass, slots, cfg)  # (T,), (T,)
+            entropy = -torch.xlogy(mass, mass).sum(-1) / torch.log((slots + 1).to(mass.dtype)).clamp_min(1e-300)  # (T,)
             for t in range(slots.shape[0]):
                 self.position += 1
                 self.records.append({"position": self.position, "slot": int(slots[t]), "visible": int(slots[t]) + 1,
-                                     "attended": int(count[t]), "recall": float(r[t])})
+                                     "attended": int(count[t]), "recall": float(r[t]), "oracle": float(best[t]),
+                                     "entropy": float(entropy[t])})
         return rows, count
 
 
@@ -98,13 +104,14 @@ def quantile(xs: list[float], q: float) -> float:
 
 def recall_summary(records: list[dict[str, float]], num_drafts: int) -> dict[str, Any]:
     """``summary.json``'s ``recall``: median, lower decile (p10) and mean of the drafted rows'
-    recall, overall and per draft position, and how often selection was real (the row could see
-    more rows than it attended)."""
+    recall (and the oracle's median and p10), overall and per draft position, how often selection
+    was real (the row could see more rows than it attended) and how flat the dense attention was."""
 
     def stats(rs: list[dict[str, float]]) -> dict[str, float]:
-        vals = [r["recall"] for r in rs]
+        vals, best = [r["recall"] for r in rs], [r["oracle"] for r in rs]
         return {"rows": len(vals), "median": quantile(vals, 0.5), "p10": quantile(vals, 0.1),
-                "mean": statistics.fmean(vals) if vals else float("nan"), "min": min(vals) if vals else float("nan")}
+                "mean": statistics.fmean(vals) if vals else float("nan"), "min": min(vals) if vals else float("nan"),
+                "oracle_median": quantile(best, 0.5), "oracle_p10": quantile(best, 0.1)}
 
     real = [r for r in records if r["attended"] < r["visible"]]
     return {
@@ -113,7 +120,10 @@ def recall_summary(records: list[dict[str, float]], num_drafts: int) -> dict[str
         "selection_real_share": len(real) / len(records) if records else float("nan"),
         "mean_visible": statistics.fmean(r["visible"] for r in records) if records else float("nan"),
         "mean_attended": statistics.fmean(r["attended"] for r in records) if records else float("nan"),
-        "definition": "share of the dense head-averaged attention mass (float64) on the rows the drafter attended, per drafted row",
+        # The dense distribution's entropy / log(visible rows): 1 is uniform, where no selection can beat its share of rows.
+        "entropy_median": quantile([r["entropy"] for r in records], 0.5),
+        "definition": "share of the dense head-averaged attention mass (float64) on the rows the drafter attended, per drafted row; "
+                      "oracle: the same for the best KPool selection of index_topk rows plus the tail",
     }
 
 

@@ -130,12 +130,14 @@ def recall_table(runs: list[dict[str, Any]]) -> str:
         return ""
     K = max(s["num_drafts"] for s in runs)
     lines = ["| mode | source | policy | attention | rows | recall median | recall p10 | " + " | ".join(f"p10 at {i + 1}" for i in range(K))
-             + " | selection real | attended / visible rows |", "|" + "---|" * (7 + K + 2)]
+             + " | oracle median / p10 | dense entropy / log(visible) | selection real | attended / visible rows |",
+             "|" + "---|" * (7 + K + 4)]
     for s in runs:
         r = s["recall"]
         per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (K - len(r["per_position"]))
         lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {s.get('attention', 'sparse')} | {r['rows']} | {r['median']:.4f} | "
-                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r['selection_real_share']:.0%} | {r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
+                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / {r.get('oracle_p10', math.nan):.4f} | "
+                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | {r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
     return "\n".join(lines)
 
 

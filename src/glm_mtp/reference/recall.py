@@ -8,8 +8,10 @@ distribution over its visible rows ``[0, t]`` is, per head h,
 and its head average ``p(t, s) = mean_h p_h(t, s)`` (DSA's indexer warm-up aims the indexer at
 the same head-summed distribution, L1-normalised). The recall of row t's list is the mass the
 listed rows carry, ``sum_{s listed} p(t, s)``, computed as ``1 - sum_{s visible, not listed} p``
-so a list of every visible row gives exactly 1.0. A measurement, not part of the drafter: float64,
-torch's kernels.
+so a list of every visible row gives exactly 1.0. The **oracle** recall of a KPool layer is that
+of the best selection of the same size: the ``index_topk / kpool`` candidate pools carrying the
+most dense mass, plus the tail (``oracle_pool_recall``): what a perfect indexer would keep. A
+measurement, not part of the drafter: float64, torch's kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from .config import MtpConfig
 from .indexer import selection_mask
+from .kpool import select_pool_rows
 from .numerics import plain_weight
 from .weights import AttentionWeights
 
@@ -53,6 +56,16 @@ def recall_of(mass: Tensor, rows: Tensor, count: Tensor, slots: Tensor) -> Tenso
     return 1.0 - (mass * (visible & ~listed)).sum(-1)
 
 
+def oracle_pool_recall(mass: Tensor, slots: Tensor, cfg: MtpConfig) -> Tensor:
+    """The recall (T,) of the best KPool selection for the dense mass ``mass`` (T, S): the
+    candidate pools with the most mass (``select_pool_rows`` scoring each pool by its mass), plus
+    the tail."""
+    kp = cfg.index_kpool
+    P = (int(slots.max()) + 1) // kp if slots.numel() else 0
+    pool_mass = mass[:, : P * kp].reshape(mass.shape[0], P, kp).sum(-1)  # (T, P)
+    return recall_of(mass, *select_pool_rows(pool_mass, slots, cfg), slots)
+
+
 def selection_recall(attn: AttentionWeights, cfg: MtpConfig, q_latent: Tensor, kv_rows: Tensor, slots: Tensor,
                      rows: Tensor, count: Tensor) -> Tensor:
     """The recall (T,) in float64 of each new row's list (``rows``, ``count``) against its
@@ -60,4 +73,4 @@ def selection_recall(attn: AttentionWeights, cfg: MtpConfig, q_latent: Tensor, k
     return recall_of(dense_attention_mass(attn, cfg, q_latent, kv_rows, slots), rows, count, slots)
 
 
-__all__ = ["dense_attention_mass", "recall_of", "selection_recall"]
+__all__ = ["dense_attention_mass", "recall_of", "oracle_pool_recall", "selection_recall"]
