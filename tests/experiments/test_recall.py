@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_module
 from glm_mtp.experiments import acceptance, report
 from glm_mtp.experiments.recall import quantile, recall_summary
 from glm_mtp.experiments.validate import check_acceptance
+from glm_mtp.experiments.wandb_log import read_offline_run
 
 GRID = [(a, p) for a in ("sparse", "dense") for p in ("first_row_kept", "refeed")]
 
@@ -90,3 +91,14 @@ def test_the_shipped_next_model_drafts_past_index_topk(tmp_path):
     r = s["recall"]
     assert r["rows"] > 0 and r["selection_real_share"] == 1.0 and r["mean_attended"] < r["mean_visible"]
     assert 0.0 < r["p10"] <= r["median"] <= r["oracle_median"] <= 1.0
+
+
+def test_the_recall_reaches_the_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = config(["experiment=sparse_smoke", "logger=wandb", "run.num_prompts=1"])
+    assert cfg.logger.mode == "offline"
+    summary = acceptance.run(cfg, str(tmp_path))
+    run = read_offline_run(str(tmp_path))["summary"]
+    r = summary["recall"]
+    assert run["recall/median"] == pytest.approx(r["median"]) and run["recall/p10"] == pytest.approx(r["p10"])
+    assert run["recall/p10_1"] == pytest.approx(r["per_position"][0]["p10"]) and run["recall/oracle_median"] == pytest.approx(r["oracle_median"])

@@ -117,7 +117,8 @@ def speedup_table(runs: list[dict[str, Any]]) -> str:
     for s in runs:
         sp = s["speedup"]
         cells = [_cell(sp["predicted"], sp.get("predicted_ci"), k) for k in range(K)]
-        lines.append(f"| {s['mode']} | {s['source']} | {s['feed_hidden']} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
+        feed = s["feed_hidden"] + (", dense" if s.get("attention", "sparse") == "dense" else "")  # every visible row attended
+        lines.append(f"| {s['mode']} | {s['source']} | {feed} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
                      f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} | {_glm5(sp)} |")
     return "\n".join(lines)
 
@@ -165,9 +166,17 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
         for s in ss[1:]:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
-            shared = " | ".join(f"{s[k]:g}" if k == "temperature" else str(s[k]) for k in others)
+            shared = " | ".join(f"{s[k]:g}" if k == "temperature" else _labelled(s, k, pair) for k in others)
             lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _labelled(s: dict[str, Any], key: str, pair: str) -> str:
+    """A setting's value for a table cell; the backend cell also names a dense drafter
+    (``attention=dense``) unless attention is what the table varies."""
+    if key == "backend" and pair != "attention" and s.get("attention", "sparse") == "dense":
+        return f"{s[key]} dense"
+    return str(s[key])
 
 
 def lossless_table(runs: list[dict[str, Any]]) -> str:
