@@ -102,3 +102,15 @@ def test_the_recall_reaches_the_wandb_run(tmp_path, monkeypatch):
     r = summary["recall"]
     assert run["recall/median"] == pytest.approx(r["median"]) and run["recall/p10"] == pytest.approx(r["p10"])
     assert run["recall/p10_1"] == pytest.approx(r["per_position"][0]["p10"]) and run["recall/oracle_median"] == pytest.approx(r["oracle_median"])
+
+
+def test_a_batched_loop_records_the_same_rows(tmp_path):
+    """batch_size=2: one propose_batch per round drafts both prompts; the drafts are those of
+    batch_size=1 (batch invariance), and so is every recorded row's recall."""
+    one = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept"]), str(tmp_path / "one"))
+    two = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept", "batch_size=2"]),
+                         str(tmp_path / "two"))
+    assert two["counts"] == one["counts"]
+    for key in ("rows", "median", "p10", "oracle_median", "selection_real_share"):
+        assert two["recall"][key] == one["recall"][key], key
+    assert [p["rows"] for p in two["recall"]["per_position"]] == [p["rows"] for p in one["recall"]["per_position"]]

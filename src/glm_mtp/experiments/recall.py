@@ -4,7 +4,7 @@ the dense attention the selection keeps at every drafted position (the indexer's
 ``reference.recall``).
 
 A ``RecallProbe`` is the drafter's ``KPoolRowsFn`` (glm5_next): it runs the chosen selection and,
-while ``ProbedProposer.propose`` runs, records for each drafted row its draft position i (1..k),
+while ``ProbedProposer.propose`` (or ``propose_batch``) runs, records for each drafted row its draft position i (1..k),
 its slot, how many rows it could see and how many it attended, its recall, the oracle recall
 (the best KPool selection of index_topk rows plus the tail: what a perfect indexer keeps) and
 the dense distribution's entropy over the log of the visible rows (1: uniform). Prefill and
@@ -54,7 +54,8 @@ class RecallProbe:
     weights: MtpWeights
     select: KPoolRowsFn
     records: list[dict[str, float]] = field(default_factory=list)
-    position: int | None = None  # the next draft position while a propose runs, else None
+    position: int | None = None  # drafts recorded so far in this propose while one runs, else None
+    num_drafts: int = 0  # of the running propose: a batched one drafts its states one after another
 
     def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                  ops: Numerics) -> tuple[Tensor, Tensor]:
@@ -65,7 +66,7 @@ class RecallProbe:
             r, best = recall_of(mass, rows, count, slots), oracle_pool_recall(mass, slots, cfg)  # (T,), (T,)
             entropy = -torch.xlogy(mass, mass).sum(-1) / torch.log((slots + 1).to(mass.dtype)).clamp_min(1e-300)  # (T,)
             for t in range(slots.shape[0]):
-                self.position += 1
+                self.position = self.position % self.num_drafts + 1 if self.num_drafts else self.position + 1
                 self.records.append({"position": self.position, "slot": int(slots[t]), "visible": int(slots[t]) + 1,
                                      "attended": int(count[t]), "recall": float(r[t]), "oracle": float(best[t]),
                                      "entropy": float(entropy[t])})
@@ -83,12 +84,19 @@ class ProbedProposer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._proposer, name)
 
-    def propose(self, *args: Any, **kwargs: Any) -> list[int]:
-        self.probe.position = 0
+    def propose(self, last_token: Any, target_hidden: Any, position: int, num_drafts: int, state: Any) -> list[int]:
+        return self._recorded(num_drafts, self._proposer.propose, last_token, target_hidden, position, num_drafts, state)
+
+    def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int, states: Any) -> list[list[int]]:
+        """Recorded too: the reference drafter drafts the batch's states one after another, k rows each."""
+        return self._recorded(num_drafts, self._proposer.propose_batch, last_tokens, target_hiddens, positions, num_drafts, states)
+
+    def _recorded(self, num_drafts: int, call: Any, *args: Any) -> Any:
+        self.probe.position, self.probe.num_drafts = 0, num_drafts
         try:
-            return self._proposer.propose(*args, **kwargs)
+            return call(*args)
         finally:
-            self.probe.position = None
+            self.probe.position, self.probe.num_drafts = None, 0
 
 
 def quantile(xs: list[float], q: float) -> float:
