@@ -53,19 +53,20 @@ from . import speedup as spd
 from . import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
-from .checkpoint import LoadedModel, load_checkpoint, random_model
+from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, random_model, shipped_checkpoint
 from .provenance import provenance
+from .recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
-from .validate import MODES, SOURCES, check_acceptance, check_batch_size, weights_dtype
+from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, weights_dtype
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``;
     ``weights_dtype: fp8`` quantizes the drafter's §8 matrices (``MtpWeights.quantize_fp8``; the
     target keeps its weights)."""
     dtype = parse_dtype(mcfg.dtype)
-    if mcfg.kind == "checkpoint":
-        model = load_checkpoint(mcfg.path, dtype)
+    if mcfg.kind == "checkpoint":  # path, or the shipped checkpoint model.shipped names (default: the GLM-5 one)
+        model = load_checkpoint(mcfg.path or shipped_checkpoint(mcfg.get("shipped") or SHIPPED), dtype)
     elif mcfg.kind == "random":
         model = random_model(mcfg.preset, mcfg.seed, dtype)
     else:
@@ -175,7 +176,9 @@ def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], m
 class Measurement:
     """What one acceptance run measured, before any statistics: the pooled and per-prompt counts
     of the loop (or of teacher forcing), the generated text's 4-gram counts, the prompts whose
-    greedy output parted from the target's own (``check_lossless``), two samples and the time."""
+    greedy output parted from the target's own (``check_lossless``), two samples, the time, and
+    (glm5_next, reference backend) the drafter's selection and each drafted row's recall.
+    ``proposer`` is the drafter without the recording (the speedup model times it)."""
 
     mode: str
     source: str
@@ -195,6 +198,8 @@ class Measurement:
     divergences: list[dict[str, int]]
     samples: list[dict[str, Any]]
     wall: float
+    attention: str = "sparse"
+    recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
 
 
 def measure(cfg: Any) -> Measurement:
@@ -221,8 +226,15 @@ def measure(cfg: Any) -> Measurement:
         raise ValueError(f"prompt_tokens + max_new_tokens + num_drafts + 1 = {need} exceeds model.max_seq_len={max_seq_len}")
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
     target = Target(model.target, max_seq_len, numerics=numerics)
-    proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
-    decoder = SpeculativeDecoder(target, proposer, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
+    attention = check_attention(cfg.get("attention", "sparse"), cfg.backend.name, model.mtp.config)
+    probe = None
+    if model.mtp.config.is_next and cfg.backend.name == "reference":  # the selection, and its recall recorded
+        probe = RecallProbe(model.mtp, selection(attention))
+        proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden, kpool=probe)
+    else:
+        proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
+    drafter = proposer if probe is None else ProbedProposer(proposer, probe)
+    decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
@@ -235,7 +247,7 @@ def measure(cfg: Any) -> Measurement:
     results = speculative_results(decoder, [w[: prompts.prompt_tokens] for w in windows], prompts.max_new_tokens, batch_size)
     for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, proposer, w, prompts.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
+            st = teacher_forced(target, drafter, w, prompts.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
                                 draft=draft)
             if len(samples) < 2:
                 samples.append({"prompt": decode(w[: prompts.prompt_tokens]), "continuation": decode(w[prompts.prompt_tokens :]),
@@ -256,7 +268,8 @@ def measure(cfg: Any) -> Measurement:
         stats.merge(st)
         per_prompt.append(st)
     return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt, generated,
-                       grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0)
+                       grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
+                       None if probe is None else probe.records)
 
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
@@ -297,6 +310,10 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
         "feed_hidden": cfg.feed_hidden,
+        "attention": m.attention,  # sparse (the drafter's KPool selection) | dense (every visible row)
+        # The indexer's recall per drafted row (experiments.recall): median, p10, per position; None
+        # without a glm5_next drafter on the reference backend.
+        "recall": None if m.recall is None else recall_summary(m.recall, cfg.num_drafts),
         "prompts": len(windows),
         "batch_size": m.batch_size,
         "prompt_tokens": cfg.run.prompt_tokens,
@@ -346,6 +363,12 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     if lossless is not None and lossless["diverged"]:
         print("diverged (prompt, first differing token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
     print(spd.format_line(speedup))
+    recall = summary.get("recall")
+    if recall is not None:
+        print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 {recall['p10']:.4f} "
+              f"(oracle {recall['oracle_median']:.4f}, {recall['oracle_p10']:.4f}; dense entropy / log(visible) {recall['entropy_median']:.3f}) "
+              f"({recall['rows']} rows; selection real in {recall['selection_real_share']:.0%}, "
+              f"{recall['mean_attended']:.0f} of {recall['mean_visible']:.0f} visible rows attended on average)")
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -362,7 +385,13 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
              **{f"cumulative_{i + 1}": a for i, a in enumerate(cumulative)},
              "speedup/best_k": speedup["best_k"], **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
-             "time/draft_share": summary["draft_share"]})
+             "time/draft_share": summary["draft_share"],
+             **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"], "recall/mean": recall["mean"],
+                                           "recall/oracle_median": recall["oracle_median"], "recall/oracle_p10": recall["oracle_p10"],
+                                           "recall/entropy_median": recall["entropy_median"],
+                                           "recall/selection_real_share": recall["selection_real_share"],
+                                           **{f"recall/p10_{i + 1}": p["p10"] for i, p in enumerate(recall["per_position"])},
+                                           **{f"recall/median_{i + 1}": p["median"] for i, p in enumerate(recall["per_position"])}})})
     log.log_samples(summary["samples"])
     log.log_image("acceptance_plot", png)
     log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))

@@ -15,20 +15,26 @@ from .bpe import BpeTokenizer
 from .target import TargetWeights
 
 SHIPPED = "glm5-mtp-stdlib"
+# The glm5_next family's shipped small model (training=next_stdlib; model=next_shipped).
+SHIPPED_NEXT = "glm5next-mtp-stdlib"
+SHIPPED_NAMES = (SHIPPED, SHIPPED_NEXT)
 
 
-def shipped_checkpoint() -> Path:
-    """The checkpoint shipped with the package: ``glm_mtp.checkpoints`` package data when
-    installed, else ``checkpoints/`` beside the package folders (a source tree or editable install)."""
+def shipped_checkpoint(name: str = SHIPPED) -> Path:
+    """A checkpoint shipped with the package (``name``: ``SHIPPED``, the GLM-5 one, or
+    ``SHIPPED_NEXT``): ``glm_mtp.checkpoints`` package data when installed, else ``checkpoints/``
+    beside the package folders (a source tree or editable install)."""
+    if name not in SHIPPED_NAMES:
+        raise ValueError(f"model.shipped must be one of {SHIPPED_NAMES}, got {name!r}")
     try:
         from importlib.resources import files
 
-        p = Path(str(files("glm_mtp.checkpoints") / SHIPPED))
+        p = Path(str(files("glm_mtp.checkpoints") / name))
         if (p / "config.json").exists():
             return p
     except ModuleNotFoundError:
         pass
-    p = Path(__file__).resolve().parent.parent / "checkpoints" / SHIPPED
+    p = Path(__file__).resolve().parent.parent / "checkpoints" / name
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"the shipped checkpoint is not at {p}; train one with `python -m glm_mtp.experiments.train out={p}`")
     return p

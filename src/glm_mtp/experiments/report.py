@@ -30,7 +30,7 @@ from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
-EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype": "plain"}
+EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype": "plain", "attention": "sparse"}
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 
@@ -50,7 +50,8 @@ def load_summaries(root: str) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"no summary.json under {root}")
     runs.sort(key=lambda s: (ORDER.get(s["mode"], 9), ORDER.get(s["source"], 9), s["backend"], s["temperature"],
                              s["feed_hidden"] != "post_norm", ORDER.get(s["policy"], 9), s["num_drafts"],
-                             s.get("weights_dtype", "plain") != "plain"))  # plain weights first: the baseline
+                             s.get("weights_dtype", "plain") != "plain",  # plain weights first: the baseline
+                             s.get("attention", "sparse") != "sparse"))  # the drafter's own selection first
     return runs
 
 
@@ -82,6 +83,7 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
             cells += [_cell(cum, s.get("cumulative_ci"), i) for i in range(K)]
         tokens = s.get("scored_positions") or s["generated_tokens"]
         backend = s["backend"] + (" fp8" if s.get("weights_dtype", "plain") == "fp8" else "")  # block-scaled weights
+        backend += " dense" if s.get("attention", "sparse") == "dense" else ""  # every visible row attended (ablation)
         lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
                      f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
@@ -115,8 +117,28 @@ def speedup_table(runs: list[dict[str, Any]]) -> str:
     for s in runs:
         sp = s["speedup"]
         cells = [_cell(sp["predicted"], sp.get("predicted_ci"), k) for k in range(K)]
-        lines.append(f"| {s['mode']} | {s['source']} | {s['feed_hidden']} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
+        feed = s["feed_hidden"] + (", dense" if s.get("attention", "sparse") == "dense" else "")  # every visible row attended
+        lines.append(f"| {s['mode']} | {s['source']} | {feed} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
                      f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} | {_glm5(sp)} |")
+    return "\n".join(lines)
+
+
+def recall_table(runs: list[dict[str, Any]]) -> str:
+    """The drafter's selection per run (glm5_next runs with a recall): median and lower decile of
+    the recall over drafted rows, overall and per draft position, and how often selection was real."""
+    runs = [s for s in runs if s.get("recall")]
+    if not runs:
+        return ""
+    K = max(s["num_drafts"] for s in runs)
+    lines = ["| mode | source | policy | attention | rows | recall median | recall p10 | " + " | ".join(f"p10 at {i + 1}" for i in range(K))
+             + " | oracle median / p10 | dense entropy / log(visible) | selection real | attended / visible rows |",
+             "|" + "---|" * (7 + K + 4)]
+    for s in runs:
+        r = s["recall"]
+        per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (K - len(r["per_position"]))
+        lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {s.get('attention', 'sparse')} | {r['rows']} | {r['median']:.4f} | "
+                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / {r.get('oracle_p10', math.nan):.4f} | "
+                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | {r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
     return "\n".join(lines)
 
 
@@ -144,9 +166,17 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
         for s in ss[1:]:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
-            shared = " | ".join(f"{s[k]:g}" if k == "temperature" else str(s[k]) for k in others)
+            shared = " | ".join(f"{s[k]:g}" if k == "temperature" else _labelled(s, k, pair) for k in others)
             lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _labelled(s: dict[str, Any], key: str, pair: str) -> str:
+    """A setting's value for a table cell; the backend cell also names a dense drafter
+    (``attention=dense``) unless attention is what the table varies."""
+    if key == "backend" and pair != "attention" and s.get("attention", "sparse") == "dense":
+        return f"{s[key]} dense"
+    return str(s[key])
 
 
 def lossless_table(runs: list[dict[str, Any]]) -> str:
@@ -236,6 +266,10 @@ def main(argv: list[str] | None = None) -> str:
     if sp:
         text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/speedup.py; τ(k) from each run's counts, "
                  "95% intervals over prompts; c and v as each run states):\n\n" + sp)
+    recall = recall_table(runs)
+    if recall:
+        text += ("\n\nThe drafter's selection: recall = the share of the dense head-averaged attention mass on the rows "
+                 "each drafted row attended (experiments/recall.py):\n\n" + recall)
     for pair in args.pair.split(","):
         pairs = paired_table(runs, pair)
         if pairs:

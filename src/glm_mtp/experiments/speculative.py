@@ -53,6 +53,7 @@ from typing import Literal, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from glm_mtp.reference.attention import KPoolRowsFn
 from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.proposer import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
@@ -84,9 +85,17 @@ def check_draft(draft: str, temperature: float, proposer: DraftProposer | None =
             raise ValueError(f"draft='sampled' needs a drafter with propose_sampled; {type(proposer).__name__} has none")
 
 
-def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm") -> DraftProposer:
-    """A drafter of the named backend (a key of ``glm_mtp.registry.BACKENDS``), imported only when asked for."""
-    return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
+def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
+                  kpool: KPoolRowsFn | None = None) -> DraftProposer:
+    """A drafter of the named backend (a key of ``glm_mtp.registry.BACKENDS``), imported only when
+    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.recall``), which only
+    the reference drafter takes (the optimized one fuses its own)."""
+    if kpool is None:
+        return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
+    if backend != "reference":
+        raise ValueError(f"attention=dense and the recall probe swap the reference drafter's KPool selection; backend={backend} "
+                         "fuses its own (use backend=reference)")
+    return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden, kpool=kpool)
 
 
 # ------------------------------------------------------------------------------------------------

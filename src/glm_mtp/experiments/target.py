@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.attention import KPoolRowsFn, Rope
 from glm_mtp.reference.block import MoeFn, decoder_layer
 from glm_mtp.reference.checkpoint import checkpoint_weight_map, read_tensors
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.kpool import kpool_rows
 from glm_mtp.reference.numerics import PINNED, VENDOR, Numerics, acc_dtype
-from glm_mtp.reference.moe import moe_block, route
+from glm_mtp.reference.moe import expert_swiglu, moe_block, route
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import (
     DecoderLayerWeights,
@@ -43,6 +44,13 @@ from glm_mtp.reference.weights import (
     layer_tensor_shapes,
     random_tensor,
 )
+
+
+def model_prefix(cfg: MtpConfig) -> str:
+    """Where the target's decoder lives in a checkpoint: ``model.`` (GLM-5) or
+    ``model.language_model.`` (GLM-5.3-Flash's text model, glm5_next); the MTP layer sits after
+    its layers and the embedding is ``cfg.embed_tokens_name`` in both."""
+    return "model.language_model." if cfg.is_next else "model."
 
 
 def is_dense(cfg: MtpConfig, i: int) -> bool:
@@ -59,6 +67,7 @@ class TargetWeights:
         embed_tokens: ``model.embed_tokens.weight`` (V, H), shared with the drafter.
         layers: the decoder layers, ``model.layers.{i}.*``.
         norm: ``model.norm.weight`` (H,), the final RMSNorm.
+        (glm5_next: the same names under ``model.language_model.``, ``model_prefix``.)
         lm_head: ``lm_head.weight`` (V, H), shared with the drafter's ``shared_head``.
     """
 
@@ -94,14 +103,14 @@ class TargetWeights:
 
         layers = []
         for i in range(cfg.num_hidden_layers):
-            prefix = f"model.layers.{i}."
+            prefix = f"{model_prefix(cfg)}layers.{i}."
             rel = {n[len(prefix):]: place(n, x) for n, x in t.items() if n.startswith(prefix)}
             layers.append(decoder_layer_from_tensors(cfg, rel, sparse=not is_dense(cfg, i)))
         return cls(
             config=cfg,
-            embed_tokens=place("e", t["model.embed_tokens.weight"]),
+            embed_tokens=place("e", t[cfg.embed_tokens_name]),
             layers=layers,
-            norm=place("n", t["model.norm.weight"]),
+            norm=place("n", t[f"{model_prefix(cfg)}norm.weight"]),
             lm_head=place("h", t["lm_head.weight"]),
         )
 
@@ -123,19 +132,21 @@ class TargetWeights:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Absolute GLM-5 checkpoint names -> tensors (experts unstacked, as checkpoints hold them)."""
-        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        stem = model_prefix(self.config)
+        out = {self.config.embed_tokens_name: self.embed_tokens, f"{stem}norm.weight": self.norm, "lm_head.weight": self.lm_head}
         for i, layer in enumerate(self.layers):
-            out.update({f"model.layers.{i}.{n}": x for n, x in decoder_layer_to_tensors(layer).items()})
+            out.update({f"{stem}layers.{i}.{n}": x for n, x in decoder_layer_to_tensors(layer).items()})
         return out
 
 
 def target_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     """Absolute checkpoint name -> shape for every tensor of the target (not the MTP layer)."""
     V, H = cfg.vocab_size, cfg.hidden_size
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    stem = model_prefix(cfg)
+    out: dict[str, tuple[int, ...]] = {cfg.embed_tokens_name: (V, H)}
     for i in range(cfg.num_hidden_layers):
-        out.update({f"model.layers.{i}.{n}": s for n, s in layer_tensor_shapes(cfg, sparse=not is_dense(cfg, i)).items()})
-    out["model.norm.weight"] = (H,)
+        out.update({f"{stem}layers.{i}.{n}": s for n, s in layer_tensor_shapes(cfg, sparse=not is_dense(cfg, i)).items()})
+    out[f"{stem}norm.weight"] = (H,)
     out["lm_head.weight"] = (V, H)
     return out
 
@@ -185,9 +196,12 @@ class Target:
         moe: the MoE computation (the reference ``moe_block`` by default).
         numerics: ``vendor`` (torch's kernels; the default) or ``pinned`` (the pinned order of
             DESIGN.md §5: batch-invariant, slower), by name or as a ``Numerics``.
+        kpool: the KPool indexer of glm5_next layers (``attention.KPoolRowsFn``; default
+            ``kpool.kpool_rows``); training passes one that also scores the indexer's loss.
     """
 
-    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block, numerics: str | Numerics = "vendor") -> None:
+    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block, numerics: str | Numerics = "vendor",
+                 kpool: KPoolRowsFn = kpool_rows) -> None:
         self.ops = target_numerics(numerics)
         self.weights = weights
         self.config = weights.config
@@ -195,6 +209,7 @@ class Target:
         self.capacity = BLOCK_ROWS * self.blocks
         self.rope = Rope.build(self.config, self.capacity, weights.device)
         self.moe = moe
+        self.kpool = kpool
 
     def alloc_state(self) -> TargetState:
         """Fresh caches (zeros), ``length = 0``."""
@@ -210,16 +225,20 @@ class Target:
         slots = torch.arange(state.length, state.length + T, device=w.device)
         h = F.embedding(tokens.to(w.device), w.embed_tokens)  # (T, H)
         for layer, cache in zip(w.layers, state.caches):
-            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe, ops=self.ops)
+            h = decoder_layer(layer, cfg, h, slots, cache, self.rope, moe=self.moe, ops=self.ops, kpool=self.kpool)
         hidden = self.ops.rms_norm(h, w.norm, cfg.rms_norm_eps)  # (T, H)
         state.length += T
         return TargetOutput(logits=self.ops.linear(hidden, w.lm_head).to(acc_dtype(hidden.dtype)), hidden=hidden)
 
     def rewind(self, state: TargetState, length: int) -> None:
-        """Forget positions ``>= length`` (nothing is copied: later writes overwrite them)."""
+        """Forget positions ``>= length`` (nothing is copied: later writes overwrite them; a
+        glm5_next layer's KPool pool that loses a row becomes incomplete, as in the drafter)."""
         if not 0 <= length <= state.length:
             raise ValueError(f"length must be in [0, {state.length}], got {length}")
         state.length = length
+        for cache in state.caches:
+            if cache.kpool is not None:
+                cache.kpool.forget_from(length)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,13 +271,14 @@ def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = VEND
     flat_t = torch.arange(T, device=m.device).repeat_interleave(k)
     flat_w = weights.flatten()
     out = torch.zeros(T, m.shape[1], dtype=acc, device=m.device)
+    swiglu = expert_swiglu(moe, ops)  # clamped in glm5_next
     for e in range(moe.router.shape[0]):
         sel = (flat_e == e).nonzero().squeeze(1)
         if sel.numel() == 0:
             continue
         rows = flat_t[sel]
-        y = ops.swiglu(m[rows], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])  # (n, H)
+        y = swiglu(m[rows], moe.experts_gate[e], moe.experts_up[e], moe.experts_down[e])  # (n, H)
         out = out.index_add(0, rows, y.to(acc) * flat_w[sel, None])
     if moe.shared is not None:
-        out = out + ops.swiglu(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj).to(acc)
+        out = out + swiglu(m, moe.shared.gate_proj, moe.shared.up_proj, moe.shared.down_proj).to(acc)
     return out.to(m.dtype)

@@ -10,10 +10,12 @@ the previous depth's output at row r (the target's final-normed hidden for k = 1
 balanced without an auxiliary loss: after each step every routing bias moves by
 ``bias_update_rate`` toward under-loaded experts (DeepSeek-V3's aux-loss-free balancing).
 
-Not trained: the lightning indexer. Training windows (``seq_len``) are no longer than
-``index_topk``, so DSA attends to every visible row and the indexer's top-k never bites; the
-shipped model's experiments stay within that context too (DeepSeek-V3.2's indexer warm-up with a
-KL loss against the attention distribution is the missing stage).
+The indexer: GLM-5's lightning indexer (family ``glm5``) is not trained, so its windows
+(``seq_len``) must fit ``index_topk`` (DSA then attends to every visible row). The glm5_next
+family's KPool indexer is trained (``experiments.indexer_loss``): every layer attends through the
+KPool selection, as at inference, and the indexer learns from DSA's KL against the detached dense
+attention, aggregated to pools, weighted by ``train.indexer_loss_weight``; its windows may be
+longer than ``index_topk``.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.attention import KPoolRowsFn, Rope
 from glm_mtp.reference.block import BlockHooks, MoeFn, embed_rows, mtp_rows
 from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.kpool import kpool_rows
 from glm_mtp.reference.numerics import VENDOR
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
 
 from .bpe import BpeTokenizer
 from .corpus import Split, corpus_split, read_item
+from .indexer_loss import IndexerDistill
 from .target import ExpertLoad, Target, TargetWeights, grouped_moe, target_tensor_shapes
 
 
@@ -116,26 +120,41 @@ def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple["
     ``build_models`` seeds it). Only the MTP layer's tensors are returned as parameters: the target,
     its embedding and its head stay frozen, so MTP variants trained on one base share their target
     and their acceptance compares the heads alone (FastMTP trains its head on a frozen model too)."""
-    from pathlib import Path
-
     from .checkpoint import load_checkpoint
 
     model = load_checkpoint(None if base == "shipped" else base, torch.float32)
-    recorded = json.loads((Path(model.path) / "corpus.json").read_text())
-    split = corpus_split()
-    if split.digest() != recorded["sha256"]:
-        raise ValueError(f"train.base={base}: the corpus split here ({split.digest()[:12]}) is not the checkpoint's "
-                         f"({recorded['sha256'][:12]}); another Python version's standard library?")
-    if limit_items:
-        split = Split(split.train[:limit_items], split.heldout[:limit_items], split.overlap)
-    tok = model.tokenizer
-    corpus = Corpus(split, tok, *encoded_streams(tok, Path(model.path) / "tokenizer.json", split))
+    corpus = checkpoint_corpus(model.path, model.tokenizer, limit_items, "train.base")
     target, cfg = model.target, model.mtp.config
     gen = torch.Generator().manual_seed(seed + 1)
     mtp_t = {n: random_tensor(n, s, gen) for n, s in mtp_tensor_shapes(cfg).items()}
     mtp = MtpWeights.from_tensors(cfg, mtp_t, target.embed_tokens, target.lm_head)
     params = trainable(mtp, skip=("e_score_correction_bias", "embed_tokens", "lm_head"))
     return corpus, target, mtp, params
+
+
+def checkpoint_corpus(path: Any, tok: BpeTokenizer, limit_items: int | None, key: str) -> "Corpus":
+    """The corpus of a trained checkpoint at ``path``: its tokenizer ``tok`` and its split (which
+    must be the split this machine makes: ``key`` names the setting in the error), the streams
+    encoded (and cached, ``encoded_streams``). ``limit_items`` keeps the first items of each split."""
+    from pathlib import Path
+
+    recorded = json.loads((Path(path) / "corpus.json").read_text())
+    split = corpus_split()
+    if split.digest() != recorded["sha256"]:
+        raise ValueError(f"{key}={path}: the corpus split here ({split.digest()[:12]}) is not the checkpoint's "
+                         f"({recorded['sha256'][:12]}); another Python version's standard library?")
+    if limit_items:
+        split = Split(split.train[:limit_items], split.heldout[:limit_items], split.overlap)
+    return Corpus(split, tok, *encoded_streams(tok, Path(path) / "tokenizer.json", split))
+
+
+def tokenizer_corpus(path: str, limit_items: int | None) -> "Corpus":
+    """``tokenizer.path``: the tokenizer and split of a trained checkpoint (``shipped`` or a
+    directory), reused instead of training a BPE (the streams are cached across runs)."""
+    from .checkpoint import shipped_checkpoint
+
+    directory = shipped_checkpoint() if path == "shipped" else path
+    return checkpoint_corpus(directory, BpeTokenizer.load(os.path.join(directory, "tokenizer.json")), limit_items, "tokenizer.path")
 
 
 def moe_layers(target: TargetWeights, mtp: MtpWeights, frozen_target: bool = False) -> list[MoeWeights]:
@@ -155,17 +174,18 @@ def embed_unmasked(w: MtpWeights, tokens: Tensor, slots: Tensor) -> Tensor:
     return F.embedding(tokens, w.embed_tokens)
 
 
-def mtp_forward(w: MtpWeights, tokens: Tensor, hiddens: Tensor, zero_first: bool, moe: MoeFn) -> tuple[Tensor, Tensor]:
+def mtp_forward(w: MtpWeights, tokens: Tensor, hiddens: Tensor, zero_first: bool, moe: MoeFn,
+                kpool: KPoolRowsFn = kpool_rows) -> tuple[Tensor, Tensor]:
     """``reference.block.mtp_rows`` on a fresh cache with rows at slots ``[0, T)``, with torch's
     kernels (``VENDOR``: autograd, dense MLA) and an injectable MoE: returns ``(x, logits)``.
     ``zero_first`` zeroes row 0's embedding, as the block does at position 0 (depth 1 only;
-    deeper rows of the unroll start later in the text)."""
+    deeper rows of the unroll start later in the text). ``kpool``: the KPool indexer (glm5_next)."""
     cfg = w.config
     T = tokens.shape[0]
     blocks = num_blocks(T)
     cache = LayerCache.allocate(cfg, blocks, hiddens.dtype, hiddens.device)
     rope = Rope.build(cfg, BLOCK_ROWS * blocks, hiddens.device)
-    hooks = BlockHooks(ops=VENDOR, embed=embed_rows if zero_first else embed_unmasked, moe=moe)
+    hooks = BlockHooks(ops=VENDOR, embed=embed_rows if zero_first else embed_unmasked, moe=moe, kpool=kpool)
     out = mtp_rows(w, tokens, hiddens, torch.arange(T), cache, rope, hooks=hooks)
     return out.x, VENDOR.linear(out.x, w.lm_head)
 
@@ -175,6 +195,8 @@ class Losses:
     target: Tensor
     mtp: list[Tensor]  # per depth
     mtp_acc: list[float]  # top-1 accuracy per depth (against the text)
+    indexer: Tensor | None = None  # glm5_next: the KPool indexer's mean KL (indexer_loss); None in glm5
+    recall: float = float("nan")  # glm5_next: mean share of the dense attention the selections kept
 
 
 def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, depth: int, moe: MoeFn, distill: float = 0.0) -> Losses:
@@ -185,13 +207,16 @@ def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, dept
     target predicts at position ``r+k``. Acceptance asks the drafter to agree with the target,
     not with the text, so this aims the head at what verification checks (self-distillation)."""
     T = window.shape[0] - 1
-    tg = Target(target, max_seq_len=T, moe=moe)
+    cfg = target.config
+    indexer = IndexerDistill([l.attn for l in target.layers] + [mtp.layer.attn]) if cfg.is_next else None
+    kpool = indexer or kpool_rows
+    tg = Target(target, max_seq_len=T, moe=moe, kpool=kpool)
     out = tg.forward(window[:-1], tg.alloc_state())
     loss_t = F.cross_entropy(out.logits, window[1:])
     hidden, mtp_losses, accs = out.hidden, [], []
     for k in range(1, depth + 1):
         n = T - k  # rows r = 0..T-k-1: token t_{r+k}, previous depth's row r, predicts t_{r+k+1}
-        x, logits = mtp_forward(mtp, window[k : k + n], hidden[:n], zero_first=(k == 1), moe=moe)
+        x, logits = mtp_forward(mtp, window[k : k + n], hidden[:n], zero_first=(k == 1), moe=moe, kpool=kpool)
         labels = window[k + 1 : k + 1 + n]
         loss = F.cross_entropy(logits, labels)
         if distill > 0:
@@ -200,7 +225,9 @@ def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, dept
         mtp_losses.append(loss)
         accs.append(float((logits.argmax(-1) == labels).float().mean()))
         hidden = x
-    return Losses(loss_t, mtp_losses, accs)
+    if indexer is None:
+        return Losses(loss_t, mtp_losses, accs)
+    return Losses(loss_t, mtp_losses, accs, indexer.loss(), indexer.mean_recall())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,6 +280,8 @@ def evaluate(target: TargetWeights, mtp: MtpWeights, windows: Tensor, depth: int
         ls = sequence_losses(target, mtp, w, depth, grouped_moe)
         vals = {"target_loss": float(ls.target), **{f"mtp{k + 1}_loss": float(l) for k, l in enumerate(ls.mtp)},
                 **{f"mtp{k + 1}_acc": a for k, a in enumerate(ls.mtp_acc)}}
+        if ls.indexer is not None:
+            vals.update(indexer_kl=float(ls.indexer), indexer_recall=ls.recall)
         for k, v in vals.items():
             tot[k] = tot.get(k, 0.0) + v / len(windows)
     return tot
@@ -315,16 +344,18 @@ def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float
     t = cfg.train
     ov = [o for n, o in corpus.split.overlap.items() if n in corpus.split.heldout]
     max_lines, max_grams = max((o.lines for o in ov), default=0.0), max((o.ngrams for o in ov), default=0.0)
+    repro_test = ("`tests/experiments/test_train_next.py` (sha256 of the written files, twice; another seed differs)" if mcfg.is_next
+                  else "`tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock\na thousand times slower)")
+    tok_path = cfg.tokenizer.get("path")
+    reused = f"; reused from `tokenizer.path={tok_path}` (the same split, checked by its sha256), not retrained" if tok_path else ""
     based = (f"\n\nBase: the target, embedding, head and tokenizer of `train.base={t.base}`, frozen; only the MTP layer was "
              f"trained (from a random start), so the target losses below are the base's.") if t.get("base") else ""
     stopped = "" if steps == t.steps else f"\nStopped by `train.max_minutes` at step {steps} of {t.steps}: the schedule did not finish."
-    return f"""# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer
+    title, architecture = card_architecture(cfg, mcfg, n_params, n_mtp)
+    return f"""{title}
 
 Trained by this package on the Python standard library, so acceptance-rate numbers can be
-re-derived on any machine. Architecture: GLM-5 (`glm_moe_dsa`) at toy scale: {mcfg.num_hidden_layers} decoder
-layers (the first {mcfg.first_k_dense_replace} dense), DSA attention (MLA + lightning indexer), sigmoid-routed MoE
-({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared), and one MTP layer at `model.layers.{mcfg.num_hidden_layers}`.
-Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP layer {n_mtp / 1e6:.2f} M. float32.
+re-derived on any machine. {architecture}
 
 ## Command
 
@@ -341,8 +372,7 @@ cosine from {t.lr:g} to {t.min_lr:g} at step {t.steps}, `training_log.json` hold
 windows are drawn from a generator seeded with the seed, and torch runs `train.threads` = {t.threads}
 thread(s) (set by the command: the reductions' order depends on the thread count). So the same
 command on the same Python and torch gives a byte-identical `model.safetensors`; checked on short
-runs by `tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock
-a thousand times slower).
+runs by {repro_test}.
 
 ## Data
 
@@ -355,7 +385,7 @@ a thousand times slower).
   Measured after the fix: at most {max_lines:.1%} of a held-out item's long lines and {max_grams:.1%} of its n-grams occur in training.
 - Corpus file-list sha256: `{corpus.split.digest()}`
 - Tokenizer: byte-level BPE, {corpus.tokenizer.vocab_size} tokens, trained on the training split (`tokenizer.json`,
-  `glm_mtp.experiments.bpe.BpeTokenizer.load`). Training stream {corpus.train.numel()} tokens, held-out {corpus.heldout.numel()}.
+  `glm_mtp.experiments.bpe.BpeTokenizer.load`){reused}. Training stream {corpus.train.numel()} tokens, held-out {corpus.heldout.numel()}.
 
 ## Final losses (nats; held-out over {t.eval_windows} fixed windows of {t.seq_len} tokens)
 
@@ -375,9 +405,59 @@ mtp = MtpWeights.from_pretrained(dir)        # the MTP layer + embedding + head
 target = TargetWeights.from_pretrained(dir)  # the target's layers
 ```
 
-The lightning indexer is not trained (training windows fit in `index_topk` = {mcfg.index_topk} rows, so DSA
-attends to every visible row); keep contexts within {mcfg.index_topk} rows.
+{card_indexer(cfg, mcfg, final)}
 """
+
+
+def card_architecture(cfg: Any, mcfg: MtpConfig, n_params: int, n_mtp: int) -> tuple[str, str]:
+    """The model card's title and architecture paragraph, by family."""
+    sizes = f"Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP layer {n_mtp / 1e6:.2f} M. float32."
+    moe = f"sigmoid-routed MoE ({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared)"
+    if not mcfg.is_next:
+        return ("# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer",
+                f"""Architecture: GLM-5 (`glm_moe_dsa`) at toy scale: {mcfg.num_hidden_layers} decoder
+layers (the first {mcfg.first_k_dense_replace} dense), DSA attention (MLA + lightning indexer), sigmoid-routed MoE
+({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared), and one MTP layer at `model.layers.{mcfg.num_hidden_layers}`.
+{sizes}""")
+    name = os.path.basename(os.path.normpath(cfg.out)) if cfg.get("out") else "glm5next-mtp"
+    return (f"# {name}: a small target with GLM-5.3-Flash's MTP layer (glm5_next family)",
+            f"""Architecture: the glm5_next family (DESIGN.md §7) at toy scale: {mcfg.num_hidden_layers} decoder layers
+(the first {mcfg.first_k_dense_replace} dense), each with GLM-5.3-Flash's DSA attention (NoPE MLA, qk_nope {mcfg.qk_nope_head_dim}, no RoPE; KPool
+indexer, `index_kpool` {mcfg.index_kpool}, `index_topk` {mcfg.index_topk}: {mcfg.kpool_pools_selected} pools of {mcfg.index_kpool} rows plus the row's own
+incomplete pool), {moe} with the SwiGLU clamped at `swiglu_limit` {mcfg.swiglu_limit:g},
+and one MTP layer at `{mcfg.layer_prefix.rstrip(".")}` (a plain pre-norm block, as in GLM-5.3-Flash).
+{sizes}
+
+Left out of GLM-5.3-Flash: its decoder's Kimi Delta Attention layers (the target here is DSA
+layers only), the mHC hyper-connections (plain residuals here), the vision tower, the fp8
+weights and the real widths; the MTP layer's structure is the release's (its config reads back as
+`model_type: glm5_next`).""")
+
+
+def card_indexer(cfg: Any, mcfg: MtpConfig, final: dict[str, float]) -> str:
+    """The model card's paragraph on the indexer: untrained (GLM-5: keep contexts within
+    ``index_topk``) or trained (glm5_next: how, and its held-out KL and recall)."""
+    t = cfg.train
+    if not mcfg.is_next:
+        return f"""The lightning indexer is not trained (training windows fit in `index_topk` = {mcfg.index_topk} rows, so DSA
+attends to every visible row); keep contexts within {mcfg.index_topk} rows."""
+    return f"""## The KPool indexer: trained
+
+Training windows of {t.seq_len} tokens are {t.seq_len / mcfg.index_topk:g}x `index_topk` = {mcfg.index_topk}, so selection is real. Every
+layer (the target's {mcfg.num_hidden_layers} and the MTP layer) attends through the KPool selection in the training
+forward, as at inference (torch's kernels, `kpool.kpool_rows` with `ops=VENDOR`); the selection is
+discrete, so the language-model losses never reach the indexer. The indexer is trained end to end
+alongside the model by its own loss, DSA's sparse-stage indexer KL (DeepSeek-V3.2) aggregated to
+pools: for each row with at least two candidate pools, KL(dense attention mass per candidate pool,
+head-averaged, detached and renormalised || softmax of the indexer's pool scores), weight
+`train.indexer_loss_weight` = {t.get("indexer_loss_weight", 0.0)}. The indexer's inputs are detached (its queries, head
+weights, gates and keys are recomputed from the detached layer input), so that KL trains the
+indexer (`wq_b`, `wk`, `k_norm`, `weights_proj`, the KPool gate and `ape`) and nothing else
+(`experiments/indexer_loss.py`). No dense warm-up stage: the indexer starts random.
+
+Held-out at the end: indexer KL {final.get("indexer_kl", float("nan")):.4f} nats per scored row, mean recall {final.get("indexer_recall", float("nan")):.4f}
+(the share of the dense head-averaged attention mass on the selected rows, every row of the
+{t.eval_windows} windows and every layer)."""
 
 
 def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.train") -> dict[str, float]:
@@ -398,10 +478,15 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
         corpus, target, mtp, params = base_models(base, t.seed, cfg.tokenizer.limit_items)
         mcfg = mtp.config
     else:
-        corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
+        if cfg.tokenizer.get("path"):
+            corpus = tokenizer_corpus(cfg.tokenizer.path, cfg.tokenizer.limit_items)
+        else:
+            corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
         mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
-    if t.seq_len > mcfg.index_topk:
-        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained")
+    if t.seq_len > mcfg.index_topk and not mcfg.is_next:
+        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not "
+                         "trained (the glm5_next family's KPool indexer is)")
+    indexer_weight = float(t.get("indexer_loss_weight", 0.0))
     if not base:
         target, mtp, params = build_models(mcfg, t.seed)
     decay = [p for p in params if p.dim() >= 2]
@@ -429,11 +514,16 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
             g["lr"] = lr
         batch = sample_windows(corpus.train, t.batch_size, t.seq_len + 1, gen)
         tot_t, tot_m, accs = 0.0, [0.0] * t.mtp_depth, [0.0] * t.mtp_depth
+        tot_ix, tot_recall = 0.0, 0.0
         opt.zero_grad(set_to_none=True)
         for window in batch:
             ls = sequence_losses(target, mtp, window, t.mtp_depth, moe, t.mtp_distill)
-            loss = (ls.target + t.mtp_loss_weight * torch.stack(ls.mtp).mean()) / t.batch_size
-            loss.backward()
+            loss = ls.target + t.mtp_loss_weight * torch.stack(ls.mtp).mean()
+            if ls.indexer is not None:  # glm5_next: the KPool indexer's KL (its inputs detached)
+                loss = loss + indexer_weight * ls.indexer
+                tot_ix += float(ls.indexer.detach()) / t.batch_size
+                tot_recall += ls.recall / t.batch_size
+            (loss / t.batch_size).backward()
             tot_t += float(ls.target.detach()) / t.batch_size
             for k in range(t.mtp_depth):
                 tot_m[k] += float(ls.mtp[k].detach()) / t.batch_size
@@ -448,6 +538,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
         load.counts.clear()
         rec = {"step": step, "lr": lr, "grad_norm": gnorm, "target_loss": tot_t,
                **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)}, **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
+        if mcfg.is_next:
+            rec.update(indexer_kl=tot_ix, indexer_recall=tot_recall)
         history.append(rec)
         bar.set_postfix(loss=f"{tot_t:.3f}", mtp1=f"{tot_m[0]:.3f}", acc1=f"{accs[0]:.2f}")
         if step % t.log_every == 0:

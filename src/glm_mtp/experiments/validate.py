@@ -86,6 +86,25 @@ def check_logger(cfg: Any) -> None:
         need_choice(cfg, "logger.mode", ("offline", "online", "disabled"))
 
 
+ATTENTION = ("sparse", "dense")
+
+
+def check_attention(attention: object, backend: str, model: Any) -> str:
+    """``attention``: ``sparse`` (the drafter's own selection) or ``dense`` (every visible row: the
+    KPool selection swapped in the reference drafter, so a glm5_next model on backend=reference).
+    ``ValueError`` naming the setting otherwise."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {attention!r}")
+    if attention == "dense":
+        if backend != "reference":
+            raise ValueError(f"attention=dense swaps the drafter's KPool selection in the reference drafter only (backend=reference); "
+                             f"backend={backend} fuses its own selection")
+        if not model.is_next:
+            raise ValueError("attention=dense swaps the KPool indexer of a glm5_next model (e.g. model=next_shipped); "
+                             "this model is of the glm5 family")
+    return attention
+
+
 def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> int:
     """``batch_size``: an integer >= 1; above 1 the loop runs batched (``generate_batch``), which
     needs the speculative mode, ``policy=first_row_kept`` and ``draft=argmax``. ``ValueError``
@@ -156,6 +175,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
         except ValueError as e:
             raise ValueError(f"speedup.costs: {e}") from None
     model = model_config(cfg) if model is None else model
+    check_attention(cfg.get("attention", "sparse"), _get(cfg, "backend.name"), model)
     check_lengths(cfg, model.max_position_embeddings)
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
@@ -179,9 +199,12 @@ def model_config(cfg: Any) -> Any:
             raise ValueError(f"model.preset must be a preset name: {e}") from None
     path = _get(cfg, "model").get("path")
     if path is None:
-        from .checkpoint import shipped_checkpoint
+        from .checkpoint import SHIPPED, shipped_checkpoint
 
-        path = str(shipped_checkpoint())
+        try:
+            path = str(shipped_checkpoint(_get(cfg, "model").get("shipped") or SHIPPED))
+        except FileNotFoundError as e:
+            raise ValueError(f"model.shipped: {e}") from None
     if not isinstance(path, str):
         raise ValueError(f"model.path must be a checkpoint directory or null (the shipped checkpoint), got {path!r}")
     try:
@@ -234,8 +257,13 @@ def check_train(cfg: Any) -> None:
     base = _get(cfg, "train").get("base")
     if base is not None and base != "shipped" and not (isinstance(base, str) and os.path.isfile(os.path.join(base, "config.json"))):
         raise ValueError(f"train.base must be null, shipped or a checkpoint directory (with config.json), got {base!r}")
+    if "indexer_loss_weight" in _get(cfg, "train"):
+        need_float(cfg, "train.indexer_loss_weight", 0.0)
     need_int(cfg, "tokenizer.vocab_size", 1)
     need_int(cfg, "tokenizer.sample_every", 1)
+    tok_path = _get(cfg, "tokenizer").get("path")
+    if tok_path is not None and tok_path != "shipped" and not (isinstance(tok_path, str) and os.path.isfile(os.path.join(tok_path, "tokenizer.json"))):
+        raise ValueError(f"tokenizer.path must be null, shipped or a checkpoint directory (with tokenizer.json and corpus.json), got {tok_path!r}")
     if _get(cfg, "tokenizer.limit_items") is not None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
@@ -280,8 +308,9 @@ def check_arch(cfg: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise ValueError(f"arch must describe a valid model: {e}") from None
     seq_len = _get(cfg, "train.seq_len")
-    if seq_len > mcfg.index_topk:
-        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): the indexer is not trained, got {seq_len}")
+    if seq_len > mcfg.index_topk and not mcfg.is_next:
+        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not trained "
+                         f"(arch.family=glm5_next trains its KPool indexer), got {seq_len}")
     if seq_len + 1 > mcfg.max_position_embeddings:
         raise ValueError(f"train.seq_len must be < arch.max_position_embeddings ({mcfg.max_position_embeddings}), got {seq_len}")
     return mcfg

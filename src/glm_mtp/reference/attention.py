@@ -219,9 +219,7 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
     # 1. The indexer: each new row scores the rows it can see and keeps its index_topk best
     #    (glm5_next: its best pools of rows plus its tail, kpool.kpool_rows).
     S = cache.capacity if rows_read is None else rows_read
-    if cfg.is_next:
-        if not ops.pinned:
-            raise ValueError("the KPool indexer (glm5_next) runs with the pinned numerics only")
+    if cfg.is_next:  # pinned, or torch's kernels (training, the target) inside kpool_rows
         rows, count = kpool(attn.indexer, cfg, a, q_latent, slots, cache, ops)  # (T, K), (T,)
     else:
         q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)

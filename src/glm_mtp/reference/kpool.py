@@ -19,6 +19,10 @@ complete pools whose last row is ``<= t``,
 keeps the best ``min(index_topk / kp, count)`` (ties to the lower pool id), and attends to their
 rows and its tail ``[kp * floor((t + 1) / kp), t]`` (empty when t completes its pool), in
 ascending slot order.
+
+Training and the experiments' target run the same pieces with torch's kernels (``ops=VENDOR``:
+``pooled_keys_vendor``, ``pool_scores_vendor``; differentiable, not pinned), and
+``kpool_all_rows`` is the dense ablation: the same pool writes, every visible row listed.
 """
 
 from __future__ import annotations
@@ -100,15 +104,25 @@ def pooled_keys(ix: IndexerWeights, keys: Tensor, gates: Tensor) -> Tensor:
     return psum(p * rearrange(up(keys), "p j c -> p c j")).to(keys.dtype)  # (P, D)
 
 
+def pooled_keys_vendor(ix: IndexerWeights, keys: Tensor, gates: Tensor) -> Tensor:
+    """``pooled_keys`` with torch's kernels (differentiable; training and the target):
+    ``(P, kp, D)`` keys and gates -> ``(P, D)`` in S."""
+    A = acc_dtype(keys.dtype)
+    p = torch.softmax(gates.to(A) + ix.kpool_ape.to(A)[None], dim=1)  # (P, kp, D): over the pool's positions
+    return (p * keys.to(A)).sum(1).to(keys.dtype)
+
+
 def complete_pools(slots: Tensor, kpool: int) -> Tensor:
     """The pools the rows at ``slots`` complete (a slot that is a pool's last row), ascending."""
     last = slots[(slots + 1) % kpool == 0]
     return (last // kpool).sort().values
 
 
-def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: "LayerCache") -> None:
+def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: "LayerCache",
+                ops: Numerics = PINNED) -> None:
     """Store new rows' gates ``gates`` (T, D) at ``slots`` (T,) and compute the key of every pool
-    a new row completes, from the pool's index rows (already written) and gates."""
+    a new row completes, from the pool's index rows (already written) and gates (``pooled_keys``;
+    ``pooled_keys_vendor`` when ``ops`` is not pinned)."""
     kp = cache.kpool
     assert kp is not None, "a glm5_next layer needs a KPool cache"
     kp.gates[slots] = gates
@@ -117,7 +131,8 @@ def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor
         return
     rows = done[:, None] * cfg.index_kpool + torch.arange(cfg.index_kpool, device=slots.device)  # (P, kp)
     keys = cache.index_rows(int(rows.max()) + 1)[rows]  # (P, kp, D)
-    kp.keys[done] = pooled_keys(ix, keys, kp.gates[rows])
+    pool = pooled_keys if ops.pinned else pooled_keys_vendor
+    kp.keys[done] = pool(ix, keys, kp.gates[rows])
     kp.complete[done] = True
 
 
@@ -135,6 +150,13 @@ def pool_scores(q: Tensor, w: Tensor, pool_keys: Tensor, cfg: MtpConfig) -> Tens
     per_head = rearrange(linear_acc_rows(rearrange(q, "t h d -> (t h) d"), pool_keys), "(t h) p -> t p h", h=Hi)
     scale = torch.tensor(cfg.index_head_dim**-0.5, dtype=acc_dtype(q.dtype), device=q.device)
     return psum(w[:, None, :] * torch.relu(per_head * scale))  # (T, P)
+
+
+def pool_scores_vendor(q: Tensor, w: Tensor, pool_keys: Tensor, cfg: MtpConfig) -> Tensor:
+    """``pool_scores`` with torch's kernels (differentiable): (T, P) in A."""
+    A = acc_dtype(q.dtype)
+    per_head = torch.einsum("thd,pd->tph", q.to(A), pool_keys.to(A)) * cfg.index_head_dim**-0.5  # (T, P, Hi)
+    return (w[:, None, :] * torch.relu(per_head)).sum(-1)
 
 
 def linear_acc_rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -170,19 +192,47 @@ def select_pool_rows(scores: Tensor, slots: Tensor, cfg: MtpConfig) -> tuple[Ten
     return torch.where(valid, rows, 0), valid.sum(-1)
 
 
-def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
-               ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
-    """The KPool indexer for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows are
-    already in ``cache``: writes their gates and the keys of the pools they complete, then each
-    row's list (``select_pool_rows``). ``q_latent`` (T, Lq) is the MLA's normed low-rank query."""
-    write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache)
+def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+                 ops: Numerics = PINNED) -> Tensor:
+    """The KPool indexer's scores for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows
+    are already in ``cache``: writes their gates and the keys of the pools they complete, then
+    ``I(t, p)`` (T, P) over pools ``[0, P)``, ``P = (max(slots) + 1) // kp`` (pinned, or with
+    torch's kernels when ``ops`` is not). ``q_latent`` (T, Lq) is the MLA's normed low-rank query."""
+    write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
     kp = cache.kpool
     assert kp is not None
     P = int(((slots.max() + 1) // cfg.index_kpool).item()) if slots.numel() else 0
     if not bool(kp.complete[:P].all()):
         raise RuntimeError("KPool: a candidate pool has no key (its rows were not all written in order)")
     q, w = kpool_queries(ix, cfg, a, q_latent, ops)
-    return select_pool_rows(pool_scores(q, w, kp.keys[:P], cfg), slots, cfg)
+    return pool_scores(q, w, kp.keys[:P], cfg) if ops.pinned else pool_scores_vendor(q, w, kp.keys[:P], cfg)
+
+
+def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+               ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """The KPool indexer for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows are
+    already in ``cache``: writes their gates and the keys of the pools they complete, then each
+    row's list (``select_pool_rows`` of ``kpool_scores``). ``q_latent`` (T, Lq) is the MLA's
+    normed low-rank query."""
+    return select_pool_rows(kpool_scores(ix, cfg, a, q_latent, slots, cache, ops), slots, cfg)
+
+
+def visible_rows(slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Every visible row of each new row, as a list: ``rows`` (T, max(slots) + 1) int64 with row
+    t's slots ``[0, t]`` first, ascending (padding: slot 0), and ``count = slots + 1``."""
+    K = int(slots.max()) + 1 if slots.numel() else 0
+    rows = torch.arange(K, device=slots.device)[None, :].expand(slots.shape[0], K)
+    count = slots + 1
+    return torch.where(rows < count[:, None], rows, 0), count
+
+
+def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+                   ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+    """The dense ablation of the KPool indexer (a ``KPoolRowsFn``; the reference drafter only):
+    the same gate and pooled-key writes as ``kpool_rows`` (so a state's pool bytes do not depend
+    on it), but each new row attends to every visible row ``[0, t]`` (``visible_rows``)."""
+    write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
+    return visible_rows(slots)
 
 
 __all__ = [
@@ -195,4 +245,9 @@ __all__ = [
     "pool_scores",
     "select_pool_rows",
     "kpool_rows",
+    "kpool_scores",
+    "pooled_keys_vendor",
+    "pool_scores_vendor",
+    "visible_rows",
+    "kpool_all_rows",
 ]

@@ -21,12 +21,13 @@ from functools import partial
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
 from .config import MtpConfig
 from .layers import clamped_swiglu, topk_indices
-from .numerics import PINNED, Numerics, psum, up
+from .numerics import PINNED, Numerics, plain_weight, psum, up
 from .weights import MoeWeights
 
 # The chosen experts' outputs: (weights, m (T, H), experts (T, k), ops) -> (T, k, H) in S.
@@ -62,12 +63,21 @@ def choose_experts(cfg: MtpConfig, logits: Tensor, bias: Tensor, ops: Numerics =
 
 def expert_swiglu(moe: MoeWeights, ops: Numerics = PINNED) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The SwiGLU of ``moe``'s experts, routed and shared: ``ops.swiglu``, or with
-    ``moe.swiglu_limit`` set (glm5_next) the pinned ``layers.clamped_swiglu`` at that limit."""
+    ``moe.swiglu_limit`` set (glm5_next) the pinned ``layers.clamped_swiglu`` at that limit
+    (``clamped_swiglu_vendor`` with torch's kernels: training and the experiments' target)."""
     if moe.swiglu_limit is None:
         return ops.swiglu
     if not ops.pinned:
-        raise ValueError("the clamped SwiGLU (glm5_next) runs with the pinned numerics only")
+        return partial(clamped_swiglu_vendor, limit=moe.swiglu_limit)
     return partial(clamped_swiglu, limit=moe.swiglu_limit)
+
+
+def clamped_swiglu_vendor(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor, limit: float) -> Tensor:
+    """The clamped SwiGLU of DESIGN.md §7 with torch's kernels (differentiable; not pinned):
+    ``down(silu(min(gate(x), L)) * clamp(up(x), -L, L))`` in S."""
+    g = torch.clamp(F.linear(x, plain_weight(gate_proj)), max=limit)
+    u = torch.clamp(F.linear(x, plain_weight(up_proj)), min=-limit, max=limit)
+    return F.linear(F.silu(g) * u, plain_weight(down_proj))
 
 
 def expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Numerics = PINNED) -> Tensor:

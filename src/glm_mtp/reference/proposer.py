@@ -23,8 +23,9 @@ import torch
 from torch import Tensor
 
 from . import contract
-from .attention import Rope
-from .block import draft_logits, mtp_rows
+from .attention import KPoolRowsFn, Rope
+from .block import REFERENCE_HOOKS, BlockHooks, draft_logits, mtp_rows
+from .kpool import kpool_rows
 from .bytes import same_bytes
 from .contract import (  # noqa: F401  (re-exported: the contract's names, where callers found them)
     FINGERPRINT_ENV, FeedHidden, Tokens, WriteRows, check_int, check_temperature, check_token_dtype, check_token_id,
@@ -127,9 +128,13 @@ class ReferenceProposer:
             ``16 * (max_seq_len // 16 + 2)`` rows, so drafts may run a little past it.
         feed_hidden: what draft i > 1 consumes: ``post_norm`` (the drafter's ``x``, the
             default and the right choice for GLM-5) or ``pre_norm`` (the layer output; an ablation).
+        kpool: the KPool indexer of a glm5_next layer (``attention.KPoolRowsFn``): the default
+            ``kpool.kpool_rows``; ``kpool.kpool_all_rows`` is the dense ablation (every visible
+            row attended), and experiments wrap either to measure the selection.
     """
 
-    def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm") -> None:
+    def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm",
+                 kpool: KPoolRowsFn = kpool_rows) -> None:
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         self.weights = weights
         # The head's logit bound (contract.logit_bound) for the temperature rule: read here, once,
@@ -140,6 +145,7 @@ class ReferenceProposer:
         self.blocks = sizes.blocks
         self.capacity = sizes.capacity
         self.feed_hidden: FeedHidden = feed_hidden
+        self.hooks = REFERENCE_HOOKS if kpool is kpool_rows else BlockHooks(kpool=kpool)
         self._rope: dict[torch.device, Rope] = {}
 
     # ---- the contract's simple queries ------------------------------------------------------
@@ -202,7 +208,7 @@ class ReferenceProposer:
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, state: DrafterState) -> None:
         end = row_base + tokens.shape[0]
         slots = torch.arange(row_base, end, device=state.device)
-        mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device), rows_read=end)
+        mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device), rows_read=end, hooks=self.hooks)
         state.seq_len = row_base + tokens.shape[0]
 
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
@@ -301,7 +307,7 @@ class ReferenceProposer:
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
-                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1)
+                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1, hooks=self.hooks)
                 logits = draft_logits(self.weights, out.x)  # (1, V) in S
                 if temp is None:
                     token = greedy_token(logits)  # (1,)

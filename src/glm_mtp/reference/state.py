@@ -66,6 +66,12 @@ class LayerCache:
         self.kv_pool[block, offset] = kv_rows
         self.index_pool[block, offset] = index_rows
 
+    def write_index(self, slots: Tensor, index_rows: Tensor) -> None:
+        """Store indexer keys alone (T, D) at ``slots`` (T,) (training rewrites them from a
+        detached input: ``experiments.indexer_loss``)."""
+        block = self.block_table[slots // BLOCK_ROWS].long()
+        self.index_pool[block, slots % BLOCK_ROWS] = index_rows
+
     def kv_rows(self, n: int | None = None) -> Tensor:
         """The first ``n`` slots' rows (default: every slot), (n, kv_lora_rank + qk_rope_head_dim)."""
         return self._rows(self.kv_pool, n)
