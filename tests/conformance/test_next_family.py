@@ -48,10 +48,10 @@ def test_reference_equals_a_second_reference_across_pool_boundaries(monkeypatch)
         monkeypatch.setattr(ReferenceProposer, name, tagged(name, getattr(ReferenceProposer, name)))
     write_pools, forget_from = kpool.write_pools, kpool.KPoolCache.forget_from
 
-    def counting_write(ix, cfg, gates, slots, cache):
+    def counting_write(ix, cfg, gates, slots, cache, *ops):
         if kpool.complete_pools(slots, cfg.index_kpool).numel():
             events[f"{current['call']} completes a pool"] += 1
-        return write_pools(ix, cfg, gates, slots, cache)
+        return write_pools(ix, cfg, gates, slots, cache, *ops)
 
     def counting_forget(self, n):
         if bool(self.complete[n // self.kpool :].any()):

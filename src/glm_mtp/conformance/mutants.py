@@ -424,7 +424,7 @@ class CatchupBatchWritesMisaligned(Mutant):
 # ---- the KPool indexer (glm5_next, DESIGN.md §7) ----------------------------------------------
 
 
-def _write_pools_once(ix, cfg, gates, slots, cache):  # type: ignore[no-untyped-def]
+def _write_pools_once(ix, cfg, gates, slots, cache, ops=None):  # type: ignore[no-untyped-def]  # write_pools' arguments (ops: unread)
     # MUTATION: a pool's key is computed the first time it completes only; after a trim cut into
     # it and its rows were rewritten, it is marked complete again over the old rows' key.
     kp = cache.kpool
@@ -471,7 +471,7 @@ class KPoolTailDropped(SwappingMutant):
         return [(_kpool, "select_pool_rows", _select_without_tail)]
 
 
-def _write_pools_shifted(ix, cfg, gates, slots, cache):  # type: ignore[no-untyped-def]
+def _write_pools_shifted(ix, cfg, gates, slots, cache, ops=None):  # type: ignore[no-untyped-def]  # write_pools' arguments (ops: unread)
     # MUTATION: pool p's key pools rows [kp p - 1, kp p + kp - 1) (row 0 twice for pool 0): the
     # pools are aligned one row early, as if the row space started at row 1.
     kp = cache.kpool
