@@ -230,3 +230,15 @@ def test_dispatched_operators_and_the_reference_syncs():
         prop.propose(3, torch.randn(64), 8, 3, state)
     assert c.syncs >= 3 and c.dispatched > 100  # one read-back per draft at least
     assert c.launches > 0 and c.kernel_bytes == 0
+
+
+def test_cli_weights_fp8_counts_a_block_scaled_step(capsys):
+    """``--weights fp8`` quantizes the random weights (DESIGN.md §8) before counting: the floor is
+    the fp8 one (1 byte a value plus the scales), below the plain floor, and the record says so."""
+    counters.main(["--preset", "glm5next_tiny", "--weights", "fp8", "--context", "8", "--max-seq-len", "32", "--json"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = MtpConfig.preset("glm5next_tiny")
+    assert r["weights"] == "fp8" and r["visible_rows"] == 10
+    assert r["floor_bytes_per_draft"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True)
+    assert r["floor_bytes_per_draft"] < floor_bytes_per_draft(cfg, torch.bfloat16, 10)
+    assert r["launches_per_draft"] <= 24 and r["kernel_floor_ratio"] <= 1.15
