@@ -23,7 +23,8 @@ NEXT_MODEL_TYPES = ("glm5_next", "glm5_next_text")
 FAMILIES = ("glm5", "glm5_next")
 # Fields only the glm5_next family reads; a glm5 config keeps their defaults and never writes them.
 NEXT_FIELDS = ("index_kpool", "index_kpool_always_select_tail", "swiglu_limit")
-BOOL_FIELDS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "index_kpool_always_select_tail")
+BOOL_FIELDS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "index_kpool_always_select_tail",
+               "index_share_for_mtp_iteration")
 FLOAT_FIELDS = ("rope_theta", "routed_scaling_factor", "rms_norm_eps")
 
 
@@ -65,6 +66,8 @@ class MtpConfig:
             incomplete pool (true in the release; false is refused, see ``validate``).
         swiglu_limit: glm5_next only: the clamp of every SwiGLU's gate and up projections
             (None in the glm5 family: unclamped).
+        index_share_for_mtp_iteration: either family: within one propose only draft step 1 runs the
+            indexer, later steps attend its selection (DESIGN.md §9; true in the released configs).
     """
 
     hidden_size: int
@@ -98,6 +101,7 @@ class MtpConfig:
     index_kpool: int = 0
     index_kpool_always_select_tail: bool = True
     swiglu_limit: float | None = None
+    index_share_for_mtp_iteration: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -254,7 +258,8 @@ class MtpConfig:
         d = dataclasses.asdict(self)
         del d["family"]
         if self.is_next:
-            d.update(model_type="glm5_next_text", qk_head_dim=self.qk_head_dim, hidden_act="silu")
+            d.update(model_type="glm5_next_text", qk_head_dim=self.qk_head_dim, hidden_act="silu",
+                     index_kpool_compress=True)
             return {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"],
                     "tie_word_embeddings": False, "text_config": d}
         for name in NEXT_FIELDS:
@@ -326,8 +331,15 @@ class MtpConfig:
             kwargs[name] = hf_float(raw, name, default, where)
         for name in BOOL_FIELDS:
             kwargs[name] = hf_bool(raw, name, True, where)
+        # absent = false: GLM-5 ships without it; the GLM-5.2/5.3 and GLM-5.3-Flash releases set it true
+        kwargs["index_share_for_mtp_iteration"] = hf_bool(raw, "index_share_for_mtp_iteration", False, where)
         hf_bool(raw, "tie_word_embeddings", False, where)  # read by the loader; checked here with the rest
         if next_family:
+            if not hf_bool(raw, "index_kpool_compress", True, where):
+                raise ValueError(
+                    f"{where}: index_kpool_compress must be true: the package implements pooled (compressed) "
+                    "KPool keys only (DESIGN.md §7)"
+                )
             layers = raw.get("mlp_layer_types")
             if layers is not None and "first_k_dense_replace" not in raw:  # GLM-5.3-Flash states the schedule
                 if not isinstance(layers, list) or not all(v in ("dense", "sparse") for v in layers):
@@ -476,7 +488,8 @@ _GLM5 = dict(
     max_position_embeddings=202752, num_hidden_layers=78, first_k_dense_replace=3,
     intermediate_size=12288,
 )
-# GLM-5.3-Flash (DESIGN.md §7; transformers' Glm5NextTextConfig defaults).
+# GLM-5.3-Flash as released (DESIGN.md §7, §9): pools of 4 rows (16 is only transformers' class
+# default) and index sharing across draft steps; the other values are transformers' defaults.
 _GLM5NEXT = dict(
     hidden_size=4096, vocab_size=154880, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256,
     qk_rope_head_dim=0, v_head_dim=256, num_attention_heads=64,
@@ -485,7 +498,8 @@ _GLM5NEXT = dict(
     index_n_heads=32, index_head_dim=128, index_topk=2048,
     rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=1048576,
     num_hidden_layers=45, first_k_dense_replace=3, intermediate_size=12288,
-    family="glm5_next", index_kpool=16, index_kpool_always_select_tail=True, swiglu_limit=10.0,
+    family="glm5_next", index_kpool=4, index_kpool_always_select_tail=True, swiglu_limit=10.0,
+    index_share_for_mtp_iteration=True,
 )
 # Its structure at small widths: index_kpool 4 and index_topk 8 (two pools), so rows complete
 # pools, select some of them and leave others out within a few dozen rows.
@@ -498,6 +512,7 @@ _GLM5NEXT_TINY = dict(
     rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=512,
     num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=128,
     family="glm5_next", index_kpool=4, index_kpool_always_select_tail=True, swiglu_limit=1.0,
+    index_share_for_mtp_iteration=True,
 )
 _GLM5NEXT_SMALL = dict(
     hidden_size=256, vocab_size=2048, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -508,6 +523,7 @@ _GLM5NEXT_SMALL = dict(
     rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
     num_hidden_layers=4, first_k_dense_replace=1, intermediate_size=512,
     family="glm5_next", index_kpool=4, index_kpool_always_select_tail=True, swiglu_limit=10.0,
+    index_share_for_mtp_iteration=True,
 )
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
