@@ -11,7 +11,6 @@ trim.
 from collections import Counter
 
 import pytest
-import torch
 
 from glm_mtp.conformance import run
 from glm_mtp.conformance.__main__ import main

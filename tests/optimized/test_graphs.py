@@ -18,7 +18,7 @@ from glm_mtp.optimized.state import OptimizedState
 
 
 class FakeGraph:
-    capturing: "FakeGraph | None" = None
+    capturing: FakeGraph | None = None
 
     def __init__(self, log: list) -> None:
         self.log, self.recorded, self.was_reset = log, [], False

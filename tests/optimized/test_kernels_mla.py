@@ -80,7 +80,7 @@ def _lists(T, K, counts, capacity, gen):
 
 def _mla_inputs(cfg, dtype, counts, K, gen, blocks=6, score_scale=4.0):
     T = len(counts)
-    nh, R, Lkv = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    R, Lkv = cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q, kv_b, cos, sin = _query_inputs(cfg, dtype, T, gen)
     q_abs, q_pe = absorbed_query_torch(cfg, q, kv_b, cos, sin)
     q_abs = q_abs * score_scale  # spread the scores: a softmax that is neither flat nor one-hot

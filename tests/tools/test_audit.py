@@ -14,7 +14,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import glm_mtp.optimized as optimized_pkg
 from glm_mtp.tools import audit

@@ -62,10 +62,10 @@ def sharded_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
     for s in range(opts["scenarios"]):
         gen = torch.Generator(device).manual_seed(opts["seed"] * 1000 + s)  # the same on every rank
 
-        def randint(hi: int) -> int:
+        def randint(hi: int, gen: torch.Generator = gen) -> int:
             return int(torch.randint(hi, (1,), generator=gen, device=device))
 
-        def hiddens(n: int) -> torch.Tensor:
+        def hiddens(n: int, gen: torch.Generator = gen) -> torch.Tensor:
             return torch.randn(n, H, generator=gen, device=device).to(dtype)
 
         states = [p.alloc_state(device) for p in (base, cand)]

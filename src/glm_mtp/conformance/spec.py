@@ -227,7 +227,7 @@ class Op:
                 "returns": self.returns, "rows_after": self.rows_after, "note": self.note, "call": self.call()}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Op":
+    def from_dict(cls, d: dict[str, Any]) -> Op:
         """The inverse of ``to_dict`` (JSON turns tuples into lists; they come back as tuples)."""
         def arg(v: Any) -> Any:
             if isinstance(v, dict) and set(v) == {"seed", "rows", "flat", "fault"}:

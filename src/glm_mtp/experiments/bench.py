@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -179,7 +180,8 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
             prop.after_verify(0, state)  # rows [0, P] held: the catch-up below appends row P + 1
             catch = []
             for _ in range(max(3, bc.repeats // 2)):
-                catch.append(timed(lambda: prop.catchup_drafter([token], hidden[None], P + 1, P + 1, state), device))
+                catch.append(timed(functools.partial(prop.catchup_drafter, [token], hidden[None], P + 1, P + 1, state),
+                                   device))
                 prop.propose(token, hidden, P + 1, 0, state)  # rewind to P + 1
                 prop.after_verify(0, state)
             per_draft = sorted(t / k for t in times[name])

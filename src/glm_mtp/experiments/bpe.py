@@ -41,7 +41,7 @@ class BpeTokenizer:
 
     # ---- training ---------------------------------------------------------------------------
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, pattern: str = PATTERN) -> "BpeTokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, pattern: str = PATTERN) -> BpeTokenizer:
         """Learn ``vocab_size - 256`` merges from ``texts``; ties in pair counts go to the
         smaller pair, so the result is the same on every machine."""
         if vocab_size < 256:
@@ -126,7 +126,7 @@ class BpeTokenizer:
             json.dump({"type": "byte_bpe", "pattern": self.pattern, "merges": [list(m) for m in self.merges]}, f)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "BpeTokenizer":
+    def load(cls, path: str | os.PathLike[str]) -> BpeTokenizer:
         with open(path) as f:
             data = json.load(f)
         if data.get("type") != "byte_bpe":

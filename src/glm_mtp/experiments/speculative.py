@@ -205,7 +205,7 @@ class SpecStats:
         self.steps += 1
         self.committed += a + 1
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         self.reached = [x + y for x, y in zip(self.reached, other.reached)]
         self.accepted = [x + y for x, y in zip(self.accepted, other.accepted)]
         for name in ("steps", "committed", "draft_s", "verify_s", "prefill_s"):
@@ -438,7 +438,7 @@ class SpeculativeDecoder:
                     s.dstate = None
         return [SpecResult(s.tokens[len(s.prompt) : len(s.prompt) + s.want], s.stats, s.tokens) for s in seqs]
 
-    def _leave(self, seqs: list["_Seq"]) -> None:
+    def _leave(self, seqs: list[_Seq]) -> None:
         """Finished sequences leave the batch: their drafter state is freed, their target state dropped."""
         for s in seqs:
             if s.done and s.dstate is not None:

@@ -53,7 +53,7 @@ def expected_jobs(sweep: dict[str, Any]) -> int:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     hydra = sweep.get("hydra") or {}
-    params = dict(((hydra.get("sweeper") or {}).get("params") or {}))
+    params = dict((hydra.get("sweeper") or {}).get("params") or {})
     overrides = {f"{k}": f"{k}={v}" for k, v in params.items()}
     parser = OverridesParser.create()
     for text in (hydra.get("overrides") or {}).get("task") or []:

@@ -86,14 +86,14 @@ class TargetWeights:
         return self.norm.device
 
     @classmethod
-    def random(cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "TargetWeights":
+    def random(cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> TargetWeights:
         """Random weights of a sensible scale (``reference.weights.random_tensor``), by seed."""
         gen = torch.Generator().manual_seed(seed)
         t = {n: random_tensor(n, s, gen) for n, s in target_tensor_shapes(cfg).items()}
         return cls.from_tensors(cfg, t, dtype, device)
 
     @classmethod
-    def from_tensors(cls, cfg: MtpConfig, t: dict[str, Tensor], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> "TargetWeights":
+    def from_tensors(cls, cfg: MtpConfig, t: dict[str, Tensor], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> TargetWeights:
         """From tensors keyed by absolute checkpoint names (the routing bias stays float32)."""
 
         def place(n: str, x: Tensor) -> Tensor:
@@ -115,7 +115,7 @@ class TargetWeights:
         )
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> "TargetWeights":
+    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> TargetWeights:
         """The target's layers ``model.layers.{0..L-1}``, norm, embedding and head from a GLM-5
         style checkpoint directory (the MTP layer ``model.layers.{L}`` is not read)."""
         cfg = MtpConfig.from_hf_config(directory)

@@ -114,7 +114,7 @@ def encoded_streams(tok: BpeTokenizer, tokenizer_file: Any, split: Split) -> tup
     return train_s, heldout_s
 
 
-def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple["Corpus", TargetWeights, MtpWeights, list[Tensor]]:
+def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple[Corpus, TargetWeights, MtpWeights, list[Tensor]]:
     """A trained checkpoint's target, tokenizer and split (``base``: ``shipped`` or a directory the
     training wrote) and a fresh random MTP layer on its embedding and head (seeded as
     ``build_models`` seeds it). Only the MTP layer's tensors are returned as parameters: the target,
@@ -132,7 +132,7 @@ def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple["
     return corpus, target, mtp, params
 
 
-def checkpoint_corpus(path: Any, tok: BpeTokenizer, limit_items: int | None, key: str) -> "Corpus":
+def checkpoint_corpus(path: Any, tok: BpeTokenizer, limit_items: int | None, key: str) -> Corpus:
     """The corpus of a trained checkpoint at ``path``: its tokenizer ``tok`` and its split (which
     must be the split this machine makes: ``key`` names the setting in the error), the streams
     encoded (and cached, ``encoded_streams``). ``limit_items`` keeps the first items of each split."""
@@ -148,7 +148,7 @@ def checkpoint_corpus(path: Any, tok: BpeTokenizer, limit_items: int | None, key
     return Corpus(split, tok, *encoded_streams(tok, Path(path) / "tokenizer.json", split))
 
 
-def tokenizer_corpus(path: str, limit_items: int | None) -> "Corpus":
+def tokenizer_corpus(path: str, limit_items: int | None) -> Corpus:
     """``tokenizer.path``: the tokenizer and split of a trained checkpoint (``shipped`` or a
     directory), reused instead of training a BPE (the streams are cached across runs)."""
     from .checkpoint import shipped_checkpoint

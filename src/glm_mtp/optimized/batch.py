@@ -69,7 +69,7 @@ class BatchBuffers:
     user: int | None = None
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, max_batch: int) -> "BatchBuffers":
+    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, max_batch: int) -> BatchBuffers:
         i64 = dict(dtype=torch.int64, device=device)
         return cls(
             max_batch=max_batch,
@@ -92,7 +92,7 @@ class BatchBuffers:
         return self.outs[k]
 
     def load(self, states: Sequence[OptimizedState], tokens: Tensor, hiddens: Tensor, positions: Sequence[int],
-             rows: int) -> "BatchRows":
+             rows: int) -> BatchRows:
         """Fill the first ``rows`` rows: state b's inputs in row b, padding rows (b >= B) on the
         scratch state with token 0, zero hiddens and slot 0. Host-to-device copies only."""
         B = len(states)
@@ -110,7 +110,7 @@ class BatchBuffers:
         return BatchRows(rows, caches, xs, seqs)
 
     @contextmanager
-    def claim(self, call: str) -> Iterator["BatchBuffers"]:
+    def claim(self, call: str) -> Iterator[BatchBuffers]:
         """One batched call at a time on these buffers (a host-side flag, as a state's guard)."""
         with _CLAIM:
             if self.user is not None:

@@ -198,7 +198,7 @@ def gated_write(cache: LayerCache, slots: Tensor, kv_rows: Tensor, index_rows: T
 
 
 def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor,
-                      fused: "PrimitiveKernels | None" = None) -> None:
+                      fused: PrimitiveKernels | None = None) -> None:
     """``reference.kpool.write_pools`` gated by ``ok`` (1,) bool, with no host read: the gates
     ``gates`` (T, D) at ``slots`` (T,), then the key of every pool a row completes
     (``kernels.kpool``: the kernel or its twin, as ``fused`` chooses; the twin without one)."""
@@ -224,7 +224,7 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
 
 
 def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                     ok: Tensor, ops: Numerics = PINNED, fused: "PrimitiveKernels | None" = None) -> tuple[Tensor, Tensor]:
+                     ok: Tensor, ops: Numerics = PINNED, fused: PrimitiveKernels | None = None) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
     ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),

@@ -29,21 +29,21 @@ class GraphKey:
     rows: int = 1
 
     @classmethod
-    def draft(cls, num_drafts: int, *, sampled: bool = False, rows: int = 1) -> "GraphKey":
+    def draft(cls, num_drafts: int, *, sampled: bool = False, rows: int = 1) -> GraphKey:
         """The k-draft propose's key (argmax, or ``sampled``)."""
         return cls("sampled" if sampled else "draft", num_drafts, rows)
 
     @classmethod
-    def catchup(cls, rows: int = 1) -> "GraphKey":
+    def catchup(cls, rows: int = 1) -> GraphKey:
         """The one-row catch-up's key (one row for each of ``rows`` states)."""
         return cls("catchup", 0, rows)
 
 # One side stream per device for every warm-up and capture: cuBLAS keeps a workspace per stream
 # for the life of the process, so a fresh stream per state would grow memory with every state.
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream this module warms up and captures on, for ``device``."""
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)

@@ -420,7 +420,7 @@ class OptimizedProposer:
                 self._fill_inputs(st, a)
                 self.programs.run_draft(st, k)
                 drafts.append(read_back(st.out[: k + 1]))
-        for st, a, d in zip(states, args, drafts):
+        for st, a in zip(states, args):
             st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
         return [d[1:] for d in drafts]
 

@@ -74,7 +74,7 @@ class OptimizedState(DrafterState):
     deferred_error: str | None = None
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, owner: Owner | None = None) -> "OptimizedState":
+    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, owner: Owner | None = None) -> OptimizedState:
         """Every buffer of one sequence, zeroed (``x`` starts at zero, as in the reference);
         ``owner`` is the allocating drafter (``reference.state.Owner``)."""
         cache = LayerCache.allocate(cfg, blocks, dtype, device)

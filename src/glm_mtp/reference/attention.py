@@ -49,7 +49,7 @@ class Rope:
     sin: Tensor
 
     @classmethod
-    def build(cls, cfg: MtpConfig, capacity: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Rope":
+    def build(cls, cfg: MtpConfig, capacity: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> Rope:
         return cls(*rope_table(capacity, cfg.qk_rope_head_dim, cfg.rope_theta, device, acc_dtype(dtype)))
 
     def at(self, slots: Tensor) -> tuple[Tensor, Tensor]:

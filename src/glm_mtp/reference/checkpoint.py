@@ -148,7 +148,7 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: str, cast: bool = False,
-                 float32_ok: "Callable[[str], bool] | None" = None) -> None:
+                 float32_ok: Callable[[str], bool] | None = None) -> None:
     """Every tensor is stored in one of ``WEIGHT_DTYPES`` and, unless ``cast`` (the caller casts
     every weight to one requested dtype), in the dtype of ``tensors[reference]``, the checkpoint's
     dtype: the drafter computes in its weights' dtype, so a float32 matrix among bfloat16 would

@@ -239,7 +239,7 @@ class MtpConfig:
 
     # ----------------------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str) -> "MtpConfig":
+    def preset(cls, name: str) -> MtpConfig:
         """``tiny`` (tests), ``small`` (experiments), ``glm5`` (GLM-5's real values), ``glm5_shape``
         (GLM-5's widths with 16 routed experts, so one layer fits a CPU's memory); of the glm5_next
         family ``glm5next`` (GLM-5.3-Flash's real values) and ``glm5next_tiny`` / ``glm5next_small``
@@ -249,7 +249,7 @@ class MtpConfig:
         except KeyError:
             raise ValueError(f"unknown MtpConfig preset {name!r}; known: {sorted(PRESETS)}") from None
 
-    def replace(self, **changes: Any) -> "MtpConfig":
+    def replace(self, **changes: Any) -> MtpConfig:
         return dataclasses.replace(self, **changes)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -276,7 +276,7 @@ class MtpConfig:
         return d
 
     @classmethod
-    def from_hf_config(cls, path: str | os.PathLike[str] | dict[str, Any]) -> "MtpConfig":
+    def from_hf_config(cls, path: str | os.PathLike[str] | dict[str, Any]) -> MtpConfig:
         """Read a GLM-5 (``glm_moe_dsa``) or DeepSeek-V3.2 style ``config.json``.
 
         ``path`` is the file, its directory, or the already-parsed dict. Fields the drafter does

@@ -19,7 +19,7 @@ import struct
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # Set to 1 to log a fingerprint (hash of the bytes) of the target hidden at every propose.
 FINGERPRINT_ENV = "GLM_MTP_DEBUG_FINGERPRINT"
 
-Tokens = Union[Sequence[int], Tensor]
+Tokens = Sequence[int] | Tensor
 FeedHidden = Literal["post_norm", "pre_norm"]
 # write_rows(tokens (T,), hiddens (T, H), row_base, state): store context rows, set seq_len.
 WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]

@@ -109,23 +109,23 @@ class BlockScaledWeight:
         """Bytes a reader of this weight moves: one per value plus the float32 scales."""
         return self.w8.numel() * self.w8.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
 
-    def __getitem__(self, index: Any) -> "BlockScaledWeight":
+    def __getitem__(self, index: Any) -> BlockScaledWeight:
         """A slice of the leading (expert) dims only: ``w[e]`` is expert ``e``'s weight."""
         if self.w8.dim() < 3:
             raise TypeError("BlockScaledWeight: only a stacked weight (E, N, K) can be indexed (by its leading dim); "
                             "a block-scaled matrix is read whole, as its scales cover 128 x 128 blocks")
         return BlockScaledWeight(self.w8[index], self.scale_inv[index])
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BlockScaledWeight":
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BlockScaledWeight:
         """On another device. ``dtype`` is the plain weights' storage dtype and leaves this one
         block-scaled (casting it would need a dequantized copy; ``dequantize`` makes one)."""
         return BlockScaledWeight(self.w8.to(device=device), self.scale_inv.to(device=device))
 
-    def contiguous(self) -> "BlockScaledWeight":
+    def contiguous(self) -> BlockScaledWeight:
         return BlockScaledWeight(self.w8.contiguous(), self.scale_inv.contiguous())
 
     @staticmethod
-    def stack(weights: Iterable["BlockScaledWeight"]) -> "BlockScaledWeight":
+    def stack(weights: Iterable[BlockScaledWeight]) -> BlockScaledWeight:
         """The routed experts' weights as one (E, N, K) weight."""
         ws = list(weights)
         return BlockScaledWeight(torch.stack([w.w8 for w in ws]), torch.stack([w.scale_inv for w in ws]))

@@ -59,7 +59,7 @@ class KPoolCache:
     kpool: int
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> "KPoolCache":
+    def allocate(cls, cfg: MtpConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KPoolCache:
         pools = capacity // cfg.index_kpool
         D = cfg.index_head_dim
         return cls(
@@ -118,7 +118,7 @@ def complete_pools(slots: Tensor, kpool: int) -> Tensor:
     return (last // kpool).sort().values
 
 
-def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: "LayerCache",
+def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache,
                 ops: Numerics = PINNED) -> None:
     """Store new rows' gates ``gates`` (T, D) at ``slots`` (T,) and compute the key of every pool
     a new row completes, from the pool's index rows (already written) and gates (``pooled_keys``;
@@ -192,7 +192,7 @@ def select_pool_rows(scores: Tensor, slots: Tensor, cfg: MtpConfig) -> tuple[Ten
     return torch.where(valid, rows, 0), valid.sum(-1)
 
 
-def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                  ops: Numerics = PINNED) -> Tensor:
     """The KPool indexer's scores for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows
     are already in ``cache``: writes their gates and the keys of the pools they complete, then
@@ -208,7 +208,7 @@ def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor
     return pool_scores(q, w, kp.keys[:P], cfg) if ops.pinned else pool_scores_vendor(q, w, kp.keys[:P], cfg)
 
 
-def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
     """The KPool indexer for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows are
     already in ``cache``: writes their gates and the keys of the pools they complete, then each
@@ -226,7 +226,7 @@ def visible_rows(slots: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(rows < count[:, None], rows, 0), count
 
 
-def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                    ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
     """The dense ablation of the KPool indexer (a ``KPoolRowsFn``; the reference drafter only):
     the same gate and pooled-key writes as ``kpool_rows`` (so a state's pool bytes do not depend

@@ -45,7 +45,7 @@ class LayerCache:
     kpool: KPoolCache | None = None
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device | str) -> "LayerCache":
+    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device | str) -> LayerCache:
         # Never-written rows hold zeros; they are masked out of every read, and zeros keep
         # exported snapshots free of uninitialised bytes.
         return cls(
@@ -110,7 +110,7 @@ class DrafterState:
     pending: bool = False
     last_drafted: int = 0
     released: bool = False
-    owner: "Owner | None" = None
+    owner: Owner | None = None
     poisoned: str | None = None
     user: int | None = None
 

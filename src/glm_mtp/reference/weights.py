@@ -371,7 +371,7 @@ class MtpWeights:
         """Whether any weight is block-scaled fp8 (DESIGN.md §8); S is still ``dtype``."""
         return any(fp8.is_block_scaled(t) for _, t in field_tensors(self))  # a sharded layer too
 
-    def quantize_fp8(self) -> "MtpWeights":
+    def quantize_fp8(self) -> MtpWeights:
         """A copy with every weight §8 lets be fp8 block-scaled (``fp8.quantize_fp8``: per-block
         amax / 448, nearest e4m3), the rest shared with these weights (S stays ``dtype``). Already
         block-scaled weights are kept."""
@@ -379,7 +379,7 @@ class MtpWeights:
                for n, t in self.mtp_tensors().items()}
         return MtpWeights.from_tensors(self.config, mtp, self.embed_tokens, self.lm_head)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> "MtpWeights":
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> MtpWeights:
         """Plain weights in ``dtype``: block-scaled ones as ``up(W8) * s`` (``fp8.dequantize``), the
         others cast (the routing bias stays float32). For checks against the plain drafter."""
         mtp = {n: fp8.dequantize(t, dtype) if fp8.is_block_scaled(t)
@@ -390,7 +390,7 @@ class MtpWeights:
     @classmethod
     def from_tensors(
         cls, cfg: MtpConfig, mtp: dict[str, Tensor], embed_tokens: Tensor, lm_head: Tensor, shard: ShardSpec | None = None
-    ) -> "MtpWeights":
+    ) -> MtpWeights:
         """From MTP-layer tensors keyed by layer-relative names plus the target's embedding and
         head. With ``shard``, keep this rank's experts (the others may be absent from ``mtp``)
         and, when row-parallel, its heads' ``o_proj`` columns."""
@@ -423,7 +423,7 @@ class MtpWeights:
         mlp = self.layer.mlp
         return mlp.shard if isinstance(mlp, MoeWeights) else None
 
-    def shard(self, rank: int, world: int, group: object = None, row_parallel_o_proj: bool = True) -> "MtpWeights":
+    def shard(self, rank: int, world: int, group: object = None, row_parallel_o_proj: bool = True) -> MtpWeights:
         """This rank's share: experts ``[rank E/W, (rank+1) E/W)`` and, when
         ``row_parallel_o_proj``, its heads' ``o_proj`` columns; everything else replicated.
         Unchanged (every weight on every rank) when ``world == 1`` or ``GLM_MTP_NO_EP_PROPOSE=1``."""
@@ -440,7 +440,7 @@ class MtpWeights:
     @classmethod
     def random(
         cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
-    ) -> "MtpWeights":
+    ) -> MtpWeights:
         """Random weights of a sensible scale, the same for the same seed on every device of a
         type. Drawn tensor by tensor on ``device`` and cast at once, so the peak memory is the
         model in ``dtype`` plus one float32 tensor (GLM-5's real widths fit)."""
@@ -474,7 +474,7 @@ class MtpWeights:
             out.update(fp8.flatten(prefix + n, t))  # a block-scaled weight is W8 plus its *_scale_inv
         return out
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MtpWeights":
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MtpWeights:
         """A copy on another device and/or in another dtype (the routing bias, and glm5_next's
         router, stay float32).
         ``dtype`` must be a weight dtype (``WEIGHT_DTYPES``), and a cast that overflows a finite
@@ -521,7 +521,7 @@ class MtpWeights:
         group: object = None,
         row_parallel_o_proj: bool = True,
         allow_non_finite: bool = False,
-    ) -> "MtpWeights":
+    ) -> MtpWeights:
         """Load the MTP layer (``model.layers.{num_hidden_layers}.*``) with the target's
         ``model.embed_tokens.weight`` and ``lm_head.weight`` from a GLM-5 checkpoint directory,
         reading no other layer's tensors. Errors name the tensor and the expected shape.

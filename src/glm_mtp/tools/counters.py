@@ -267,7 +267,7 @@ class LaunchRecord:
 
 
 class _TorchOps(TorchDispatchMode):
-    def __init__(self, counter: "LaunchCounter") -> None:
+    def __init__(self, counter: LaunchCounter) -> None:
         super().__init__()
         self.counter = counter
 
@@ -425,7 +425,7 @@ class LaunchCounter:
             obj, attr, old = self._patches.pop()
             setattr(obj, attr, old)
 
-    def __enter__(self) -> "LaunchCounter":
+    def __enter__(self) -> LaunchCounter:
         try:
             if self.use_triton:
                 self._hook_triton()

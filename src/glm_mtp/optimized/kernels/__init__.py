@@ -42,6 +42,21 @@ from .rope_cache import (
 # kernel module joins this tuple (tests/tools/test_audit.py audits every entry).
 AUDITED = (embed, rope_cache, linear, linear_fp8, fused_linear, mla, indexer, pinned_math, moe, paged, kpool)
 
-__all__ = [name for name in dir() if name.endswith(("_torch", "_triton"))] + [
+# Each kernel with its twin, by module (the imports above), then the plumbing.
+__all__ = [
+    "embed_rows_torch", "embed_rows_triton",
+    "argmax_reduce_torch", "argmax_reduce_triton", "block_input_torch", "block_input_triton", "head_partials_torch",
+    "head_partials_triton", "linear_residual_torch", "linear_residual_triton", "norm_linear_torch", "norm_linear_triton",
+    "index_scores_torch", "index_scores_triton", "select_rows_torch", "select_rows_triton",
+    "pool_keys_write_torch", "pool_keys_write_triton", "pool_scores_torch", "pool_scores_triton", "pools_forget_torch",
+    "pools_forget_triton", "select_pool_rows_torch", "select_pool_rows_triton",
+    "linear_acc_torch", "linear_acc_triton", "linear_torch", "linear_triton",
+    "linear_fp8_acc_torch", "linear_fp8_acc_triton", "linear_fp8_torch", "linear_fp8_triton",
+    "absorbed_query_torch", "absorbed_query_triton", "sparse_mla_torch", "sparse_mla_triton",
+    "experts_down_combine_torch", "experts_down_combine_triton", "experts_gate_up_torch", "experts_gate_up_triton",
+    "route_torch", "route_triton",
+    "scatter_rows_torch", "scatter_rows_triton",
+    "exp_torch", "exp_triton",
+    "cache_rows_write_torch", "cache_rows_write_triton", "rope_cache_write_torch", "rope_cache_write_triton",
     "KERNEL_DTYPES", "AUDITED", "AuditLaunch", "Launch", "RowCaches", "RowTargets", "row_caches",
 ]

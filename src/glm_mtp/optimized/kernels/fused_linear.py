@@ -33,7 +33,7 @@ can call as they are.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
 from typing import Sequence
 
 import torch
@@ -304,7 +304,7 @@ def _pow2_meta(n: int) -> dict[str, int]:
     return dict(BLOCK_R=block, LEVELS_R=block.bit_length() - 1, NCHUNK_R=nchunk, LEVELS_CR=nchunk.bit_length() - 1)
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def _eps32(eps: float) -> float:
     """eps as ``numerics.rms_norm`` adds it: rounded to float32 (then passed on exactly)."""
     return float(torch.tensor(eps, dtype=torch.float32))

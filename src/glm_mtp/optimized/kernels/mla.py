@@ -492,7 +492,7 @@ class MlaScratch:
     latent: Tensor
 
     @classmethod
-    def empty(cls, T: int, nh: int, K: int, Lkv: int, device: torch.device | str) -> "MlaScratch":
+    def empty(cls, T: int, nh: int, K: int, Lkv: int, device: torch.device | str) -> MlaScratch:
         f32 = torch.float32
         return cls(torch.empty(T, nh, K, dtype=f32, device=device), torch.empty(T, nh, K, dtype=f32, device=device),
                    torch.empty(T, nh, Lkv, dtype=f32, device=device))

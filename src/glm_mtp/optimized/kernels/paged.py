@@ -68,13 +68,13 @@ class RowCaches:
     addresses: Tensor
 
     @classmethod
-    def of(cls, cache: LayerCache) -> "RowCaches":
+    def of(cls, cache: LayerCache) -> RowCaches:
         """Every row in ``cache`` (an address table of one line, read with stride 0)."""
         table = torch.tensor([cache_addresses(cache)], dtype=torch.int64, device=cache.kv_pool.device)
         return cls((cache,), table)
 
     @classmethod
-    def per_row(cls, caches: Sequence[LayerCache], table: Tensor | None = None) -> "RowCaches":
+    def per_row(cls, caches: Sequence[LayerCache], table: Tensor | None = None) -> RowCaches:
         """Row t in ``caches[t]``. ``table``: a static ``(>= T, ADDRESS_COLUMNS)`` int64 buffer on the device to
         write the lines into (its first T lines are used); without one, a new table."""
         caches = tuple(caches)
@@ -176,7 +176,7 @@ class RowTargets:
     addresses: Tensor
 
     @classmethod
-    def of(cls, tensors: Sequence[Tensor], column: Tensor) -> "RowTargets":
+    def of(cls, tensors: Sequence[Tensor], column: Tensor) -> RowTargets:
         """``tensors``' addresses written into ``column`` (a static (>= T,) int64 device view)."""
         tensors = tuple(tensors)
         view = column[: len(tensors)]

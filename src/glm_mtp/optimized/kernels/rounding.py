@@ -41,7 +41,7 @@ def to_storage(y, TO_BF16: tl.constexpr, TO_F16: tl.constexpr, NAN_BITS: tl.cons
         return round_to_storage(y, TO_BF16, NAN_BITS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def float32_bits(value: float) -> int:
     """The bits of ``value`` rounded once to float32 (as ``torch.tensor(value, dtype=float32)``),
     as a signed int32: kernels take constants this way so no launcher rounds them differently."""
