@@ -12,13 +12,15 @@ SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthC
 
 
 def test_hostile_arguments_reference_vs_optimized():
-    run_state_machine_as_test(argument_machine(), settings=settings(max_examples=10, stateful_step_count=12, derandomize=True,
+    run_state_machine_as_test(argument_machine(),
+                              settings=settings(max_examples=10, stateful_step_count=12, derandomize=True,
                                                                     **SETTINGS))
 
 
 @pytest.mark.slow
 def test_hostile_arguments_reference_vs_optimized_long():
-    run_state_machine_as_test(argument_machine(), settings=settings(max_examples=2000, stateful_step_count=25, **SETTINGS))
+    run_state_machine_as_test(argument_machine(),
+                              settings=settings(max_examples=2000, stateful_step_count=25, **SETTINGS))
 
 
 def test_the_machine_catches_a_backend_that_writes_before_it_refuses():
@@ -32,5 +34,6 @@ def test_the_machine_catches_a_backend_that_writes_before_it_refuses():
 
     with pytest.raises(AssertionError, match="changed a state|differs|different"):
         run_state_machine_as_test(argument_machine(WritesFirst), settings=settings(
-            max_examples=60, stateful_step_count=12, derandomize=True, phases=[Phase.generate], report_multiple_bugs=False,
+            max_examples=60, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
+            report_multiple_bugs=False,
             **SETTINGS))

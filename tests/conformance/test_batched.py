@@ -63,7 +63,9 @@ def test_the_baseline_plays_a_valid_batch_as_single_calls_and_the_candidate_as_o
             assert finding is None, (op.call(), finding)
         valid += sum(op.kind.endswith("_batch") and op.expect == "ok" for op in sc.ops)
         assert ls.baseline.proposer.batches_run == 0
-        assert ls.candidate.proposer.batches_run == sum(op.kind.endswith("_batch") and op.expect == "ok" for op in sc.ops)
+        assert ls.candidate.proposer.batches_run == sum(
+            op.kind.endswith("_batch") and op.expect == "ok" for op in sc.ops
+        )
     assert valid > 0
 
 
@@ -71,7 +73,8 @@ BATCH_MUTANTS = sorted(name for name, cls in MUTANTS.items() if cls.generators =
 
 
 def test_the_batch_mutants_are_registered():
-    assert set(BATCH_MUTANTS) == {"batch_permuted", "batch_checks_as_it_goes", "batch_x_of_state0", "catchup_batch_writes_misaligned"}
+    assert set(BATCH_MUTANTS) == {"batch_permuted", "batch_checks_as_it_goes", "batch_x_of_state0",
+                                  "catchup_batch_writes_misaligned"}
 
 
 @pytest.mark.parametrize("name", BATCH_MUTANTS)
@@ -148,7 +151,8 @@ def test_the_batched_generator_covers_the_issue():
         seen[f"states={min(m_states, 6)}"] += 1
     need = (["propose_batch ok", "propose_batch ValueError", "propose_batch RuntimeError", "catchup_batch ok",
              "catchup_batch ValueError", "catchup_batch RuntimeError", "propose_batch B=0", "propose_batch B=1",
-             "propose_batch B=4", "catchup_batch B=4", "positions differ", "drafts to the last row", "catchup rows written", "catchup rows no-op",
+             "propose_batch B=4", "catchup_batch B=4", "positions differ", "drafts to the last row",
+             "catchup rows written", "catchup rows no-op",
              "propose", "free", "verify", "states=2", "states=6"]
             + [f"k={k}" for k in range(5)] + [f"misuse {k}" for k in BATCH_MISUSE])
     missing = [k for k in need if not seen[k]]
@@ -165,7 +169,8 @@ def test_the_spec_model_follows_the_check_order_of_a_batch():
     rows = [s.seq_len for s in m.seqs]
 
     def propose(states, pos, k=2, fault=None, tokens=None):
-        return m.propose_batch(states, TokenIds(tuple(tokens or [1] * len(states))), Hidden(7, len(states), fault=fault),
+        return m.propose_batch(states, TokenIds(tuple(tokens or [1] * len(states))),
+                               Hidden(7, len(states), fault=fault),
                                TokenIds(tuple(pos)), k)
 
     # state 0's position is ahead (RuntimeError) and state 1's hidden has a NaN (ValueError): index order decides
@@ -201,12 +206,17 @@ def test_a_refusal_follows_index_order_across_data_and_host_checks(kind, preset)
         ops += [m.alloc(), m.prefill(i, TokenIds(tuple(range(1, 12 + 3 * i))), Hidden(10 + i, 11 + 3 * i))]
     rows = [s.seq_len for s in m.seqs]
     if kind == "propose_batch":
-        ops.append(m.propose_batch([0, 1], TokenIds((3, 4)), Hidden(20, 2, fault="nan@0"), TokenIds((rows[0], rows[1] + 2)), 2))
+        ops.append(m.propose_batch([0, 1], TokenIds((3, 4)), Hidden(20, 2, fault="nan@0"),
+                                   TokenIds((rows[0], rows[1] + 2)), 2))
     else:
         ops.append(m.propose(1, TokenIds((5,), "int"), Hidden(21, 1), rows[1], 2))  # state 1 pending
-        ops.append(m.catchup_batch([0, 1], TokenIds((3, 4)), Hidden(20, 2, fault="nan@0"), TokenIds((rows[0], rows[1] + 2))))
+        ops.append(m.catchup_batch([0, 1], TokenIds((3, 4)), Hidden(20, 2, fault="nan@0"),
+                                   TokenIds((rows[0], rows[1] + 2))))
     assert ops[-1].expect == "ValueError"
     ls = Harness("optimized", "reference", preset, torch.bfloat16).lockstep()
     for op in ops:
         finding = ls.step(op)
-        assert finding is None, f"{op.call()}: {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n  baseline: {finding.baseline}"
+        assert finding is None, (
+            f"{op.call()}: {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n"
+            f"  baseline: {finding.baseline}"
+        )

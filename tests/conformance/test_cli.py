@@ -16,7 +16,8 @@ def test_equal_backends_exit_0_with_a_table_and_a_json_report(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, "-m", "glm_mtp.conformance", "--candidate", "reference", "--baseline", "reference",
-         "--device", "cpu", "--dtype", "bfloat16", "--preset", "tiny", "--scenarios", "4", "--seed", "3", "--json", str(out)],
+         "--device", "cpu", "--dtype", "bfloat16", "--preset", "tiny", "--scenarios", "4", "--seed", "3", "--json",
+         str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

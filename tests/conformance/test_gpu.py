@@ -17,7 +17,8 @@ SEQ = {"tiny": 64, "small": 128}
 
 @pytest.mark.parametrize("preset,dtype", CASES)
 def test_reference_twice_on_cuda(preset, dtype):
-    r = run("reference", "reference", scenarios=20, seed=21, device="cuda", dtype=dtype, preset=preset, max_seq_len=SEQ[preset])
+    r = run("reference", "reference", scenarios=20, seed=21, device="cuda", dtype=dtype, preset=preset,
+            max_seq_len=SEQ[preset])
     assert r.ok, r.first_difference
 
 

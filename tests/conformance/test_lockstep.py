@@ -87,11 +87,18 @@ def test_failure_report_names_step_tensor_and_a_replay_that_reproduces_it(tmp_pa
     report = tmp_path / "replay.json"
     argv = shlex.split(d.replay)
     assert argv[:3] == ["python", "-m", "glm_mtp.conformance"]
-    proc = subprocess.run([sys.executable] + argv[1:] + ["--json", str(report)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable] + argv[1:] + ["--json", str(report)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "RESULT: FAIL" in proc.stdout and f"step {d.step}: prefill(" in proc.stdout
     got = json.loads(report.read_text())["first_difference"]
-    assert (got["step"], got["tensor"], got["row"], got["element"], got["candidate"]) == (d.step, d.tensor, d.row, d.element, d.candidate)
+    assert (got["step"], got["tensor"], got["row"], got["element"], got["candidate"]) == (
+        d.step,
+        d.tensor,
+        d.row,
+        d.element,
+        d.candidate,
+    )
 
 
 def test_a_refused_call_that_changes_the_state_is_caught():

@@ -23,7 +23,8 @@ def test_machine_catches_a_mutant_and_saves_a_replayable_scenario(mutant, tmp_pa
     monkeypatch.setenv("GLM_MTP_CONFORMANCE_DIR", str(tmp_path))
     with pytest.raises(AssertionError, match="differ at step") as e:
         run_state_machine_as_test(lockstep_machine(f"mutant:{mutant}", "reference"),
-                                  settings=settings(max_examples=40, stateful_step_count=20, phases=[Phase.generate], **SETTINGS))
+                                  settings=settings(max_examples=40, stateful_step_count=20, phases=[Phase.generate],
+                                                    **SETTINGS))
     replay = re.search(r"replay: (python -m glm_mtp\.conformance .*)", str(e.value)).group(1)
     argv = shlex.split(replay)
     path = argv[argv.index("--scenario-file") + 1]

@@ -54,10 +54,16 @@ def test_every_mutant_is_caught_where_it_breaks_its_rule(name, capsys):
             preset=MUTANTS[name].preset)
     d = r.first_difference
     with capsys.disabled():
-        where = "" if d is None else f"step {d.step} {d.what}" + (f"[{d.tensor}]" if d.tensor else "") + f" at {d.op.split('(')[0]}"
+        where = (
+            ""
+            if d is None
+            else f"step {d.step} {d.what}" + (f"[{d.tensor}]" if d.tensor else "") + f" at {d.op.split('(')[0]}"
+        )
         print(f"\n  mutant {name}: caught after {r.scenarios_run} scenario(s), {r.steps_run} steps: {where}")
     assert not r.ok, f"mutant {name} ({MUTANTS[name].rule}) survived {BUDGET} scenarios"
-    assert (d.what, d.tensor, d.op.split("(")[0]) == SHOWS_AT[name], f"mutant {name} ({MUTANTS[name].rule}) caught elsewhere:\n{d}"
+    assert (d.what, d.tensor, d.op.split("(")[0]) == SHOWS_AT[name], (
+        f"mutant {name} ({MUTANTS[name].rule}) caught elsewhere:\n{d}"
+    )
 
 
 def test_every_mutant_is_registered_and_names_its_rule():
@@ -92,7 +98,11 @@ def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
         for i, v in enumerate(ls.baseline.view()):
             for k, t in v.export.items():
                 beside[f"0/{step}/{i}/{k}"] = t
-    assert (attention.select_rows, indexer.topk_indices, proposer.mtp_rows) == originals and indexer.topk_indices is layers.topk_indices
+    assert (
+        attention.select_rows,
+        indexer.topk_indices,
+        proposer.mtp_rows,
+    ) == originals and indexer.topk_indices is layers.topk_indices
     # ... which must equal the reference run alone, byte for byte.
     _, alone = record("reference", [0], seed=0)
     assert beside.keys() == alone.keys()
@@ -132,7 +142,8 @@ def test_real_drafter_inputs_tie_at_the_top_k_boundary():
     gen = torch.Generator().manual_seed(0)
     state = prop.alloc_state("cpu")
     with swapped(attention, "index_scores", spy):
-        prop.prefill_drafter(torch.randint(cfg.vocab_size, (48,), generator=gen), torch.randn(48, cfg.hidden_size, generator=gen).bfloat16(), state)
+        prop.prefill_drafter(torch.randint(cfg.vocab_size, (48,), generator=gen),
+                             torch.randn(48, cfg.hidden_size, generator=gen).bfloat16(), state)
     scores = seen[0]  # (47 new rows, capacity)
     k, ties = cfg.index_topk, 0
     for t in range(k + 1, scores.shape[0]):  # rows that see more than k rows

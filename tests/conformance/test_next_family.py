@@ -68,7 +68,8 @@ def test_reference_equals_a_second_reference_across_pool_boundaries(monkeypatch)
 
 
 def test_the_cli_runs_the_family_on_both_backends(capsys):
-    assert main(["--candidate", "reference", "--baseline", "reference", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 0
+    assert main(["--candidate", "reference", "--baseline", "reference", "--preset", PRESET, "--scenarios", "1",
+                 "--json", ""]) == 0
     assert main(["--candidate", "optimized", "--preset", PRESET, "--scenarios", "1", "--json", ""]) == 0
     assert "PASS" in capsys.readouterr().out
 
@@ -79,7 +80,8 @@ def test_the_cli_runs_the_family_through_the_interpreted_kernels(tmp_path):
     import json
 
     out = tmp_path / "r.json"
-    assert main(["--kernels", "triton", "--preset", PRESET, "--scenarios", "1", "--max-drafts", "2", "--max-seq-len", "24",
+    assert main(["--kernels", "triton", "--preset", PRESET, "--scenarios", "1", "--max-drafts", "2", "--max-seq-len",
+                 "24",
                  "--seed", "5", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["ok"] is True and rep["candidate"].endswith("with_triton_kernels"), rep["candidate"]

@@ -33,12 +33,20 @@ def test_hidden_rows_are_fresh_random_and_never_zero():
     t = h.materialize(CFG.hidden_size, torch.bfloat16, torch.device("cpu"))
     assert t.shape == (3, CFG.hidden_size) and t.dtype == torch.bfloat16
     assert bool((t != 0).any(dim=1).all())
-    assert torch.equal(t.view(torch.int16), h.materialize(CFG.hidden_size, torch.bfloat16, torch.device("cpu")).view(torch.int16))
+    assert torch.equal(t.view(torch.int16),
+                       h.materialize(CFG.hidden_size, torch.bfloat16, torch.device("cpu")).view(torch.int16))
     assert not torch.equal(t, Hidden(seed=6, rows=3).materialize(CFG.hidden_size, torch.bfloat16, torch.device("cpu")))
     nan = Hidden(seed=5, rows=3, fault="nan").materialize(CFG.hidden_size, torch.float32, torch.device("cpu"))
     assert int(nan.isnan().sum()) == 1
-    assert Hidden(seed=5, rows=1, fault="device").materialize(CFG.hidden_size, torch.float32, torch.device("cpu")).device.type == "meta"
-    assert Hidden(seed=5, rows=1, flat=True).materialize(CFG.hidden_size, torch.float32, torch.device("cpu")).shape == (CFG.hidden_size,)
+    assert (
+        Hidden(seed=5, rows=1, fault="device")
+        .materialize(CFG.hidden_size, torch.float32, torch.device("cpu"))
+        .device.type
+        == "meta"
+    )
+    assert Hidden(seed=5, rows=1, flat=True).materialize(CFG.hidden_size, torch.float32, torch.device("cpu")).shape == (
+        CFG.hidden_size,
+    )
 
 
 def test_token_refs_resolve_to_drafts():
@@ -80,7 +88,11 @@ def _coverage(n_scenarios: int) -> Counter:
                         seen["propose to the last row"] += 1
                 if e == "RuntimeError" and op.state not in freed and a["position"] > before:
                     seen["propose behind"] += 1
-                if e == "ValueError" and isinstance(a["num_drafts"], int) and a["position"] + a["num_drafts"] == cap_rows + 1:
+                if (
+                    e == "ValueError"
+                    and isinstance(a["num_drafts"], int)
+                    and a["position"] + a["num_drafts"] == cap_rows + 1
+                ):
                     seen["propose past capacity"] += 1
             elif op.kind == "verify":
                 if e == "ok":
@@ -95,7 +107,11 @@ def _coverage(n_scenarios: int) -> Counter:
             for v in a.values():
                 if isinstance(v, Hidden) and v.fault and e == "ValueError":
                     seen[f"hidden {v.fault}"] += 1
-                if isinstance(v, TokenIds) and e == "ValueError" and any(isinstance(t, int) and not 0 <= t < CFG.vocab_size for t in v.ids):
+                if (
+                    isinstance(v, TokenIds)
+                    and e == "ValueError"
+                    and any(isinstance(t, int) and not 0 <= t < CFG.vocab_size for t in v.ids)
+                ):
                     seen["token out of range"] += 1
             if op.kind == "alloc":
                 seen[f"alloc {e}"] += 1

@@ -127,7 +127,8 @@ def test_a_batch_past_max_batch_goes_in_parts(shipped32):
     k = 3
     target = Target(shipped32.target, 128)
     make = lambda: Spy(backend_class("optimized")(shipped32.mtp, 128, max_batch=3))  # noqa: E731
-    single, batch, spy = check_batch_equals_single(make, target, prompts_of(shipped32.target.config.vocab_size, seed=2), k, 20)
+    single, batch, spy = check_batch_equals_single(make, target, prompts_of(shipped32.target.config.vocab_size, seed=2),
+                                                   k, 20)
     sizes = [len(sts) for ev, sts in spy.events if ev in ("propose_batch", "catchup_batch")]
     assert max(sizes) == 3 and 1 in sizes
 
@@ -183,7 +184,9 @@ def test_leaving_sequences_free_their_states(shipped32):
     for b, st in enumerate(states):
         at = next(i for i, (ev, s) in enumerate(spy.events) if ev == "free" and s is st)
         # never in a batched call after it left; in exactly its steps' rounds before
-        assert not any(ev != "free" and any(s is st for s in sts) for ev, sts in spy.events[at + 1 :] if ev != "alloc"), b
+        assert not any(
+            ev != "free" and any(s is st for s in sts) for ev, sts in spy.events[at + 1 :] if ev != "alloc"
+        ), b
         assert sum(any(s is st for s in sts) for sts in rounds) == batch[b].stats.steps, b
         # it left as soon as it had its tokens: the round after its last step has not begun
         later = [ev for ev, _ in spy.events[at + 1 :] if ev == "propose_batch"]
@@ -208,8 +211,11 @@ def test_one_prompt_at_temperature_one_is_generate(shipped32):
     # One prompt draws from the loop's generator in generate's order: the same samples.
     target = Target(shipped32.target, 128)
     p = prompts_of(shipped32.target.config.vocab_size, (7,), seed=3)[0]
-    s = SpeculativeDecoder(target, make_proposer("reference", shipped32.mtp, 128), 3, temperature=1.0, seed=5).generate(p, 20)
-    (r,) = SpeculativeDecoder(target, make_proposer("reference", shipped32.mtp, 128), 3, temperature=1.0, seed=5).generate_batch([p], 20)
+    s = SpeculativeDecoder(target, make_proposer("reference", shipped32.mtp, 128), 3, temperature=1.0,
+                           seed=5).generate(p, 20)
+    (r,) = SpeculativeDecoder(
+        target, make_proposer("reference", shipped32.mtp, 128), 3, temperature=1.0, seed=5
+    ).generate_batch([p], 20)
     assert r.tokens == s.tokens and counters(r.stats) == counters(s.stats)
 
 

@@ -46,7 +46,9 @@ def test_bench_records_the_draft_step_counters(tmp_path):
     floor = floor_bytes_per_draft(MtpConfig.preset("tiny"), torch.float32, 8 + 2)
     for backend in ("reference", "optimized"):
         rs = [r for r in recs if r["backend"] == backend]
-        assert len(rs) == 2 and all({k: r[k] for k in bench.COUNTER_FIELDS} == {k: rs[0][k] for k in bench.COUNTER_FIELDS} for r in rs)
+        assert len(rs) == 2 and all(
+            {k: r[k] for k in bench.COUNTER_FIELDS} == {k: rs[0][k] for k in bench.COUNTER_FIELDS} for r in rs
+        )
         r = rs[0]
         assert r["launches_per_draft"] > 0 and r["kernel_bytes_per_draft"] > 0 and r["floor_bytes_per_draft"] == floor
         assert r["kernel_floor_ratio"] == pytest.approx(r["kernel_bytes_per_draft"] / floor)
@@ -63,14 +65,20 @@ def test_glm5_next_is_benched_with_its_counters_and_its_h200_projection(tmp_path
     counted ratio at the H200's bandwidth, plus the counted launches."""
     from glm_mtp.tools.floor import GRAPH_LAUNCH_S, H200_BYTES_PER_S, floor_bytes_per_draft
 
-    bench.main(["--presets", "glm5next_tiny", "--backends", "optimized", "--drafts", "1", "--repeats", "1", "--warmup", "0",
+    bench.main(["--presets", "glm5next_tiny", "--backends", "optimized", "--drafts", "1", "--repeats", "1", "--warmup",
+                "0",
                 "--context", "8", "--max-seq-len", "32", "--copy-mib", "8", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench.json").read_text())
     (r,) = data["records"]
     assert r["preset"] == "glm5next_tiny" and r["launches_per_draft"] <= 24 and r["kernel_floor_ratio"] <= 1.15
     (p,) = data["projection"]
     floor = floor_bytes_per_draft(MtpConfig.preset("glm5next"), torch.bfloat16, 4096)
-    assert (p["preset"], p["counted_at"], p["floor_bytes"], p["launches"]) == ("glm5next", "glm5next_tiny", floor, r["launches_per_draft"])
+    assert (p["preset"], p["counted_at"], p["floor_bytes"], p["launches"]) == (
+        "glm5next",
+        "glm5next_tiny",
+        floor,
+        r["launches_per_draft"],
+    )
     want_ms = (floor * r["kernel_floor_ratio"] / H200_BYTES_PER_S + r["launches_per_draft"] * GRAPH_LAUNCH_S) * 1e3
     assert p["step_ms"] == pytest.approx(want_ms, rel=1e-12) and 0.3 < p["step_ms"] < 1.0
     assert "H200 projection (a model, not a measurement" in (tmp_path / "bench.md").read_text()
@@ -78,18 +86,24 @@ def test_glm5_next_is_benched_with_its_counters_and_its_h200_projection(tmp_path
 
 def test_the_projection_takes_each_familys_widest_counted_preset():
     def rec(preset, floor, ratio, launches, backend="optimized"):
-        return dict(preset=preset, backend=backend, floor_bytes_per_draft=floor, kernel_floor_ratio=ratio, launches_per_draft=launches)
+        return dict(preset=preset, backend=backend, floor_bytes_per_draft=floor, kernel_floor_ratio=ratio,
+                    launches_per_draft=launches)
 
     records = [rec("tiny", 1e5, 1.07, 22), rec("small", 3e6, 1.01, 22), rec("small", 3e6, 9.0, 800, "reference"),
                rec("glm5next_tiny", 1e5, 1.06, 21), rec("glm5_shape", 1e8, None, None)]
-    got = {p["preset"]: (p["counted_at"], p["kernel_floor_ratio"], p["launches"]) for p in bench.projections(records, torch.bfloat16)}
+    got = {
+        p["preset"]: (p["counted_at"], p["kernel_floor_ratio"], p["launches"])
+        for p in bench.projections(records, torch.bfloat16)
+    }
     assert got == {"glm5": ("small", 1.01, 22), "glm5next": ("glm5next_tiny", 1.06, 21)}
 
 
 def test_counters_default_to_tiny_and_small_among_the_presets_run(tmp_path):
     assert bench.parse_args(["--out", str(tmp_path)]).counters == ["tiny", "small"]
     assert bench.parse_args(["--presets", "small", "glm5_shape", "--out", str(tmp_path)]).counters == ["small"]
-    assert bench.parse_args(["--presets", "glm5next_small", "glm5_shape", "--out", str(tmp_path)]).counters == ["glm5next_small"]
+    assert bench.parse_args(["--presets", "glm5next_small", "glm5_shape", "--out", str(tmp_path)]).counters == [
+        "glm5next_small"
+    ]
     assert bench.parse_args(["--counters", "--out", str(tmp_path)]).counters == []
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--presets", "tiny", "--counters", "small", "--out", str(tmp_path)])
@@ -148,7 +162,10 @@ def test_max_position_embeddings_lifts_the_capacity_cap():
     lifted = bench.bench_preset(bench.BenchConfig(**base, max_position_embeddings=2048), "tiny", 1e9, NoProgress())
     assert capped[0]["max_seq_len"] == 512 and lifted[0]["max_seq_len"] == 1024
     assert lifted[0]["state_bytes"] > capped[0]["state_bytes"]  # the state really holds the larger capacity
-    assert bench.parse_args(["--max-position-embeddings", "131072", "--max-seq-len", "131072"]).max_position_embeddings == 131072
+    assert (
+        bench.parse_args(["--max-position-embeddings", "131072", "--max-seq-len", "131072"]).max_position_embeddings
+        == 131072
+    )
     assert bench.parse_args([]).max_position_embeddings is None
 
 
@@ -159,7 +176,8 @@ def test_bad_max_position_embeddings_exits_2(capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--checkpoint", "/nonexistent/ckpt", "--target-costs"], "--checkpoint: directory '/nonexistent/ckpt' does not exist"),
+    (["--checkpoint", "/nonexistent/ckpt", "--target-costs"],
+     "--checkpoint: directory '/nonexistent/ckpt' does not exist"),
     (["--checkpoint", "."], "--checkpoint is the toy target of --target-costs"),
     (["--max-position-embeddings", "8"], "--max-position-embeddings must exceed"),
 ])

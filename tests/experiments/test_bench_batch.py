@@ -27,7 +27,8 @@ def test_bench_batch_writes_records_table_and_plot(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_batch, "batch_counters", in_process)
     out = tmp_path / "bb"
-    bench_batch.main(["--preset", "tiny", "--batch-sizes", "1", "3", "--drafts", "2", "--context", "4", "--max-seq-len", "32",
+    bench_batch.main(["--preset", "tiny", "--batch-sizes", "1", "3", "--drafts", "2", "--context", "4", "--max-seq-len",
+                      "32",
                       "--repeats", "2", "--warmup", "1", "--out", str(out)])
     data = json.loads((out / "bench_batch.json").read_text())
     records = data["records"]
@@ -45,7 +46,8 @@ def test_bench_batch_writes_records_table_and_plot(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv", [["--batch-sizes", "0"], ["--drafts", "0"], ["--preset", "nope"],
                                   ["--batch-sizes", "16", "--max-seq-len", "40"], ["--repeats", "0"]])
 def test_bad_arguments_exit_2(argv, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.bench_batch", *argv, "--out", str(tmp_path / "x")],
+    done = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.bench_batch", *argv, "--out",
+                           str(tmp_path / "x")],
                           capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert not (tmp_path / "x").exists()

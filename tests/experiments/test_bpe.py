@@ -35,7 +35,8 @@ def test_training_is_deterministic_and_saves(tok, tmp_path):
     assert again.merges == tok.merges
     tok.save(tmp_path / "t.json")
     loaded = BpeTokenizer.load(tmp_path / "t.json")
-    assert loaded.merges == tok.merges and loaded.encode("def f(x):\n    return x") == tok.encode("def f(x):\n    return x")
+    assert loaded.merges == tok.merges and loaded.encode("def f(x):\n    "
+                                                         "return x") == tok.encode("def f(x):\n    return x")
 
 
 def test_split_is_disjoint_and_recorded():

@@ -36,7 +36,12 @@ def test_every_experiment_file_is_a_global_override():
 
 def test_the_readme_and_test_overrides_still_compose():
     c = config("config")  # no override: the README's first command
-    assert c.run.num_prompts == 32 and c.model.kind == "checkpoint" and c.logger.name == "wandb" and c.mode == "speculative"
+    assert (
+        c.run.num_prompts == 32
+        and c.model.kind == "checkpoint"
+        and c.logger.name == "wandb"
+        and c.mode == "speculative"
+    )
     c = config("config", ["model=tiny_random", "experiment=smoke", "num_drafts=2", "policy=refeed", "logger=none"])
     assert c.run.num_prompts == 2 and c.run.check_lossless is True and c.model.kind == "random" and c.num_drafts == 2
     c = config("config", ["experiment=smoke", "run.num_prompts=5", "mode=teacher_forced", "source=ood"])

@@ -34,7 +34,8 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
     assert on_disk["lossless_greedy"] is True and on_disk["generated_tokens"] == 2 * 16
     assert (tmp_path / "acceptance.png").stat().st_size > 0 and (tmp_path / "speedup.png").stat().st_size > 0
     sp = on_disk["speedup"]  # the speedup model: one prediction per k, costs measured on this run's models
-    assert len(sp["predicted"]) == len(sp["v"]) == len(sp["predicted_ci"]) == 2 and sp["c"] > 0 and sp["costs"] == "measured"
+    assert len(sp["predicted"]) == len(sp["v"]) == len(sp["predicted_ci"]) == 2
+    assert sp["c"] > 0 and sp["costs"] == "measured"
     assert sp["best_k"] in (1, 2) and sp["predicted"][sp["best_k"] - 1] == max(sp["predicted"])
     assert sp["tau"][-1] == pytest.approx(on_disk["mean_accepted_length"]) and len(sp["glm5"]["predicted"]) == 2
     run = read_offline_run(str(tmp_path))
@@ -47,7 +48,8 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
     # Counts, intervals and the cumulative view, in the file and in the run.
     c = on_disk["counts"]
     assert len(c["reached"]) == len(c["accepted"]) == len(on_disk["alpha_ci"]) == len(on_disk["cumulative"]) == 2
-    assert c["reached"][0] == c["steps"] == sum(on_disk["counts_per_prompt"]["steps"]) and len(on_disk["counts_per_prompt"]["steps"]) == 2
+    assert c["reached"][0] == c["steps"] == sum(on_disk["counts_per_prompt"]["steps"])
+    assert len(on_disk["counts_per_prompt"]["steps"]) == 2
     assert run["summary"]["counts"] == c and run["summary"]["alpha_ci"] == on_disk["alpha_ci"]
     assert run["summary"]["cumulative"] == on_disk["cumulative"] and "cumulative_1" in run["summary"]
     assert "samples/_type" in run["summary"] and run["summary"]["mode"] == "speculative"

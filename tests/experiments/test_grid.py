@@ -45,7 +45,8 @@ def test_feed_agreement_counts_what_differs(tiny64):
 
 def test_a_head_trained_on_a_frozen_base(tmp_path):
     out = tmp_path / "ckpt"
-    cfg = config("train", ["logger=none", f"out={out}", "train.base=shipped", "tokenizer.limit_items=4", "train.steps=2",
+    cfg = config("train",
+                 ["logger=none", f"out={out}", "train.base=shipped", "tokenizer.limit_items=4", "train.steps=2",
                            "train.batch_size=2", "train.seq_len=16", "train.eval_every=10", "train.eval_windows=1",
                            "train.log_every=1", "train.mtp_depth=2", "train.mtp_distill=0.5", "train.warmup=1"])
     final = train.run(cfg, str(tmp_path / "run"))
@@ -68,7 +69,11 @@ def test_one_grid_job_and_its_report(tmp_path):
     cfg = config("grid", ["experiment=grid_smoke", "train.mtp_depth=2"])
     res = grid.run(cfg, str(tmp_path / "job"))
     on_disk = json.loads((tmp_path / "job" / "grid.json").read_text())
-    assert on_disk["mtp_depth"] == 2 and on_disk["steps"] == 2 and set(on_disk["evals"]) == {"teacher_forced", "speculative"}
+    assert (
+        on_disk["mtp_depth"] == 2
+        and on_disk["steps"] == 2
+        and set(on_disk["evals"]) == {"teacher_forced", "speculative"}
+    )
     tf = on_disk["evals"]["teacher_forced"]
     assert tf["mode"] == "teacher_forced" and tf["num_drafts"] == 2 and tf["prompts"] == 2 and len(tf["alpha_ci"]) == 2
     assert on_disk["evals"]["speculative"]["mode"] == "speculative" and "speedup" in tf

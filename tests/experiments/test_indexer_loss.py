@@ -27,7 +27,8 @@ def test_training_forward_selects_as_the_pinned_drafter_in_float64():
     math, so in float64 they agree to rounding at a length where selection drops pools."""
     w = MtpWeights.random(NEXT, seed=2, dtype=torch.float64)
     T = 30
-    toks, hid = _tokens(T, 1), torch.randn(T, NEXT.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    toks, hid = _tokens(T, 1), torch.randn(T, NEXT.hidden_size, dtype=torch.float64,
+                                           generator=torch.Generator().manual_seed(3))
     x, _ = mtp_forward(w, toks, hid, zero_first=True, moe=moe_block)
     cache = LayerCache.allocate(NEXT, num_blocks(T), torch.float64, "cpu")
     ref = mtp_rows(w, toks, hid, torch.arange(T), cache, Rope.build(NEXT, BLOCK_ROWS * num_blocks(T), "cpu"))
@@ -71,7 +72,9 @@ def test_indexer_kl_trains_the_indexer_and_nothing_else():
     window = _tokens(41, 7)
     ls = sequence_losses(target, mtp, window, depth=2, moe=grouped_moe)
     assert ls.indexer is not None and float(ls.indexer.detach()) > 0 and 0 < ls.recall < 1
-    indexer = {id(t) for l in [*target.layers, mtp.layer] for t in vars(l.attn.indexer).values() if isinstance(t, torch.Tensor)}
+    indexer = {
+        id(t) for l in [*target.layers, mtp.layer] for t in vars(l.attn.indexer).values() if isinstance(t, torch.Tensor)
+    }
     (ls.target + sum(ls.mtp)).backward(retain_graph=True)
     lm_grads = [p for p in params if p.grad is not None and p.grad.abs().sum() > 0]
     assert lm_grads and not any(id(p) in indexer for p in lm_grads)  # selection is discrete

@@ -58,7 +58,8 @@ def test_pinned_greedy_speculation_is_the_greedy_decode_in_bf16(tiny_bf16, rando
 
 
 def test_acceptance_records_lossless_per_prompt(tmp_path, monkeypatch):
-    cfg = config(["model=tiny_random", "model.dtype=bfloat16", "experiment=smoke", "logger=none", "target_numerics=pinned"])
+    cfg = config(["model=tiny_random", "model.dtype=bfloat16", "experiment=smoke", "logger=none",
+                  "target_numerics=pinned"])
     s = acceptance.run(cfg, str(tmp_path / "pinned"))
     assert s["lossless"] == {"prompts": 2, "identical": 2, "diverged": []} and s["lossless_greedy"] is True
     assert s["target_numerics"] == "pinned" and s["draft"] == "argmax" and s["dtype"] == "bfloat16"
@@ -82,6 +83,7 @@ def test_acceptance_records_lossless_per_prompt(tmp_path, monkeypatch):
 
 
 def test_sampled_drafts_through_the_entry_point(tmp_path):
-    cfg = config(["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1", "draft=sampled", "backend=optimized"])
+    cfg = config(["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1", "draft=sampled",
+                  "backend=optimized"])
     s = acceptance.run(cfg, str(tmp_path))
     assert s["draft"] == "sampled" and s["lossless"] is None and s["counts"]["steps"] > 0

@@ -83,7 +83,8 @@ def test_quantiles_and_an_empty_summary():
 def test_the_shipped_next_model_drafts_past_index_topk(tmp_path):
     """model=next_shipped: one 100-token prompt (index_topk 64, index_kpool 16), so the shipped
     drafter's KPool selection drops rows at every drafted position, and its recall is recorded."""
-    cfg = config(["model=next_shipped", "experiment=smoke", "run.num_prompts=1", "run.prompt_tokens=100", "run.max_new_tokens=6",
+    cfg = config(["model=next_shipped", "experiment=smoke", "run.num_prompts=1", "run.prompt_tokens=100",
+                  "run.max_new_tokens=6",
                   "run.check_lossless=false", "logger=none", "speedup.repeats=1"])
     check_acceptance(cfg)
     s = acceptance.run(cfg, str(tmp_path))
@@ -101,14 +102,18 @@ def test_the_recall_reaches_the_wandb_run(tmp_path, monkeypatch):
     run = read_offline_run(str(tmp_path))["summary"]
     r = summary["recall"]
     assert run["recall/median"] == pytest.approx(r["median"]) and run["recall/p10"] == pytest.approx(r["p10"])
-    assert run["recall/p10_1"] == pytest.approx(r["per_position"][0]["p10"]) and run["recall/oracle_median"] == pytest.approx(r["oracle_median"])
+    assert run["recall/p10_1"] == pytest.approx(r["per_position"][0]["p10"]) and run[
+        "recall/oracle_median"
+    ] == pytest.approx(r["oracle_median"])
 
 
 def test_a_batched_loop_records_the_same_rows(tmp_path):
     """batch_size=2: one propose_batch per round drafts both prompts; the drafts are those of
     batch_size=1 (batch invariance), and so is every recorded row's recall."""
-    one = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept"]), str(tmp_path / "one"))
-    two = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept", "batch_size=2"]),
+    one = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept"]),
+                         str(tmp_path / "one"))
+    two = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept",
+                                 "batch_size=2"]),
                          str(tmp_path / "two"))
     assert two["counts"] == one["counts"]
     for key in ("rows", "median", "p10", "oracle_median", "selection_real_share"):

@@ -19,9 +19,11 @@ def test_pairs_vary_one_setting_on_the_same_prompts():
             summary("teacher_forced", "first_row_kept", [[4, 2], [5, 2], [3, 1]]),
             summary("teacher_forced", "refeed", [[4, 2], [5, 2], [3, 1]], prompts_sha="other")]
     by_policy = report.paired_table(runs, "policy").splitlines()[2:]
-    assert len(by_policy) == 1 and by_policy[0].startswith("| refeed − first_row_kept | speculative | heldout")  # "other" prompts do not pair
+    # "other" prompts do not pair
+    assert len(by_policy) == 1 and by_policy[0].startswith("| refeed − first_row_kept | speculative | heldout")
     by_mode = report.paired_table(runs, "mode").splitlines()[2:]
-    assert len(by_mode) == 1 and by_mode[0].startswith("| teacher_forced − speculative | heldout | reference | 0 | post_norm | first_row_kept | 2 |")
+    assert len(by_mode) == 1 and by_mode[0].startswith("| teacher_forced − speculative | heldout | reference | 0 | "
+                                                       "post_norm | first_row_kept | 2 |")
     # alpha_1 = 12/30 - 18/30 = -0.2, the same shift on every prompt: every replicate agrees
     assert by_mode[0].split(" | ")[7] == "-0.200 [-0.20, -0.20]"
     with pytest.raises(ValueError, match="pair"):
@@ -38,4 +40,9 @@ def test_pairs_on_the_draft_and_never_across_it():
     assert len(rows) == 1 and rows[0].startswith("| sampled − argmax | teacher_forced | heldout")
     by_policy = report.paired_table([argmax, sampled, refeed_sampled], "policy").splitlines()[2:]
     assert len(by_policy) == 1 and by_policy[0].startswith("| refeed − first_row_kept")  # the sampled pair only
-    assert report.paired_table([argmax, dict(argmax, target_numerics="pinned")], "target_numerics").count("pinned − vendor") == 1
+    assert (
+        report.paired_table([argmax, dict(argmax, target_numerics="pinned")], "target_numerics").count(
+            "pinned − vendor"
+        )
+        == 1
+    )

@@ -120,7 +120,8 @@ def chi_square_p(seqs, probs):
     expected = n * probs
     stat = float(((counts - expected) ** 2 / expected).sum())
     df = int((n[:, 0] > 0).sum()) * (V - 1)
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +222,12 @@ def test_sampled_drafts_need_a_temperature_and_a_sampling_drafter(tiny64, target
 def test_sampled_noise_comes_from_the_loop_generator(tiny64, target64, random_prompt):
     """The same seed gives the same sampled run; another seed another one."""
     prompt = random_prompt(96, 10, 4)
-    runs = [SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 3, temperature=1.0, seed=s, draft="sampled").generate(prompt, 16)
-            for s in (1, 1, 2)]
+    runs = [
+        SpeculativeDecoder(
+            target64, ReferenceProposer(tiny64.mtp, 128), 3, temperature=1.0, seed=s, draft="sampled"
+        ).generate(prompt, 16)
+        for s in (1, 1, 2)
+    ]
     assert runs[0].tokens == runs[1].tokens and runs[0].stats.accepted == runs[1].stats.accepted
     assert runs[0].tokens != runs[2].tokens
 
@@ -264,6 +269,10 @@ def test_backends_resolve_by_name(tiny64):
 def test_backends_draft_alike_through_the_loop(tiny64, target64, random_prompt, policy, draft):
     # The optimized drafter is equal to the reference bit for bit, so the loop sees the same drafts.
     prompt = random_prompt(96, 10, 9)
-    runs = [SpeculativeDecoder(target64, make_proposer(b, tiny64.mtp, 128), 3, policy, temperature=1.0, seed=4, draft=draft).generate(prompt, 20)
-            for b in ("reference", "optimized")]
+    runs = [
+        SpeculativeDecoder(
+            target64, make_proposer(b, tiny64.mtp, 128), 3, policy, temperature=1.0, seed=4, draft=draft
+        ).generate(prompt, 20)
+        for b in ("reference", "optimized")
+    ]
     assert runs[0].tokens == runs[1].tokens and runs[0].stats.accepted == runs[1].stats.accepted

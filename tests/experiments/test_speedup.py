@@ -104,5 +104,9 @@ def test_bench_target_costs_writes_costs_json(tmp_path):
                            "--context", "8", "--out", str(tmp_path)])
     costs = bench.run_target_costs(bc)
     on_disk = json.loads((tmp_path / "costs.json").read_text())
-    assert on_disk["c"] == costs["c"] > 0 and len(on_disk["v"]) == 2 and on_disk["per_backend"]["reference"]["backend"] == "reference"
+    assert (
+        on_disk["c"] == costs["c"] > 0
+        and len(on_disk["v"]) == 2
+        and on_disk["per_backend"]["reference"]["backend"] == "reference"
+    )
     assert on_disk["glm5"]["source"] == "bytes:glm5" and "GLM-5 (bytes)" in (tmp_path / "costs.md").read_text()

@@ -1,7 +1,9 @@
 """The held-out split's overlap bound, measured independently of the split's own bookkeeping,
 and the deduplication that enforces it."""
 
-from glm_mtp.experiments.corpus import MAX_OVERLAP, corpus_split, dedup_heldout, is_heldout, long_lines, ngrams, overlap, read_item
+from glm_mtp.experiments.corpus import (
+    MAX_OVERLAP, corpus_split, dedup_heldout, is_heldout, long_lines, ngrams, overlap, read_item,
+)
 
 
 def _seen(names):
@@ -34,7 +36,8 @@ def test_dedup_moves_chains_until_stable():
     words = [f"w{i}" for i in range(400)]
     base = "\n".join(" ".join(words[i : i + 10]) + " padding padding" for i in range(0, 200, 10))
     other = "\n".join(" ".join(words[i : i + 10]) + " filler filler" for i in range(200, 400, 10))
-    texts = {"train": base, "c1": base + "\n" + other, "c2": other, "c3": "completely different text " * 3 + "\n" + "unique line number three here ok"}
+    texts = {"train": base, "c1": base + "\n" + other, "c2": other,
+             "c3": "completely different text " * 3 + "\n" + "unique line number three here ok"}
     train, held, ov = dedup_heldout(["c1", "c2", "c3"], ["train"], texts)
     assert held == ["c3"] and train == ["c1", "c2", "train"]
     assert ov["c3"].worst == 0.0

@@ -29,7 +29,8 @@ def test_incremental_forward_matches_one_pass_and_head_reads_hidden(tiny64, targ
     parts = [target64.forward(toks[a:b], st) for a, b in ((0, 11), (11, 12), (12, 30))]
     assert st.length == 30
     torch.testing.assert_close(torch.cat([p.logits for p in parts]), whole.logits, rtol=0, atol=1e-12)
-    torch.testing.assert_close(whole.logits, torch.nn.functional.linear(whole.hidden, tiny64.target.lm_head), rtol=0, atol=0)
+    torch.testing.assert_close(whole.logits, torch.nn.functional.linear(whole.hidden, tiny64.target.lm_head), rtol=0,
+                               atol=0)
     # The hidden is final-normed: RMS of hidden / norm weight is 1.
     rms = (whole.hidden / tiny64.target.norm).pow(2).mean(-1).sqrt()
     torch.testing.assert_close(rms, torch.ones_like(rms), rtol=0, atol=1e-4)
@@ -51,8 +52,10 @@ def test_rewind_then_new_tokens_equals_fresh_run(target64, random_prompt):
 
 def test_grouped_moe_is_the_reference_moe(tiny64):
     moe = tiny64.target.layers[-1].mlp
-    m = torch.randn(37, tiny64.target.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(grouped_moe(moe, tiny64.target.config, m), moe_block(moe, tiny64.target.config, m), rtol=1e-12, atol=1e-12)
+    m = torch.randn(37, tiny64.target.config.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(grouped_moe(moe, tiny64.target.config, m), moe_block(moe, tiny64.target.config, m),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_training_mtp_forward_is_mtp_rows_in_float64(tiny64):

@@ -14,8 +14,10 @@ from glm_mtp.reference.config import MtpConfig
 # index_kpool 4 and index_topk 8 under windows of 24 tokens: rows past 11 drop pools.
 TINY_NEXT = [
     "training=next_stdlib", "logger=none", "tokenizer.limit_items=6",
-    "arch.hidden_size=32", "arch.q_lora_rank=16", "arch.kv_lora_rank=16", "arch.qk_nope_head_dim=8", "arch.v_head_dim=8",
-    "arch.num_attention_heads=2", "arch.moe_intermediate_size=16", "arch.intermediate_size=32", "arch.num_hidden_layers=2",
+    "arch.hidden_size=32", "arch.q_lora_rank=16", "arch.kv_lora_rank=16", "arch.qk_nope_head_dim=8",
+    "arch.v_head_dim=8",
+    "arch.num_attention_heads=2", "arch.moe_intermediate_size=16", "arch.intermediate_size=32",
+    "arch.num_hidden_layers=2",
     "arch.index_head_dim=8", "arch.index_kpool=4", "arch.index_topk=8",
     "train.steps=3", "train.warmup=1", "train.batch_size=2", "train.seq_len=24", "train.eval_every=10",
     "train.eval_windows=1", "train.log_every=1", "train.mtp_depth=2",
@@ -38,13 +40,18 @@ def _run(tmp_path, name, overrides=()):
 def test_next_training_is_reproducible_and_trains_the_indexer(tmp_path):
     first = _run(tmp_path, "a")
     assert _run(tmp_path, "b") == first
-    assert _run(tmp_path, "s", ["train.seed=1"])["model.safetensors"] != first["model.safetensors"]  # the check can fail
+    # the check can fail
+    assert _run(tmp_path, "s", ["train.seed=1"])["model.safetensors"] != first["model.safetensors"]
     cfg = MtpConfig.from_hf_config(tmp_path / "a")
     assert cfg.is_next and cfg.index_topk == 8 and cfg.index_kpool == 4
     log = json.loads((tmp_path / "a" / "training_log.json").read_text())
     assert all(h["indexer_kl"] > 0 and 0 < h["indexer_recall"] < 1 for h in log["history"])
     card = (tmp_path / "a" / "README.md").read_text()
-    assert "## The KPool indexer: trained" in card and "Left out of GLM-5.3-Flash" in card and "tokenizer.path=shipped" in card
+    assert (
+        "## The KPool indexer: trained" in card
+        and "Left out of GLM-5.3-Flash" in card
+        and "tokenizer.path=shipped" in card
+    )
 
 
 def test_long_windows_need_a_trained_indexer():

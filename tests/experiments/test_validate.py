@@ -18,7 +18,8 @@ def config(name, overrides=()):
 
 def test_the_shipped_configs_pass():
     validate.check_acceptance(config("config"))
-    validate.check_acceptance(config("config", ["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1"]))
+    validate.check_acceptance(config("config",
+                                     ["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1"]))
     validate.check_acceptance(config("config", ["temperature=0.5", "draft=sampled", "target_numerics=pinned"]))
     validate.check_train(config("train"))
 
@@ -91,13 +92,15 @@ def test_dtype_names_are_registry_names():
 
 def run_module(module, *overrides, cwd):
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", module, *overrides], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", module, *overrides], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 @pytest.mark.parametrize("override", ["num_drafts=-1", "policy=bogus", "temperature=nan"])
 def test_acceptance_refuses_a_bad_override_with_one_line_and_no_run_dir(tmp_path, override):
     run_dir = tmp_path / "run"
-    proc = run_module("glm_mtp.experiments.acceptance", override, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    proc = run_module("glm_mtp.experiments.acceptance", override, "logger=none", f"hydra.run.dir={run_dir}",
+                      cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("python -m glm_mtp.experiments.acceptance: error: ") and "\n" not in err, err

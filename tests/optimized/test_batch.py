@@ -72,7 +72,10 @@ class Batched:
             toks, hs = self.tokens(len(owed)), self.hiddens(len(owed))
             bases = [self.opt.drafter_rows(s["opt"]) for s in owed]
             got = self.opt.catchup_batch(toks, hs, bases, [s["opt"] for s in owed])
-            want = [self.ref.catchup_drafter(toks[b : b + 1], hs[b : b + 1], bases[b], bases[b], s["ref"]) for b, s in enumerate(owed)]
+            want = [
+                self.ref.catchup_drafter(toks[b : b + 1], hs[b : b + 1], bases[b], bases[b], s["ref"])
+                for b, s in enumerate(owed)
+            ]
             assert got == want == [1] * len(owed)
         for s in group:
             self.same(s)
@@ -159,7 +162,8 @@ def _snapshot(bt):
     return [state_bytes(bt.opt, s["opt"]) for s in bt.seqs]
 
 
-@pytest.mark.parametrize("bad", ["nan_hidden", "token_tensor", "token_int", "pending", "behind", "capacity", "duplicate",
+@pytest.mark.parametrize("bad",
+                         ["nan_hidden", "token_tensor", "token_int", "pending", "behind", "capacity", "duplicate",
                                  "freed", "other_drafter", "lengths", "too_many"])
 def test_refusal_names_the_state_and_changes_nothing(weights, bad):
     bt = Batched(weights, seed=3, max_batch=4)
@@ -184,7 +188,8 @@ def test_refusal_names_the_state_and_changes_nothing(weights, bad):
         expect = RuntimeError
     elif bad == "capacity":
         pos[2] = bt.opt.capacity - 1
-        bt.opt.catchup_drafter(bt.tokens(pos[2] - bt.opt.drafter_rows(states[2])), bt.hiddens(pos[2] - bt.opt.drafter_rows(states[2])),
+        bt.opt.catchup_drafter(bt.tokens(pos[2] - bt.opt.drafter_rows(states[2])),
+                               bt.hiddens(pos[2] - bt.opt.drafter_rows(states[2])),
                                bt.opt.drafter_rows(states[2]), 0, states[2])
     elif bad == "duplicate":
         states[3] = states[1]
@@ -292,8 +297,10 @@ def test_padded_buckets_and_their_graph_keys(weights, monkeypatch):
     bt.round(bt.seqs, 1)  # 5 -> 8
     bt.round(bt.seqs[1:2], 0)  # num_drafts 0 only rewinds: never captured, its own row count
     proposes = [k for k in keys if k[0].program != "catchup"]
-    assert proposes == [(GraphKey.draft(2, rows=4), True), (GraphKey.draft(1, rows=8), True), (GraphKey.draft(0, rows=1), False)]
-    assert all(key.rows in (1, 2, 4, 8) and capture for key, capture in keys if key.program == "catchup")  # catch-ups, bucketed
+    assert proposes == [(GraphKey.draft(2, rows=4), True), (GraphKey.draft(1, rows=8), True),
+                        (GraphKey.draft(0, rows=1), False)]
+    # catch-ups, bucketed
+    assert all(key.rows in (1, 2, 4, 8) and capture for key, capture in keys if key.program == "catchup")
 
 
 @pytest.mark.gpu

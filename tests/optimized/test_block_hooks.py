@@ -72,7 +72,8 @@ def test_block_rows_is_mtp_rows(weights, T):
     slots = torch.arange(T)
     (ref_cache, rope), (opt_cache, _) = fresh(weights), fresh(weights)
     ref = mtp_rows(weights, tokens, hiddens, slots, ref_cache, rope, rows_read=T)
-    x, pre_norm = block_rows(weights, tokens, hiddens, slots, opt_cache, rope, torch.tensor([True]), PrimitiveKernels("torch"))
+    x, pre_norm = block_rows(weights, tokens, hiddens, slots, opt_cache, rope, torch.tensor([True]),
+                             PrimitiveKernels("torch"))
     assert torch.equal(bits(x), bits(ref.x)) and torch.equal(bits(pre_norm), bits(ref.pre_norm))
     assert all(torch.equal(p, q) for p, q in zip(pools(opt_cache), pools(ref_cache)))
 

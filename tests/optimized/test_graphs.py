@@ -43,8 +43,12 @@ class FakeGraph:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     log: list = []
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: SimpleNamespace(name="side", wait_stream=lambda s: log.append(("side_waits",))))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(name="main", wait_stream=lambda s: log.append(("main_waits",))))
+    monkeypatch.setattr(torch.cuda, "Stream",
+                        lambda device=None: SimpleNamespace(name="side",
+                                                            wait_stream=lambda s: log.append(("side_waits",))))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(name="main",
+                                                            wait_stream=lambda s: log.append(("main_waits",))))
 
     @contextlib.contextmanager
     def stream(s):

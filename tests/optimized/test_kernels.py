@@ -4,7 +4,9 @@ several shapes, through Triton's CPU interpreter (tests/conftest.py sets TRITON_
 import pytest
 import torch
 
-from glm_mtp.optimized.kernels import embed_rows_torch, embed_rows_triton, rope_cache_write_torch, rope_cache_write_triton
+from glm_mtp.optimized.kernels import (
+    embed_rows_torch, embed_rows_triton, rope_cache_write_torch, rope_cache_write_triton,
+)
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.bytes import same_bytes
@@ -29,7 +31,8 @@ def test_embed_rows(dtype, V, H, T, id_dtype):
 
 def _cfg(interleave: bool, index_interleave: bool, R: int, D: int, Lkv: int) -> MtpConfig:
     return MtpConfig.preset("tiny").replace(
-        rope_interleave=interleave, indexer_rope_interleave=index_interleave, qk_rope_head_dim=R, index_head_dim=D, kv_lora_rank=Lkv
+        rope_interleave=interleave, indexer_rope_interleave=index_interleave, qk_rope_head_dim=R, index_head_dim=D,
+        kv_lora_rank=Lkv
     )
 
 
@@ -47,17 +50,21 @@ def _write_both(cfg, dtype, T, blocks, gen, ok_value, scale=3.0, poison=False):
     slots = torch.randperm(16 * blocks, generator=gen)[:T]
     block_table = torch.randperm(blocks, generator=gen).to(torch.int32)
     ok = torch.tensor([ok_value])
-    pools = [torch.randn(blocks, 16, Lkv + R, generator=gen).to(dtype), torch.randn(blocks, 16, D, generator=gen).to(dtype)]
+    pools = [torch.randn(blocks, 16, Lkv + R, generator=gen).to(dtype),
+             torch.randn(blocks, 16, D, generator=gen).to(dtype)]
     mine = [p.clone() for p in pools]
-    rope_cache_write_torch(cfg, latent, kv[:, Lkv:], ikey, slots, rope.cos, rope.sin, pools[0], pools[1], block_table, ok)
-    rope_cache_write_triton(cfg, latent, kv[:, Lkv:], ikey, slots, rope.cos, rope.sin, mine[0], mine[1], block_table, ok)
+    rope_cache_write_torch(cfg, latent, kv[:, Lkv:], ikey, slots, rope.cos, rope.sin, pools[0], pools[1], block_table,
+                           ok)
+    rope_cache_write_triton(cfg, latent, kv[:, Lkv:], ikey, slots, rope.cos, rope.sin, mine[0], mine[1], block_table,
+                            ok)
     return pools, mine, (kv, rope, slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "interleave,index_interleave,R,D,Lkv,T,blocks",
-    [(True, True, 8, 16, 16, 1, 3), (True, False, 8, 16, 16, 4, 3), (False, True, 16, 32, 24, 6, 5), (False, False, 4, 20, 10, 2, 2)],
+    [(True, True, 8, 16, 16, 1, 3), (True, False, 8, 16, 16, 4, 3), (False, True, 16, 32, 24, 6, 5),
+     (False, False, 4, 20, 10, 2, 2)],
 )
 def test_rope_cache_write(dtype, interleave, index_interleave, R, D, Lkv, T, blocks):
     cfg = _cfg(interleave, index_interleave, R, D, Lkv)
@@ -92,7 +99,8 @@ def test_rope_cache_write_rounds_to_nearest_even():
         nan = torch.isnan(w.float())
         assert torch.equal(nan, torch.isnan(g.float()))
         assert torch.equal(w.view(torch.int16)[~nan], g.view(torch.int16)[~nan])
-    assert torch.isnan(want[0].float()).any() and torch.isinf(want[0].float()).any() and torch.isinf(want[1].float()).any()
+    assert torch.isnan(want[0].float()).any() and torch.isinf(want[0].float()).any()
+    assert torch.isinf(want[1].float()).any()
 
 
 def test_rope_cache_write_refuses_other_dtypes():
@@ -100,4 +108,5 @@ def test_rope_cache_write_refuses_other_dtypes():
     with pytest.raises(TypeError):
         rope_cache_write_triton(cfg, *[torch.zeros(1, 16, dtype=torch.float64)] * 3, torch.zeros(1, dtype=torch.int64),
                                 torch.zeros(16, 4), torch.zeros(16, 4), torch.zeros(1, 16, 24, dtype=torch.float64),
-                                torch.zeros(1, 16, 16, dtype=torch.float64), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.bool))
+                                torch.zeros(1, 16, 16, dtype=torch.float64), torch.zeros(1, dtype=torch.int32),
+                                torch.ones(1, dtype=torch.bool))

@@ -119,7 +119,9 @@ def test_index_scores_relu_keeps_negative_zero():
     want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     got = index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     assert same_bytes(want, got)
-    assert int(bits(got)[0, 3]) == int(bits(torch.tensor(-0.0))) and int(bits(got)[0, 19]) == int(bits(torch.tensor(-0.0)))
+    assert int(bits(got)[0, 3]) == int(bits(torch.tensor(-0.0))) and int(bits(got)[0, 19]) == int(
+        bits(torch.tensor(-0.0))
+    )
 
 
 def test_index_scores_mutants():
@@ -134,7 +136,8 @@ def test_index_scores_mutants():
     cos, sin = Rope.build(cfg, 16 * blocks, "cpu").at(slots)
     want = index_scores_torch(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots)
     assert same_bytes(want, index_scores_triton(cfg, q, w, cos, sin, LayerCache(pool, pool, table), slots))
-    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin), LayerCache(pool, pool, table), slots)
+    unrotated = index_scores_triton(cfg, q, w, torch.ones_like(cos), torch.zeros_like(sin),
+                                    LayerCache(pool, pool, table), slots)
     assert not same_bytes(want, unrotated)
     # Heads summed left to right instead of the psum tree.
     qh = rope_first(rearrange(q, "t (h d) -> t h d", h=cfg.index_n_heads), cos[:, None], sin[:, None], cfg)
@@ -251,7 +254,8 @@ def _write_inputs(cfg, dtype, slots, blocks, gen):
     k_w = (torch.randn(D, generator=gen) * 0.5 + 1).to(dtype)
     k_b = (torch.randn(D, generator=gen) * 0.1).to(dtype)
     table = torch.randperm(blocks, generator=gen).to(torch.int32)
-    pools = [torch.randn(blocks, 16, Lkv + R, generator=gen).to(dtype), torch.randn(blocks, 16, D, generator=gen).to(dtype)]
+    pools = [torch.randn(blocks, 16, Lkv + R, generator=gen).to(dtype),
+             torch.randn(blocks, 16, D, generator=gen).to(dtype)]
     return (kv, k, kv_norm, k_w, k_b, slots, rope.cos, rope.sin), pools, table
 
 
@@ -267,7 +271,8 @@ def _write_both(cfg, dtype, slots, blocks, gen, ok_value):
     return pools, mine, before, args, table
 
 
-WRITE_CASES = [("tiny", 3, [0, 15, 16]), ("tiny", 3, [47]), ("odd", 4, [63, 2, 16]), ("mixed", 2, [31]), ("small", 2, [5, 16, 31])]
+WRITE_CASES = [("tiny", 3, [0, 15, 16]), ("tiny", 3, [47]), ("odd", 4, [63, 2, 16]), ("mixed", 2, [31]),
+               ("small", 2, [5, 16, 31])]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -303,7 +308,8 @@ def test_cache_rows_write_is_new_cache_rows(dtype):
     ref.write(slots, *new_cache_rows(attn, cfg, a, cos, sin))
     ix = attn.indexer
     kv, k = linear(a, attn.kv_a_proj_with_mqa), linear(a, ix.wk)
-    cache_rows_write_triton(cfg, kv, k, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos, rope.sin,
+    cache_rows_write_triton(cfg, kv, k, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
+                            rope.sin,
                             mine, torch.tensor([True]))
     assert same_bytes(ref.kv_pool, mine.kv_pool) and same_bytes(ref.index_pool, mine.index_pool)
 
@@ -353,7 +359,8 @@ def test_indexer_bytes_on_cuda(dtype):
         args, want_pools, table = _write_inputs(cfg, dtype, slots, blocks, gen)
         mine = [p.cuda() for p in want_pools]
         cache_rows_write_torch(cfg, *args, LayerCache(*want_pools, table), torch.tensor([ok_value]))
-        cache_rows_write_triton(cfg, *[a.cuda() for a in args], LayerCache(*mine, table.cuda()), torch.tensor([ok_value]).cuda())
+        cache_rows_write_triton(cfg, *[a.cuda() for a in args], LayerCache(*mine, table.cuda()),
+                                torch.tensor([ok_value]).cuda())
         assert same_bytes(want_pools[0], mine[0].cpu()) and same_bytes(want_pools[1], mine[1].cpu())
 
 
@@ -374,7 +381,9 @@ def _clone(c):
 
 
 def _same_caches(a, b):
-    return all(same_bytes(x.kv_pool, y.kv_pool) and same_bytes(x.index_pool, y.index_pool) for x, y in zip(a, b, strict=True))
+    return all(
+        same_bytes(x.kv_pool, y.kv_pool) and same_bytes(x.index_pool, y.index_pool) for x, y in zip(a, b, strict=True)
+    )
 
 
 # Row t in state ORDER[t]: rows 1, 2 share a state (one run), rows 0 and 4 another (two runs).

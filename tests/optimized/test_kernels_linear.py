@@ -40,10 +40,13 @@ def test_linear_bytes(T, N, K, dtype):
     assert same_bytes(linear_triton(x, w), numerics.linear(x, w))
     assert same_bytes(linear_acc_triton(x, w), numerics.linear_acc(x, w))
     # The twins are the pinned functions themselves.
-    assert same_bytes(linear_torch(x, w), numerics.linear(x, w)) and same_bytes(linear_acc_torch(x, w), numerics.linear_acc(x, w))
+    assert same_bytes(linear_torch(x, w), numerics.linear(x, w)) and same_bytes(
+        linear_acc_torch(x, w), numerics.linear_acc(x, w)
+    )
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype", [(FP16, FP16), (FP32, BF16), (BF16, FP32)], ids=["fp16", "fp32xbf16", "bf16xfp32"])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(FP16, FP16), (FP32, BF16), (BF16, FP32)],
+                         ids=["fp16", "fp32xbf16", "bf16xfp32"])
 def test_linear_other_dtypes(x_dtype, w_dtype):
     """float16, and activations and weights of different dtypes (the result is in x's dtype)."""
     x, w = _inputs(3, 13, 130, x_dtype, w_dtype, seed=5)

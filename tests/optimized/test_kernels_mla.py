@@ -36,7 +36,8 @@ from glm_mtp.reference.weights import MtpWeights
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPES = [F32, BF16]
 # Small caps: every tree in several chunks at these shapes (results must not change).
-SMALL = MlaBlocks(gemv_k=4, absorb_k=4, tile=128, score_heads=2, score_rows=8, score_l=8, soft_heads=2, soft_k=8, latent_heads=2,
+SMALL = MlaBlocks(gemv_k=4, absorb_k=4, tile=128, score_heads=2, score_rows=8, score_l=8, soft_heads=2, soft_k=8,
+                  latent_heads=2,
                   latent_l=8, latent_k=8)
 
 SHAPES = {
@@ -176,7 +177,8 @@ def test_sparse_mla_every_count():
     # Each row alone gives its bytes of the batch.
     q_abs, q_pe, cache, rows, count, kv_b = args
     for t in (0, 16, 32, 39):
-        alone = sparse_mla_triton(cfg, q_abs[t : t + 1], q_pe[t : t + 1], cache, rows[t : t + 1], count[t : t + 1], kv_b)
+        alone = sparse_mla_triton(cfg, q_abs[t : t + 1], q_pe[t : t + 1], cache, rows[t : t + 1], count[t : t + 1],
+                                  kv_b)
         assert same_bytes(alone, want[t : t + 1])
 
 
@@ -198,7 +200,8 @@ def test_sparse_mla_is_the_reference_on_a_layer_cache():
     gen = torch.Generator().manual_seed(12)
     cache = LayerCache.allocate(cfg, 4, BF16, "cpu")
     cache.block_table = torch.randperm(4, generator=gen).to(torch.int32)
-    cache.write(torch.arange(64), _mixed(gen, 64, cfg.kv_row_width).to(BF16), torch.zeros(64, cfg.index_head_dim, dtype=BF16))
+    cache.write(torch.arange(64), _mixed(gen, 64, cfg.kv_row_width).to(BF16),
+                torch.zeros(64, cfg.index_head_dim, dtype=BF16))
     a = torch.randn(2, cfg.hidden_size, generator=gen).to(BF16)
     cos, sin = Rope.build(cfg, 64, "cpu").at(torch.tensor([20, 63]))
     rows, count = _lists(2, 6, [6, 3], 64, gen)
@@ -317,13 +320,15 @@ def test_sparse_mla_per_row_caches(shape, K, counts, blocks, dtype):
         one = (q_abs[t : t + 1], q_pe[t : t + 1])
         alone = sparse_mla_triton(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b, blocks=blocks)
         assert same_bytes(alone, got[t : t + 1]), t
-        assert same_bytes(sparse_mla_torch(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b), want[t : t + 1])
+        assert same_bytes(sparse_mla_torch(cfg, *one, states[o], rows[t : t + 1], count[t : t + 1], kv_b),
+                          want[t : t + 1])
     # A one-row RowCaches (stride 0) is the same as its LayerCache.
     t = 3
     one = RowCaches.per_row([states[OWNER[t]]])
     assert one.stride == 0
     assert same_bytes(sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], one, rows[t:], count[t:], kv_b, blocks=blocks),
-                 sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], states[OWNER[t]], rows[t:], count[t:], kv_b, blocks=blocks))
+                 sparse_mla_triton(cfg, q_abs[t:], q_pe[t:], states[OWNER[t]], rows[t:], count[t:], kv_b,
+                                   blocks=blocks))
 
 
 def test_sparse_mla_per_row_passes(monkeypatch):

@@ -19,9 +19,11 @@ CFG = MtpConfig.preset("tiny").replace(num_attention_heads=4, qk_nope_head_dim=4
 
 def test_mla_fp8_bytes():
     cfg, gen = CFG, torch.Generator().manual_seed(5)
-    nh, nope, R, Lkv, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    nh, nope, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    Lkv, v = cfg.kv_lora_rank, cfg.v_head_dim
     dtype, T, K = torch.bfloat16, 2, 12
-    kv_b = quantize_fp8(torch.randn(nh * (nope + v), Lkv, generator=gen) * torch.exp(torch.randn(nh * (nope + v), Lkv, generator=gen)))
+    kv_b = quantize_fp8(torch.randn(nh * (nope + v), Lkv, generator=gen)
+                        * torch.exp(torch.randn(nh * (nope + v), Lkv, generator=gen)))
     assert kv_b.scale_inv.shape == (3, 2)
     q = torch.randn(T, nh * (nope + R), generator=gen).to(dtype)
     cos, sin = Rope.build(cfg, 64, "cpu").at(torch.randint(0, 64, (T,), generator=gen))

@@ -330,7 +330,10 @@ def test_kernels_chain_to_the_reference_moe(preset, T, dtype):
     cfg = MtpConfig.preset(preset)
     moe = MtpWeights.random(cfg, seed=T, dtype=dtype).layer.mlp
     gen = torch.Generator().manual_seed(100 + T)
-    m, h = torch.randn(T, cfg.hidden_size, generator=gen).to(dtype), torch.randn(T, cfg.hidden_size, generator=gen).to(dtype)
+    m, h = (
+        torch.randn(T, cfg.hidden_size, generator=gen).to(dtype),
+        torch.randn(T, cfg.hidden_size, generator=gen).to(dtype),
+    )
     want = h + moe_block(moe, cfg, m)
     experts, weights = K.route_triton(cfg, numerics.linear_acc(m, moe.router), moe.e_score_correction_bias)
     sh = moe.shared
@@ -369,7 +372,8 @@ K_dot = K._dot_cols
 @triton.jit
 def _down_combine_left_to_right_kernel(
     hidden_ptr, shidden_ptr, experts_ptr, weights_ptr, down_ptr, sdown_ptr, res_ptr, out_ptr, down_s, sdown_s, H, I, Is,
-    stride_cde, stride_cdn, stride_csd, stride_ht, stride_hj, stride_st, stride_x, stride_w, stride_de, stride_dn, stride_sd, stride_r, stride_o, K: tl.constexpr,
+    stride_cde, stride_cdn, stride_csd, stride_ht, stride_hj, stride_st, stride_x, stride_w, stride_de, stride_dn,
+    stride_sd, stride_r, stride_o, K: tl.constexpr,
     BLOCK_KS: tl.constexpr, LEVELS_KS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, LEVELS_K: tl.constexpr, NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr,
     BLOCK_KSH: tl.constexpr, LEVELS_KSH: tl.constexpr, NCHUNK_SH: tl.constexpr, LEVELS_CSH: tl.constexpr,
@@ -382,7 +386,8 @@ def _down_combine_left_to_right_kernel(
     for j in range(0, K):
         e = tl.load(experts_ptr + t * stride_x + j)
         rows = down_ptr + e * stride_de + n[:, None] * stride_dn
-        y = K_dot(hidden_ptr + t * stride_ht + j * stride_hj, rows, n_in, I, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK, LEVELS_C,
+        y = K_dot(hidden_ptr + t * stride_ht + j * stride_hj, rows, n_in, I, BLOCK_N, BLOCK_K, LEVELS_K, NCHUNK,
+                  LEVELS_C,
                   down_s, FP8)
         moe = moe + tl.load(weights_ptr + t * stride_w + j) * y
     if HAS_SHARED:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from glm_mtp.optimized.kernels import paged
-from glm_mtp.optimized.kernels.paged import ADDRESS_COLUMNS, RowCaches, RowTargets, cache_addresses, row_caches, scatter_rows_torch, scatter_rows_triton
+from glm_mtp.optimized.kernels.paged import (
+    ADDRESS_COLUMNS, RowCaches, RowTargets, cache_addresses, row_caches, scatter_rows_torch, scatter_rows_triton,
+)
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.state import LayerCache
@@ -57,7 +59,8 @@ def test_scatter_rows_mutant_every_row_through_line_zero_is_caught():
 def test_scatter_rows_refuses_mismatched_targets():
     values = torch.ones(2, 4)
     with pytest.raises(ValueError, match="targets.tensors\\[1\\]"):
-        paged.scatter_rows_launch(values, RowTargets((torch.zeros(4), torch.zeros(5)), torch.zeros(2, dtype=torch.int64)),
+        paged.scatter_rows_launch(values,
+                                  RowTargets((torch.zeros(4), torch.zeros(5)), torch.zeros(2, dtype=torch.int64)),
                                   torch.tensor([True]))
 
 

@@ -17,10 +17,13 @@ MISUSE = [
     ("verify_none_pending", False, lambda i, p, s, k: ("after_verify", (0,))),
     ("propose_behind", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), s + 1, 2))),
     ("hidden_nan", False, lambda i, p, s, k: ("propose", (i.token(), i.bad_hiddens(1, 0, 5, float("nan")), p, 3))),
-    ("hidden_inf_1d", False, lambda i, p, s, k: ("propose", (i.token(), i.bad_hiddens(1, 0, 0, float("-inf"))[0], p, 2))),
+    ("hidden_inf_1d", False,
+     lambda i, p, s, k: ("propose", (i.token(), i.bad_hiddens(1, 0, 0, float("-inf"))[0], p, 2))),
     ("token_out_of_range", False, lambda i, p, s, k: ("propose", (i.cfg.vocab_size, i.hiddens(1), p, 2))),
     ("token_tensor_out_of_range", False, lambda i, p, s, k: ("propose", (torch.tensor([-3]), i.hiddens(1), p, 2))),
-    ("token_tensor_bad_and_nan", False, lambda i, p, s, k: ("propose", (torch.tensor(i.cfg.vocab_size + 1), i.bad_hiddens(1, 0, 1, float("nan"))[0], p, 1))),
+    ("token_tensor_bad_and_nan", False,
+     lambda i, p, s, k: ("propose", (torch.tensor(i.cfg.vocab_size + 1), i.bad_hiddens(1, 0, 1, float("nan"))[0], p,
+                                     1))),
     ("token_float", False, lambda i, p, s, k: ("propose", (2.0, i.hiddens(1), p, 2))),
     ("token_tensor_float", False, lambda i, p, s, k: ("propose", (torch.tensor([2.0]), i.hiddens(1), p, 2))),
     ("token_tensor_two", False, lambda i, p, s, k: ("propose", (torch.tensor([1, 2]), i.hiddens(1), p, 2))),
@@ -31,8 +34,10 @@ MISUSE = [
     ("past_capacity", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), p, 200))),
     ("position_negative", False, lambda i, p, s, k: ("propose", (i.token(), i.hiddens(1), -1, 1))),
     ("catchup_misaligned", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(2), s + 3, 0))),
-    ("catchup_misaligned_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(1), i.bad_hiddens(1, 0, 2, float("nan")), s + 3, 0))),
-    ("catchup_nan", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.bad_hiddens(2, 1, 3, float("inf")), s, s))),
+    ("catchup_misaligned_nan", False,
+     lambda i, p, s, k: ("catchup_drafter", (i.tokens(1), i.bad_hiddens(1, 0, 2, float("nan")), s + 3, 0))),
+    ("catchup_nan", False,
+     lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.bad_hiddens(2, 1, 3, float("inf")), s, s))),
     ("catchup_past_capacity", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(3), i.hiddens(3), 95, 0))),
     ("catchup_len_mismatch", False, lambda i, p, s, k: ("catchup_drafter", (i.tokens(2), i.hiddens(3), s, s))),
     ("prefill_again", False, lambda i, p, s, k: ("prefill_drafter", (i.tokens(4), i.hiddens(4)))),
@@ -116,7 +121,8 @@ def test_lockstep_cuda(weights, lockstep, make_inputs, cuda_graphs):
     seen = spec_decode(ls, make_inputs(w, seed=21), steps=24, k_max=4)
     assert seen.get("propose", 0) >= 5, seen
     if cuda_graphs:
-        assert set(ls.os.graphs) <= {GraphKey.catchup(), *(GraphKey.draft(k) for k in range(1, 5))} and any(key.num_drafts > 0 for key in ls.os.graphs)
+        assert set(ls.os.graphs) <= {GraphKey.catchup(), *(GraphKey.draft(k) for k in range(1, 5))}
+        assert any(key.num_drafts > 0 for key in ls.os.graphs)
     else:
         assert ls.os.graphs == {}
 
@@ -146,7 +152,8 @@ def test_lockstep_with_interpreted_kernels(weights, lockstep, inputs, monkeypatc
     # Per block pass: three norm + GEMV launches, one of everything else; the head per draft.
     assert launches["norm_linear"] == 3 * blocks, launches
     # The other family's indexer pieces never run (GLM-5 here: the KPool ones).
-    other = ("index_scores", "select_rows") if weights.config.is_next else ("pool_keys_write", "pool_scores", "select_pool_rows")
+    other = (("index_scores", "select_rows") if weights.config.is_next
+             else ("pool_keys_write", "pool_scores", "select_pool_rows"))
     single = ("norm_linear", "head_partials", "argmax_reduce", "scatter_rows", "pools_forget", *other)
     assert all(launches[p] == blocks for p in PIECES if p not in single), str(launches)
     assert all(launches[p] == 0 for p in other), str(launches)
@@ -198,13 +205,15 @@ def test_lockstep_catches_broken_fusions(weights, lockstep, inputs, monkeypatch)
     with monkeypatch.context() as m:
         real_input = kernels.block_input_torch
         # Slots shifted by one: no row is ever at slot 0, so none is zeroed.
-        m.setattr(kernels, "block_input_torch", lambda embed, toks, slots, *rest: real_input(embed, toks, slots + 1, *rest))
+        m.setattr(kernels, "block_input_torch",
+                  lambda embed, toks, slots, *rest: real_input(embed, toks, slots + 1, *rest))
         ls = lockstep(weights, max_seq_len=32)
         with pytest.raises(AssertionError, match="differs"):
             ls.call("prefill_drafter", tokens, hiddens)
     with monkeypatch.context() as m:
         real_write = kernels.cache_rows_write_torch
-        m.setattr(kernels, "cache_rows_write_torch", lambda *a, **kw: real_write(*a[:-1], torch.ones(1, dtype=torch.bool), **kw))
+        m.setattr(kernels, "cache_rows_write_torch",
+                  lambda *a, **kw: real_write(*a[:-1], torch.ones(1, dtype=torch.bool), **kw))
         ls = lockstep(weights, max_seq_len=32)
         ls.call("prefill_drafter", tokens, hiddens)
         # A refused propose behind the newest row: the ungated write overwrites rows 3 and 4,

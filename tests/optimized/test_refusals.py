@@ -53,7 +53,8 @@ def usable(prop, state, hidden, position=5):
 
 # ---- 1. a setting is valid when its computation is defined in the dtype it runs in -------------
 
-BAD_TEMPERATURES = [1e-45, 1e-40, 1.0e-38, 2e-37, 1e39, 3.5e38, 10**400, math.inf, math.nan, -1.0, 0.0, -0.0, True, "1.0", None]
+BAD_TEMPERATURES = [1e-45, 1e-40, 1.0e-38, 2e-37, 1e39, 3.5e38, 10**400, math.inf, math.nan, -1.0, 0.0, -0.0, True,
+                    "1.0", None]
 
 
 @pytest.mark.parametrize("temperature", BAD_TEMPERATURES, ids=repr)
@@ -178,7 +179,8 @@ def _nan_hidden(weights):
     return h
 
 
-@pytest.mark.parametrize("case", ["token_then_num_drafts", "nan_then_capacity", "nan_then_temperature", "token_then_noise_shape",
+@pytest.mark.parametrize("case", ["token_then_num_drafts", "nan_then_capacity", "nan_then_temperature",
+                                  "token_then_noise_shape",
                                   "token_then_hidden_dtype"])
 def test_the_first_failing_check_decides_in_both_backends(weights, case):
     """Two bad arguments: the check the contract orders first names the refusal in both
@@ -186,11 +188,16 @@ def test_the_first_failing_check_decides_in_both_backends(weights, case):
     V, H = weights.config.vocab_size, weights.config.hidden_size
     good = torch.randn(H).to(weights.dtype)
     calls = {
-        "token_then_num_drafts": (lambda p, s, n: p.propose(torch.tensor([V]), good, 5, "3", s), "last_token: token id"),
-        "nan_then_capacity": (lambda p, s, n: p.propose(1, _nan_hidden(weights), 5, 70, s), "target_hidden holds NaN or inf"),
-        "nan_then_temperature": (lambda p, s, n: p.propose_sampled(1, _nan_hidden(weights), 5, 3, -1.0, n, s), "holds NaN"),
-        "token_then_noise_shape": (lambda p, s, n: p.propose_sampled(torch.tensor([-1]), good, 5, 3, 1.0, n[:1], s), "token id -1"),
-        "token_then_hidden_dtype": (lambda p, s, n: p.propose(torch.tensor([255]), good.double(), 5, 2, s), "token id 255"),
+        "token_then_num_drafts": (lambda p, s, n: p.propose(torch.tensor([V]), good, 5, "3", s),
+                                  "last_token: token id"),
+        "nan_then_capacity": (lambda p, s, n: p.propose(1, _nan_hidden(weights), 5, 70, s),
+                              "target_hidden holds NaN or inf"),
+        "nan_then_temperature": (lambda p, s, n: p.propose_sampled(1, _nan_hidden(weights), 5, 3, -1.0, n, s),
+                                 "holds NaN"),
+        "token_then_noise_shape": (lambda p, s, n: p.propose_sampled(torch.tensor([-1]), good, 5, 3, 1.0, n[:1], s),
+                                   "token id -1"),
+        "token_then_hidden_dtype": (lambda p, s, n: p.propose(torch.tensor([255]), good.double(), 5, 2, s),
+                                    "token id 255"),
     }
     call, match = calls[case]
     messages = []

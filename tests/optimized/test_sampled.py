@@ -17,7 +17,11 @@ from glm_mtp.reference.numerics import acc_dtype, softmax, up
 
 def noise(weights, k, gen):
     A = acc_dtype(weights.dtype)
-    return torch.empty(k, weights.config.vocab_size, dtype=torch.float64).exponential_(generator=gen).to(device=weights.device, dtype=A)
+    return (
+        torch.empty(k, weights.config.vocab_size, dtype=torch.float64)
+        .exponential_(generator=gen)
+        .to(device=weights.device, dtype=A)
+    )
 
 
 def play(ls, inputs, weights, steps, temperature, seed):
@@ -109,7 +113,8 @@ def test_bad_inputs_refused_alike(weights, inputs, lockstep, kind):
         temperature = 0.0
     out = ls.call("propose_sampled", inputs.token(), inputs.hiddens(1), 9, 3, temperature, e)
     assert isinstance(out, ValueError) and ls.refused == 1
-    ls.call("propose_sampled", inputs.token(), inputs.hiddens(1), 9, 3, 1.0, noise(weights, 3, torch.Generator().manual_seed(2)))
+    ls.call("propose_sampled", inputs.token(), inputs.hiddens(1), 9, 3, 1.0,
+            noise(weights, 3, torch.Generator().manual_seed(2)))
     assert ls.refused == 1
 
 

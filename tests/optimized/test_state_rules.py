@@ -71,7 +71,8 @@ def ready(prop, inputs, rows=12):
 
 
 def state_tensors(st):
-    return st.tensors() if hasattr(st, "tensors") else [st.cache.kv_pool, st.cache.index_pool, st.cache.block_table, st.x]
+    return st.tensors() if hasattr(st, "tensors") else [st.cache.kv_pool, st.cache.index_pool, st.cache.block_table,
+                                                        st.x]
 
 
 # ---- 5: a call that fails midway poisons the state ------------------------------------------------
@@ -237,7 +238,11 @@ def test_a_state_of_another_drafter_is_refused(weights, inputs, backend, other):
     st = ready(owner, inputs)
     before = state_bytes(owner, st)
     if other == "other_backend":
-        prop, exc, match = BACKENDS["optimized" if backend == "reference" else "reference"](weights, 64), TypeError, "alloc_state"
+        prop, exc, match = (
+            BACKENDS["optimized" if backend == "reference" else "reference"](weights, 64),
+            TypeError,
+            "alloc_state",
+        )
     elif other == "other_weights":
         twin = MtpWeights.random(weights.config, seed=99, dtype=weights.dtype)
         prop, exc, match = BACKENDS[backend](twin, 64), ValueError, "other weights"

@@ -111,7 +111,11 @@ def test_propose_sampled_syncs_only_at_the_read_back(weights, inputs, read_backs
     so, sr = _ready([opt, ref], inputs)
     tok, hidden = inputs.token(), inputs.hiddens(1)
     A = torch.float32  # the acc dtype of fp32 and bf16 weights
-    e = torch.empty(3, weights.config.vocab_size, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(4)).to(A)
+    e = (
+        torch.empty(3, weights.config.vocab_size, dtype=torch.float64)
+        .exponential_(generator=torch.Generator().manual_seed(4))
+        .to(A)
+    )
     want = ref.propose_sampled(tok, hidden, 11, 3, 0.9, e, sr)
     with SyncCounter() as c:
         counter.append(c)

@@ -50,7 +50,9 @@ def read_checkpoint(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return text, tensors
 
 
-def forward(text: dict, t: dict[str, torch.Tensor], tokens: torch.Tensor, hiddens: torch.Tensor) -> dict[str, torch.Tensor]:
+def forward(
+    text: dict, t: dict[str, torch.Tensor], tokens: torch.Tensor, hiddens: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Rows r = 0..n-1 pairing ``tokens[r + 1]`` with ``hiddens[r]``: every row's block input,
     layer output, post-norm ``x``, logits, draft, and the pooled keys of the complete pools."""
     L = text["num_hidden_layers"]
@@ -63,7 +65,10 @@ def forward(text: dict, t: dict[str, torch.Tensor], tokens: torch.Tensor, hidden
 
     e = t["model.language_model.embed_tokens.weight"][tokens[1:]].clone()
     e[0] = 0.0
-    u = torch.cat((rms_norm(e, w("enorm.weight"), eps), rms_norm(hiddens, w("hnorm.weight"), eps)), -1) @ w("eh_proj.weight").T
+    u = (
+        torch.cat((rms_norm(e, w("enorm.weight"), eps), rms_norm(hiddens, w("hnorm.weight"), eps)), -1)
+        @ w("eh_proj.weight").T
+    )
     a = rms_norm(u, w("input_layernorm.weight"), eps)
 
     # MLA without RoPE: expanded per-head keys and values from the normed latent.
@@ -100,18 +105,22 @@ def forward(text: dict, t: dict[str, torch.Tensor], tokens: torch.Tensor, hidden
     biased = scores + w("mlp.gate.e_score_correction_bias")
     moe = torch.zeros_like(m)
     for r in range(n):
-        ids = sorted(sorted(range(scores.shape[1]), key=lambda i: (-float(biased[r, i]), i))[: text["num_experts_per_tok"]])
+        ids = sorted(
+            sorted(range(scores.shape[1]), key=lambda i: (-float(biased[r, i]), i))[: text["num_experts_per_tok"]]
+        )
         weights = scores[r, ids]
         weights = weights / (weights.sum() + 1e-20) * text["routed_scaling_factor"]
         for wj, i in zip(weights, ids):
             E = f"mlp.experts.{i}."
-            moe[r] += wj * clamped_swiglu(m[r], w(E + "gate_proj.weight"), w(E + "up_proj.weight"), w(E + "down_proj.weight"), limit)
+            moe[r] += wj * clamped_swiglu(m[r], w(E + "gate_proj.weight"), w(E + "up_proj.weight"),
+                                          w(E + "down_proj.weight"), limit)
     S = "mlp.shared_experts."
     moe += clamped_swiglu(m, w(S + "gate_proj.weight"), w(S + "up_proj.weight"), w(S + "down_proj.weight"), limit)
     out = h1 + moe
     x = rms_norm(out, w("shared_head.norm.weight"), eps)
     logits = x @ t["lm_head.weight"].T
-    return {"eh_proj_out": u, "pre_norm_out": out, "x": x, "logits": logits, "drafts": logits.argmax(-1), "pool_keys": pool_keys}
+    return {"eh_proj_out": u, "pre_norm_out": out, "x": x, "logits": logits, "drafts": logits.argmax(-1),
+            "pool_keys": pool_keys}
 
 
 def make_cases() -> None:
@@ -129,7 +138,8 @@ def make_cases() -> None:
         out = forward(text, tensors, tokens, hiddens.double())
         top2 = out["logits"].topk(2, -1).values
         print(f"{name}: smallest top-2 logit gap {float((top2[:, 0] - top2[:, 1]).min()):.4f}")
-        save_file({"tokens": tokens, "hiddens": hiddens, **{k: v.contiguous() for k, v in out.items()}}, directory / "expected.safetensors")
+        save_file({"tokens": tokens, "hiddens": hiddens, **{k: v.contiguous() for k, v in out.items()}},
+                  directory / "expected.safetensors")
 
 
 if __name__ == "__main__":

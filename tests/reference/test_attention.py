@@ -32,7 +32,10 @@ def expanded_attention(attn, cfg, a, topk):
     iw = (a @ ix.weights_proj.T) / (cfg.index_n_heads * cfg.index_head_dim) ** 0.5
     out = torch.zeros(T, nh, v, dtype=torch.float64)
     for t in range(T):
-        score = {s: sum(iw[t, h] * torch.relu(iq[t, h] @ ik[s]) for h in range(cfg.index_n_heads)).item() for s in range(t + 1)}
+        score = {
+            s: sum(iw[t, h] * torch.relu(iq[t, h] @ ik[s]) for h in range(cfg.index_n_heads)).item()
+            for s in range(t + 1)
+        }
         chosen = sorted(score, key=lambda s: (-score[s], s))[:topk]
         for h in range(nh):
             qh = torch.cat((q[t, h, :nope], apply_rope(q[t, h, nope:], cos[t], sin[t], True)))

@@ -29,7 +29,8 @@ def test_round_trip_is_bit_exact(tmp_path, shard_size):
     w = MtpWeights.random(CFG, seed=3, dtype=torch.bfloat16)
     w.save_pretrained(tmp_path, shard_size=shard_size, extra=target_layers(CFG, torch.Generator().manual_seed(0)))
     if shard_size:
-        assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("model-*.safetensors"))) > 3
+        assert (tmp_path / "model.safetensors.index.json").exists()
+        assert len(list(tmp_path.glob("model-*.safetensors"))) > 3
     back = MtpWeights.from_pretrained(tmp_path)
     assert weights_equal(w, back)
     assert back.layer.mlp.e_score_correction_bias.dtype == torch.float32
@@ -71,7 +72,8 @@ def test_reads_no_other_layer(tmp_path, monkeypatch):
 def test_copies_inside_the_mtp_layer_are_ignored(tmp_path):
     w = MtpWeights.random(CFG, seed=5, dtype=torch.float32)
     p = f"model.layers.{CFG.mtp_layer_index}."
-    copies = {p + "embed_tokens.weight": torch.randn_like(w.embed_tokens), p + "shared_head.head.weight": torch.randn_like(w.lm_head)}
+    copies = {p + "embed_tokens.weight": torch.randn_like(w.embed_tokens),
+              p + "shared_head.head.weight": torch.randn_like(w.lm_head)}
     w.save_pretrained(tmp_path, extra=copies)
     back = MtpWeights.from_pretrained(tmp_path)
     assert weights_equal(w, back)  # the target's own embedding and head, not the copies
@@ -100,7 +102,8 @@ def break_checkpoint(tmp_path, how):
 @pytest.mark.parametrize(
     "how,match",
     [
-        ("missing", r"missing tensor 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' \(expected shape \(32, 64\)\)"),
+        ("missing",
+         r"missing tensor 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' \(expected shape \(32, 64\)\)"),
         ("extra", r"unexpected tensor 'model\.layers\.2\.mlp\.experts\.99\.up_proj\.weight'"),
         ("shape", r"'model\.layers\.2\.self_attn\.kv_b_proj\.weight' has shape \(5, 5\), expected \(128, 16\)"),
         ("no_head", r"missing tensor 'lm_head\.weight'"),

@@ -94,14 +94,16 @@ def set_method(body):
 
 BAD = {
     "no quantization_config": (lambda q: dict(config=drop_quantization),
-                               r"unexpected tensor .*weight_scale_inv' in the MTP layer: a block scale, but config.json "
-                               r"declares no quantization_config"),
-    "fp8 without config or scales": (lambda q: dict(config=drop_quantization, drop=[n + "_scale_inv" for n in FP8_NAMES]),
+                               r"unexpected tensor .*weight_scale_inv' in the MTP layer: a block scale, but "
+                               r"config.json declares no quantization_config"),
+    "fp8 without config or scales": (lambda q: dict(config=drop_quantization,
+                                                    drop=[n + "_scale_inv" for n in FP8_NAMES]),
                                      rf"'{P}.*' is torch.float8_e4m3fn, but config.json has no quantization_config"),
     "block 64": (lambda q: dict(config=set_block([64, 64])), r"weight_block_size must be \[128, 128\].*got \[64, 64\]"),
     "block 1d": (lambda q: dict(config=set_block([128])), r"weight_block_size must be \[128, 128\]"),
     "method": (lambda q: dict(config=set_method), r"quant_method must be 'fp8'.*'gptq'"),
-    "missing scale": (lambda q: dict(drop=[Q_A + "_scale_inv"]), rf"float8 tensor '{Q_A}' has no scale '{Q_A}_scale_inv'"),
+    "missing scale": (lambda q: dict(drop=[Q_A + "_scale_inv"]),
+                      rf"float8 tensor '{Q_A}' has no scale '{Q_A}_scale_inv'"),
     "scale shape": (lambda q: {Q_A + "_scale_inv": torch.ones(1, 2)},
                     rf"scale '{Q_A}_scale_inv' is torch.float32 \(1, 2\), expected float32 \(2, 2\)"),
     "scale dtype": (lambda q: {Q_A + "_scale_inv": torch.ones(2, 2, dtype=torch.bfloat16)},

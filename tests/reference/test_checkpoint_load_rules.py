@@ -43,7 +43,8 @@ def test_a_tensor_of_another_dtype_is_refused(tmp_path, bad):
 @pytest.mark.parametrize("mixed", [torch.float32, torch.float16])
 def test_with_dtype_given_a_mixed_float_checkpoint_is_cast(tmp_path, mixed):
     """An explicit dtype casts every weight to it, so a float32 norm among bfloat16 (as some real
-    checkpoints store norms) loads; an int8 weight never does, nor a float8 one without quantization_config (it needs scales)."""
+    checkpoints store norms) loads; an int8 weight never does, nor a float8 one without quantization_config (it needs
+    scales)."""
     w = saved(tmp_path)
     norm = P + "enorm.weight"
     # Norm weights near 1 are exact in float16; the matrix goes float32 (float16's range is narrower than bfloat16's).
@@ -84,7 +85,11 @@ def test_a_non_floating_dtype_request_is_refused(tmp_path, dtype):
 @pytest.mark.parametrize("shard_size", [None, 6])
 def test_an_unreadable_file_is_named(tmp_path, how, shard_size):
     saved(tmp_path, shard_size=shard_size)
-    name = "model.safetensors" if shard_size is None else sorted(f for f in os.listdir(tmp_path) if f.startswith("model-"))[2]
+    name = (
+        "model.safetensors"
+        if shard_size is None
+        else sorted(f for f in os.listdir(tmp_path) if f.startswith("model-"))[2]
+    )
     f = tmp_path / name
     data = f.read_bytes()
     f.write_bytes({"truncated": data[: len(data) * 2 // 3], "garbage": os.urandom(len(data)), "empty": b""}[how])
@@ -152,7 +157,8 @@ def test_non_finite_weights_are_refused_unless_allowed(tmp_path, value, dtype):
         t = w.state_dict()[name].clone()
         t.view(-1)[int(torch.randint(t.numel(), ()))] = value
         edit_single(tmp_path, **{name: t})
-        with pytest.raises(CheckpointError, match=rf"model\.safetensors.*'{name}'.*1 non-finite.*allow_non_finite=True"):
+        with pytest.raises(CheckpointError,
+                           match=rf"model\.safetensors.*'{name}'.*1 non-finite.*allow_non_finite=True"):
             MtpWeights.from_pretrained(tmp_path)
         loose = MtpWeights.from_pretrained(tmp_path, allow_non_finite=True)
         assert same_bytes(loose.state_dict()[name], t)

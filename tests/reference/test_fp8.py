@@ -64,7 +64,9 @@ def test_quantize_rounds_to_the_nearest_e4m3_with_per_block_amax_scales():
     dist = (quotient[:, None] - values[None, :]).abs()
     best = dist.min(dim=1, keepdim=True).values
     # among equally near values prefer an even code (even significand), then a sign matching the quotient
-    tie_rank = (dist == best).double() * (2 + (codes % 2 == 0).double() + 0.5 * ((values < 0) == (quotient[:, None] < 0)).double())
+    tie_rank = (dist == best).double() * (
+        2 + (codes % 2 == 0).double() + 0.5 * ((values < 0) == (quotient[:, None] < 0)).double()
+    )
     want = values[tie_rank.argmax(dim=1)]
     got = q.w8.float().double().reshape(-1)
     assert torch.equal(got, want)
@@ -200,7 +202,8 @@ def test_sharding_block_scaled_weights_is_refused():
     q = MtpWeights.random(MtpConfig.preset("tiny"), seed=2).quantize_fp8()
     with pytest.raises(ValueError, match="sharding block-scaled fp8 weights"):
         MtpWeights.from_tensors(q.config, q.mtp_tensors(), q.embed_tokens, q.lm_head,
-                                shard=__import__("glm_mtp.reference.distributed", fromlist=["ShardSpec"]).ShardSpec(0, 2))
+                                shard=__import__("glm_mtp.reference.distributed",
+                                                 fromlist=["ShardSpec"]).ShardSpec(0, 2))
 
 
 def test_a_partial_block_is_the_128_lane_tree():

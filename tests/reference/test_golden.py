@@ -35,11 +35,13 @@ def boundary_tie_rows(w, tokens, hiddens):
     cos, sin = rope.at(torch.arange(n))
     e = torch.nn.functional.embedding(tokens, w.embed_tokens)
     e[0] = 0
-    u = torch.cat((rms_norm(e, w.enorm, cfg.rms_norm_eps), rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)), -1) @ w.eh_proj.T
+    u = torch.cat((rms_norm(e, w.enorm, cfg.rms_norm_eps), rms_norm(hiddens, w.hnorm, cfg.rms_norm_eps)),
+                  -1) @ w.eh_proj.T
     a = rms_norm(u, w.layer.input_layernorm, cfg.rms_norm_eps)
     attn = w.layer.attn
     q_lat = rms_norm(a @ attn.q_a_proj.T, attn.q_a_layernorm, 1e-6)
-    scores = index_scores(*index_queries(attn.indexer, cfg, a, q_lat, cos, sin), index_keys(attn.indexer, cfg, a, cos, sin))
+    scores = index_scores(*index_queries(attn.indexer, cfg, a, q_lat, cos, sin),
+                          index_keys(attn.indexer, cfg, a, cos, sin))
     ties = []
     for t in range(n):
         visible = scores[t, : t + 1].sort(descending=True).values
@@ -61,7 +63,8 @@ def test_block_matches_golden(case, dtype, tol):
     logits = draft_logits(w, out.x)
     assert logits.argmax(-1).tolist() == exp["drafts"].tolist()
 
-    ties = boundary_tie_rows(MtpWeights.from_pretrained(GOLDEN / case, dtype=torch.float64), tokens, exp["hiddens"].double())
+    ties = boundary_tie_rows(MtpWeights.from_pretrained(GOLDEN / case, dtype=torch.float64), tokens,
+                             exp["hiddens"].double())
     assert len(ties) <= 2, ties  # a handful at most; otherwise the check below says little
     clean = [r for r in range(n) if r not in ties]
     for name, got in (("pre_norm_out", out.pre_norm), ("x", out.x), ("logits", logits)):

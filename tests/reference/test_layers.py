@@ -31,7 +31,8 @@ def test_layer_norm(dtype, tol):
     mu = x.mean(-1, keepdim=True)
     var = ((x - mu) ** 2).mean(-1, keepdim=True)
     want = (x - mu) / torch.sqrt(var + 1e-6) * w + b
-    torch.testing.assert_close(layer_norm(x.to(dtype), w.to(dtype), b.to(dtype), 1e-6).double(), want, atol=tol * 4, rtol=tol)
+    torch.testing.assert_close(layer_norm(x.to(dtype), w.to(dtype), b.to(dtype), 1e-6).double(), want, atol=tol * 4,
+                               rtol=tol)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
@@ -39,7 +40,8 @@ def test_swiglu(dtype, tol):
     x, g, u, d = rand(3, 32, seed=6), rand(24, 32, seed=7) / 6, rand(24, 32, seed=8) / 6, rand(32, 24, seed=9) / 5
     a = x @ g.T
     want = ((a / (1 + torch.exp(-a))) * (x @ u.T)) @ d.T
-    torch.testing.assert_close(swiglu(x.to(dtype), g.to(dtype), u.to(dtype), d.to(dtype)).double(), want, atol=tol * 10, rtol=tol * 5)
+    torch.testing.assert_close(swiglu(x.to(dtype), g.to(dtype), u.to(dtype), d.to(dtype)).double(), want, atol=tol * 10,
+                               rtol=tol * 5)
 
 
 def test_rope_table_values():
@@ -60,9 +62,15 @@ def test_apply_rope_is_a_rotation_of_the_right_pairs(interleave, dtype, tol):
     cos, sin = rope_table(T, R, 500.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     got = apply_rope(x.to(dtype), cos[:, None], sin[:, None], interleave).double()
     # Complex multiplication in float64: pair (a, b) -> (a + ib) * e^{i pos theta_j}.
-    pairs = (torch.arange(0, R, 2), torch.arange(1, R, 2)) if interleave else (torch.arange(R // 2), torch.arange(R // 2, R))
+    pairs = (
+        (torch.arange(0, R, 2), torch.arange(1, R, 2))
+        if interleave
+        else (torch.arange(R // 2), torch.arange(R // 2, R))
+    )
     z = torch.complex(x[..., pairs[0]], x[..., pairs[1]])
-    angle = torch.arange(T, dtype=torch.float64)[:, None, None] * 500.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    angle = torch.arange(T, dtype=torch.float64)[:, None, None] * 500.0 ** (
+        -torch.arange(0, R, 2, dtype=torch.float64) / R
+    )
     rz = z * torch.exp(1j * angle)
     want = torch.empty_like(x)
     want[..., pairs[0]], want[..., pairs[1]] = rz.real, rz.imag

@@ -17,9 +17,11 @@ def brute_force_route(scores, bias, cfg):
     per = E // G
     group_score = [sorted(biased[g * per : (g + 1) * per].tolist(), reverse=True)[:2] for g in range(G)]
     group_score = [sum(v) for v in group_score] if G > 1 else [0.0]
-    best_groups = max(itertools.combinations(range(G), cfg.topk_group if G > 1 else 1), key=lambda gs: sum(group_score[g] for g in gs))
+    best_groups = max(itertools.combinations(range(G), cfg.topk_group if G > 1 else 1),
+                      key=lambda gs: sum(group_score[g] for g in gs))
     eligible = [e for g in best_groups for e in range(g * per, (g + 1) * per)] if G > 1 else list(range(E))
-    experts = max(itertools.combinations(eligible, cfg.num_experts_per_tok), key=lambda es: sum(biased[e].item() for e in es))
+    experts = max(itertools.combinations(eligible, cfg.num_experts_per_tok),
+                  key=lambda es: sum(biased[e].item() for e in es))
     w = scores[list(experts)]
     if cfg.norm_topk_prob:
         w = w / w.sum()

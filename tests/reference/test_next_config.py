@@ -12,13 +12,22 @@ def test_glm5next_preset_has_the_real_values():
     c = MtpConfig.preset("glm5next")
     assert c.family == "glm5_next" and c.is_next
     assert (c.hidden_size, c.vocab_size, c.num_hidden_layers, c.mtp_layer_index) == (4096, 154880, 45, 45)
-    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (1536, 512, 256, 0, 256)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (
+        1536,
+        512,
+        256,
+        0,
+        256,
+    )
     assert (c.num_attention_heads, c.n_routed_experts, c.num_experts_per_tok, c.n_group) == (64, 288, 8, 1)
     # the release pools 4 rows (512 pools plus a tail of at most 3) and shares step 1's selection
     assert (c.routed_scaling_factor, c.index_topk, c.index_kpool, c.swiglu_limit) == (2.5, 2048, 4, 10.0)
     assert c.kpool_pools_selected == 512 and c.index_share_for_mtp_iteration
     assert c.index_kpool_always_select_tail and c.max_position_embeddings == 1048576
-    assert c.layer_prefix == "model.language_model.layers.45." and c.embed_tokens_name == "model.language_model.embed_tokens.weight"
+    assert (
+        c.layer_prefix == "model.language_model.layers.45."
+        and c.embed_tokens_name == "model.language_model.embed_tokens.weight"
+    )
     assert c.qk_head_dim == 256 and c.kv_row_width == 512
 
 
@@ -120,13 +129,15 @@ def test_glm5_family_refuses_next_fields(change):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d["text_config"].update(index_topk=10), r"text_config: MtpConfig.index_topk \(10\) must be a multiple"),
+        (lambda d: d["text_config"].update(index_topk=10),
+         r"text_config: MtpConfig.index_topk \(10\) must be a multiple"),
         (lambda d: d["text_config"].update(qk_rope_head_dim=64, qk_head_dim=80), r"qk_rope_head_dim must be 0"),
         (lambda d: d["text_config"].update(index_kpool="4"), r"index_kpool must be a JSON integer"),
         (lambda d: d["text_config"].update(swiglu_limit="10"), r"swiglu_limit must be a finite JSON number"),
         (lambda d: d["text_config"].update(index_kpool_always_select_tail="true"), r"must be a JSON boolean"),
         (lambda d: d["text_config"].pop("index_n_heads"), r"required field 'index_n_heads' is missing"),
-        (lambda d: d["text_config"].update(model_type="glm_moe_dsa"), r"text_config.model_type must be 'glm5_next_text'"),
+        (lambda d: d["text_config"].update(model_type="glm_moe_dsa"),
+         r"text_config.model_type must be 'glm5_next_text'"),
         (lambda d: d.update(text_config=[1]), r"text_config must be a JSON object"),
     ],
 )

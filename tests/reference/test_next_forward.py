@@ -70,7 +70,9 @@ def prop():
 
 def inputs(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(CFG.vocab_size, (n,), generator=g), torch.randn(n, CFG.hidden_size, generator=g).to(torch.bfloat16)
+    return torch.randint(CFG.vocab_size, (n,), generator=g), torch.randn(n, CFG.hidden_size, generator=g).to(
+        torch.bfloat16
+    )
 
 
 def test_each_pool_key_is_computed_once_when_its_last_row_is_written(prop, monkeypatch):
@@ -107,7 +109,8 @@ def test_nope_rows_hold_the_latent_only_and_the_index_key_unrotated(prop):
 
 def test_the_glm5_export_keys_are_unchanged():
     p = ReferenceProposer(MtpWeights.random(MtpConfig.preset("tiny"), seed=0), max_seq_len=32)
-    assert list(p.export_state(p.alloc_state("cpu"))) == ["kv_rows", "index_rows", "x", "seq_len", "last_drafted", "pending", "block_table"]
+    assert list(p.export_state(p.alloc_state("cpu"))) == ["kv_rows", "index_rows", "x", "seq_len", "last_drafted",
+                                                          "pending", "block_table"]
 
 
 def test_a_freed_state_exports_no_pools(prop):

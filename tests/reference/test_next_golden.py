@@ -35,7 +35,9 @@ def test_block_matches_golden(case, dtype, tol):
     for name, got in (("pre_norm_out", out.pre_norm), ("x", out.x), ("logits", logits)):
         errors[name] = ((got.double() - exp[name]).abs().max() / exp[name].abs().max()).item()
     pools = n // w.config.index_kpool
-    errors["pool_keys"] = ((cache.kpool.keys[:pools].double() - exp["pool_keys"]).abs().max() / exp["pool_keys"].abs().max()).item()
+    errors["pool_keys"] = (
+        (cache.kpool.keys[:pools].double() - exp["pool_keys"]).abs().max() / exp["pool_keys"].abs().max()
+    ).item()
     print(case, dtype, {k: f"{v:.2e}" for k, v in errors.items()})
     assert max(errors.values()) < tol, errors
     assert logits.argmax(-1).tolist() == exp["drafts"].tolist()

@@ -118,7 +118,9 @@ def test_any_walk_equals_a_fresh_prefill_long(weights, monkeypatch, seed):
 
 def inputs(n, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(CFG.vocab_size, (n + 1,), generator=g), torch.randn(n + 1, CFG.hidden_size, generator=g).to(dtype)
+    return torch.randint(CFG.vocab_size, (n + 1,), generator=g), torch.randn(n + 1, CFG.hidden_size, generator=g).to(
+        dtype
+    )
 
 
 def test_a_trim_into_a_complete_pool_makes_it_incomplete_and_rewriting_gives_a_new_key(weights):

@@ -45,7 +45,9 @@ def text_config() -> Glm5NextTextConfig:
         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         index_topk=c.index_topk, index_head_dim=c.index_head_dim, index_n_heads=c.index_n_heads,
         swiglu_limit=c.swiglu_limit, index_kpool=c.index_kpool, index_kpool_always_select_tail=True,
-        pad_token_id=None, mlp_layer_types=["dense"] * c.first_k_dense_replace + ["sparse"] * (c.num_hidden_layers - c.first_k_dense_replace),
+        pad_token_id=None,
+        mlp_layer_types=(["dense"] * c.first_k_dense_replace
+                         + ["sparse"] * (c.num_hidden_layers - c.first_k_dense_replace)),
     )
     t._attn_implementation = "eager"
     return t
@@ -99,7 +101,8 @@ def randomise(block: nn.Module, gen: torch.Generator) -> None:
 def checkpoint_tensors(block: MtpBlock, layer: int) -> dict[str, torch.Tensor]:
     """The block's tensors under GLM-5.3-Flash's checkpoint names (per-expert tensors)."""
     p = f"model.language_model.layers.{layer}."
-    out = {"model.language_model.embed_tokens.weight": block.embed_tokens.weight, "lm_head.weight": block.lm_head.weight,
+    out = {"model.language_model.embed_tokens.weight": block.embed_tokens.weight,
+           "lm_head.weight": block.lm_head.weight,
            p + "enorm.weight": block.enorm.weight, p + "hnorm.weight": block.hnorm.weight,
            p + "eh_proj.weight": block.eh_proj.weight, p + "shared_head.norm.weight": block.shared_head_norm.weight,
            p + "input_layernorm.weight": block.input_layernorm.weight,
@@ -131,7 +134,8 @@ def setup(tmp_path_factory):
     randomise(block, torch.Generator().manual_seed(11))
     directory = tmp_path_factory.mktemp("glm5next") / "ck"
     config = Glm5NextConfig(text_config=t.to_dict()).to_dict()
-    save_checkpoint(directory, json.loads(json.dumps(config, default=str)), checkpoint_tensors(block, t.num_hidden_layers), 40)
+    save_checkpoint(directory, json.loads(json.dumps(config, default=str)),
+                    checkpoint_tensors(block, t.num_hidden_layers), 40)
     weights = MtpWeights.from_pretrained(directory)
     assert weights.config == CFG and weights.dtype == torch.float32
     return block, weights
@@ -151,7 +155,8 @@ def test_newest_row_matches_transformers(setup, L, monkeypatch):
     hiddens = torch.randn(L, CFG.hidden_size, generator=g)  # h_0 .. h_{L-1}
 
     monkeypatch.setattr(torch, "topk", topk_lower_index)
-    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, dim=-1, largest=True, sorted=True: topk_lower_index(self, k, dim, largest))
+    monkeypatch.setattr(torch.Tensor, "topk",
+                        lambda self, k, dim=-1, largest=True, sorted=True: topk_lower_index(self, k, dim, largest))
     with torch.no_grad():
         want_x = block(tokens[1:], hiddens)[-1].double()  # rows r pair t_{r+1} with h_r
         want_draft = int(block.lm_head(want_x.float()).argmax())

@@ -24,12 +24,19 @@ def w(cfg):
 
 def test_random_builds_either_family(cfg, w):
     ix, moe = w.layer.attn.indexer, w.layer.mlp
-    assert ix.kpool_ape.shape == (cfg.index_kpool, cfg.index_head_dim) and ix.kpool_gate.shape == (cfg.index_head_dim, cfg.hidden_size)
+    assert ix.kpool_ape.shape == (cfg.index_kpool, cfg.index_head_dim) and ix.kpool_gate.shape == (
+        cfg.index_head_dim,
+        cfg.hidden_size,
+    )
     assert moe.router.dtype == torch.float32 and moe.e_score_correction_bias.dtype == torch.float32
     assert moe.swiglu_limit == cfg.swiglu_limit and w.dtype == torch.bfloat16
     assert w.layer.attn.kv_a_proj_with_mqa.shape == (cfg.kv_lora_rank, cfg.hidden_size)  # NoPE: no rope key
     g5 = MtpWeights.random(MtpConfig.preset("tiny"), seed=3)
-    assert g5.layer.attn.indexer.kpool_ape is None and g5.layer.mlp.swiglu_limit is None and g5.layer.mlp.router.dtype == torch.bfloat16
+    assert (
+        g5.layer.attn.indexer.kpool_ape is None
+        and g5.layer.mlp.swiglu_limit is None
+        and g5.layer.mlp.router.dtype == torch.bfloat16
+    )
 
 
 def test_names_follow_the_real_layout(cfg, w):
@@ -58,7 +65,8 @@ def test_reads_only_the_mtp_layer_embedding_and_head(w, tmp_path):
     w.save_pretrained(tmp_path / "ck", shard_size=1000)
     index = json.loads((tmp_path / "ck" / INDEX_FILE).read_text())
     (tmp_path / "ck" / "model-decoder.safetensors").write_bytes(b"not safetensors at all")
-    for name in ("model.language_model.layers.0.self_attn.q_a_proj.weight", "model.language_model.layers.1.mlp.gate.weight",
+    for name in ("model.language_model.layers.0.self_attn.q_a_proj.weight",
+                 "model.language_model.layers.1.mlp.gate.weight",
                  "model.visual.blocks.0.attn.qkv.weight", "model.layers.2.eh_proj.weight"):
         index["weight_map"][name] = "model-decoder.safetensors"
     (tmp_path / "ck" / INDEX_FILE).write_text(json.dumps(index))

@@ -65,4 +65,5 @@ def test_the_oracle_keeps_the_most_mass_any_selection_can():
     uniform = torch.ones(8, 28, dtype=torch.float64).masked_fill(torch.arange(28)[None] > slots[:, None], 0.0)
     uniform = uniform / uniform.sum(-1, keepdim=True)
     # Flat attention: every selection keeps its share of the rows, the oracle too.
-    torch.testing.assert_close(oracle_pool_recall(uniform, slots, CFG), (2 * 4 + (slots + 1) % 4).double() / (slots + 1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(oracle_pool_recall(uniform, slots, CFG),
+                               (2 * 4 + (slots + 1) % 4).double() / (slots + 1), rtol=0, atol=1e-12)

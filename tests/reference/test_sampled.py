@@ -20,7 +20,11 @@ def prefilled(prop, inputs, n=10):
 
 def noise_for(prop, k, seed):
     A = acc_dtype(prop.weights.dtype)
-    return torch.empty(k, prop.config.vocab_size, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(seed)).to(A)
+    return (
+        torch.empty(k, prop.config.vocab_size, dtype=torch.float64)
+        .exponential_(generator=torch.Generator().manual_seed(seed))
+        .to(A)
+    )
 
 
 def q_bytes(q):
@@ -87,7 +91,8 @@ def test_exponential_race_draws_from_q():
         counts = torch.bincount(tok, minlength=6).double()
         expected = n * q[0].double()
         stat = float(((counts - expected) ** 2 / expected).sum())
-        p = float(torch.special.gammaincc(torch.tensor(2.5, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+        p = float(torch.special.gammaincc(torch.tensor(2.5, dtype=torch.float64),
+                                          torch.tensor(stat / 2, dtype=torch.float64)))
         assert (p > 1e-3) == should_fit, (noise_kind, p)
 
 
@@ -109,10 +114,13 @@ def test_temperature_division_is_a_correctly_rounded_division():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"temperature": 0.0}, "temperature"), ({"temperature": -1.0}, "temperature"), ({"temperature": math.nan}, "temperature"),
-    ({"temperature": math.inf}, "temperature"), ({"temperature": True}, "temperature"), ({"temperature": "1"}, "temperature"),
+    ({"temperature": 0.0}, "temperature"), ({"temperature": -1.0}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"temperature": "1"}, "temperature"),
     ({"noise": "shape"}, "shape"), ({"noise": "dtype"}, "dtype"), ({"noise": "list"}, "tensor"),
-    ({"noise": "zero"}, "positive"), ({"noise": "negative"}, "positive"), ({"noise": "nan"}, "positive"), ({"noise": "inf"}, "positive"),
+    ({"noise": "zero"}, "positive"), ({"noise": "negative"}, "positive"), ({"noise": "nan"}, "positive"),
+    ({"noise": "inf"}, "positive"),
 ])
 def test_bad_sampling_arguments_are_refused_before_anything_changes(prop, inputs, snap, bad, match):
     state, pos = prefilled(prop, inputs)

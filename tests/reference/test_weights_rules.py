@@ -23,7 +23,8 @@ def bf16(cfg) -> MtpWeights:
     return MtpWeights.random(cfg, seed=4, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn, torch.complex64, "bfloat16", None])
+@pytest.mark.parametrize("dtype",
+                         [torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn, torch.complex64, "bfloat16", None])
 def test_random_and_to_refuse_a_dtype_the_drafter_cannot_compute_in(cfg, bf16, dtype):
     with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
         MtpWeights.random(cfg, dtype=dtype)
@@ -52,7 +53,8 @@ def test_the_constructor_refuses_mixed_dtypes_and_devices(bf16):
 def test_to_refuses_a_cast_that_overflows_a_finite_weight(bf16):
     big = bf16.to(dtype=torch.bfloat16)
     big.lm_head[3, 5] = 1e6  # finite in bfloat16, inf in float16
-    with pytest.raises(ValueError, match=r"'lm_head.weight': casting torch.bfloat16 to torch.float16 overflows 1 finite value"):
+    with pytest.raises(ValueError,
+                       match=r"'lm_head.weight': casting torch.bfloat16 to torch.float16 overflows 1 finite value"):
         big.to(dtype=torch.float16)
     assert same_bytes(bf16.to(dtype=torch.float32).to(dtype=torch.bfloat16).lm_head, bf16.lm_head)
 

@@ -120,7 +120,8 @@ def test_check_names_the_ptx_lines():
         "\tret;", "}",
     ])
     found = audit.forbidden(ptx)
-    assert [(f.line_no, f.line) for f in found] == [(9, "fma.rn.f32 %f4, %f1, %f2, %f3;"), (11, "@%p1 add.f32 %f5, %f4, %f1;")]
+    assert [(f.line_no, f.line) for f in found] == [(9, "fma.rn.f32 %f4, %f1, %f2, %f3;"),
+                                                    (11, "@%p1 add.f32 %f5, %f4, %f1;")]
 
 
 # ---- the registry --------------------------------------------------------------------------------
@@ -189,7 +190,9 @@ def triton_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("triton-cache"))
 
 
-def _run_audit(args: list[str], cache: str, pythonpath: str | None = None, keep_interpret: bool = False) -> subprocess.CompletedProcess:
+def _run_audit(
+    args: list[str], cache: str, pythonpath: str | None = None, keep_interpret: bool = False
+) -> subprocess.CompletedProcess:
     """The command line in a subprocess, without TRITON_INTERPRET unless ``keep_interpret`` (then
     the command restarts itself without it: one more interpreter start)."""
     env = dict(os.environ, TRITON_CACHE_DIR=cache)
@@ -245,7 +248,8 @@ def _op_kernel(x_ptr, y_ptr, z_ptr, out_ptr, N, OP: tl.constexpr, BLOCK: tl.cons
 def launch(cfg, op, fusion=False, block=None):
     N = cfg.hidden_size
     v = [abstract((N,), torch.float32) for _ in range(4)]
-    return Launch(_op_kernel, (1,), (*v, N), dict(OP=op, BLOCK=block or triton.next_power_of_2(N), enable_fp_fusion=fusion))
+    meta = dict(OP=op, BLOCK=block or triton.next_power_of_2(N), enable_fp_fusion=fusion)
+    return Launch(_op_kernel, (1,), (*v, N), meta)
 
 
 def clean(cfg):
@@ -289,10 +293,15 @@ def test_broken_kernels_fail_the_audit(tmp_path, triton_cache):
     assert "arange" in out.split("ERROR broken[block]")[1]  # the compiler's own message
     assert rows[("clean", "rn")][4] == "yes" and rows[("clean", "rn")][9] == "0"
     for variant, instruction, rule in [("div", "div.full.f32", "approximate"), ("exp", "ex2.approx", "approximate"),
-                                       ("fma", "fma.rn.f32", "fused multiply-add"), ("add.f32", "add.f32", "no rounding"),
+                                       ("fma", "fma.rn.f32", "fused multiply-add"),
+                                       ("add.f32", "add.f32", "no rounding"),
                                        ("sqrt", "sqrt.approx.ftz.f32", "denormals")]:
         assert rows[("broken", variant)][4] == "yes" and int(rows[("broken", variant)][9]) >= 1, variant
-        flagged = [line for line in out.splitlines() if line.startswith(f"FORBIDDEN broken[{variant}] preset=tiny dtype=fp32: PTX line ")]
+        flagged = [
+            line
+            for line in out.splitlines()
+            if line.startswith(f"FORBIDDEN broken[{variant}] preset=tiny dtype=fp32: PTX line ")
+        ]
         assert any(instruction in line and rule in line for line in flagged), (variant, flagged)
     assert "FORBIDDEN clean" not in out
 
@@ -312,7 +321,11 @@ def test_the_glm5_next_kernels_pass_at_glm5next(triton_cache):
     done = _run_audit(["--presets", "glm5next", "--modules", *FAMILY_MODULES], triton_cache)
     assert done.returncode == 0, done.stdout + done.stderr
     modules = [importlib.import_module(m) for m in FAMILY_MODULES]
-    want = [(c.kernel, c.variant) for dtype in KERNEL_DTYPES for c in audit.cases(modules, MtpConfig.preset("glm5next"), dtype)]
+    want = [
+        (c.kernel, c.variant)
+        for dtype in KERNEL_DTYPES
+        for c in audit.cases(modules, MtpConfig.preset("glm5next"), dtype)
+    ]
     rows = _table(done.stdout)
     assert [tuple(r[:2]) for r in rows] == want
     assert {"kpool:pool_keys_write", "kpool:pool_scores", "kpool:select_pool_rows", "kpool:pools_forget",

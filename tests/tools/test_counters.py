@@ -18,7 +18,8 @@ from glm_mtp.tools import counters
 from glm_mtp.tools.counters import Footprint, LaunchCounter, measure_draft_step, tensors_bytes
 from glm_mtp.tools.floor import floor_bytes_per_draft
 
-pytestmark = pytest.mark.skipif(not counters.interpreting(), reason="Triton launches are counted through the CPU interpreter")
+pytestmark = pytest.mark.skipif(not counters.interpreting(),
+                                reason="Triton launches are counted through the CPU interpreter")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -149,14 +150,16 @@ def test_measure_draft_step_tiny(dtype):
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=dtype)
     r = measure_draft_step(w, "triton", context=8, max_seq_len=32)
     assert r["launches_per_draft"] > 0 and r["triton_launches_per_draft"] > 0
-    assert r["kernel_bytes_per_draft"] > 0 and r["floor_bytes_per_draft"] == floor_bytes_per_draft(w.config, w.dtype, 10)
+    assert r["kernel_bytes_per_draft"] > 0
+    assert r["floor_bytes_per_draft"] == floor_bytes_per_draft(w.config, w.dtype, 10)
     assert r["launches_propose_2"] == r["launches_propose_1"] + r["launches_per_draft"]
     assert r["preset"] == "tiny" and r["visible_rows"] == 10
     json.dumps(r)
 
 
 @pytest.mark.parametrize("preset,dtype,fp8", [("tiny", torch.bfloat16, False), ("glm5next_tiny", torch.bfloat16, False),
-                                              ("glm5next_tiny", torch.float32, False), ("glm5next_tiny", torch.bfloat16, True)],
+                                              ("glm5next_tiny", torch.float32, False),
+                                              ("glm5next_tiny", torch.bfloat16, True)],
                          ids=["tiny-bf16", "glm5next_tiny-bf16", "glm5next_tiny-fp32", "glm5next_tiny-fp8"])
 def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8):
     """At most 24 launches and 1.15x the floor per draft step (with fp8 weights: the fp8 floor,
@@ -167,7 +170,8 @@ def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8):
     w = MtpWeights.random(MtpConfig.preset(preset), seed=0, dtype=dtype)
     if fp8:
         w = w.quantize_fp8()
-        assert floor_bytes_per_draft(w.config, dtype, 20, block_scaled=True) < floor_bytes_per_draft(w.config, dtype, 20)
+        block_scaled = floor_bytes_per_draft(w.config, dtype, 20, block_scaled=True)
+        assert block_scaled < floor_bytes_per_draft(w.config, dtype, 20)
     small, large = (measure_draft_step(w, "triton", context=18, max_seq_len=m) for m in (64, 256))
     assert small["launches_per_draft"] <= 24 and small["kernel_floor_ratio"] <= 1.15, small
     for key in ("launches_per_draft", "triton_launches_per_draft", "floor_bytes_per_draft"):
@@ -196,8 +200,10 @@ def test_measure_refuses_triton_without_the_interpreter(monkeypatch):
 @pytest.mark.slow
 def test_cli_json_sets_the_interpreter_itself():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "glm_mtp.tools.counters", "--preset", "tiny", "--dtype", "float32", "--json",
-                          "--context", "4", "--max-seq-len", "32"], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "glm_mtp.tools.counters", "--preset", "tiny", "--dtype", "float32",
+                          "--json",
+                          "--context", "4", "--max-seq-len", "32"], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["triton_launches_per_draft"] > 0 and r["launches_per_draft"] > 0
@@ -213,7 +219,8 @@ def test_a_batched_step_reads_each_weight_once_for_all_rows(dtype=torch.bfloat16
     single = measure_draft_step(w, context=8, max_seq_len=32)
     assert one["launches_per_step"] == three["launches_per_step"] == single["launches_per_draft"]
     assert one["syncs_per_step"] == single["syncs_per_draft"]  # the read-back's one more element (per row)
-    assert 0.95 < one["kernel_bytes_per_step"] / single["kernel_bytes_per_draft"] < 1.1  # the scatters: a few hundred bytes
+    # the scatters: a few hundred bytes
+    assert 0.95 < one["kernel_bytes_per_step"] / single["kernel_bytes_per_draft"] < 1.1
     lm_head = w.lm_head.numel() * w.lm_head.element_size()
     assert three["kernel_bytes_per_step"] < one["kernel_bytes_per_step"] + 2 * (one["kernel_bytes_per_step"] - lm_head)
     assert three["kernel_bytes_per_step"] < 1.6 * one["kernel_bytes_per_step"]

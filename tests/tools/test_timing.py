@@ -10,7 +10,10 @@ def test_state_nbytes_counts_each_storage_once():
     w = MtpWeights.random(MtpConfig.preset("tiny"), seed=0, dtype=torch.float32)
     prop = ReferenceProposer(w, 64)
     state = prop.alloc_state("cpu")
-    assert state_nbytes(state) == sum(t.numel() * t.element_size() for t in (state.cache.kv_pool, state.cache.index_pool, state.cache.block_table, state.x))
+    assert state_nbytes(state) == sum(
+        t.numel() * t.element_size()
+        for t in (state.cache.kv_pool, state.cache.index_pool, state.cache.block_table, state.x)
+    )
 
 
 def test_timed_and_copy_bandwidth_are_positive():

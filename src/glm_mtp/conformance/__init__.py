@@ -26,7 +26,9 @@ from .scenarios import GENERATORS, MAX_DRAFTS, Scenario, load_scenario, save_sce
 from .spec import Hidden, Op, SpecModel, TokenIds
 
 __all__ = [
-    "run", "record", "Report", "Difference", "Finding", "BackendError", "resolve_backend", "Harness", "Lockstep", "run_scenario",
-    "scenario", "save_scenario", "load_scenario", "Scenario", "Op", "SpecModel", "Hidden", "TokenIds", "GENERATORS", "MAX_DRAFTS",
+    "run", "record", "Report", "Difference", "Finding", "BackendError", "resolve_backend", "Harness", "Lockstep",
+    "run_scenario",
+    "scenario", "save_scenario", "load_scenario", "Scenario", "Op", "SpecModel", "Hidden", "TokenIds", "GENERATORS",
+    "MAX_DRAFTS",
     "MUTANTS", "Mutant", "EXPORT_KEYS", "first_mismatch", "snapshots_equal",
 ]

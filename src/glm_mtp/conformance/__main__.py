@@ -19,24 +19,29 @@ import sys
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance", description="Lockstep conformance of two drafter backends, byte for byte.")
-    p.add_argument("--candidate", default="optimized", help="reference | optimized | mutant:<name> | package.module:factory (default optimized)")
+    p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance",
+                                description="Lockstep conformance of two drafter backends, byte for byte.")
+    p.add_argument("--candidate", default="optimized",
+                   help="reference | optimized | mutant:<name> | package.module:factory (default optimized)")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"),
                    help="the optimized backend's kernels: auto (Triton on CUDA, the torch twins on CPU), triton "
                         "(everywhere; the interpreter on CPU) or torch (default auto)")
     p.add_argument("--baseline", default="reference", help="the backend the candidate must equal (default reference)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16 | float64 (default bfloat16)")
-    p.add_argument("--preset", default="tiny", help="MtpConfig preset: tiny | small | glm5_shape | glm5, or of the glm5_next family "
+    p.add_argument("--preset", default="tiny",
+                   help="MtpConfig preset: tiny | small | glm5_shape | glm5, or of the glm5_next family "
                    "glm5next_tiny | glm5next_small | glm5next (default tiny)")
     p.add_argument("--max-seq-len", type=int, default=64, help="the proposers' max_seq_len (default 64)")
     p.add_argument("--scenarios", type=int, default=100, help="scenarios to run (default 100)")
     p.add_argument("--seed", type=int, default=0, help="the run's seed; scenario i depends only on (seed, i)")
     p.add_argument("--scenario-index", type=int, default=None, help="replay this scenario alone")
-    p.add_argument("--scenario-file", default=None, help="replay the scenario saved in this JSON file (the hypothesis machine writes one)")
+    p.add_argument("--scenario-file", default=None,
+                   help="replay the scenario saved in this JSON file (the hypothesis machine writes one)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--generators", default="realistic,adversarial",
-                   help="comma-separated generators that take turns: realistic, adversarial, batched (default realistic,adversarial)")
+                   help="comma-separated generators that take turns: realistic, adversarial, batched (default "
+                        "realistic,adversarial)")
     p.add_argument("--max-drafts", type=int, default=4, help="largest num_drafts of a valid propose (default 4)")
     p.add_argument("--json", default="conformance-report.json", help="where to write the JSON report ('' for nowhere)")
     p.add_argument("--threads", type=int, default=1,

@@ -34,7 +34,8 @@ from glm_mtp.reference.proposer import SampledDrafts
 
 # What a refusal may be: arguments (ValueError, TypeError) and the lifecycle (RuntimeError).
 REFUSALS = (ValueError, TypeError, RuntimeError)
-SPECIAL_FLOATS = (0.0, -0.0, 1e-45, 1e-40, 1e-38, 1e-30, 0.5, 1.0, 3e38, 3.5e38, 1e39, math.inf, -math.inf, math.nan, -1.0)
+SPECIAL_FLOATS = (0.0, -0.0, 1e-45, 1e-40, 1e-38, 1e-30, 0.5, 1.0, 3e38, 3.5e38, 1e39, math.inf, -math.inf, math.nan,
+                  -1.0)
 STATES = 3
 
 
@@ -45,7 +46,8 @@ def devices() -> list[str]:
 
 def state_bytes(prop: Any, state: Any) -> dict[str, tuple]:
     """``export_state`` as (shape, dtype, bytes) per key."""
-    return {k: (tuple(t.shape), str(t.dtype), t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return {k: (tuple(t.shape), str(t.dtype),
+                t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
             for k, t in prop.export_state(state).items()}
 
 
@@ -54,7 +56,8 @@ def result_bytes(value: Any) -> Any:
     if isinstance(value, SampledDrafts):
         return ("sampled", value.drafts, result_bytes(value.q))
     if isinstance(value, Tensor):
-        return (tuple(value.shape), str(value.dtype), value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return (tuple(value.shape), str(value.dtype),
+                value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     if isinstance(value, (list, tuple)):
         return [result_bytes(v) for v in value]
     return value
@@ -88,7 +91,8 @@ class Draws:
         if k == "float":
             return self.draw(st.sampled_from([1.0, 2.5, math.nan, math.inf]))
         if k == "tensor":
-            return torch.tensor(self.draw(valid), dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])))
+            return torch.tensor(self.draw(valid),
+                                dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])))
         if k == "float_tensor":
             return torch.tensor(float(self.draw(valid)))
         return None if k == "none" else "3"
@@ -115,7 +119,8 @@ class Draws:
         value = self.draw(st.sampled_from([self.token_id(), -1, V]))
         if k == "tensor":
             shape = self.draw(st.sampled_from([(), (1,)]))
-            dtype = self.draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint32, torch.uint64]))
+            dtype = self.draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint32,
+                                               torch.uint64]))
             value = value % 256 if dtype.is_signed is False else value
             if shape == (1,) and self.draw(st.integers(0, 5)) == 0:
                 return torch.full(shape, value).to_sparse()  # int64: torch has no sparse unsigned tensors
@@ -126,10 +131,15 @@ class Draws:
 
     def tokens(self, n: int) -> Any:
         """``n`` tokens: a list of ints or a 1-D tensor, or anything wrong."""
-        k = self.kind("list_bad_id", "tensor_bad_id", "float_tensor", "2d", "device", "not_a_sequence", "wrong_length", valid=5)
+        k = self.kind("list_bad_id", "tensor_bad_id", "float_tensor", "2d", "device", "not_a_sequence", "wrong_length",
+                      valid=5)
         ids = [self.token_id() for _ in range(n)]
         if k == "valid":
-            return ids if self.draw(st.booleans()) else torch.tensor(ids, dtype=self.draw(st.sampled_from([torch.int64, torch.int32])))
+            return (
+                ids
+                if self.draw(st.booleans())
+                else torch.tensor(ids, dtype=self.draw(st.sampled_from([torch.int64, torch.int32])))
+            )
         if k == "list_bad_id":
             return ids + [self.draw(st.sampled_from([-1, self.cfg.vocab_size, 1.0, None, True]))]
         if k == "tensor_bad_id":
@@ -150,12 +160,15 @@ class Draws:
         H = self.cfg.hidden_size
         shape = (self.draw(st.sampled_from([(H,), (1, H)]))) if rows is None else (rows, H)
         seed = self.draw(st.integers(0, 2**31 - 1))
-        base = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul_(self.draw(st.sampled_from([1.0, 1.0, 1e-3, 300.0])))
+        base = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul_(
+            self.draw(st.sampled_from([1.0, 1.0, 1e-3, 300.0]))
+        )
         k = self.kind("dtype", "shape", "nan", "inf", "huge", "device", "view", "sparse", "not_a_tensor", valid=5)
         if k == "valid":
             return base.to(self.dtype)
         if k == "dtype":
-            other = self.draw(st.sampled_from([d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+            other = self.draw(st.sampled_from([d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                                           torch.int64)
                                                if d != self.dtype]))
             return base.to(other)
         if k == "shape":
@@ -163,7 +176,9 @@ class Draws:
         if k in ("nan", "inf"):
             t = base.to(self.dtype).reshape(-1, H) if base.numel() else base.to(self.dtype)
             if t.numel():
-                t[self.draw(st.integers(0, t.shape[0] - 1)), self.draw(st.integers(0, H - 1))] = math.nan if k == "nan" else -math.inf
+                t[self.draw(st.integers(0, t.shape[0] - 1)), self.draw(st.integers(0, H - 1))] = (
+                    math.nan if k == "nan" else -math.inf
+                )
             return t.reshape(shape)
         if k == "huge":  # finite, at the dtype's edge
             return torch.full(shape, torch.finfo(self.dtype).max, dtype=self.dtype)
@@ -189,7 +204,9 @@ class Draws:
     def noise(self, k: int) -> Any:
         V = self.cfg.vocab_size
         seed = self.draw(st.integers(0, 2**31 - 1))
-        noise = torch.empty(max(k, 0) if isinstance(k, int) and k < 64 else 1, V).exponential_(generator=torch.Generator().manual_seed(seed))
+        noise = torch.empty(max(k, 0) if isinstance(k, int) and k < 64 else 1, V).exponential_(
+            generator=torch.Generator().manual_seed(seed)
+        )
         acc = torch.float64 if self.dtype == torch.float64 else torch.float32
         kind = self.kind("zero", "nan", "inf", "negative", "tiny", "dtype", "shape", "device", "not_a_tensor", valid=5)
         noise = noise.to(acc)
@@ -220,7 +237,9 @@ class Outcome:
             self.error = e
 
     def describe(self) -> str:
-        return f"{type(self.error).__name__}: {self.error}" if self.error is not None else f"returned {self.value!r:.300}"
+        return (
+            f"{type(self.error).__name__}: {self.error}" if self.error is not None else f"returned {self.value!r:.300}"
+        )
 
 
 def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -245,7 +264,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             self.calls: list[str] = []
 
         # ---- the one check of every step ------------------------------------------------
-        def play(self, call: str, args: dict[str, Any], fn: Callable[[Any, list[Any]], Any], touched: list[int]) -> None:
+        def play(self, call: str, args: dict[str, Any], fn: Callable[[Any, list[Any]], Any],
+                 touched: list[int]) -> None:
             """Run ``fn(prop, states_of_that_backend)`` on both backends and check the outcome."""
             self.calls.append(f"{call}({', '.join(f'{k}={short(v)}' for k, v in args.items())})")
             before = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(sides)]
@@ -255,7 +275,9 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             context = f"{call}: reference {ref.describe()}; candidate {cand.describe()}\ncalls:\n  {where}"
             assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
             if ref.error is not None:
-                assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
+                assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), (
+                    f"different refusals: {context}"
+                )
                 if isinstance(ref.error, (ValueError, TypeError)):
                     names = [*args, "state", "token id", "temperature", "noise", "hidden"]
                     assert any(n in str(ref.error) for n in names), f"a refusal that names no argument: {context}"
@@ -271,7 +293,9 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
         def states_agree(self) -> None:
             for i, (r, c) in enumerate(self.states):
                 assert r.poisoned is None and c.poisoned is None, f"state {i} poisoned: {r.poisoned or c.poisoned}"
-                assert state_bytes(sides[0], r) == state_bytes(sides[1], c), f"state {i} differs after:\n  " + "\n  ".join(self.calls)
+                assert state_bytes(sides[0], r) == state_bytes(sides[1], c), (
+                    f"state {i} differs after:\n  " + "\n  ".join(self.calls)
+                )
 
         def seq_len(self, i: int) -> int:
             return sides[0].drafter_rows(self.states[i][0]) if not self.states[i][0].released else 0
@@ -298,7 +322,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             row_base = d.integer(st.sampled_from([base, base, base, max(base - 1, 0), base + 1, 60, 63]))
             pos_base = d.integer(st.sampled_from([base]))
             tokens, hiddens = d.tokens(n), d.hiddens(n)
-            self.play("catchup_drafter", {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
+            self.play("catchup_drafter",
+                      {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
                       lambda p, s: p.catchup_drafter(tokens, hiddens, row_base, pos_base, s[i]), [i])
 
         def propose_args(self, d: Draws, i: int) -> tuple[Any, Any, Any, Any]:
@@ -312,7 +337,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             i = data.draw(st.integers(0, STATES - 1))
             d = Draws(data, cfg, dtype)
             token, hidden, position, k = self.propose_args(d, i)
-            self.play("propose", {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
+            self.play("propose",
+                      {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
                       lambda p, s: p.propose(token, hidden, position, k, s[i]), [i])
 
         @rule(data=st.data())
@@ -321,7 +347,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             d = Draws(data, cfg, dtype)
             token, hidden, position, k = self.propose_args(d, i)
             temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
-            self.play("propose_sampled", {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
+            self.play("propose_sampled",
+                      {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
                                           "num_drafts": k, "temperature": temperature, "noise": noise},
                       lambda p, s: p.propose_sampled(token, hidden, position, k, temperature, noise, s[i]), [i])
 
@@ -353,9 +380,11 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             else:
                 hiddens = d.hiddens(len(picked))
             positions = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
-            self.play("propose_batch", {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
+            self.play("propose_batch",
+                      {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
                                         "num_drafts": k},
-                      lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]), list(range(STATES)))
+                      lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]),
+                      list(range(STATES)))
 
         @rule(data=st.data())
         def catchup_batch(self, data: Any) -> None:
@@ -363,7 +392,11 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             picked = self.batch(d)
             tokens = d.tokens(len(picked))
             hiddens = d.hiddens(len(picked))
-            bases = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [d.integer(st.integers(0, 8)) for _ in picked]
+            bases = (
+                [self.seq_len(i) for i in picked]
+                if d.draw(st.booleans())
+                else [d.integer(st.integers(0, 8)) for _ in picked]
+            )
             self.play("catchup_batch", {"states": picked, "tokens": tokens, "hiddens": hiddens, "row_bases": bases},
                       lambda p, s: p.catchup_batch(tokens, hiddens, bases, [s[i] for i in picked]), list(range(STATES)))
 

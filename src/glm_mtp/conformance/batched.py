@@ -159,7 +159,8 @@ def batched(ch: Chooser, m: SpecModel, max_drafts: int = MAX_DRAFTS) -> list[Op]
             ops.append(m.free(i))
         del token[i]
 
-    def misuse(kind: str, states: list, tokens: list, hid: Hidden, pos: list, k: int | None, pending: Sequence[int]) -> None:
+    def misuse(kind: str, states: list, tokens: list, hid: Hidden, pos: list, k: int | None,
+               pending: Sequence[int]) -> None:
         if not ch.chance(0.3):
             return
         broken = _misused(ch, m, states, tokens, hid, pos, k, pending)
@@ -201,7 +202,8 @@ def batched(ch: Chooser, m: SpecModel, max_drafts: int = MAX_DRAFTS) -> list[Op]
                 if k2 is None:
                     ops.append(m.catchup_batch(s2, _ids(ch, t2), h2, _ids(ch, p2), note="a pending state in the batch"))
                 else:
-                    ops.append(m.propose_batch(s2, _ids(ch, t2), h2, _ids(ch, p2), k2, note="a pending state in the batch"))
+                    ops.append(m.propose_batch(s2, _ids(ch, t2), h2, _ids(ch, p2), k2,
+                                               note="a pending state in the batch"))
         owed = []
         for j in _subset(ch, range(len(states)), lo=len(states)):  # each state's verify, in random order
             i = states[j]
@@ -215,7 +217,8 @@ def batched(ch: Chooser, m: SpecModel, max_drafts: int = MAX_DRAFTS) -> list[Op]
             if m.seqs[i].seq_len + 1 > m.capacity:
                 leave(i)  # no row left for it: the sequence ends
         if ch.chance(0.3):  # rows that write nothing: a row base that is not the state's drafter_rows
-            for i in _subset(ch, [i for i in sorted(token) if i not in [r[0] for r in rows] and not m.seqs[i].pending], lo=0):
+            for i in _subset(ch, [i for i in sorted(token) if i not in [r[0] for r in rows] and not m.seqs[i].pending],
+                             lo=0):
                 n = m.seqs[i].seq_len
                 base = ch.choice([b for b in (n - 1, n + 1, n + 2, 0) if 0 <= b < m.capacity and b != n] or [n])
                 if base != n:

@@ -55,7 +55,9 @@ def random_ids(ch: Chooser, vocab: int, n: int) -> tuple[int, ...]:
 
 def token_list(ch: Chooser, m: SpecModel, n: int, drafts: int = 0, fault_p: float = 0.0) -> TokenIds:
     """``n`` token ids in a random valid form, some naming drafts; broken with chance ``fault_p``."""
-    ids: list[int | str] = [f"d{ch.int(1, drafts)}" if drafts and ch.chance(0.3) else ch.int(0, m.vocab - 1) for _ in range(n)]
+    ids: list[int | str] = [
+        f"d{ch.int(1, drafts)}" if drafts and ch.chance(0.3) else ch.int(0, m.vocab - 1) for _ in range(n)
+    ]
     if ch.chance(fault_p):
         kind = ch.choice(("id", "id", "float", "2d", "floats")) if n else ch.choice(("float", "2d"))
         if kind == "id":

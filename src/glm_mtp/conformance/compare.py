@@ -47,7 +47,8 @@ class Mismatch:
 def first_mismatch(cand: Tensor, base: Tensor) -> Mismatch | None:
     """None when ``cand`` and ``base`` agree in dtype, shape, device type and every byte."""
     if cand.dtype != base.dtype or tuple(cand.shape) != tuple(base.shape):
-        return Mismatch(None, f"{cand.dtype} {tuple(cand.shape)}", f"{base.dtype} {tuple(base.shape)}", "dtype or shape differ")
+        return Mismatch(None, f"{cand.dtype} {tuple(cand.shape)}", f"{base.dtype} {tuple(base.shape)}",
+                        "dtype or shape differ")
     if cand.device.type != base.device.type:
         return Mismatch(None, str(cand.device), str(base.device), "device differs")
     if same_bytes(cand.detach().cpu(), base.detach().cpu()):

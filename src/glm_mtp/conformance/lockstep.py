@@ -63,19 +63,23 @@ class Lockstep:
 
         state = op.state if op.state >= 0 else None
         if out_c.error is not out_b.error:
-            return Finding("outcome", state=state, candidate=str(out_c), baseline=str(out_b), detail="the calls ended differently")
+            return Finding("outcome", state=state, candidate=str(out_c), baseline=str(out_b),
+                           detail="the calls ended differently")
         if out_c.error is None and not _same_value(out_c.value, out_b.value):
-            f = Finding("return", state=state, candidate=repr(out_c.value), baseline=repr(out_b.value), detail="the calls returned different values")
+            f = Finding("return", state=state, candidate=repr(out_c.value), baseline=repr(out_b.value),
+                        detail="the calls returned different values")
             if op.kind in BATCH_KINDS and isinstance(out_c.value, list) and isinstance(out_b.value, list):
                 at = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if not _same_value(x, y)), None)
                 if at is not None and at < len(op.args["states"]):
                     f.state = op.args["states"][at] if isinstance(op.args["states"][at], int) else None
-                    f.detail = f"the batch returned different values for states[{at}]: {out_c.value[at]!r} vs {out_b.value[at]!r}"
+                    f.detail = (f"the batch returned different values for states[{at}]: {out_c.value[at]!r} vs "
+                                f"{out_b.value[at]!r}")
                 else:
                     f.detail = f"the batch returned {len(out_c.value)} entries vs {len(out_b.value)}"
             elif isinstance(out_c.value, list) and isinstance(out_b.value, list):
                 f.tensor = "drafts"
-                f.element = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if x != y), min(len(out_c.value), len(out_b.value)))
+                f.element = next((i for i, (x, y) in enumerate(zip(out_c.value, out_b.value)) if x != y),
+                                 min(len(out_c.value), len(out_b.value)))
                 f.detail = f"the drafts differ from draft {f.element + 1} on"
             also = self._compare(c.view(), b.view())
             if also is not None:  # where the rows went apart helps more than the token ids do
@@ -102,8 +106,11 @@ class Lockstep:
         return None
 
     def _inputs_intact(self, side: Side, op: Op, args: dict[str, Any]) -> Finding | None:
-        fresh = {k: side._arg(v, side.drafts[op.state] if 0 <= op.state < len(side.drafts) else []) for k, v in op.args.items()
-                 if isinstance(v, Hidden)}
+        fresh = {
+            k: side._arg(v, side.drafts[op.state] if 0 <= op.state < len(side.drafts) else [])
+            for k, v in op.args.items()
+            if isinstance(v, Hidden)
+        }
         for k, t in fresh.items():
             given = args[k]
             if isinstance(t, Tensor) and t.device.type != "meta" and first_mismatch(given, t) is not None:
@@ -115,15 +122,19 @@ class Lockstep:
     @staticmethod
     def _unchanged(label: str, before: list[StateView], after: list[StateView], out: Outcome) -> Finding | None:
         if len(before) != len(after):
-            return Finding("refused call changed the state", side=label, detail=f"{out}; states {len(before)} -> {len(after)}")
+            return Finding("refused call changed the state", side=label,
+                           detail=f"{out}; states {len(before)} -> {len(after)}")
         for i, (x, y) in enumerate(zip(before, after)):
             rule = "a refused call leaves the state byte-identical"
             if x.rows != y.rows or x.pair_key != y.pair_key or x.error != y.error:
                 seen = f"drafter_rows {x.rows} -> {y.rows}, last_pair_key {x.pair_key} -> {y.pair_key}"
                 c, b = (seen, rule) if label == "candidate" else (rule, seen)
-                return Finding("refused call changed the state", side=label, state=i, candidate=c, baseline=b, detail=f"{label} {out}")
+                return Finding("refused call changed the state", side=label, state=i, candidate=c, baseline=b,
+                               detail=f"{label} {out}")
             if x.export is not None and y.export is not None and not snapshots_equal(x.export, y.export):
-                key = next(k for k in x.export if k not in y.export or first_mismatch(y.export[k], x.export[k]) is not None)
+                key = next(
+                    k for k in x.export if k not in y.export or first_mismatch(y.export[k], x.export[k]) is not None
+                )
                 m = first_mismatch(y.export[key], x.export[key]) if key in y.export else None
                 row, el = _index_parts(m.index if m else None)
                 seen = f"{key} before {m.baseline if m else '?'}, after {m.candidate if m else 'missing'}"
@@ -135,29 +146,36 @@ class Lockstep:
     @staticmethod
     def _compare(cv: list[StateView], bv: list[StateView]) -> Finding | None:
         if len(cv) != len(bv):
-            return Finding("states", candidate=f"{len(cv)} states", baseline=f"{len(bv)} states", detail="different numbers of states")
+            return Finding("states", candidate=f"{len(cv)} states", baseline=f"{len(bv)} states",
+                           detail="different numbers of states")
         for i, (x, y) in enumerate(zip(cv, bv)):
             if x.error or y.error:
                 if x.error != y.error:
-                    return Finding("export_state", state=i, candidate=x.error or "ok", baseline=y.error or "ok", detail="a query raised")
+                    return Finding("export_state", state=i, candidate=x.error or "ok", baseline=y.error or "ok",
+                                   detail="a query raised")
                 continue
             if not _same_value(x.rows, y.rows):
-                return Finding("drafter_rows", state=i, candidate=repr(x.rows), baseline=repr(y.rows), detail="drafter_rows differ")
+                return Finding("drafter_rows", state=i, candidate=repr(x.rows), baseline=repr(y.rows),
+                               detail="drafter_rows differ")
             if not _same_value(x.pair_key, y.pair_key):
-                return Finding("last_pair_key", state=i, candidate=repr(x.pair_key), baseline=repr(y.pair_key), detail="last_pair_key differ")
+                return Finding("last_pair_key", state=i, candidate=repr(x.pair_key), baseline=repr(y.pair_key),
+                               detail="last_pair_key differ")
             if x.export.keys() != y.export.keys():
-                return Finding("export_state", state=i, candidate=str(sorted(x.export)), baseline=str(sorted(y.export)), detail="key sets differ")
+                return Finding("export_state", state=i, candidate=str(sorted(x.export)), baseline=str(sorted(y.export)),
+                               detail="key sets differ")
             keys = [k for k in EXPORT_KEYS if k in x.export] + sorted(k for k in x.export if k not in EXPORT_KEYS)
             for k in keys:
                 m = first_mismatch(x.export[k], y.export[k])
                 if m is not None:
                     row, el = _index_parts(m.index)
                     n = f" ({m.count} elements differ)" if m.count else ""
-                    return Finding("export_state", state=i, tensor=k, row=row, element=el, candidate=m.candidate, baseline=m.baseline,
+                    return Finding("export_state", state=i, tensor=k, row=row, element=el, candidate=m.candidate,
+                                   baseline=m.baseline,
                                    detail=m.detail + n)
         return None
 
-    def _contract(self, label: str, op: Op, out: Outcome, views: list[StateView], before: list[StateView]) -> Finding | None:
+    def _contract(self, label: str, op: Op, out: Outcome, views: list[StateView],
+                  before: list[StateView]) -> Finding | None:
         """The side against the spec (``op.expect``, ``op.returns``, ``op.rows_after``) and the export contract."""
         def bad(detail: str, seen: str, spec: str, state: int | None = None) -> Finding:
             c, b = (seen, spec) if label == "candidate" else (spec, seen)
@@ -175,7 +193,8 @@ class Lockstep:
                 if not isinstance(out.value, list) or len(out.value) != op.returns or not all(
                     type(t) is int and 0 <= t < self.baseline.config.vocab_size for t in out.value
                 ):
-                    return bad("propose must return a list of num_drafts token ids", repr(out.value), f"{op.returns} ids")
+                    return bad("propose must return a list of num_drafts token ids", repr(out.value),
+                               f"{op.returns} ids")
             elif op.kind in ("prefill", "catchup"):
                 if type(out.value) is not int or out.value != op.returns:
                     return bad("rows written differ from the spec", repr(out.value), repr(op.returns))
@@ -190,7 +209,8 @@ class Lockstep:
             elif op.kind == "catchup_batch":
                 if not isinstance(out.value, list) or len(out.value) != len(op.returns) or not all(
                     type(v) is int for v in out.value) or out.value != op.returns:
-                    return bad("catchup_batch: rows written per state differ from the spec", repr(out.value), repr(op.returns))
+                    return bad("catchup_batch: rows written per state differ from the spec", repr(out.value),
+                               repr(op.returns))
             elif out.value is not None:
                 return bad("the call must return None", repr(out.value), "None")
         if op.expect == "noop" and op.state >= 0:
@@ -199,31 +219,45 @@ class Lockstep:
                 return bad("a no-op changed export_state", "changed", "unchanged", op.state)
         for i, v in enumerate(views):
             if v.error:
-                return bad("a query raised", v.error, "drafter_rows, last_pair_key and export_state work on any state", i)
+                return bad("a query raised", v.error, "drafter_rows, last_pair_key and export_state work on any state",
+                           i)
             want = None if v.rows == 0 else v.rows - 1
             if v.pair_key != want:
                 return bad("last_pair_key must be drafter_rows - 1 (or None)", repr(v.pair_key), repr(want), i)
             keys = export_keys(self.baseline.config)
             if tuple(v.export.keys()) != keys and set(v.export) != set(keys):
                 return bad("export_state keys", str(sorted(v.export)), str(sorted(keys)), i)
-            if int(v.export["seq_len"]) != v.rows or v.export["kv_rows"].shape[0] != v.rows or v.export["index_rows"].shape[0] != v.rows:
-                return bad("export_state rows must match drafter_rows", f"seq_len {int(v.export['seq_len'])}, kv_rows {tuple(v.export['kv_rows'].shape)}",
+            if (
+                int(v.export["seq_len"]) != v.rows
+                or v.export["kv_rows"].shape[0] != v.rows
+                or v.export["index_rows"].shape[0] != v.rows
+            ):
+                return bad("export_state rows must match drafter_rows",
+                           f"seq_len {int(v.export['seq_len'])}, kv_rows {tuple(v.export['kv_rows'].shape)}",
                            f"{v.rows} rows", i)
             kpool_rule = self.kpool_contract(v)
             if kpool_rule is not None:
                 return bad(*kpool_rule, i)
-        if op.state >= 0 and op.state < len(views) and op.rows_after is not None and views[op.state].rows != op.rows_after:
-            return bad("drafter_rows after the call differ from the spec", repr(views[op.state].rows), repr(op.rows_after), op.state)
+        if (
+            op.state >= 0
+            and op.state < len(views)
+            and op.rows_after is not None
+            and views[op.state].rows != op.rows_after
+        ):
+            return bad("drafter_rows after the call differ from the spec", repr(views[op.state].rows),
+                       repr(op.rows_after), op.state)
         if op.kind in BATCH_KINDS:
             for b, (i, rows) in enumerate(zip(op.args["states"], op.rows_after or ())):
                 if not isinstance(i, int) or i >= len(views):
                     continue
                 if views[i].rows != rows:
-                    return bad(f"drafter_rows of states[{b}] after the batch differ from the spec", repr(views[i].rows), repr(rows), i)
+                    return bad(f"drafter_rows of states[{b}] after the batch differ from the spec", repr(views[i].rows),
+                               repr(rows), i)
                 x, y = before[i], views[i]
                 if (op.kind == "catchup_batch" and out.error is None and op.returns[b] == 0 and x.export is not None
                         and y.export is not None and not snapshots_equal(x.export, y.export)):
-                    return bad(f"a row of states[{b}] that writes nothing (row_base != drafter_rows) changed export_state",
+                    return bad(f"a row of states[{b}] that writes nothing (row_base != drafter_rows) changed "
+                               "export_state",
                                "changed", "unchanged", i)
         return None
 
@@ -275,7 +309,8 @@ class Harness:
         self.candidate_name, self._cand = resolve_backend(self.candidate)
         self.baseline_name, self._base = resolve_backend(self.baseline)
         # Two copies of the same bytes: a backend that writes into its weights cannot move the other.
-        self.weights = [MtpWeights.random(self.config, seed=self.weights_seed, dtype=self.dtype, device=self.device) for _ in range(2)]
+        self.weights = [MtpWeights.random(self.config, seed=self.weights_seed, dtype=self.dtype,
+                                          device=self.device) for _ in range(2)]
 
     def lockstep(self) -> Lockstep:
         """Fresh proposers on both sides (nothing carries over from an earlier scenario). The

@@ -8,7 +8,8 @@ Every op runs in lockstep on both backends at once, with the same checks as ``ru
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
     from glm_mtp.conformance.machine import lockstep_machine
-    run_state_machine_as_test(lockstep_machine("optimized", "reference"), settings=settings(max_examples=50, deadline=None))
+    run_state_machine_as_test(lockstep_machine("optimized", "reference"), settings=settings(max_examples=50,
+    deadline=None))
 
 The seeded walk in ``single_state.adversarial`` uses the same rules; it is what ``run`` and the CLI
 replay by (seed, index). On a difference the machine saves the failing call sequence as JSON
@@ -78,7 +79,8 @@ def lockstep_machine(
     """
     harness = Harness(candidate, baseline, preset, dtype, device, max_seq_len, weights_seed)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{harness.candidate_name}-vs-{harness.baseline_name}")
-    path = os.path.join(os.environ.get("GLM_MTP_CONFORMANCE_DIR", tempfile.gettempdir()), f"glm-mtp-machine-{name}.json")
+    path = os.path.join(os.environ.get("GLM_MTP_CONFORMANCE_DIR", tempfile.gettempdir()),
+                        f"glm-mtp-machine-{name}.json")
 
     def __init__(self: Any) -> None:
         RuleBasedStateMachine.__init__(self)
@@ -97,9 +99,9 @@ def lockstep_machine(
                 save_scenario(path, self.ops, origin="glm_mtp.conformance.machine")
                 replay = replay_command(harness, 0, 0, GENERATORS, max_drafts, scenario_file=path)
                 raise AssertionError(
-                    f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: {op.call()}\n"
-                    f"  {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n  baseline:  {finding.baseline}\n"
-                    f"calls so far:\n{calls}\n  replay: {replay}"
+                    f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: "
+                    f"{op.call()}\n  {finding.where()}: {finding.detail}\n  candidate: {finding.candidate}\n  "
+                    f"baseline:  {finding.baseline}\ncalls so far:\n{calls}\n  replay: {replay}"
                 )
 
     def make_rule(fn: Callable[[Chooser, SpecModel, int], list[Op]]) -> Callable[..., None]:

@@ -91,10 +91,14 @@ class SwappingMutant(Mutant):
         return self._swapped(state, lambda: super(SwappingMutant, self).prefill_drafter(prompt_tokens, hiddens, state))
 
     def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
-        return self._swapped(state, lambda: super(SwappingMutant, self).catchup_drafter(tokens, hiddens, row_base, pos_base, state))
+        return self._swapped(
+            state, lambda: super(SwappingMutant, self).catchup_drafter(tokens, hiddens, row_base, pos_base, state)
+        )
 
     def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
-        return self._swapped(state, lambda: super(SwappingMutant, self).propose(last_token, target_hidden, position, num_drafts, state))
+        return self._swapped(
+            state, lambda: super(SwappingMutant, self).propose(last_token, target_hidden, position, num_drafts, state)
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,7 +178,11 @@ class NoRewindWhenAhead(Mutant):
             raise RuntimeError(f"propose: the drafter holds {state.seq_len} rows, behind position {position}")
         one = [last_token] if not isinstance(last_token, Tensor) else last_token.reshape(1)
         token = _contract.token_ids("last_token", one, self.config.vocab_size, state.device)
-        hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
+        hidden = (
+            target_hidden.reshape(1, -1)
+            if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1
+            else target_hidden
+        )
         _contract.check_hiddens("target_hidden", hidden, 1, self.weights, state.device)
         num_drafts = check_int("num_drafts", num_drafts)
         _contract.check_capacity("propose", position + num_drafts, self.capacity)
@@ -182,7 +190,8 @@ class NoRewindWhenAhead(Mutant):
         drafts: list[int] = []
         rope = self.rope(state.device)
         for i in range(num_drafts):
-            out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache, rope)
+            out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache,
+                           rope)
             token = greedy_token(draft_logits(self.weights, out.x))
             drafts.append(int(token[0]))
             state.x = out.x[0].clone()
@@ -415,7 +424,8 @@ class CatchupBatchWritesMisaligned(Mutant):
         def every_row(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state):  # type: ignore[no-untyped-def]
             original(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state)  # the real checks
             # MUTATION: every row written, each at its state's drafter_rows.
-            return original(call, tokens, hiddens, [st.seq_len for st in states], states, weights, capacity, check_live_state)
+            return original(call, tokens, hiddens, [st.seq_len for st in states], states, weights, capacity,
+                            check_live_state)
 
         with swapped(_contract, "batch_catchup_args", every_row):
             return super().catchup_batch(tokens, hiddens, row_bases, states)
@@ -444,7 +454,8 @@ def _write_pools_once(ix, cfg, gates, slots, cache, ops=None):  # type: ignore[n
 
 class KPoolStaleKey(SwappingMutant):
     name = "kpool_stale_key"
-    rule = "a trim that cuts into a complete pool voids its key: rewritten rows give the pool a new key, never the stale one"
+    rule = ("a trim that cuts into a complete pool voids its key: rewritten rows give the pool a new key, never the "
+            "stale one")
     preset = "glm5next_tiny"
 
     def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
@@ -521,7 +532,8 @@ MUTANTS: dict[str, type[Mutant]] = {
     for cls in (
         TrimFirstRow, PosBaseRope, PairShift, NoRewindWhenAhead, StaleIndexerView, PreNormFeed,
         TopkTiesHigh, SecondVerify, MisalignedCatchup, BlockTableOffByOne, RewindBeforeValidate, CatchupWritesX,
-        LastTokenShapeUnchecked, LibrarySums, BatchPermuted, BatchChecksAsItGoes, BatchXOfState0, CatchupBatchWritesMisaligned,
+        LastTokenShapeUnchecked, LibrarySums, BatchPermuted, BatchChecksAsItGoes, BatchXOfState0,
+        CatchupBatchWritesMisaligned,
         KPoolStaleKey, KPoolTailDropped, KPoolMisaligned, KPoolTiesHigh, KPoolCutStaysComplete,
     )
 }

@@ -63,7 +63,8 @@ class Difference(Finding):
     def __str__(self) -> str:
         where = self.where()
         lines = [
-            f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}), step {self.step}: {self.op}"
+            f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}), step {self.step}: "
+            f"{self.op}"
             + (f"  [spec: {self.expect}]" if self.expect else ""),
             f"  {where}: {self.detail}",
         ]

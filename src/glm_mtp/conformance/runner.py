@@ -27,7 +27,8 @@ from .lockstep import Harness, run_scenario
 from .report import Difference, Report
 from .scenarios import GENERATORS, MAX_DRAFTS, load_scenario, scenario
 
-def replay_command(h: Harness, seed: int, index: int, generators: Sequence[str], max_drafts: int, scenario_file: str | None = None) -> str:
+def replay_command(h: Harness, seed: int, index: int, generators: Sequence[str], max_drafts: int,
+                   scenario_file: str | None = None) -> str:
     """The one-line CLI call that replays scenario ``index`` of run ``seed`` alone (or the
     scenario saved in ``scenario_file``)."""
     args = [
@@ -37,7 +38,9 @@ def replay_command(h: Harness, seed: int, index: int, generators: Sequence[str],
         "--preset", h.preset if isinstance(h.preset, str) else "<custom MtpConfig>",
         "--max-seq-len", str(h.max_seq_len),
     ]
-    args += ["--scenario-file", scenario_file] if scenario_file else ["--seed", str(seed), "--scenario-index", str(index)]
+    args += (
+        ["--scenario-file", scenario_file] if scenario_file else ["--seed", str(seed), "--scenario-index", str(index)]
+    )
     if h.weights_seed:
         args += ["--weights-seed", str(h.weights_seed)]
     if tuple(generators) != GENERATORS:
@@ -101,7 +104,11 @@ def run(
     by_gen: Counter[str] = Counter()
     outcomes: dict[str, Counter[str]] = defaultdict(Counter)
     for index in indices:
-        sc = load_scenario(scenario_file) if scenario_file else scenario(seed, index, h.config, max_seq_len, generators, max_drafts)
+        sc = (
+            load_scenario(scenario_file)
+            if scenario_file
+            else scenario(seed, index, h.config, max_seq_len, generators, max_drafts)
+        )
         n, finding, at = run_scenario(h, sc)
         steps, ran = steps + n, ran + 1
         by_gen[sc.generator] += 1
@@ -111,7 +118,8 @@ def run(
             op = sc.ops[at]
             first = Difference(
                 **asdict(finding), scenario_index=index, scenario_seed=sc.scenario_seed, generator=sc.generator,
-                step=at, op=op.call(), op_args=op.to_dict()["args"], expect=op.expect + (f" ({op.note})" if op.note else ""),
+                step=at, op=op.call(), op_args=op.to_dict()["args"],
+                expect=op.expect + (f" ({op.note})" if op.note else ""),
                 replay=replay_command(h, seed, index, generators, max_drafts, scenario_file),
             )
             break

@@ -63,7 +63,8 @@ def load_scenario(path: str) -> Scenario:
             raw = json.load(f)
             ops = tuple(Op.from_dict(d) for d in raw["ops"])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"scenario file {path}: not a scenario saved by save_scenario ({type(e).__name__}: {e})") from e
+            raise ValueError(f"scenario file {path}: not a scenario saved by save_scenario "
+                             f"({type(e).__name__}: {e})") from e
     return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=ops)
 
 
@@ -99,9 +100,12 @@ def scenario(
             raise ValueError(f"generators: unknown generator {g!r}; known: {ALL_GENERATORS}")
     limit = max_drafts_limit(config, max_seq_len)
     if isinstance(max_drafts, bool) or not isinstance(max_drafts, int) or not 1 <= max_drafts <= limit:
-        raise ValueError(f"max_drafts must be an integer in [1, {limit}] (the rows left after a prompt of max_seq_len={max_seq_len} tokens), got {max_drafts!r}")
+        raise ValueError(f"max_drafts must be an integer in [1, {limit}] (the rows left after a prompt of "
+                         f"max_seq_len={max_seq_len} tokens), got {max_drafts!r}")
     gen = generators[index % len(generators)]
     s = scenario_seed(seed, index)
     model = SpecModel(config, max_seq_len)
-    ops = {"realistic": realistic, "adversarial": adversarial, "batched": batched}[gen](RandomChooser(s), model, max_drafts)
+    ops = {"realistic": realistic, "adversarial": adversarial, "batched": batched}[gen](
+        RandomChooser(s), model, max_drafts
+    )
     return Scenario(seed, index, gen, s, tuple(ops))

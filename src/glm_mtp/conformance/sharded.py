@@ -108,7 +108,8 @@ def sharded_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
                 record["byte_mismatch_steps"] += 1
                 if record["first_mismatch"] is None:
                     keys = [k for k in sb if sb[k] != sc.get(k)]
-                    record["first_mismatch"] = dict(scenario=s, step=i, op=name, tensors=keys, drafts=[outs[0], outs[1]])
+                    record["first_mismatch"] = dict(scenario=s, step=i, op=name, tensors=keys,
+                                                    drafts=[outs[0], outs[1]])
             if name == "propose" and outs[0] != outs[1]:
                 # Drafts steer the rest of a scenario (the catch-up feeds d_k): stop comparing it.
                 break
@@ -141,15 +142,23 @@ def runner_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
     def sharded(weights: MtpWeights, max_seq_len: int) -> Any:
         return make_backend(opts["backend"], weights.shard(rank, world, row_parallel_o_proj=False), max_seq_len)
 
-    report = run(sharded, SingleRankBaseline, scenarios=opts["scenarios"], seed=opts["seed"], dtype=parse_dtype(opts["dtype"]),
+    report = run(sharded, SingleRankBaseline, scenarios=opts["scenarios"], seed=opts["seed"],
+                 dtype=parse_dtype(opts["dtype"]),
                  preset=opts["preset"], generators=("realistic",))
     with open(os.path.join(opts["out"], f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, ok=report.ok, scenarios_run=report.scenarios_run, steps_run=report.steps_run,
                        first_difference=None if report.ok else report.summary()), f)
 
 
-def check_sharded_runner(world: int, backend: str = "reference", scenarios: int = 10, seed: int = 0,
-                         dtype: str = "bfloat16", preset: str = "tiny", timeout_s: float = 240.0) -> list[dict[str, Any]]:
+def check_sharded_runner(
+    world: int,
+    backend: str = "reference",
+    scenarios: int = 10,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    preset: str = "tiny",
+    timeout_s: float = 240.0,
+) -> list[dict[str, Any]]:
     """``glm_mtp.conformance.run`` on every rank of ``world`` gloo ranks: a sharded candidate
     (expert-parallel, whole ``o_proj``) against the single-rank reference, byte for byte."""
     with tempfile.TemporaryDirectory() as out:
@@ -194,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=SHARDED_DTYPES)
     p.add_argument("--scenarios", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--row-parallel-o-proj", action="store_true", help="split o_proj's inputs over the ranks (tree-aligned: bit-exact; a power-of-two world)")
+    p.add_argument("--row-parallel-o-proj", action="store_true",
+                   help="split o_proj's inputs over the ranks (tree-aligned: bit-exact; a power-of-two world)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args(argv)
     # Zero ranks or zero scenarios would compare nothing and still print "byte-identical: True".

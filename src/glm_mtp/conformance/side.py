@@ -90,7 +90,8 @@ class Side:
             if i == FOREIGN:
                 if self._foreign is None:
                     if self._make_foreign is None:
-                        raise AssertionError(f"{self.label}: no foreign drafter to take a state of another drafter from")
+                        raise AssertionError(f"{self.label}: no foreign drafter to take a state of another "
+                                             "drafter from")
                     self._foreign = self._make_foreign()
                 out.append(self._foreign)
             else:
@@ -114,12 +115,21 @@ class Side:
             if op.kind == "propose_batch":
                 ids, pos = op.args["last_tokens"].resolve_rows([self.drafts[i] for i in idx]), op.args["positions"].ids
                 h = args["target_hiddens"]
-                value: Any = [p.propose(ids[b], h[b : b + 1], pos[b], args["num_drafts"], st) for b, st in enumerate(states)]
+                value: Any = [
+                    p.propose(ids[b], h[b : b + 1], pos[b], args["num_drafts"], st) for b, st in enumerate(states)
+                ]
             else:
-                ids, bases, h = op.args["tokens"].resolve_rows([self.drafts[i] for i in idx]), op.args["row_bases"].ids, args["hiddens"]
-                value = [p.catchup_drafter([ids[b]], h[b : b + 1], bases[b], bases[b], st) for b, st in enumerate(states)]
+                ids, bases, h = (
+                    op.args["tokens"].resolve_rows([self.drafts[i] for i in idx]),
+                    op.args["row_bases"].ids,
+                    args["hiddens"],
+                )
+                value = [
+                    p.catchup_drafter([ids[b]], h[b : b + 1], bases[b], bases[b], st) for b, st in enumerate(states)
+                ]
         elif op.kind == "propose_batch":
-            value = p.propose_batch(args["last_tokens"], args["target_hiddens"], args["positions"], args["num_drafts"], states)
+            value = p.propose_batch(args["last_tokens"], args["target_hiddens"], args["positions"], args["num_drafts"],
+                                    states)
         else:
             value = p.catchup_batch(args["tokens"], args["hiddens"], args["row_bases"], states)
         if op.kind == "propose_batch" and isinstance(value, list) and len(value) == len(idx):
@@ -165,7 +175,8 @@ class Side:
                 elif op.kind == "catchup":
                     value = p.catchup_drafter(args["tokens"], args["hiddens"], args["row_base"], args["pos_base"], st)
                 elif op.kind == "propose":
-                    value = p.propose(args["last_token"], args["target_hidden"], args["position"], args["num_drafts"], st)
+                    value = p.propose(args["last_token"], args["target_hidden"], args["position"], args["num_drafts"],
+                                      st)
                     if isinstance(value, list):
                         self.drafts[op.state] = list(value)
                 elif op.kind == "verify":
@@ -180,7 +191,8 @@ class Side:
         out = []
         for st in self.states:
             try:
-                out.append(StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st), self.proposer.export_state(st)))
+                out.append(StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st),
+                                     self.proposer.export_state(st)))
             except Exception as e:  # noqa: BLE001
                 out.append(StateView(None, None, None, f"{type(e).__name__}: {e}"))
         return out

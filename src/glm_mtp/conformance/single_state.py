@@ -53,20 +53,24 @@ def loop_round(ch: Chooser, m: SpecModel, loop: Loop, max_drafts: int) -> list[O
         k = room  # drafts up to the last row of the capacity exactly
     else:
         k = ch.int(1, min(max_drafts, room))
-    ops.append(m.propose(loop.state, TokenIds((loop.token,), ch.choice(TokenIds.SINGLE_FORMS)), hidden(ch, 1, single=True), p, k))
+    ops.append(m.propose(loop.state, TokenIds((loop.token,), ch.choice(TokenIds.SINGLE_FORMS)),
+                         hidden(ch, 1, single=True), p, k))
     a = ch.int(0, k)
     pos = lambda row: row if ch.chance(0.75) else row + ch.int(1, 64)  # noqa: E731  pos_base is ignored
     if ch.chance(0.15):  # refeed: keep the first row only, then catch up the accepted rows with the target's hiddens
         ops.append(m.verify(loop.state, 0, note="refeed"))
         if k and a:
-            ops.append(m.catchup(loop.state, TokenIds(tuple(f"d{j}" for j in range(1, a + 1)), ch.choice(TokenIds.LIST_FORMS)),
+            ops.append(m.catchup(loop.state,
+                                 TokenIds(tuple(f"d{j}" for j in range(1, a + 1)), ch.choice(TokenIds.LIST_FORMS)),
                                  hidden(ch, a), loop.m, pos(loop.m), note="refeed"))
     else:
         ops.append(m.verify(loop.state, a))
         if k and a == k:  # all accepted: the drafter is one row behind
-            ops.append(m.catchup(loop.state, TokenIds((f"d{k}",), ch.choice(TokenIds.LIST_FORMS)), hidden(ch, 1), p + k, pos(p + k)))
+            ops.append(m.catchup(loop.state, TokenIds((f"d{k}",), ch.choice(TokenIds.LIST_FORMS)), hidden(ch, 1), p + k,
+                                 pos(p + k)))
     if k == 0:  # no drafts: the committed token's row is still missing
-        ops.append(m.catchup(loop.state, TokenIds((loop.token,), ch.choice(TokenIds.LIST_FORMS)), hidden(ch, 1), p, pos(p)))
+        ops.append(m.catchup(loop.state, TokenIds((loop.token,), ch.choice(TokenIds.LIST_FORMS)), hidden(ch, 1), p,
+                             pos(p)))
     loop.m = loop.m + (a + 1 if k else 1)
     loop.token = ch.int(0, m.vocab - 1)  # the bonus token
     loop.rounds -= 1
@@ -133,7 +137,8 @@ def rule_catchup(ch: Chooser, m: SpecModel, max_drafts: int) -> list[Op]:
         m.capacity - n, m.capacity - n + 1,  # capacity edge
         -1, 1.0,
     ))
-    pos_base = row_base if ch.chance(0.5) else ch.choice((ch.int(0, 3 * m.capacity), -1, row_base + 1 if isinstance(row_base, int) else 0))
+    pos_base = row_base if ch.chance(0.5) else ch.choice((ch.int(0, 3 * m.capacity), -1,
+                                                          row_base + 1 if isinstance(row_base, int) else 0))
     return [m.catchup(i, token_list(ch, m, n, s.drafts, FAULT_P), hidden(ch, n, FAULT_P), row_base, pos_base)]
 
 
@@ -197,9 +202,11 @@ def rule_edge(ch: Chooser, m: SpecModel, max_drafts: int) -> list[Op]:
     ops.append(m.catchup(i, TokenIds(random_ids(ch, m.vocab, fill)), hidden(ch, fill), rows, rows))
     over = int(ch.chance(0.5))
     if ch.chance(0.5):
-        ops.append(m.propose(i, single_token(ch, m), hidden(ch, 1, single=True), m.capacity - left, left + over, note="capacity edge"))
+        ops.append(m.propose(i, single_token(ch, m), hidden(ch, 1, single=True), m.capacity - left, left + over,
+                             note="capacity edge"))
     else:
-        ops.append(m.catchup(i, token_list(ch, m, left + over), hidden(ch, left + over), m.capacity - left, m.capacity - left,
+        ops.append(m.catchup(i, token_list(ch, m, left + over), hidden(ch, left + over), m.capacity - left,
+                             m.capacity - left,
                              note="capacity edge"))
     return ops
 

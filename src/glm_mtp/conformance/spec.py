@@ -134,7 +134,10 @@ class TokenIds:
     def resolve_rows(self, row_drafts: Sequence[Sequence[int]]) -> list[int]:
         """A batch's ids: ``"dN"`` in row b names draft N of the latest propose of the batch's
         state b (``row_drafts[b]``)."""
-        return [row_drafts[b][int(i[1:]) - 1] if isinstance(i, str) and b < len(row_drafts) else i for b, i in enumerate(self.ids)]
+        return [
+            row_drafts[b][int(i[1:]) - 1] if isinstance(i, str) and b < len(row_drafts) else i
+            for b, i in enumerate(self.ids)
+        ]
 
     def materialize_rows(self, row_drafts: Sequence[Sequence[int]], device: torch.device) -> Any:
         """A batch's argument (one id per state) as the call receives it."""
@@ -332,7 +335,8 @@ class SpecModel:
     def propose(self, i: int, token: TokenIds, hidden: Hidden, position: Any, num_drafts: Any, note: str = "") -> Op:
         s = self.seqs[i]
         args = {"last_token": token, "target_hidden": hidden, "position": position, "num_drafts": num_drafts}
-        out = self._propose_refusal(s, position, num_drafts, token.valid(self.vocab, single=True) and hidden.valid_for(1))
+        out = self._propose_refusal(s, position, num_drafts,
+                                    token.valid(self.vocab, single=True) and hidden.valid_for(1))
         if out is not None:
             return Op("propose", i, args, out, rows_after=s.seq_len, note=note)
         self._proposed(s, position, num_drafts)
@@ -385,11 +389,14 @@ class SpecModel:
             return "ValueError"
         return None
 
-    def _batch_op(self, kind: str, states: Sequence[Any], args: dict[str, Any], out: str, returns: Any, note: str) -> Op:
+    def _batch_op(self, kind: str, states: Sequence[Any], args: dict[str, Any], out: str, returns: Any,
+                  note: str) -> Op:
         rows = [None if i == FOREIGN else self.seqs[i].seq_len for i in states]
-        return Op(kind, -1, {"states": tuple(states), **args}, out, returns=returns if out == "ok" else None, rows_after=rows, note=note)
+        return Op(kind, -1, {"states": tuple(states), **args}, out, returns=returns if out == "ok" else None,
+                  rows_after=rows, note=note)
 
-    def propose_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, positions: TokenIds, num_drafts: Any,
+    def propose_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, positions: TokenIds,
+                      num_drafts: Any,
                       note: str = "") -> Op:
         """``propose_batch``: state ``states[b]`` drafts after ``tokens[b]`` from row b of
         ``hiddens`` at ``positions[b]``; ``positions`` is a ``TokenIds`` of ints (its form:
@@ -410,7 +417,8 @@ class SpecModel:
             self._proposed(self.seqs[i], positions.ids[b], num_drafts)
         return self._batch_op("propose_batch", states, args, "ok", [num_drafts] * len(states), note)
 
-    def catchup_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, row_bases: TokenIds, note: str = "") -> Op:
+    def catchup_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, row_bases: TokenIds,
+                      note: str = "") -> Op:
         """``catchup_batch``: state ``states[b]`` gets row ``row_bases[b]`` from ``tokens[b]`` and
         row b of ``hiddens`` when ``row_bases[b]`` is its ``drafter_rows`` (else 0 rows)."""
         args = {"tokens": tokens, "hiddens": hiddens, "row_bases": row_bases}

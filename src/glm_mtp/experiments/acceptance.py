@@ -89,7 +89,8 @@ def source_items(model: LoadedModel, source: str) -> list[str]:
     raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
 
 
-def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int, source: str = "heldout") -> list[list[int]]:
+def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int,
+                  source: str = "heldout") -> list[list[int]]:
     """``num_prompts`` windows of ``prompt_tokens`` tokens, evenly spaced over the source's items
     (joined as in training); random tokens for a model without a tokenizer."""
     if model.tokenizer is None:
@@ -121,14 +122,15 @@ def format_table(summary: dict[str, Any]) -> str:
     """A Markdown table of one run: conditional and cumulative acceptance per position with their
     bootstrap 95% intervals, tau and the run's settings."""
     k = summary["num_drafts"]
-    head = ("| mode | source | backend | policy | feed | temperature | k | " + " | ".join(f"α_{i + 1}" for i in range(k)) + " | "
+    head = ("| mode | source | backend | policy | feed | "
+            "temperature | k | " + " | ".join(f"α_{i + 1}" for i in range(k)) + " | "
             + " | ".join(f"P(acc ≥ {i + 1})" for i in range(k)) + " | τ | draft share |")
     sep = "|" + "---|" * (7 + 2 * k + 2)
     alphas = " | ".join(fmt_ci(a, c) for a, c in zip(summary["acceptance_per_position"], summary["alpha_ci"]))
     cums = " | ".join(fmt_ci(a, c) for a, c in zip(summary["cumulative"], summary["cumulative_ci"]))
-    row = (f"| {summary['mode']} | {summary['source']} | {summary['backend']} | {summary['policy']} | {summary['feed_hidden']} | "
-           f"{summary['temperature']:g} | {k} | {alphas} | {cums} | {fmt_ci(summary['mean_accepted_length'], summary['tau_ci'])} | "
-           f"{summary['draft_share']:.2f} |")
+    row = (f"| {summary['mode']} | {summary['source']} | {summary['backend']} | {summary['policy']} | "
+           f"{summary['feed_hidden']} | {summary['temperature']:g} | {k} | {alphas} | {cums} | "
+           f"{fmt_ci(summary['mean_accepted_length'], summary['tau_ci'])} | {summary['draft_share']:.2f} |")
     return "\n".join([head, sep, row])
 
 
@@ -142,17 +144,22 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
 
     alphas, cum = summary["acceptance_per_position"], summary["cumulative"]
     pos = range(1, len(alphas) + 1)
-    err = lambda xs, cis: [[0 if math.isnan(x) else x - c[0] for x, c in zip(xs, cis)], [0 if math.isnan(x) else c[1] - x for x, c in zip(xs, cis)]]  # noqa: E731
+    def err(xs: list[float], cis: list[list[float]]) -> list[list[float]]:
+        return [[0 if math.isnan(x) else x - c[0] for x, c in zip(xs, cis)],
+                [0 if math.isnan(x) else c[1] - x for x, c in zip(xs, cis)]]
+
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(pos, [0 if math.isnan(a) else a for a in alphas], yerr=err(alphas, summary["alpha_ci"]), color="tab:blue",
            capsize=3, label="α_i (conditional)")
-    ax.errorbar(pos, cum, yerr=err(cum, summary["cumulative_ci"]), fmt="o-", color="tab:orange", capsize=3, label="P(accepted ≥ i)")
+    ax.errorbar(pos, cum, yerr=err(cum, summary["cumulative_ci"]), fmt="o-", color="tab:orange", capsize=3,
+                label="P(accepted ≥ i)")
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position i")
     ax.set_ylabel("acceptance")
     ax.set_xticks(list(pos))
     ax.legend(loc="upper right", fontsize=8)
-    ax.set_title(f"{summary['mode']}, {summary['source']}, {summary['policy']}, T={summary['temperature']:g}: τ = {summary['mean_accepted_length']:.2f}",
+    ax.set_title(f"{summary['mode']}, {summary['source']}, {summary['policy']}, T={summary['temperature']:g}: τ = "
+                 f"{summary['mean_accepted_length']:.2f}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -219,11 +226,13 @@ def measure(cfg: Any) -> Measurement:
     # Windows of prompt + max_new_tokens tokens in both modes, so the two see the same prompts
     # (paired in the report): teacher forcing scores the window's last max_new_tokens positions,
     # the loop starts from its first prompt_tokens and generates its own continuation.
-    windows = build_prompts(model, prompts.num_prompts, prompts.prompt_tokens + prompts.max_new_tokens, cfg.seed, source)
+    windows = build_prompts(model, prompts.num_prompts, prompts.prompt_tokens + prompts.max_new_tokens, cfg.seed,
+                            source)
     max_seq_len = min(cfg.model.max_seq_len, model.target.config.max_position_embeddings)
     need = prompts.prompt_tokens + prompts.max_new_tokens + cfg.num_drafts + 1
     if need > max_seq_len:
-        raise ValueError(f"prompt_tokens + max_new_tokens + num_drafts + 1 = {need} exceeds model.max_seq_len={max_seq_len}")
+        raise ValueError(f"prompt_tokens + max_new_tokens + num_drafts + 1 = {need} exceeds "
+                         f"model.max_seq_len={max_seq_len}")
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
     target = Target(model.target, max_seq_len, numerics=numerics)
     attention = check_attention(cfg.get("attention", "sparse"), cfg.backend.name, model.mtp.config)
@@ -244,13 +253,16 @@ def measure(cfg: Any) -> Measurement:
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    results = speculative_results(decoder, [w[: prompts.prompt_tokens] for w in windows], prompts.max_new_tokens, batch_size)
+    results = speculative_results(decoder, [w[: prompts.prompt_tokens] for w in windows], prompts.max_new_tokens,
+                                  batch_size)
     for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, drafter, w, prompts.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
+            st = teacher_forced(target, drafter, w, prompts.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
+                                decoder.gen,
                                 draft=draft)
             if len(samples) < 2:
-                samples.append({"prompt": decode(w[: prompts.prompt_tokens]), "continuation": decode(w[prompts.prompt_tokens :]),
+                samples.append({"prompt": decode(w[: prompts.prompt_tokens]),
+                                "continuation": decode(w[prompts.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
             p, res = next(results)
@@ -264,10 +276,12 @@ def measure(cfg: Any) -> Measurement:
                     at = next(i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y)
                     divergences.append({"prompt": len(per_prompt), "token": at})
             if len(samples) < 2:
-                samples.append({"prompt": decode(p), "continuation": decode(res.tokens), "steps": st.steps, "accepted": st.accepted})
+                samples.append({"prompt": decode(p), "continuation": decode(res.tokens), "steps": st.steps,
+                                "accepted": st.accepted})
         stats.merge(st)
         per_prompt.append(st)
-    return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt, generated,
+    return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt,
+                       generated,
                        grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
                        None if probe is None else probe.records)
 
@@ -292,7 +306,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     speedup["cost_details"] = costs
     glm5 = spd.glm5_costs(cfg.num_drafts)
     g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
-    speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}  # these taus at GLM-5's costs
+    # these taus at GLM-5's costs
+    speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}
     return {
         "mode": m.mode,
         "source": m.source,
@@ -304,7 +319,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "tau_ci": ci["tau_ci"],
         "counts": {"reached": stats.reached, "accepted": stats.accepted, "steps": stats.steps},
         "counts_per_prompt": counts_pp,
-        "bootstrap": {"unit": "prompt", "replicates": acc_stats.REPLICATES, "seed": cfg.seed, "interval": "percentile 95%"},
+        "bootstrap": {"unit": "prompt", "replicates": acc_stats.REPLICATES, "seed": cfg.seed,
+                      "interval": "percentile 95%"},
         "num_drafts": cfg.num_drafts,
         "policy": cfg.policy,
         "backend": cfg.backend.name,
@@ -356,42 +372,53 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     mode, source, k = summary["mode"], summary["source"], cfg.num_drafts
     counts, speedup, lossless = summary["counts"], summary["speedup"], summary["lossless"]
     print(format_table(summary))
-    what = f"{counts['steps']} positions of {source} text" if mode == "teacher_forced" else f"{summary['generated_tokens']} tokens"
-    print(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} prompts in "
-          f"{summary['wall_seconds']:.1f}s (drafting {summary['draft_share']:.0%} of the loop)"
-          + ("" if lossless is None else f"; greedy output equals the target's on {lossless['identical']}/{lossless['prompts']} prompts"))
+    what = (f"{counts['steps']} positions of {source} text" if mode == "teacher_forced"
+            else f"{summary['generated_tokens']} tokens")
+    print(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} "
+          f"prompts in {summary['wall_seconds']:.1f}s (drafting {summary['draft_share']:.0%} of the loop)"
+          + ("" if lossless is None else "; greedy output equals the target's on "
+                                         f"{lossless['identical']}/{lossless['prompts']} prompts"))
     if lossless is not None and lossless["diverged"]:
-        print("diverged (prompt, first differing token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
+        print("diverged (prompt, first differing "
+              "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
     print(spd.format_line(speedup))
     recall = summary.get("recall")
     if recall is not None:
-        print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 {recall['p10']:.4f} "
-              f"(oracle {recall['oracle_median']:.4f}, {recall['oracle_p10']:.4f}; dense entropy / log(visible) {recall['entropy_median']:.3f}) "
-              f"({recall['rows']} rows; selection real in {recall['selection_real_share']:.0%}, "
-              f"{recall['mean_attended']:.0f} of {recall['mean_visible']:.0f} visible rows attended on average)")
+        print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 "
+              f"{recall['p10']:.4f} (oracle {recall['oracle_median']:.4f}, {recall['oracle_p10']:.4f}; dense entropy / "
+              f"log(visible) {recall['entropy_median']:.3f}) ({recall['rows']} rows; selection real in "
+              f"{recall['selection_real_share']:.0%}, {recall['mean_attended']:.0f} of {recall['mean_visible']:.0f} "
+              "visible rows attended on average)")
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png = os.path.join(run_dir, "acceptance.png")
     plot_acceptance(summary, png)
     spd.plot_speedup(speedup, os.path.join(run_dir, "speedup.png"),
-                     f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs {speedup['costs']}")
+                     f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs "
+                     f"{speedup['costs']}")
 
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
-                      name=f"{mode}-{source}-k{k}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}", group=summary["group"])
+                      name=f"{mode}-{source}-k{k}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}",
+                      group=summary["group"])
     alpha, cumulative = summary["acceptance_per_position"], summary["cumulative"]
     log.log_acceptance(alpha, f"alpha per position (k={k}, {cfg.policy}, {mode})", summary)
     log.log({"tau": summary["mean_accepted_length"], **{f"alpha_{i + 1}": a for i, a in enumerate(alpha)},
              **{f"cumulative_{i + 1}": a for i, a in enumerate(cumulative)},
-             "speedup/best_k": speedup["best_k"], **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
+             "speedup/best_k": speedup["best_k"],
+             **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
              "time/draft_share": summary["draft_share"],
-             **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"], "recall/mean": recall["mean"],
-                                           "recall/oracle_median": recall["oracle_median"], "recall/oracle_p10": recall["oracle_p10"],
+             **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"],
+                                           "recall/mean": recall["mean"],
+                                           "recall/oracle_median": recall["oracle_median"],
+                                           "recall/oracle_p10": recall["oracle_p10"],
                                            "recall/entropy_median": recall["entropy_median"],
                                            "recall/selection_real_share": recall["selection_real_share"],
-                                           **{f"recall/p10_{i + 1}": p["p10"] for i, p in enumerate(recall["per_position"])},
-                                           **{f"recall/median_{i + 1}": p["median"] for i, p in enumerate(recall["per_position"])}})})
+                                           **{f"recall/p10_{i + 1}": p["p10"]
+                                              for i, p in enumerate(recall["per_position"])},
+                                           **{f"recall/median_{i + 1}": p["median"]
+                                              for i, p in enumerate(recall["per_position"])}})})
     log.log_samples(summary["samples"])
     log.log_image("acceptance_plot", png)
     log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))

@@ -2,9 +2,10 @@
 
     python -m glm_mtp.experiments.bench                       # CPU: tiny, small, glm5_shape; k = 1..5
     python -m glm_mtp.experiments.bench --device cuda --presets tiny small glm5_shape glm5
-    python -m glm_mtp.experiments.bench --presets glm5next_tiny glm5next_small   # GLM-5.3-Flash's layer, + its H200 projection
-    python -m glm_mtp.experiments.bench --presets small --backends reference --max-position-embeddings 131072 --max-seq-len 131072
-    python -m glm_mtp.experiments.bench --target-costs          # c and v(k) of the speedup model, toy target + GLM-5
+    python -m glm_mtp.experiments.bench --presets glm5next_tiny glm5next_small   # GLM-5.3-Flash's layer, + its H200
+    projection python -m glm_mtp.experiments.bench --presets small --backends reference --max-position-embeddings 131072
+    --max-seq-len 131072 python -m glm_mtp.experiments.bench --target-costs          # c and v(k) of the speedup model,
+    toy target + GLM-5
 
 For each backend, preset and k it measures the propose latency per draft token (median and
 spread over repeated runs after warm-up; CUDA events on a GPU), the catch-up latency of one row,
@@ -122,8 +123,10 @@ def draft_step_counters(bc: BenchConfig, preset: str, backend: str) -> dict[str,
     ``glm_mtp.tools.counters``), measured on CPU in a subprocess with ``TRITON_INTERPRET=1``
     (the optimized backend forces its Triton kernels there), at this bench's dtype, context,
     capacity and seed. Returns the counter fields of ``COUNTER_FIELDS``."""
-    argv = [sys.executable, "-m", "glm_mtp.tools.counters", "--preset", preset, "--dtype", bc.dtype, "--backend", backend,
-            "--kernels", "triton", "--context", str(bc.context), "--max-seq-len", str(bc.max_seq_len), "--seed", str(bc.seed), "--json"]
+    argv = [sys.executable, "-m", "glm_mtp.tools.counters", "--preset", preset, "--dtype", bc.dtype, "--backend",
+            backend,
+            "--kernels", "triton", "--context", str(bc.context), "--max-seq-len", str(bc.max_seq_len), "--seed",
+            str(bc.seed), "--json"]
     if bc.max_position_embeddings is not None:
         argv += ["--max-position-embeddings", str(bc.max_position_embeddings)]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -151,7 +154,8 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
         props[name] = backend_factory(name)(weights, bc.max_seq_len)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         states[name] = props[name].alloc_state(device)
-        mem[name] = (torch.cuda.memory_allocated(device) - before) if device.type == "cuda" else state_nbytes(states[name])
+        mem[name] = ((torch.cuda.memory_allocated(device) - before) if device.type == "cuda"
+                     else state_nbytes(states[name]))
         props[name].prefill_drafter(prompt, hiddens, states[name])  # rows [0, P)
 
     def propose(name: str, k: int) -> Callable[[], Any]:
@@ -217,8 +221,9 @@ def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) 
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    head = ("| preset | backend | k | ms/draft (median) | p25-p75 | speedup vs ref | floor ms/draft | x floor | syncs | ops | "
-            "catch-up ms | state MiB | launches/draft | kernel KiB/draft | floor KiB/draft | kernel/floor bytes |")
+    head = ("| preset | backend | k | ms/draft (median) | p25-p75 | speedup vs ref | floor ms/draft | x floor | syncs "
+            "| ops | catch-up ms | state MiB | launches/draft | kernel KiB/draft | floor KiB/draft | "
+            "kernel/floor bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def counter(r: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
@@ -227,11 +232,14 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     for r in records:
         lines.append(
             f"| {r['preset']} | {r['backend']} | {r['num_drafts']} | {r['latency_per_draft_ms_median']:.3f} | "
-            f"{r['latency_per_draft_ms_p25']:.3f}-{r['latency_per_draft_ms_p75']:.3f} | {r.get('speedup_vs_reference', float('nan')):.2f} | "
-            f"{r['floor_ms_per_draft']:.4f} | {r['floor_ratio']:.1f} | {r['host_syncs_per_propose']} | {r['ops_per_propose']} | "
+            f"{r['latency_per_draft_ms_p25']:.3f}-{r['latency_per_draft_ms_p75']:.3f} | "
+            f"{r.get('speedup_vs_reference', float('nan')):.2f} | {r['floor_ms_per_draft']:.4f} | "
+            f"{r['floor_ratio']:.1f} | {r['host_syncs_per_propose']} | {r['ops_per_propose']} | "
             f"{r['catchup_row_ms_median']:.3f} | {r['state_bytes'] / 2**20:.2f} | "
-            f"{counter(r, 'launches_per_draft', str)} | {counter(r, 'kernel_bytes_per_draft', lambda b: f'{b / 1024:.1f}')} | "
-            f"{counter(r, 'floor_bytes_per_draft', lambda b: f'{b / 1024:.1f}')} | {counter(r, 'kernel_floor_ratio', lambda x: f'{x:.2f}')} |"
+            f"{counter(r, 'launches_per_draft', str)} | "
+            f"{counter(r, 'kernel_bytes_per_draft', lambda b: f'{b / 1024:.1f}')} | "
+            f"{counter(r, 'floor_bytes_per_draft', lambda b: f'{b / 1024:.1f}')} | "
+            f"{counter(r, 'kernel_floor_ratio', lambda x: f'{x:.2f}')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -249,15 +257,19 @@ def projections(records: list[dict[str, Any]], dtype: torch.dtype) -> list[dict[
     out = []
     for r in widest.values():
         p = project_step(r["preset"], r["kernel_floor_ratio"], r["launches_per_draft"], dtype)
-        out.append(dict(preset=p.preset, counted_at=p.counted_at, visible_rows=p.visible_rows, floor_bytes=p.floor_bytes,
-                        kernel_floor_ratio=p.kernel_floor_ratio, launches=p.launches, step_bytes=p.step_bytes, step_ms=p.step_ms))
+        out.append(dict(preset=p.preset, counted_at=p.counted_at, visible_rows=p.visible_rows,
+                        floor_bytes=p.floor_bytes,
+                        kernel_floor_ratio=p.kernel_floor_ratio, launches=p.launches, step_bytes=p.step_bytes,
+                        step_ms=p.step_ms))
     return out
 
 
 def projection_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"H200 projection (a model, not a measurement: bytes at {H200_BYTES_PER_S / 1e12:.1f} TB/s plus "
-             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller preset of the family):",
-             "", "| preset | counted at | visible rows | floor GB | x floor | launches | projected ms/draft |", "|---|---|---|---|---|---|---|"]
+             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller "
+             "preset of the family):",
+             "", "| preset | counted at | visible rows | floor GB | x floor | launches | projected ms/draft |",
+             "|---|---|---|---|---|---|---|"]
     for p in rows:
         lines.append(f"| {p['preset']} | {p['counted_at']} | {p['visible_rows']} | {p['floor_bytes'] / 1e9:.3f} | "
                      f"{p['kernel_floor_ratio']:.2f} | {p['launches']} | {p['step_ms']:.3f} |")
@@ -284,7 +296,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                 marker="o", capsize=3, label=backend,
             )
         floor = [r for r in rows if r["backend"] == rows[0]["backend"]]
-        ax.plot([r["num_drafts"] for r in floor], [r["floor_ms_per_draft"] for r in floor], "k--", label="bandwidth floor")
+        ax.plot([r["num_drafts"] for r in floor], [r["floor_ms_per_draft"] for r in floor], "k--",
+                label="bandwidth floor")
         ax.set_yscale("log")
         ax.set_title(f"{preset} ({rows[0]['device']}, {rows[0]['dtype']})")
         ax.set_xlabel("drafts per propose (k)")
@@ -310,7 +323,8 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
     out = Path(bc.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                else platform.processor() or platform.machine()),
         cpu_count=os.cpu_count(), torch=torch.__version__, copy_bandwidth_gb_s=bandwidth / 1e9,
         config=dataclasses.asdict(bc),
     )
@@ -319,7 +333,8 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
     (out / "bench.json").write_text(json.dumps(dict(meta=meta, records=records, projection=projected), indent=1))
     (out / "bench.md").write_text(
         f"Device: {meta['device']} ({bc.device}, {bc.dtype}); copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s; "
-        f"{bc.context} context rows; capacity {capacity} rows; median of {bc.repeats} runs.\n\n" + markdown_table(records)
+        f"{bc.context} context rows; capacity {capacity} rows; median of {bc.repeats} "
+        "runs.\n\n" + markdown_table(records)
         + (f"\n{projection_table(projected)}" if projected else "")
     )
     plot(records, out / "bench.png")
@@ -347,21 +362,25 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
         per_backend[name] = {**measure_costs(target, proposer, kmax, context, bc.repeats), "backend": name}
     first = per_backend[bc.backends[0]]
     glm5 = glm5_costs(kmax)
-    meta = dict(device=platform.processor() or platform.machine(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+    meta = dict(device=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+                torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, checkpoint=model.path, dtype="float32", context=bc.context)
     costs = {**first, "per_backend": per_backend, "glm5": glm5, "meta": meta}
     out = Path(bc.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "costs.json").write_text(json.dumps(costs, indent=1))
     ks = range(1, kmax + 1)
-    lines = [f"Toy target ({model.path}, float32, {bc.context} context tokens, {meta['torch_threads']} thread(s), median of {bc.repeats}); "
-             "GLM-5 from the bytes each step reads (weights only; routing uniform and independent).", "",
+    lines = [f"Toy target ({model.path}, float32, {bc.context} context tokens, {meta['torch_threads']} thread(s), "
+             f"median of {bc.repeats}); GLM-5 from the bytes each step reads (weights only; routing uniform and "
+             "independent).", "",
              "| target | backend | target step ms | draft step ms | c | " + " | ".join(f"v({k})" for k in ks) + " |",
              "|" + "---|" * (5 + kmax)]
     for name, r in per_backend.items():
-        lines.append(f"| toy (this machine) | {name} | {r['target_step_ms']:.2f} | {r['draft_step_ms']:.2f} | {r['c']:.3f} | "
+        lines.append(f"| toy (this machine) | {name} | {r['target_step_ms']:.2f} | {r['draft_step_ms']:.2f} | "
+                     f"{r['c']:.3f} | "
                      + " | ".join(f"{x:.3f}" for x in r["v"]) + " |")
-    lines.append(f"| GLM-5 (bytes) | — | {glm5['target_step_params'] / 1e9:.2f} G params | {glm5['draft_step_params'] / 1e9:.2f} G params | "
+    lines.append(f"| GLM-5 (bytes) | — | {glm5['target_step_params'] / 1e9:.2f} G params | "
+                 f"{glm5['draft_step_params'] / 1e9:.2f} G params | "
                  f"{glm5['c']:.4f} | " + " | ".join(f"{x:.3f}" for x in glm5["v"]) + " |")
     (out / "costs.md").write_text("\n".join(lines) + "\n")
     return costs
@@ -369,7 +388,8 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.bench",
-                                description="Propose latency and memory, reference vs optimized, against the bandwidth floor.")
+                                description="Propose latency and memory, reference vs optimized, against the "
+                                            "bandwidth floor.")
     p.add_argument("--presets", nargs="+", default=None, help="default: tiny small glm5_shape (+ glm5 on cuda)")
     p.add_argument("--backends", nargs="+", default=["reference", "optimized"], choices=sorted(BACKENDS))
     p.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 3, 4, 5])
@@ -388,8 +408,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "
                         "none: --counters with no preset)")
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
-    p.add_argument("--target-costs", action="store_true", help="measure the speedup model's c and v(k) on the toy target (costs.json)")
-    p.add_argument("--checkpoint", default=None, help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
+    p.add_argument("--target-costs", action="store_true",
+                   help="measure the speedup model's c and v(k) on the toy target (costs.json)")
+    p.add_argument("--checkpoint", default=None,
+                   help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
     a = p.parse_args(argv)
     try:
         device = torch.device(a.device)
@@ -426,7 +448,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if a.context + max(a.drafts) + 2 > a.max_seq_len:
         p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
     if a.max_position_embeddings is not None and a.context + max(a.drafts) + 2 > a.max_position_embeddings:
-        p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps max_seq_len)")
+        p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps "
+                "max_seq_len)")
     if a.checkpoint is not None and not a.target_costs:
         p.error("--checkpoint is the toy target of --target-costs; pass --target-costs too")
     if a.target_costs and device.type != "cpu":
@@ -447,7 +470,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         presets=presets, backends=a.backends, drafts=a.drafts, device=a.device, dtype=a.dtype, context=a.context,
         max_seq_len=a.max_seq_len, max_position_embeddings=a.max_position_embeddings,
         repeats=a.repeats if a.repeats is not None else (30 if cuda else 7), warmup=a.warmup,
-        copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out, counters=counted,
+        copy_mib=a.copy_mib if a.copy_mib is not None else (2048 if cuda else 256), seed=a.seed, out=out,
+        counters=counted,
         target_costs=a.target_costs, checkpoint=a.checkpoint,
     )
 

@@ -57,7 +57,8 @@ def batch_counters(a: argparse.Namespace, batches: list[int], progress: Any = No
     while todo or running:
         while todo and len(running) < max(1, os.cpu_count() or 1):
             b = todo.pop(0)
-            argv = [sys.executable, "-m", "glm_mtp.tools.counters", "--preset", a.preset, "--dtype", a.dtype, "--kernels",
+            argv = [sys.executable, "-m", "glm_mtp.tools.counters", "--preset", a.preset, "--dtype", a.dtype,
+                    "--kernels",
                     "triton", "--context", str(a.context), "--max-seq-len", str(a.max_seq_len), "--seed", str(a.seed),
                     "--batch", str(b), "--json"]
             running[b] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -124,13 +125,16 @@ def bench_batch(a: argparse.Namespace, weights: MtpWeights, batch: int, progress
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    lines = ["| B | batched tok/s | one-by-one tok/s | batched / one-by-one | launches / step | kernel KiB / step | KiB / step / row |",
+    lines = ["| B | batched tok/s | one-by-one tok/s | batched / one-by-one | launches / step | kernel KiB / step | "
+             "KiB / step / row |",
              "|---|---|---|---|---|---|---|"]
     for r in records:
         counted = "launches_per_step" in r
         lines.append(
-            f"| {r['batch']} | {r['batched_tokens_per_s']:.0f} | {r['sequential_tokens_per_s']:.0f} | {r['batched_over_sequential']:.2f}x | "
-            + (f"{r['launches_per_step']} | {r['kernel_bytes_per_step'] / 1024:.1f} | {r['kernel_bytes_per_row'] / 1024:.1f} |"
+            f"| {r['batch']} | {r['batched_tokens_per_s']:.0f} | {r['sequential_tokens_per_s']:.0f} | "
+            f"{r['batched_over_sequential']:.2f}x | "
+            + (f"{r['launches_per_step']} | {r['kernel_bytes_per_step'] / 1024:.1f} | "
+               f"{r['kernel_bytes_per_row'] / 1024:.1f} |"
                if counted else "— | — | — |"))
     return "\n".join(lines) + "\n"
 
@@ -156,8 +160,10 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     counted = [r for r in records if "kernel_bytes_per_step" in r]
     if counted:
         b1 = counted[0]["kernel_bytes_per_step"] / counted[0]["batch"]
-        ax.plot([r["batch"] for r in counted], [r["kernel_bytes_per_step"] / 2**20 for r in counted], "o-", label="propose_batch")
-        ax.plot([r["batch"] for r in counted], [b1 * r["batch"] / 2**20 for r in counted], "k--", label="B separate steps")
+        ax.plot([r["batch"] for r in counted], [r["kernel_bytes_per_step"] / 2**20 for r in counted], "o-",
+                label="propose_batch")
+        ax.plot([r["batch"] for r in counted], [b1 * r["batch"] / 2**20 for r in counted], "k--",
+                label="B separate steps")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B")
         ax.set_ylabel("kernel MiB per draft step")
@@ -197,7 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.repeats = a.repeats if a.repeats is not None else (30 if a.device.startswith("cuda") else 7)
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
-    a.out = a.out or os.path.join("outputs", "bench_batch", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    a.out = a.out or os.path.join("outputs", "bench_batch",
+                                  f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}")
     if why := unwritable_dir(a.out):
         p.error(f"--out {why}")
     return a
@@ -221,13 +228,14 @@ def main(argv: list[str] | None = None) -> None:
             r.update(counted[r["batch"]])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+    meta = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or platform.machine()),
                 cpu_count=os.cpu_count(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                 config={k: v for k, v in vars(a).items()})
     (out / "bench_batch.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     (out / "bench_batch.md").write_text(
-        f"Device: {meta['device']} ({a.device}, {a.dtype}); preset {a.preset}; {a.drafts} drafts per propose; state b holds "
-        f"{a.context} + 3b rows; median of {a.repeats} alternating rounds.\n\n" + markdown_table(records))
+        f"Device: {meta['device']} ({a.device}, {a.dtype}); preset {a.preset}; {a.drafts} drafts per propose; state "
+        f"b holds {a.context} + 3b rows; median of {a.repeats} alternating rounds.\n\n" + markdown_table(records))
     plot(records, out / "bench_batch.png")
     print(markdown_table(records))
     print(f"wrote {out}/bench_batch.json, bench_batch.md, bench_batch.png")

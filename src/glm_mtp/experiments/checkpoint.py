@@ -36,7 +36,8 @@ def shipped_checkpoint(name: str = SHIPPED) -> Path:
         pass
     p = Path(__file__).resolve().parent.parent / "checkpoints" / name
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"the shipped checkpoint is not at {p}; train one with `python -m glm_mtp.experiments.train out={p}`")
+        raise FileNotFoundError(f"the shipped checkpoint is not at {p}; train one with `python -m "
+                                f"glm_mtp.experiments.train out={p}`")
     return p
 
 

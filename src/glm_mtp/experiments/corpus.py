@@ -25,7 +25,8 @@ import sysconfig
 from dataclasses import dataclass, field
 
 # Directories left out: the test suite (huge, repetitive), third-party and generated trees.
-EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "turtledemo", "lib2to3", "ensurepip"}
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "turtledemo", "lib2to3",
+                 "ensurepip"}
 HELDOUT_PERCENT = 10
 MAX_OVERLAP = 0.05  # largest share of a held-out item's long lines, and of its n-grams, seen in training
 MIN_LINE_CHARS = 25  # shorter lines (`return self`, `else:`) are shared by any two Python files
@@ -127,7 +128,9 @@ def overlap(text: str, seen_lines: set[int], seen_ngrams: set[int]) -> Overlap:
     return Overlap(len(ls & seen_lines) / len(ls) if ls else 0.0, len(gs & seen_ngrams) / len(gs) if gs else 0.0)
 
 
-def dedup_heldout(candidates: list[str], train: list[str], texts: dict[str, str]) -> tuple[list[str], list[str], dict[str, Overlap]]:
+def dedup_heldout(
+    candidates: list[str], train: list[str], texts: dict[str, str]
+) -> tuple[list[str], list[str], dict[str, Overlap]]:
     """Move every candidate that overlaps training by more than ``MAX_OVERLAP`` into training,
     until none does. Returns (train, heldout, each held-out item's final overlap), lists sorted."""
     seen_lines: set[int] = set()
@@ -226,8 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     out = {}
     for name, (train, held) in splits.items():
         r = out[name] = split_report(train, held)
-        print(f"{name}: {r['heldout_items']} held-out / {r['train_items']} training items; held-out long lines seen in training "
-              f"{r['pooled_lines']:.1%} (pooled); worst item: {r['worst_item_lines']:.1%} of its long lines, "
+        print(f"{name}: {r['heldout_items']} held-out / {r['train_items']} training items; held-out long lines seen in "
+              f"training {r['pooled_lines']:.1%} (pooled); worst item: {r['worst_item_lines']:.1%} of its long lines, "
               f"{r['worst_item_ngrams']:.1%} of its {NGRAM}-word n-grams (bound {MAX_OVERLAP:.0%})")
     return out
 

@@ -58,7 +58,8 @@ def quote(value: str) -> str:
 
 
 @torch.no_grad()
-def feed_agreement(target: Any, proposers: dict[str, DraftProposer], windows: list[list[int]], prompt_len: int, k: int) -> dict[str, Any]:
+def feed_agreement(target: Any, proposers: dict[str, DraftProposer], windows: list[list[int]], prompt_len: int,
+                   k: int) -> dict[str, Any]:
     """How often the two feeds' drafts agree: at every position m in ``[prompt_len, len(w))`` of
     each window w, each proposer proposes k drafts after ``w[:m+1]`` with the target's hiddens of
     the window (one forward of the whole window), as in ``speculative.teacher_forced``; then the
@@ -86,7 +87,8 @@ def feed_agreement(target: Any, proposers: dict[str, DraftProposer], windows: li
         a.free_state(sa)
         b.free_state(sb)
         per_prompt.append(differing)
-    return {"same_per_position": [s / positions for s in same], "all_same": all_same / positions, "positions": positions,
+    return {"same_per_position": [s / positions for s in same], "all_same": all_same / positions,
+            "positions": positions,
             "differing_per_prompt": per_prompt, "num_drafts": k}
 
 
@@ -114,23 +116,28 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     evals = {}
     for name, acfg in eval_configs(cfg, checkpoint).items():
         s = acceptance.run(acfg, os.path.join(run_dir, f"acceptance-{name}"))
-        evals[name] = {k: s[k] for k in ("mode", "source", "feed_hidden", "policy", "num_drafts", "temperature", "acceptance_per_position",
-                                         "alpha_ci", "cumulative", "cumulative_ci", "mean_accepted_length", "tau_ci", "counts",
+        evals[name] = {k: s[k] for k in ("mode", "source", "feed_hidden", "policy", "num_drafts", "temperature",
+                                         "acceptance_per_position",
+                                         "alpha_ci", "cumulative", "cumulative_ci", "mean_accepted_length", "tau_ci",
+                                         "counts",
                                          "counts_per_prompt", "prompts", "prompts_sha256", "speedup")}
     # The feed ablation: do the two feeds draft different tokens at all on these weights?
     first = next(iter(eval_configs(cfg, checkpoint).values()))
     model = acceptance.load_model(first.model)
     exp = first.run
-    windows = acceptance.build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, first.seed, first.source)
+    windows = acceptance.build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, first.seed,
+                                       first.source)
     windows = windows[: cfg.eval.feed_prompts]
     max_seq_len = min(first.model.max_seq_len, model.target.config.max_position_embeddings)
     proposers = {f: make_proposer(first.backend.name, model.mtp, max_seq_len, f) for f in FEEDS}
-    agreement = feed_agreement(Target(model.target, max_seq_len), proposers, windows, exp.prompt_tokens, first.num_drafts)
+    agreement = feed_agreement(Target(model.target, max_seq_len), proposers, windows, exp.prompt_tokens,
+                               first.num_drafts)
     eval_minutes = (time.perf_counter() - t1) / 60
     t = cfg.train
     result = {
         "mtp_depth": t.mtp_depth, "mtp_distill": float(t.mtp_distill), "base": t.get("base"), "steps": final["steps"],
-        "batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed, "final": final, "train_minutes": train_minutes,
+        "batch_size": t.batch_size, "seq_len": t.seq_len, "seed": t.seed, "final": final,
+        "train_minutes": train_minutes,
         "eval_minutes": eval_minutes, "evals": evals, "feed_agreement": agreement, "checkpoint": checkpoint,
         "checkpoint_sha256": file_sha256(os.path.join(checkpoint, "model.safetensors")),
         "git_commit": git_commit(), "config": OmegaConf.to_container(cfg, resolve=True),
@@ -138,7 +145,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     with open(os.path.join(run_dir, "grid.json"), "w") as f:
         json.dump(result, f, indent=1)
     same = ", ".join(f"{x:.3f}" for x in agreement["same_per_position"])
-    print(f"depth {t.mtp_depth}, distill {t.mtp_distill}: trained {train_minutes:.1f} min, evaluated {eval_minutes:.1f} min; "
+    print(f"depth {t.mtp_depth}, distill {t.mtp_distill}: trained {train_minutes:.1f} min, evaluated "
+          f"{eval_minutes:.1f} min; "
           + "; ".join(f"{n}: τ = {e['mean_accepted_length']:.3f}" for n, e in evals.items())
           + f"; feeds agree on draft i: [{same}] of {agreement['positions']} positions")
     return result

@@ -1,7 +1,8 @@
 """Tables and a plot of an MTP training grid (``python -m glm_mtp.experiments.grid -m``).
 
     python -m glm_mtp.experiments.grid_report multirun/grid/<time> [--out DIR]
-    python -m glm_mtp.experiments.grid_report --feeds shipped [--prompts 8] [--num-drafts 3]   # one checkpoint's feed agreement
+    python -m glm_mtp.experiments.grid_report --feeds shipped [--prompts 8] [--num-drafts 3]   # one checkpoint's feed
+    agreement
 
 Reads every ``grid.json`` under the directory and writes ``grid_report.md`` and
 ``grid_report.png`` into ``--out`` (default: the directory):
@@ -58,12 +59,16 @@ def modes(jobs: list[dict[str, Any]]) -> list[str]:
 def acceptance_table(jobs: list[dict[str, Any]]) -> str:
     """One row per (variant, evaluation): alpha_i and tau with intervals, held-out MTP losses."""
     K = max(e["num_drafts"] for g in jobs for e in g["evals"].values())
-    lines = ["| depth | distill | eval | " + " | ".join(f"α_{i + 1}" for i in range(K)) + " | τ | held-out MTP loss by depth | steps |",
+    lines = ["| depth | distill "
+             "| eval | " + " | ".join(f"α_{i + 1}" for i in range(K)) + " | τ | held-out MTP loss by depth | steps |",
              "|" + "---|" * (3 + K + 3)]
     for g in jobs:
         losses = ", ".join(f"{g['final'][f'mtp{d}_loss']:.2f}" for d in range(1, g["mtp_depth"] + 1))
         for name, e in g["evals"].items():
-            a = [_ci(e["acceptance_per_position"][i], e["alpha_ci"][i]) if i < len(e["acceptance_per_position"]) else "—" for i in range(K)]
+            a = [
+                _ci(e["acceptance_per_position"][i], e["alpha_ci"][i]) if i < len(e["acceptance_per_position"]) else "—"
+                for i in range(K)
+            ]
             lines.append(f"| {g['mtp_depth']} | {g['mtp_distill']:g} | {name} | " + " | ".join(a)
                          + f" | {_ci(e['mean_accepted_length'], e['tau_ci'])} | {losses} | {g['steps']} |")
     return "\n".join(lines)
@@ -90,11 +95,13 @@ def paired_table(jobs: list[dict[str, Any]]) -> str:
 def feed_table(jobs: list[dict[str, Any]]) -> str:
     """Share of positions where draft i is the same under both feeds."""
     K = max(g["feed_agreement"]["num_drafts"] for g in jobs)
-    lines = ["| depth | distill | " + " | ".join(f"same draft {i + 1}" for i in range(K)) + " | all k same | positions |",
+    lines = ["| depth | "
+             "distill | " + " | ".join(f"same draft {i + 1}" for i in range(K)) + " | all k same | positions |",
              "|" + "---|" * (2 + K + 2)]
     for g in jobs:
         fa = g["feed_agreement"]
-        lines.append(f"| {g['mtp_depth']} | {g['mtp_distill']:g} | " + " | ".join(f"{x:.3f}" for x in fa["same_per_position"])
+        lines.append(f"| {g['mtp_depth']} | "
+                     f"{g['mtp_distill']:g} | " + " | ".join(f"{x:.3f}" for x in fa["same_per_position"])
                      + f" | {fa['all_same']:.3f} | {fa['positions']} |")
     return "\n".join(lines)
 
@@ -115,8 +122,10 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
                 continue
             a, ci = e["acceptance_per_position"], e["alpha_ci"]
             xs = [i + 1 + (j - len(jobs) / 2) * 0.05 for i in range(len(a))]
-            yerr = [[0 if math.isnan(x) else x - c[0] for x, c in zip(a, ci)], [0 if math.isnan(x) else c[1] - x for x, c in zip(a, ci)]]
-            ax.errorbar(xs, a, yerr=yerr, fmt="o-", capsize=3, label=f"depth {g['mtp_depth']}, distill {g['mtp_distill']:g}")
+            yerr = [[0 if math.isnan(x) else x - c[0] for x, c in zip(a, ci)],
+                    [0 if math.isnan(x) else c[1] - x for x, c in zip(a, ci)]]
+            ax.errorbar(xs, a, yerr=yerr, fmt="o-", capsize=3,
+                        label=f"depth {g['mtp_depth']}, distill {g['mtp_distill']:g}")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("draft position i")
         ax.set_ylabel("α_i (conditional), 95% interval")
@@ -128,7 +137,8 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_tokens: int = 48, new_tokens: int = 64) -> dict[str, Any]:
+def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_tokens: int = 48,
+                     new_tokens: int = 64) -> dict[str, Any]:
     """``grid.feed_agreement`` of one checkpoint (``shipped`` or a directory) on the first
     ``prompts`` of the acceptance experiment's held-out windows (the same windows as its runs)."""
     import torch
@@ -141,7 +151,8 @@ def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_toke
 
     torch.set_num_threads(1)
     model = load_checkpoint(None if checkpoint == "shipped" else checkpoint, torch.float32)
-    ws = build_prompts(model, 32, prompt_tokens + new_tokens, 0, "heldout")[:prompts]  # conf/config.yaml's 32 windows, seed 0
+    # conf/config.yaml's 32 windows, seed 0
+    ws = build_prompts(model, 32, prompt_tokens + new_tokens, 0, "heldout")[:prompts]
     max_seq_len = min(256, model.target.config.max_position_embeddings)
     props = {f: make_proposer("reference", model.mtp, max_seq_len, f) for f in FEEDS}
     return feed_agreement(Target(model.target, max_seq_len), props, ws, prompt_tokens, num_drafts)
@@ -151,15 +162,20 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.grid_report", description=__doc__.split("\n")[0])
     ap.add_argument("grid_dir", nargs="?")
     ap.add_argument("--out", default=None, help="where grid_report.md and grid_report.png go (default: grid_dir)")
-    ap.add_argument("--feeds", default=None, help="instead: the feed agreement of one checkpoint (shipped or a directory)")
-    ap.add_argument("--prompts", type=int, default=8, help="--feeds: held-out windows (of the acceptance experiment's 32)")
+    ap.add_argument("--feeds", default=None,
+                    help="instead: the feed agreement of one checkpoint (shipped or a directory)")
+    ap.add_argument("--prompts", type=int, default=8,
+                    help="--feeds: held-out windows (of the acceptance experiment's 32)")
     ap.add_argument("--num-drafts", type=int, default=3)
-    ap.add_argument("--partial", action="store_true", help="report a sweep with failed or missing jobs anyway (they are listed first)")
+    ap.add_argument("--partial", action="store_true",
+                    help="report a sweep with failed or missing jobs anyway (they are listed first)")
     args = ap.parse_args(argv)
     if args.feeds:
         fa = checkpoint_feeds(args.feeds, args.prompts, args.num_drafts)
-        text = (f"{args.feeds}: draft i the same under both feeds at " + ", ".join(f"{x:.3f}" for x in fa["same_per_position"])
-                + f" of {fa['positions']} teacher-forced positions; all {args.num_drafts} the same at {fa['all_same']:.3f}")
+        text = (f"{args.feeds}: draft i the same under both "
+                "feeds at " + ", ".join(f"{x:.3f}" for x in fa["same_per_position"])
+                + f" of {fa['positions']} teacher-forced positions; all {args.num_drafts} the same at "
+                  f"{fa['all_same']:.3f}")
         print(text)
         return text
     if not args.grid_dir:
@@ -175,15 +191,19 @@ def main(argv: list[str] | None = None) -> str:
     os.makedirs(out, exist_ok=True)
     g0 = jobs[0]
     e0 = next(iter(g0["evals"].values()))
-    text = (f"{len(jobs)} variants; training: {g0['steps']} steps of {g0['batch_size']} x {g0['seq_len']} tokens from base "
-            f"{g0['base']}; evaluation: k = {e0['num_drafts']}, {e0['prompts']} held-out prompts, 95% bootstrap intervals over prompts.\n\n"
+    text = (f"{len(jobs)} variants; training: {g0['steps']} steps of {g0['batch_size']} x {g0['seq_len']} tokens "
+            f"from base {g0['base']}; evaluation: k = {e0['num_drafts']}, {e0['prompts']} held-out prompts, 95% "
+            "bootstrap intervals over prompts.\n\n"
             + acceptance_table(jobs))
     if incomplete:  # --partial: say so before any table
         text = f"**Incomplete sweep:** {incomplete}.\n\n" + text
     pairs = paired_table(jobs)
     if pairs:
         text += "\n\nPaired differences (same target, same prompts):\n\n" + pairs
-    text += "\n\nFeed ablation (teacher-forced positions; draft 1 reads the target's hidden under both feeds):\n\n" + feed_table(jobs)
+    text += (
+        "\n\nFeed ablation (teacher-forced positions; draft 1 reads the target's hidden under both feeds):\n\n"
+        + feed_table(jobs)
+    )
     minutes = sum(g["train_minutes"] for g in jobs), sum(g["eval_minutes"] for g in jobs)
     text += f"\n\nWall time: {minutes[0]:.1f} min training, {minutes[1]:.1f} min evaluation (all jobs)."
     with open(os.path.join(out, "grid_report.md"), "w") as f:

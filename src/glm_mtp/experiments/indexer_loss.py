@@ -79,7 +79,8 @@ class IndexerDistill:
     def __post_init__(self) -> None:
         self._attn = {id(a.indexer): a for a in self.layers}
 
-    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
+                 cache: LayerCache,
                  ops: Numerics) -> tuple[Tensor, Tensor]:
         attn = self._attn[id(ix)]
         a_in, q_in = a.detach(), q_latent.detach()
@@ -90,7 +91,8 @@ class IndexerDistill:
         rows, count = select_pool_rows(scores.detach(), slots, cfg)
         with torch.no_grad():
             S = int(slots.max()) + 1
-            mass = dense_attention_mass(attn, cfg, q_in, cache.kv_rows(S).detach(), slots, dtype=torch.float32)  # (T, S)
+            # (T, S)
+            mass = dense_attention_mass(attn, cfg, q_in, cache.kv_rows(S).detach(), slots, dtype=torch.float32)
             recall = recall_of(mass, rows, count, slots)  # (T,)
         kl, n = pool_kl(scores, mass, slots, cfg.index_kpool)
         self.kl_sum.append(kl)

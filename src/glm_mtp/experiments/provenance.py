@@ -28,8 +28,10 @@ def git_commit() -> str | None:
     """The package checkout's commit, ``+dirty`` when tracked files differ from it; None outside git."""
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")

@@ -57,7 +57,8 @@ class RecallProbe:
     position: int | None = None  # drafts recorded so far in this propose while one runs, else None
     num_drafts: int = 0  # of the running propose: a batched one drafts its states one after another
 
-    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
+                 cache: LayerCache,
                  ops: Numerics) -> tuple[Tensor, Tensor]:
         rows, count = self.select(ix, cfg, a, q_latent, slots, cache, ops)
         if self.position is not None:  # a propose writes its drafts one row per call
@@ -85,11 +86,14 @@ class ProbedProposer:
         return getattr(self._proposer, name)
 
     def propose(self, last_token: Any, target_hidden: Any, position: int, num_drafts: int, state: Any) -> list[int]:
-        return self._recorded(num_drafts, self._proposer.propose, last_token, target_hidden, position, num_drafts, state)
+        return self._recorded(num_drafts, self._proposer.propose, last_token, target_hidden, position, num_drafts,
+                              state)
 
-    def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int, states: Any) -> list[list[int]]:
+    def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int,
+                      states: Any) -> list[list[int]]:
         """Recorded too: the reference drafter drafts the batch's states one after another, k rows each."""
-        return self._recorded(num_drafts, self._proposer.propose_batch, last_tokens, target_hiddens, positions, num_drafts, states)
+        return self._recorded(num_drafts, self._proposer.propose_batch, last_tokens, target_hiddens, positions,
+                              num_drafts, states)
 
     def _recorded(self, num_drafts: int, call: Any, *args: Any) -> Any:
         self.probe.position, self.probe.num_drafts = 0, num_drafts
@@ -128,10 +132,11 @@ def recall_summary(records: list[dict[str, float]], num_drafts: int) -> dict[str
         "selection_real_share": len(real) / len(records) if records else float("nan"),
         "mean_visible": statistics.fmean(r["visible"] for r in records) if records else float("nan"),
         "mean_attended": statistics.fmean(r["attended"] for r in records) if records else float("nan"),
-        # The dense distribution's entropy / log(visible rows): 1 is uniform, where no selection can beat its share of rows.
+        # The dense distribution's entropy / log(visible rows): 1 is uniform, where no selection can beat its share of
+        # rows.
         "entropy_median": quantile([r["entropy"] for r in records], 0.5),
-        "definition": "share of the dense head-averaged attention mass (float64) on the rows the drafter attended, per drafted row; "
-                      "oracle: the same for the best KPool selection of index_topk rows plus the tail",
+        "definition": "share of the dense head-averaged attention mass (float64) on the rows the drafter attended, per "
+                      "drafted row; oracle: the same for the best KPool selection of index_topk rows plus the tail",
     }
 
 

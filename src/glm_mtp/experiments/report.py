@@ -11,8 +11,9 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - greedy runs with ``run.check_lossless=true``: prompts whose speculative output equals
   the target's own greedy decode, and where the others part;
 - paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
-  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
-  difference's interval from resampling the prompts jointly (``stats.paired_difference``).
+  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are
+  compared with the first of them, the difference's interval from resampling the prompts jointly
+  (``stats.paired_difference``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
     K = max(s["num_drafts"] for s in runs)
     cols = ([f"α_{i + 1}" for i in range(K)] if view != "cumulative" else []) + \
            ([f"P(acc ≥ {i + 1})" for i in range(K)] if view != "conditional" else [])
-    lines = ["| mode | source | backend | T | draft | target | feed | policy | k | " + " | ".join(cols) + " | τ | best k: S(k) | prompts | tokens |",
+    lines = ["| mode | source | backend | T | draft | target | feed | "
+             "policy | k | " + " | ".join(cols) + " | τ | best k: S(k) | prompts | tokens |",
              "|" + "---|" * (9 + len(cols) + 4)]
     for s in runs:
         cells = []
@@ -87,7 +89,8 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
         lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
                      f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
-                     + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | {_best(s)} | {s['prompts']} | {tokens} |")
+                     + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | "
+                       f"{_best(s)} | {s['prompts']} | {tokens} |")
     return "\n".join(lines)
 
 
@@ -117,7 +120,8 @@ def speedup_table(runs: list[dict[str, Any]]) -> str:
     for s in runs:
         sp = s["speedup"]
         cells = [_cell(sp["predicted"], sp.get("predicted_ci"), k) for k in range(K)]
-        feed = s["feed_hidden"] + (", dense" if s.get("attention", "sparse") == "dense" else "")  # every visible row attended
+        # every visible row attended
+        feed = s["feed_hidden"] + (", dense" if s.get("attention", "sparse") == "dense" else "")
         lines.append(f"| {s['mode']} | {s['source']} | {feed} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
                      f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} | {_glm5(sp)} |")
     return "\n".join(lines)
@@ -130,15 +134,21 @@ def recall_table(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return ""
     K = max(s["num_drafts"] for s in runs)
-    lines = ["| mode | source | policy | attention | rows | recall median | recall p10 | " + " | ".join(f"p10 at {i + 1}" for i in range(K))
+    lines = ["| mode | source | policy | attention | rows | recall median | "
+             "recall p10 | " + " | ".join(f"p10 at {i + 1}" for i in range(K))
              + " | oracle median / p10 | dense entropy / log(visible) | selection real | attended / visible rows |",
              "|" + "---|" * (7 + K + 4)]
     for s in runs:
         r = s["recall"]
-        per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (K - len(r["per_position"]))
-        lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {s.get('attention', 'sparse')} | {r['rows']} | {r['median']:.4f} | "
-                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / {r.get('oracle_p10', math.nan):.4f} | "
-                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | {r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
+        per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (
+            K - len(r["per_position"])
+        )
+        lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {s.get('attention', 'sparse')} | {r['rows']} | "
+                     f"{r['median']:.4f} | "
+                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / "
+                                                              f"{r.get('oracle_p10', math.nan):.4f} | "
+                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | "
+                     f"{r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
     return "\n".join(lines)
 
 
@@ -152,8 +162,11 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     for s in runs:
         if "counts_per_prompt" not in s:
             continue
-        key = (tuple(s[k] for k in SETTINGS if k != pair) + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items() if k != pair)
-               + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype")))
+        key = (
+            tuple(s[k] for k in SETTINGS if k != pair)
+            + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items() if k != pair)
+            + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype"))
+        )
         groups.setdefault(key, []).append(s)
     K = max(s["num_drafts"] for s in runs)
     others = [k for k in SETTINGS if k != pair]  # what the paired runs share
@@ -167,7 +180,8 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
             shared = " | ".join(f"{s[k]:g}" if k == "temperature" else _labelled(s, k, pair) for k in others)
-            lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+            lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | "
+                         f"{shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -191,8 +205,8 @@ def lossless_table(runs: list[dict[str, Any]]) -> str:
         if not ll:
             continue
         where = ", ".join(f"{d['prompt']} @ {d['token']}" for d in ll.get("diverged", [])) or "—"
-        lines.append(f"| {s.get('target_numerics', 'vendor')} | {s.get('dtype', '?')} | {s['backend']} | {s['policy']} | {s['num_drafts']} | "
-                     f"{ll['prompts']} | {ll['identical']} | {where} |")
+        lines.append(f"| {s.get('target_numerics', 'vendor')} | {s.get('dtype', '?')} | {s['backend']} | {s['policy']} "
+                     f"| {s['num_drafts']} | {ll['prompts']} | {ll['identical']} | {where} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -212,7 +226,8 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in runs:
-        groups.setdefault(f"{s['mode']}, {s['source']}, {s['policy']}, {s['feed_hidden']}, T={s['temperature']:g}, {s['backend']}", []).append(s)
+        groups.setdefault(f"{s['mode']}, {s['source']}, {s['policy']}, {s['feed_hidden']}, T={s['temperature']:g}, "
+                          f"{s['backend']}", []).append(s)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label, ss in groups.items():
         ss = sorted(ss, key=lambda s: s["num_drafts"])
@@ -220,7 +235,8 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         top = ss[-1]
         a = top["acceptance_per_position"]
         ci = top.get("alpha_ci")
-        yerr = None if not ci else [[0 if math.isnan(x) else x - c[0] for x, c in zip(a, ci)], [0 if math.isnan(x) else c[1] - x for x, c in zip(a, ci)]]
+        yerr = None if not ci else [[0 if math.isnan(x) else x - c[0] for x, c in zip(a, ci)],
+                                    [0 if math.isnan(x) else c[1] - x for x, c in zip(a, ci)]]
         ax2.errorbar(range(1, len(a) + 1), a, yerr=yerr, fmt="o-", capsize=3, label=f"{label} (k={top['num_drafts']})")
     ax1.set_xlabel("k (drafts per step)")
     ax1.set_ylabel("τ (tokens per target forward)")
@@ -240,9 +256,13 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
-    ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS + tuple(EXTRA_SETTINGS)} (default: policy)")
-    ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"), help="acceptance columns (default: both)")
-    ap.add_argument("--partial", action="store_true", help="report a sweep with failed or missing jobs anyway (they are listed first)")
+    ap.add_argument("--pair", default="policy",
+                    help="comma-separated settings that paired differences vary, of "
+                         f"{SETTINGS + tuple(EXTRA_SETTINGS)} (default: policy)")
+    ap.add_argument("--view", default="both", choices=("conditional", "cumulative", "both"),
+                    help="acceptance columns (default: both)")
+    ap.add_argument("--partial", action="store_true",
+                    help="report a sweep with failed or missing jobs anyway (they are listed first)")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         ap.error(f"sweep_dir: {args.sweep_dir} is not a directory")
@@ -264,12 +284,12 @@ def main(argv: list[str] | None = None) -> str:
         text = f"**Incomplete sweep:** {incomplete}.\n\n" + text
     sp = speedup_table(runs)
     if sp:
-        text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/speedup.py; τ(k) from each run's counts, "
-                 "95% intervals over prompts; c and v as each run states):\n\n" + sp)
+        text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/speedup.py; τ(k) from each run's "
+                 "counts, 95% intervals over prompts; c and v as each run states):\n\n" + sp)
     recall = recall_table(runs)
     if recall:
-        text += ("\n\nThe drafter's selection: recall = the share of the dense head-averaged attention mass on the rows "
-                 "each drafted row attended (experiments/recall.py):\n\n" + recall)
+        text += ("\n\nThe drafter's selection: recall = the share of the dense head-averaged attention mass on "
+                 "the rows each drafted row attended (experiments/recall.py):\n\n" + recall)
     for pair in args.pair.split(","):
         pairs = paired_table(runs, pair)
         if pairs:

@@ -80,9 +80,11 @@ def check_draft(draft: str, temperature: float, proposer: DraftProposer | None =
         raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
     if draft == "sampled":
         if not temperature > 0:
-            raise ValueError(f"draft='sampled' draws from the drafter's softmax at the temperature: it needs temperature > 0, got {temperature!r}")
+            raise ValueError("draft='sampled' draws from the drafter's softmax at the temperature: it needs "
+                             f"temperature > 0, got {temperature!r}")
         if proposer is not None and not hasattr(proposer, "propose_sampled"):
-            raise ValueError(f"draft='sampled' needs a drafter with propose_sampled; {type(proposer).__name__} has none")
+            raise ValueError(f"draft='sampled' needs a drafter with propose_sampled; {type(proposer).__name__} "
+                             "has none")
 
 
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
@@ -93,8 +95,8 @@ def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidd
     if kpool is None:
         return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
     if backend != "reference":
-        raise ValueError(f"attention=dense and the recall probe swap the reference drafter's KPool selection; backend={backend} "
-                         "fuses its own (use backend=reference)")
+        raise ValueError("attention=dense and the recall probe swap the reference drafter's KPool selection; "
+                         f"backend={backend} fuses its own (use backend=reference)")
     return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden, kpool=kpool)
 
 
@@ -150,7 +152,8 @@ def exponential_noise(num_drafts: int, vocab_size: int, gen: torch.Generator, dt
     return torch.clamp(e, min=torch.finfo(dtype).tiny).to(device)
 
 
-def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: Tensor, position: int, k: int, state: object,
+def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: Tensor, position: int, k: int,
+                 state: object,
                  temperature: float, gen: torch.Generator) -> tuple[list[int], Tensor | None]:
     """One propose: argmax drafts (``q`` None) or sampled drafts with their ``q`` (noise from ``gen``)."""
     if draft == "argmax":
@@ -275,7 +278,8 @@ class SpeculativeDecoder:
             return greedy_verify(logits, drafts)
         return stochastic_verify(logits, drafts, self.temperature, self.gen, q)
 
-    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu", free_state: bool = True) -> SpecResult:
+    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu",
+                 free_state: bool = True) -> SpecResult:
         """Generate at least ``max_new_tokens`` tokens after ``prompt`` (>= 1 token); returns the
         first ``max_new_tokens`` and the step statistics (and the drafter's state, not freed, when
         ``free_state`` is false)."""
@@ -318,7 +322,8 @@ class SpeculativeDecoder:
                 prop.after_verify(0, dstate)
                 prop.propose(tokens[m], h_prev, m - 1, 0, dstate)  # only rewinds, to m-1
                 prop.after_verify(0, dstate)
-                prop.catchup_drafter([tokens[m], *drafts[:a]], torch.cat((h_prev, out.hidden[:a])), m - 1, m - 1, dstate)
+                prop.catchup_drafter([tokens[m], *drafts[:a]], torch.cat((h_prev, out.hidden[:a])), m - 1, m - 1,
+                                     dstate)
             t3 = clock()
             stats.draft_s += (t1 - t0) + (t3 - t2)
             stats.verify_s += t2 - t1
@@ -328,7 +333,8 @@ class SpeculativeDecoder:
             m += a + 1
         if free_state:
             prop.free_state(dstate)
-        return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats, tokens, None if free_state else dstate)
+        return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats, tokens,
+                          None if free_state else dstate)
 
     def generate_batch(self, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int],
                        device: torch.device | str = "cpu") -> list[SpecResult]:
@@ -420,14 +426,15 @@ class SpeculativeDecoder:
                 for i in range(0, len(owed), cap):
                     part = owed[i : i + cap]
                     t0 = clock()
-                    written = prop.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]), [o[3] for o in part],
+                    written = prop.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]),
+                                                 [o[3] for o in part],
                                                  [o[0].dstate for o in part])
                     share = (clock() - t0) / len(part)
                     for (s, _, _, row), w in zip(part, written):
                         s.stats.draft_s += share
                         if w != 1:
-                            raise RuntimeError(f"catchup_batch wrote {w} rows for a fully accepted sequence at row {row}; "
-                                               "the drafter is not where the loop left it")
+                            raise RuntimeError(f"catchup_batch wrote {w} rows for a fully accepted sequence at "
+                                               f"row {row}; the drafter is not where the loop left it")
                 for s in live:
                     s.done = s.generated >= s.want
                 self._leave(live)

@@ -94,9 +94,11 @@ def speedup_summary(counts_per_prompt: dict[str, Any], c: float, v: list[float],
 
 def attention_params(cfg: MtpConfig) -> int:
     """Weights of one DSA attention block (MLA + lightning indexer) and the layer's two norms."""
-    H, nh, Lq, Lkv, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    H, nh, Lq, Lkv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    R = cfg.qk_rope_head_dim
     D = cfg.index_head_dim
-    return (2 * H + Lq * H + Lq + nh * cfg.qk_head_dim * Lq + (Lkv + R) * H + Lkv + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * Lkv
+    return (2 * H + Lq * H + Lq + nh * cfg.qk_head_dim * Lq + (Lkv + R) * H + Lkv
+            + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * Lkv
             + H * nh * cfg.v_head_dim + cfg.index_n_heads * D * Lq + D * H + 2 * D + cfg.index_n_heads * H)
 
 
@@ -126,7 +128,8 @@ def draft_step_params(cfg: MtpConfig) -> float:
 def bytes_costs(cfg: MtpConfig, kmax: int) -> dict[str, Any]:
     """c and v(k), k = 1..kmax, from the weights each step reads (memory-bound, short context)."""
     t1 = target_step_params(cfg, 1)
-    return {"c": draft_step_params(cfg) / t1, "v": [target_step_params(cfg, k + 1) / t1 - 1.0 for k in range(1, kmax + 1)],
+    return {"c": draft_step_params(cfg) / t1,
+            "v": [target_step_params(cfg, k + 1) / t1 - 1.0 for k in range(1, kmax + 1)],
             "target_step_params": t1, "draft_step_params": draft_step_params(cfg),
             "verify_params": [target_step_params(cfg, k + 1) for k in range(1, kmax + 1)], "source": "bytes"}
 
@@ -193,7 +196,8 @@ def measure_costs(target: Any, proposer: Any, kmax: int, context: list[int], rep
 
 def format_line(sp: dict[str, Any]) -> str:
     """``S(k) = 1.23 [1.1, 1.3], ...; best k = 2 (c = 0.31, v = ...)``."""
-    cells = ", ".join(f"S({k + 1}) = {p:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" for k, (p, ci) in enumerate(zip(sp["predicted"], sp["predicted_ci"])))
+    cells = ", ".join(f"S({k + 1}) = {p:.2f} [{ci[0]:.2f}, "
+                      f"{ci[1]:.2f}]" for k, (p, ci) in enumerate(zip(sp["predicted"], sp["predicted_ci"])))
     v = ", ".join(f"{x:.2f}" for x in sp["v"])
     return f"predicted speedup {cells}; best k = {sp['best_k']} (c = {sp['c']:.3f}, v = [{v}], costs {sp['costs']})"
 
@@ -208,7 +212,8 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "") -> None:
     ks = list(range(1, len(sp["predicted"]) + 1))
     pred, ci = sp["predicted"], sp["predicted_ci"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.errorbar(ks, pred, yerr=[[max(0.0, p - c[0]) for p, c in zip(pred, ci)], [max(0.0, c[1] - p) for p, c in zip(pred, ci)]],
+    ax.errorbar(ks, pred,
+                yerr=[[max(0.0, p - c[0]) for p, c in zip(pred, ci)], [max(0.0, c[1] - p) for p, c in zip(pred, ci)]],
                 fmt="o-", capsize=3, label="S(k) predicted")
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.plot([sp["best_k"]], [pred[sp["best_k"] - 1]], "r*", ms=12, label=f"best k = {sp['best_k']}")
@@ -226,7 +231,8 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "") -> None:
 COST_SOURCES = ("measured", "glm5")
 
 
-def resolve_costs(spec: str, target: Any, proposer: Any, kmax: int, context: list[int], repeats: int = 15) -> dict[str, Any]:
+def resolve_costs(spec: str, target: Any, proposer: Any, kmax: int, context: list[int],
+                  repeats: int = 15) -> dict[str, Any]:
     """The costs an acceptance run predicts its speedup with: ``measured`` (timed here on its own
     target and drafter, ``measure_costs``), ``glm5`` (``glm5_costs``), or the path of a
     ``costs.json`` written by ``python -m glm_mtp.experiments.bench --target-costs`` (its ``v``

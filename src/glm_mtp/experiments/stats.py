@@ -40,7 +40,9 @@ def _percentiles(x: np.ndarray) -> list[list[float]]:
     out = []
     for col in x.T:
         col = col[~np.isnan(col)]
-        out.append([float(np.percentile(col, 2.5)), float(np.percentile(col, 97.5))] if col.size else [math.nan, math.nan])
+        out.append(
+            [float(np.percentile(col, 2.5)), float(np.percentile(col, 97.5))] if col.size else [math.nan, math.nan]
+        )
     return out
 
 
@@ -65,14 +67,16 @@ def bootstrap(counts: dict[str, Any], replicates: int = REPLICATES, seed: int = 
     """
     r, a, s = (np.asarray(counts[k], dtype=np.float64) for k in ("reached", "accepted", "steps"))
     if r.ndim != 2 or r.shape != a.shape or s.shape != r.shape[:1] or not r.shape[0]:
-        raise ValueError(f"counts must hold P >= 1 prompts: reached and accepted (P, K), steps (P,); got {r.shape}, {a.shape}, {s.shape}")
+        raise ValueError(f"counts must hold P >= 1 prompts: reached and accepted (P, K), steps (P,); got {r.shape}, "
+                         f"{a.shape}, {s.shape}")
     idx = _replicate_indices(r.shape[0], replicates, seed)
     rep = point_stats(r[idx], a[idx], s[idx])
     return {"alpha_ci": _percentiles(rep["alpha"]), "cumulative_ci": _percentiles(rep["cumulative"]),
             "tau_ci": _percentiles(rep["tau"][:, None])[0]}
 
 
-def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = REPLICATES, seed: int = 0) -> dict[str, Any]:
+def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = REPLICATES,
+                      seed: int = 0) -> dict[str, Any]:
     """``a - b`` for two runs on the same prompts (same order), with 95% intervals from resampling
     the prompts jointly (each replicate draws the same prompts for both, so what the prompts
     share cancels). Returns ``alpha``, ``alpha_ci``, ``cumulative``, ``cumulative_ci`` over the
@@ -87,5 +91,6 @@ def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = RE
     idx = _replicate_indices(A[2].shape[0], replicates, seed)
     ra, rb = point_stats(*(x[idx] for x in A)), point_stats(*(x[idx] for x in B))
     return {"alpha": (pa["alpha"] - pb["alpha"]).tolist(), "alpha_ci": _percentiles(ra["alpha"] - rb["alpha"]),
-            "cumulative": (pa["cumulative"] - pb["cumulative"]).tolist(), "cumulative_ci": _percentiles(ra["cumulative"] - rb["cumulative"]),
+            "cumulative": (pa["cumulative"] - pb["cumulative"]).tolist(),
+            "cumulative_ci": _percentiles(ra["cumulative"] - rb["cumulative"]),
             "tau": float(pa["tau"] - pb["tau"]), "tau_ci": _percentiles((ra["tau"] - rb["tau"])[:, None])[0]}

@@ -86,14 +86,16 @@ class TargetWeights:
         return self.norm.device
 
     @classmethod
-    def random(cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> TargetWeights:
+    def random(cls, cfg: MtpConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> TargetWeights:
         """Random weights of a sensible scale (``reference.weights.random_tensor``), by seed."""
         gen = torch.Generator().manual_seed(seed)
         t = {n: random_tensor(n, s, gen) for n, s in target_tensor_shapes(cfg).items()}
         return cls.from_tensors(cfg, t, dtype, device)
 
     @classmethod
-    def from_tensors(cls, cfg: MtpConfig, t: dict[str, Tensor], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> TargetWeights:
+    def from_tensors(cls, cfg: MtpConfig, t: dict[str, Tensor], dtype: torch.dtype | None = None,
+                     device: torch.device | str = "cpu") -> TargetWeights:
         """From tensors keyed by absolute checkpoint names (the routing bias stays float32)."""
 
         def place(n: str, x: Tensor) -> Tensor:
@@ -115,7 +117,8 @@ class TargetWeights:
         )
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> TargetWeights:
+    def from_pretrained(cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None,
+                        device: torch.device | str = "cpu") -> TargetWeights:
         """The target's layers ``model.layers.{0..L-1}``, norm, embedding and head from a GLM-5
         style checkpoint directory (the MTP layer ``model.layers.{L}`` is not read)."""
         cfg = MtpConfig.from_hf_config(directory)
@@ -133,7 +136,8 @@ class TargetWeights:
     def state_dict(self) -> dict[str, Tensor]:
         """Absolute GLM-5 checkpoint names -> tensors (experts unstacked, as checkpoints hold them)."""
         stem = model_prefix(self.config)
-        out = {self.config.embed_tokens_name: self.embed_tokens, f"{stem}norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        out = {self.config.embed_tokens_name: self.embed_tokens, f"{stem}norm.weight": self.norm,
+               "lm_head.weight": self.lm_head}
         for i, layer in enumerate(self.layers):
             out.update({f"{stem}layers.{i}.{n}": x for n, x in decoder_layer_to_tensors(layer).items()})
         return out
@@ -145,7 +149,9 @@ def target_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     stem = model_prefix(cfg)
     out: dict[str, tuple[int, ...]] = {cfg.embed_tokens_name: (V, H)}
     for i in range(cfg.num_hidden_layers):
-        out.update({f"{stem}layers.{i}.{n}": s for n, s in layer_tensor_shapes(cfg, sparse=not is_dense(cfg, i)).items()})
+        out.update(
+            {f"{stem}layers.{i}.{n}": s for n, s in layer_tensor_shapes(cfg, sparse=not is_dense(cfg, i)).items()}
+        )
     out[f"{stem}norm.weight"] = (H,)
     out["lm_head.weight"] = (V, H)
     return out
@@ -200,7 +206,8 @@ class Target:
             ``kpool.kpool_rows``); training passes one that also scores the indexer's loss.
     """
 
-    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block, numerics: str | Numerics = "vendor",
+    def __init__(self, weights: TargetWeights, max_seq_len: int, moe: MoeFn = moe_block,
+                 numerics: str | Numerics = "vendor",
                  kpool: KPoolRowsFn = kpool_rows) -> None:
         self.ops = target_numerics(numerics)
         self.weights = weights
@@ -221,7 +228,8 @@ class Target:
         w, cfg = self.weights, self.config
         T = tokens.shape[0]
         if state.length + T > self.capacity:
-            raise ValueError(f"tokens: positions up to {state.length + T} run past the target's capacity of {self.capacity}")
+            raise ValueError(f"tokens: positions up to {state.length + T} run past the target's capacity of "
+                             f"{self.capacity}")
         slots = torch.arange(state.length, state.length + T, device=w.device)
         h = F.embedding(tokens.to(w.device), w.embed_tokens)  # (T, H)
         for layer, cache in zip(w.layers, state.caches):
@@ -257,7 +265,8 @@ class ExpertLoad:
         self.counts[key] = self.counts.get(key, 0) + c
 
 
-def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = VENDOR, load: ExpertLoad | None = None) -> Tensor:
+def grouped_moe(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = VENDOR,
+                load: ExpertLoad | None = None) -> Tensor:
     """The MoE of ``reference.moe.moe_block`` for rows ``m`` (T, H), with each expert run once on
     the rows routed to it (index_select in, weighted index_add out). Same routing and weights;
     the sums may round differently, so it is for training (it is differentiable), not for the

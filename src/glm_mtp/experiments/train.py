@@ -114,7 +114,8 @@ def encoded_streams(tok: BpeTokenizer, tokenizer_file: Any, split: Split) -> tup
     return train_s, heldout_s
 
 
-def base_models(base: str, seed: int, limit_items: int | None = None) -> tuple[Corpus, TargetWeights, MtpWeights, list[Tensor]]:
+def base_models(base: str, seed: int,
+                limit_items: int | None = None) -> tuple[Corpus, TargetWeights, MtpWeights, list[Tensor]]:
     """A trained checkpoint's target, tokenizer and split (``base``: ``shipped`` or a directory the
     training wrote) and a fresh random MTP layer on its embedding and head (seeded as
     ``build_models`` seeds it). Only the MTP layer's tensors are returned as parameters: the target,
@@ -154,7 +155,8 @@ def tokenizer_corpus(path: str, limit_items: int | None) -> Corpus:
     from .checkpoint import shipped_checkpoint
 
     directory = shipped_checkpoint() if path == "shipped" else path
-    return checkpoint_corpus(directory, BpeTokenizer.load(os.path.join(directory, "tokenizer.json")), limit_items, "tokenizer.path")
+    return checkpoint_corpus(directory, BpeTokenizer.load(os.path.join(directory, "tokenizer.json")), limit_items,
+                             "tokenizer.path")
 
 
 def moe_layers(target: TargetWeights, mtp: MtpWeights, frozen_target: bool = False) -> list[MoeWeights]:
@@ -199,7 +201,8 @@ class Losses:
     recall: float = float("nan")  # glm5_next: mean share of the dense attention the selections kept
 
 
-def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, depth: int, moe: MoeFn, distill: float = 0.0) -> Losses:
+def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, depth: int, moe: MoeFn,
+                    distill: float = 0.0) -> Losses:
     """Losses of one window ``t_0..t_T`` (T + 1 tokens).
 
     ``distill`` in [0, 1] mixes into each MTP loss a soft cross-entropy against the target's own
@@ -290,7 +293,8 @@ def evaluate(target: TargetWeights, mtp: MtpWeights, windows: Tensor, depth: int
 # ------------------------------------------------------------------------------------------------
 
 
-def save_trained_model(directory: str, target: TargetWeights, mtp: MtpWeights, corpus: Corpus, card: str, extra_files: dict[str, Any]) -> None:
+def save_trained_model(directory: str, target: TargetWeights, mtp: MtpWeights, corpus: Corpus, card: str,
+                       extra_files: dict[str, Any]) -> None:
     """Safetensors in GLM-5 naming (the MTP layer at ``model.layers.{L}``), config.json, the
     tokenizer, the corpus split, and the model card."""
     mtp_d = MtpWeights.from_tensors(mtp.config, {n: t.detach() for n, t in mtp.mtp_tensors().items()},
@@ -301,7 +305,8 @@ def save_trained_model(directory: str, target: TargetWeights, mtp: MtpWeights, c
     mtp_d.save_pretrained(directory, extra=extra)
     corpus.tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "corpus.json"), "w") as f:
-        overlap = {n: {"lines": round(o.lines, 4), "ngrams": round(o.ngrams, 4)} for n, o in corpus.split.overlap.items() if n in corpus.split.heldout}
+        overlap = {n: {"lines": round(o.lines, 4), "ngrams": round(o.ngrams, 4)}
+                   for n, o in corpus.split.overlap.items() if n in corpus.split.heldout}
         json.dump({"sha256": corpus.split.digest(), "train": corpus.split.train, "heldout": corpus.split.heldout,
                    "heldout_overlap": overlap}, f, indent=0)
     for name, obj in extra_files.items():
@@ -335,7 +340,8 @@ def plot_curves(history: list[dict[str, float]], evals: list[dict[str, float]], 
     plt.close(fig)
 
 
-def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float], minutes: float, steps: int, command: str) -> str:
+def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float], minutes: float, steps: int,
+               command: str) -> str:
     """The checkpoint's README."""
     n_params = sum(math.prod(s) for s in target_tensor_shapes(mcfg).values())
     n_mtp = sum(math.prod(s) for s in mtp_tensor_shapes(mcfg).values())
@@ -344,13 +350,18 @@ def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float
     t = cfg.train
     ov = [o for n, o in corpus.split.overlap.items() if n in corpus.split.heldout]
     max_lines, max_grams = max((o.lines for o in ov), default=0.0), max((o.ngrams for o in ov), default=0.0)
-    repro_test = ("`tests/experiments/test_train_next.py` (sha256 of the written files, twice; another seed differs)" if mcfg.is_next
-                  else "`tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock\na thousand times slower)")
+    repro_test = ("`tests/experiments/test_train_next.py` (sha256 of the written files, twice; another seed differs)"
+                  if mcfg.is_next
+                  else "`tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock\n"
+                       "a thousand times slower)")
     tok_path = cfg.tokenizer.get("path")
-    reused = f"; reused from `tokenizer.path={tok_path}` (the same split, checked by its sha256), not retrained" if tok_path else ""
-    based = (f"\n\nBase: the target, embedding, head and tokenizer of `train.base={t.base}`, frozen; only the MTP layer was "
-             f"trained (from a random start), so the target losses below are the base's.") if t.get("base") else ""
-    stopped = "" if steps == t.steps else f"\nStopped by `train.max_minutes` at step {steps} of {t.steps}: the schedule did not finish."
+    reused = (f"; reused from `tokenizer.path={tok_path}` (the same split, checked by its sha256), not retrained"
+              if tok_path else "")
+    based = (f"\n\nBase: the target, embedding, head and tokenizer of `train.base={t.base}`, frozen; only the MTP "
+             "layer was trained (from a random start), so the target losses below are the base's."
+             if t.get("base") else "")
+    stopped = ("" if steps == t.steps
+               else f"\nStopped by `train.max_minutes` at step {steps} of {t.steps}: the schedule did not finish.")
     title, architecture = card_architecture(cfg, mcfg, n_params, n_mtp)
     return f"""{title}
 
@@ -406,19 +417,20 @@ target = TargetWeights.from_pretrained(dir)  # the target's layers
 ```
 
 {card_indexer(cfg, mcfg, final)}
-"""
+"""  # noqa: E501 (the card is markdown: its lines are the card's)
 
 
 def card_architecture(cfg: Any, mcfg: MtpConfig, n_params: int, n_mtp: int) -> tuple[str, str]:
     """The model card's title and architecture paragraph, by family."""
-    sizes = f"Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP layer {n_mtp / 1e6:.2f} M. float32."
+    sizes = (f"Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP layer {n_mtp / 1e6:.2f} M. "
+             "float32.")
     moe = f"sigmoid-routed MoE ({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared)"
     if not mcfg.is_next:
         return ("# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer",
                 f"""Architecture: GLM-5 (`glm_moe_dsa`) at toy scale: {mcfg.num_hidden_layers} decoder
 layers (the first {mcfg.first_k_dense_replace} dense), DSA attention (MLA + lightning indexer), sigmoid-routed MoE
 ({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared), and one MTP layer at `model.layers.{mcfg.num_hidden_layers}`.
-{sizes}""")
+{sizes}""")  # noqa: E501 (markdown)
     name = os.path.basename(os.path.normpath(cfg.out)) if cfg.get("out") else "glm5next-mtp"
     return (f"# {name}: a small target with GLM-5.3-Flash's MTP layer (glm5_next family)",
             f"""Architecture: the glm5_next family (DESIGN.md §7) at toy scale: {mcfg.num_hidden_layers} decoder layers
@@ -431,7 +443,7 @@ and one MTP layer at `{mcfg.layer_prefix.rstrip(".")}` (a plain pre-norm block, 
 Left out of GLM-5.3-Flash: its decoder's Kimi Delta Attention layers (the target here is DSA
 layers only), the mHC hyper-connections (plain residuals here), the vision tower, the fp8
 weights and the real widths; the MTP layer's structure is the release's (its config reads back as
-`model_type: glm5_next`).""")
+`model_type: glm5_next`).""")  # noqa: E501 (markdown)
 
 
 def card_indexer(cfg: Any, mcfg: MtpConfig, final: dict[str, float]) -> str:
@@ -440,7 +452,7 @@ def card_indexer(cfg: Any, mcfg: MtpConfig, final: dict[str, float]) -> str:
     t = cfg.train
     if not mcfg.is_next:
         return f"""The lightning indexer is not trained (training windows fit in `index_topk` = {mcfg.index_topk} rows, so DSA
-attends to every visible row); keep contexts within {mcfg.index_topk} rows."""
+attends to every visible row); keep contexts within {mcfg.index_topk} rows."""  # noqa: E501 (markdown)
     return f"""## The KPool indexer: trained
 
 Training windows of {t.seq_len} tokens are {t.seq_len / mcfg.index_topk:g}x `index_topk` = {mcfg.index_topk}, so selection is real. Every
@@ -457,7 +469,7 @@ indexer (`wq_b`, `wk`, `k_norm`, `weights_proj`, the KPool gate and `ape`) and n
 
 Held-out at the end: indexer KL {final.get("indexer_kl", float("nan")):.4f} nats per scored row, mean recall {final.get("indexer_recall", float("nan")):.4f}
 (the share of the dense head-averaged attention mass on the selected rows, every row of the
-{t.eval_windows} windows and every layer)."""
+{t.eval_windows} windows and every layer)."""  # noqa: E501 (markdown)
 
 
 def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.train") -> dict[str, float]:
@@ -484,21 +496,25 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
             corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
         mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
     if t.seq_len > mcfg.index_topk and not mcfg.is_next:
-        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not "
-                         "trained (the glm5_next family's KPool indexer is)")
+        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's "
+                         "indexer is not trained (the glm5_next family's KPool indexer is)")
     indexer_weight = float(t.get("indexer_loss_weight", 0.0))
     if not base:
         target, mtp, params = build_models(mcfg, t.seed)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=t.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(t.seed)
-    eval_windows = sample_windows(corpus.heldout, t.eval_windows, t.seq_len + 1, torch.Generator().manual_seed(t.seed + 7))
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train", group=cfg.get("group"))
+    eval_windows = sample_windows(corpus.heldout, t.eval_windows, t.seq_len + 1,
+                                  torch.Generator().manual_seed(t.seed + 7))
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train",
+                      group=cfg.get("group"))
     setup_s = time.perf_counter() - t0
-    print(f"corpus: {corpus.train.numel()} train / {corpus.heldout.numel()} held-out tokens, vocab {corpus.tokenizer.vocab_size}, "
-          f"setup {setup_s:.0f}s, {sum(p.numel() for p in params) / 1e6:.2f}M parameters")
+    print(f"corpus: {corpus.train.numel()} train / {corpus.heldout.numel()} held-out tokens, vocab "
+          f"{corpus.tokenizer.vocab_size}, setup {setup_s:.0f}s, "
+          f"{sum(p.numel() for p in params) / 1e6:.2f}M parameters")
 
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
@@ -537,7 +553,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
                     m.e_score_correction_bias += t.bias_update_rate * torch.sign(c.float().mean() - c.float())
         load.counts.clear()
         rec = {"step": step, "lr": lr, "grad_norm": gnorm, "target_loss": tot_t,
-               **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)}, **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
+               **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)},
+               **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
         if mcfg.is_next:
             rec.update(indexer_kl=tot_ix, indexer_recall=tot_recall)
         history.append(rec)
@@ -549,7 +566,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
             ev = {"step": step, **evaluate(target, mtp, eval_windows, t.mtp_depth)}
             evals.append(ev)
             log.log({f"heldout/{k}": v for k, v in ev.items() if k != "step"}, step=step)
-            tqdm.write(f"step {step}: held-out target {ev['target_loss']:.3f} mtp1 {ev['mtp1_loss']:.3f} acc1 {ev['mtp1_acc']:.3f}")
+            tqdm.write(f"step {step}: held-out target {ev['target_loss']:.3f} mtp1 {ev['mtp1_loss']:.3f} acc1 "
+                       f"{ev['mtp1_acc']:.3f}")
         if last:
             if step < t.steps - 1:
                 tqdm.write(f"stopping at step {step}: the train.max_minutes={t.max_minutes} budget is spent")
@@ -558,20 +576,23 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     minutes = (time.perf_counter() - t0) / 60
     recent = history[-t.log_every:]
     final = {**evals[-1], "train_target_loss": sum(h["target_loss"] for h in recent) / len(recent),
-             "train_mtp1_loss": sum(h["mtp1_loss"] for h in recent) / len(recent), "minutes": minutes, "steps": step + 1}
+             "train_mtp1_loss": sum(h["mtp1_loss"] for h in recent) / len(recent), "minutes": minutes,
+             "steps": step + 1}
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
     log.log_image("loss_curve", png)
     from .provenance import git_commit
 
-    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": corpus.split.digest(), "git_commit": git_commit()})
+    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": corpus.split.digest(),
+                 "git_commit": git_commit()})
     log.finish()
     with open(os.path.join(run_dir, "final.json"), "w") as f:
         json.dump(final, f, indent=1)
     print(json.dumps(final, indent=1))
     if cfg.out:
         card = model_card(cfg, mcfg, corpus, final, minutes, step + 1, command)
-        save_trained_model(cfg.out, target, mtp, corpus, card, {"training_log.json": {"history": history, "evals": evals, "final": final}})
+        save_trained_model(cfg.out, target, mtp, corpus, card,
+                           {"training_log.json": {"history": history, "evals": evals, "final": final}})
         import shutil
 
         shutil.copy(png, os.path.join(cfg.out, "loss_curve.png"))

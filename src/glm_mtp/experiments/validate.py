@@ -97,8 +97,8 @@ def check_attention(attention: object, backend: str, model: Any) -> str:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}; got {attention!r}")
     if attention == "dense":
         if backend != "reference":
-            raise ValueError(f"attention=dense swaps the drafter's KPool selection in the reference drafter only (backend=reference); "
-                             f"backend={backend} fuses its own selection")
+            raise ValueError("attention=dense swaps the drafter's KPool selection in the reference drafter only "
+                             f"(backend=reference); backend={backend} fuses its own selection")
         if not model.is_next:
             raise ValueError("attention=dense swaps the KPool indexer of a glm5_next model (e.g. model=next_shipped); "
                              "this model is of the glm5 family")
@@ -113,9 +113,11 @@ def check_batch_size(batch_size: object, mode: str, policy: str, draft: str) -> 
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if batch_size > 1:
         if mode != "speculative":
-            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time (batch_size=1)")
+            raise ValueError(f"batch_size > 1 batches the speculative loop; mode={mode} runs one text at a time "
+                             "(batch_size=1)")
         if policy != "first_row_kept":
-            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence (batch_size=1)")
+            raise ValueError(f"batch_size > 1 runs policy=first_row_kept only; policy={policy} is single-sequence "
+                             "(batch_size=1)")
         if draft != "argmax":
             raise ValueError(f"batch_size > 1 runs draft=argmax only; draft={draft} is single-sequence (batch_size=1)")
     return batch_size
@@ -143,8 +145,8 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_choice(cfg, "policy", POLICIES)
     temperature = need_float(cfg, "temperature", 0.0)
     if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
-        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax at the "
-                         "temperature: draft=sampled needs temperature > 0)")
+        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's "
+                         "softmax at the temperature: draft=sampled needs temperature > 0)")
     need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
     need_int(cfg, "seed", 0)
@@ -212,7 +214,8 @@ def model_config(cfg: Any) -> Any:
         return MtpConfig.from_hf_config(path)
     except (OSError, ValueError) as e:
         message = str(e).removeprefix("model.path: ")
-        raise ValueError(f"model.path must be a checkpoint directory (config.json and safetensors): {message}") from None
+        raise ValueError("model.path must be a checkpoint directory (config.json and safetensors): "
+                         f"{message}") from None
 
 
 def check_lengths(cfg: Any, max_position_embeddings: int) -> None:
@@ -222,7 +225,11 @@ def check_lengths(cfg: Any, max_position_embeddings: int) -> None:
     keys = ("run.prompt_tokens", "run.max_new_tokens", "num_drafts")
     need = sum(_get(cfg, k) for k in keys) + 1
     if need > longest:
-        cap = f" (capped at the model's max_position_embeddings={max_position_embeddings})" if longest < _get(cfg, "model.max_seq_len") else ""
+        cap = (
+            f" (capped at the model's max_position_embeddings={max_position_embeddings})"
+            if longest < _get(cfg, "model.max_seq_len")
+            else ""
+        )
         raise ValueError(f"num_drafts must fit model.max_seq_len: {' + '.join(keys)} + 1 = {need} exceeds "
                          f"model.max_seq_len={longest}{cap}")
 
@@ -255,15 +262,24 @@ def check_train(cfg: Any) -> None:
     if distill > 1:
         raise ValueError(f"train.mtp_distill must be in [0, 1], got {distill}")
     base = _get(cfg, "train").get("base")
-    if base is not None and base != "shipped" and not (isinstance(base, str) and os.path.isfile(os.path.join(base, "config.json"))):
+    if (
+        base is not None
+        and base != "shipped"
+        and not (isinstance(base, str) and os.path.isfile(os.path.join(base, "config.json")))
+    ):
         raise ValueError(f"train.base must be null, shipped or a checkpoint directory (with config.json), got {base!r}")
     if "indexer_loss_weight" in _get(cfg, "train"):
         need_float(cfg, "train.indexer_loss_weight", 0.0)
     need_int(cfg, "tokenizer.vocab_size", 1)
     need_int(cfg, "tokenizer.sample_every", 1)
     tok_path = _get(cfg, "tokenizer").get("path")
-    if tok_path is not None and tok_path != "shipped" and not (isinstance(tok_path, str) and os.path.isfile(os.path.join(tok_path, "tokenizer.json"))):
-        raise ValueError(f"tokenizer.path must be null, shipped or a checkpoint directory (with tokenizer.json and corpus.json), got {tok_path!r}")
+    if (
+        tok_path is not None
+        and tok_path != "shipped"
+        and not (isinstance(tok_path, str) and os.path.isfile(os.path.join(tok_path, "tokenizer.json")))
+    ):
+        raise ValueError("tokenizer.path must be null, shipped or a checkpoint directory (with tokenizer.json and "
+                         f"corpus.json), got {tok_path!r}")
     if _get(cfg, "tokenizer.limit_items") is not None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
@@ -302,17 +318,19 @@ def check_arch(cfg: Any) -> Any:
     fields = {f.name for f in dataclasses.fields(MtpConfig)}
     for key in values:
         if key not in fields or key == "vocab_size":
-            raise ValueError(f"arch.{key} must be a field of MtpConfig (vocab_size comes from tokenizer.vocab_size), got an unknown key")
+            raise ValueError(f"arch.{key} must be a field of MtpConfig (vocab_size comes from tokenizer.vocab_size), "
+                             "got an unknown key")
     try:
         mcfg = MtpConfig(**values, vocab_size=_get(cfg, "tokenizer.vocab_size"))
     except (TypeError, ValueError) as e:
         raise ValueError(f"arch must describe a valid model: {e}") from None
     seq_len = _get(cfg, "train.seq_len")
     if seq_len > mcfg.index_topk and not mcfg.is_next:
-        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not trained "
-                         f"(arch.family=glm5_next trains its KPool indexer), got {seq_len}")
+        raise ValueError(f"train.seq_len must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not "
+                         f"trained (arch.family=glm5_next trains its KPool indexer), got {seq_len}")
     if seq_len + 1 > mcfg.max_position_embeddings:
-        raise ValueError(f"train.seq_len must be < arch.max_position_embeddings ({mcfg.max_position_embeddings}), got {seq_len}")
+        raise ValueError(f"train.seq_len must be < arch.max_position_embeddings ({mcfg.max_position_embeddings}), got "
+                         f"{seq_len}")
     return mcfg
 
 
@@ -326,7 +344,8 @@ def check_out(out: object) -> None:
     try:
         target = check_save_target(out)
     except ValueError as e:
-        raise ValueError(f"out must be a new folder, an empty one or a checkpoint: {str(e).removeprefix('save: ')}") from None
+        raise ValueError("out must be a new folder, an empty one or a checkpoint: "
+                         f"{str(e).removeprefix('save: ')}") from None
     why = unwritable_dir(os.path.dirname(target))
     if why is not None:
         raise ValueError(f"out must be in a writable folder: {why}")

@@ -65,11 +65,14 @@ class WandbLogger(NoLogger):
         cols, rows = ["position", "alpha"], [[i + 1, a] for i, a in enumerate(alphas)]
         if summary is not None:
             c = summary["counts"]
-            cols += ["reached", "accepted", "alpha_low", "alpha_high", "cumulative", "cumulative_low", "cumulative_high"]
-            rows = [r + [c["reached"][i], c["accepted"][i], *summary["alpha_ci"][i], summary["cumulative"][i], *summary["cumulative_ci"][i]]
+            cols += ["reached", "accepted", "alpha_low", "alpha_high", "cumulative", "cumulative_low",
+                     "cumulative_high"]
+            rows = [r + [c["reached"][i], c["accepted"][i], *summary["alpha_ci"][i], summary["cumulative"][i],
+                         *summary["cumulative_ci"][i]]
                     for i, r in enumerate(rows)]
         table = self.wandb.Table(columns=cols, data=rows)
-        self.run.log({"acceptance_table": table, "acceptance_bar": self.wandb.plot.bar(table, "position", "alpha", title=title)})
+        self.run.log({"acceptance_table": table,
+                      "acceptance_bar": self.wandb.plot.bar(table, "position", "alpha", title=title)})
 
     def log_samples(self, samples: list[dict[str, Any]]) -> None:
         """The samples as one table, a row each (columns: the first sample's keys)."""
@@ -89,7 +92,8 @@ class WandbLogger(NoLogger):
         self.run.finish()
 
 
-def make_logger(cfg: Any, run_dir: str, config: dict[str, Any], job_type: str, name: str | None = None, group: str | None = None) -> NoLogger:
+def make_logger(cfg: Any, run_dir: str, config: dict[str, Any], job_type: str, name: str | None = None,
+                group: str | None = None) -> NoLogger:
     """The logger the ``logger`` config group chose (``name: wandb`` or ``name: none``)."""
     if cfg.name == "none":
         return NoLogger()

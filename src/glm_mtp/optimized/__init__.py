@@ -34,4 +34,5 @@ from .block import PrimitiveKernels
 from .proposer import OptimizedProposer, with_triton_kernels
 from .state import OptimizedState
 
-__all__ = ["OptimizedProposer", "with_triton_kernels", "OptimizedState", "PrimitiveKernels", "DraftProposer", "MtpConfig", "MtpWeights"]
+__all__ = ["OptimizedProposer", "with_triton_kernels", "OptimizedState", "PrimitiveKernels", "DraftProposer",
+           "MtpConfig", "MtpWeights"]

@@ -8,8 +8,8 @@ reads and writes only static buffers and the states' own tensors through address
 
 ``BatchBuffers`` holds the static inputs of up to ``max_batch`` rows on one device. On CUDA a
 batch of B rows runs the program captured for its bucket (the next power of two, at most
-``max_batch``), keyed by ``graphs.GraphKey`` (program, num_drafts, bucket); the bucket's spare rows are padding rows that
-point at a private scratch state, so they never touch a caller's state. Rows never interact (every
+``max_batch``), keyed by ``graphs.GraphKey`` (program, num_drafts, bucket); the bucket's spare rows are padding rows
+that point at a private scratch state, so they never touch a caller's state. Rows never interact (every
 kernel computes each row as if alone), so padding cannot change a real row's bytes.
 """
 
@@ -69,7 +69,8 @@ class BatchBuffers:
     user: int | None = None
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, max_batch: int) -> BatchBuffers:
+    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device,
+                 max_batch: int) -> BatchBuffers:
         i64 = dict(dtype=torch.int64, device=device)
         return cls(
             max_batch=max_batch,
@@ -114,8 +115,8 @@ class BatchBuffers:
         """One batched call at a time on these buffers (a host-side flag, as a state's guard)."""
         with _CLAIM:
             if self.user is not None:
-                raise RuntimeError(f"{call}: another batched call (thread {self.user}) is using this drafter's batch buffers; "
-                                   "batched calls on one drafter and device run one at a time")
+                raise RuntimeError(f"{call}: another batched call (thread {self.user}) is using this drafter's batch "
+                                   "buffers; batched calls on one drafter and device run one at a time")
             self.user = threading.get_ident()
         try:
             yield self

@@ -53,7 +53,8 @@ from .kernels.kpool import (
 )
 from .kernels.moe import experts_gate_up_triton
 from .kernels import (
-    KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch, linear_triton,
+    KERNEL_DTYPES, embed_rows_torch, embed_rows_triton, linear_acc_torch, linear_acc_triton, linear_torch,
+    linear_triton,
     rope_cache_write_torch, rope_cache_write_triton,
 )
 
@@ -111,7 +112,8 @@ class PrimitiveKernels:
     def rope_cache_write(self, cfg: MtpConfig, latent: Tensor, kpe_raw: Tensor, ikey_raw: Tensor, slots: Tensor,
                          rope: Rope, cache: LayerCache, ok: Tensor) -> None:
         """Rotate and store the new rows' keys at ``slots`` where ``ok``; see kernels.rope_cache."""
-        args = (cfg, latent, kpe_raw, ikey_raw, slots, rope.cos, rope.sin, cache.kv_pool, cache.index_pool, cache.block_table, ok)
+        args = (cfg, latent, kpe_raw, ikey_raw, slots, rope.cos, rope.sin, cache.kv_pool, cache.index_pool,
+                cache.block_table, ok)
         if self.use_triton(cache.kv_pool) and rope.cos.dtype == torch.float32:
             rope_cache_write_triton(*args)
         else:
@@ -170,7 +172,8 @@ class PrimitiveKernels:
         """``reference.moe.expert_outputs`` of clamped experts: every row's chosen experts' clamped
         SwiGLU hidden in one launch of ``kernels.moe``'s gate/up kernel (``limit``; ids read on the
         device), then each slot's down projection on its expert's rows gathered on the device."""
-        hidden, _ = experts_gate_up_triton(m, experts, moe.experts_gate, moe.experts_up, limit=moe.swiglu_limit)  # (T, k, I)
+        # (T, k, I)
+        hidden, _ = experts_gate_up_triton(m, experts, moe.experts_gate, moe.experts_up, limit=moe.swiglu_limit)
         out = []
         for t in range(m.shape[0]):
             down = torch.index_select(moe.experts_down, 0, experts[t])  # (k, H, I)
@@ -184,7 +187,8 @@ class PrimitiveKernels:
 
     def hooks(self, ok: Tensor) -> BlockHooks:
         """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
-        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok), moe=self.moe_hook,
+        return BlockHooks(ops=self.ops, embed=self.embed_hook, write_rows=partial(self.write_rows_hook, ok=ok),
+                          moe=self.moe_hook,
                           kpool=partial(self.kpool_hook, ok=ok))
 
 
@@ -223,8 +227,17 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
     kpc.complete.copy_(kpc.complete & ~(ok & (pools >= n // kpc.kpool)))
 
 
-def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                     ok: Tensor, ops: Numerics = PINNED, fused: PrimitiveKernels | None = None) -> tuple[Tensor, Tensor]:
+def gated_kpool_rows(
+    ix: IndexerWeights,
+    cfg: MtpConfig,
+    a: Tensor,
+    q_latent: Tensor,
+    slots: Tensor,
+    cache: LayerCache,
+    ok: Tensor,
+    ops: Numerics = PINNED,
+    fused: PrimitiveKernels | None = None,
+) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
     ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
@@ -232,7 +245,8 @@ def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Te
 none), and a list's values do not depend on its padded width.
     Returns ``rows`` (T, K), ``count`` (T,)."""
     gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
-    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
+    # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
+    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)
     keys = cache.kpool.keys
     if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
         scores = pool_scores_triton(cfg, q_raw, w_raw, cache, slots)  # (T, P): written at the visible pools only

@@ -67,7 +67,8 @@ class DevicePrograms:
     def run_draft(self, st: OptimizedState, k: int, sampled: bool = False) -> None:
         """The k draft steps on ``st``: replayed under their key, or run (``k == 0`` only rewinds:
         a handful of tiny ops, not worth a graph)."""
-        run_program(st, GraphKey.draft(k, sampled=sampled), lambda: self.draft(st, k, sampled), capture=self.captures and k > 0)
+        run_program(st, GraphKey.draft(k, sampled=sampled), lambda: self.draft(st, k, sampled),
+                    capture=self.captures and k > 0)
 
     def run_catchup(self, st: OptimizedState) -> None:
         """The one-row catch-up from the static inputs, replayed under its key, or run."""

@@ -78,8 +78,9 @@ class OptimizedProposer:
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
         if weights.block_scaled and not fusable(weights):  # only the fused step's kernels read fp8 bytes
             raise ValueError("OptimizedProposer: block-scaled fp8 weights (DESIGN.md §8) run in the fused step only "
-                             f"(GLM-5's family, a MoE layer, no shards, storage dtype one of {KERNEL_DTYPES}), got storage {weights.dtype}; "
-                             "draft them with ReferenceProposer, or pass weights.dequantize(...)")
+                             f"(GLM-5's family, a MoE layer, no shards, storage dtype one of {KERNEL_DTYPES}), got "
+                             f"storage {weights.dtype}; draft them with ReferenceProposer, or pass "
+                             "weights.dequantize(...)")
         if kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         if kernels == "triton" and (why := triton_runs_on(weights.device)) is not None:
@@ -141,8 +142,10 @@ class OptimizedProposer:
         device = contract.state_device(self.weights, device)
         self.rope(device)
         if self.step is not None and device not in self._batch:  # the batch programs' static buffers, once per device
-            self._batch[device] = BatchBuffers.allocate(self.config, self.blocks, self.weights.dtype, device, self.max_batch)
-        return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device, Owner(self.weights, self.capacity))
+            self._batch[device] = BatchBuffers.allocate(self.config, self.blocks, self.weights.dtype, device,
+                                                        self.max_batch)
+        return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device,
+                                       Owner(self.weights, self.capacity))
 
     def free_state(self, state: DrafterState) -> None:
         """Release every buffer and captured graph; a second call is a no-op. A poisoned state
@@ -218,11 +221,13 @@ class OptimizedProposer:
         values): those run on the device. Fills the static inputs (with ``sample = (temperature,
         noise)``, the temperature and the noise too). Returns ``(position, num_drafts)``."""
         self._check_live(st, call)
-        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights, self.capacity,
+        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights,
+                                     self.capacity,
                                      device_checks=True)
         if sample is not None:
             try:
-                temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device, self.logit_limit)
+                temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device,
+                                                     self.logit_limit)
             except ValueError:
                 contract.check_args_data(args, self.weights)  # the data checks come first (on refusal only: a read)
                 raise
@@ -257,7 +262,8 @@ class OptimizedProposer:
         (sharded weights all-gather / all-reduce, which this backend does not capture)."""
         return self.programs.captures
 
-    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
+    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                state: DrafterState) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
         the k steps run without a host sync and the drafts come back in one read at the end.
 
@@ -280,11 +286,16 @@ class OptimizedProposer:
                                                (temperature, noise))
             with writing(st, "propose_sampled"):
                 self.programs.run_draft(st, k, sampled=True)
-                q = st.sample_buffers(k, self.config.vocab_size)[1].clone() if k else noise.new_zeros(0, self.config.vocab_size)
+                q = (
+                    st.sample_buffers(k, self.config.vocab_size)[1].clone()
+                    if k
+                    else noise.new_zeros(0, self.config.vocab_size)
+                )
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             return SampledDrafts(self._finish_propose(st, values, position, k, sampled=True), q)
 
-    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int, sampled: bool = False) -> list[int]:
+    def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int,
+                        sampled: bool = False) -> list[int]:
         """``propose`` after its read-back: the refusal of bad data (nothing was written), or the counters."""
         if values[0] != (SAMPLED_CHECK_OK if sampled and k else CHECK_OK):
             raise ValueError(self._refusal(values[0], st.tok_in))
@@ -340,7 +351,8 @@ class OptimizedProposer:
         states = self._batch_states(call, states)
         with contract.guard_all(call, states, self._use):
             fused = self.step is not None
-            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states, self.weights,
+            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
+                                                self.weights,
                                                 self.capacity, self._check_live, device_checks=fused)
             k = batch.num_drafts
             if not states:
@@ -357,7 +369,8 @@ class OptimizedProposer:
                     values = read_back(bb.out(k)[: len(states)].flatten())  # the one sync: codes and drafts
                 return self._finish_batch(call, bb, states, batch.args, values, k)
 
-    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]:
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
+                      states: list[DrafterState]) -> list[int]:
         """``ReferenceProposer.catchup_batch``, the same bytes: the rows owed (one per state whose
         ``row_bases[b]`` is its ``drafter_rows``) written by one pass of the fused block, each on
         its own state's cache; checks on the host, as ``catchup_drafter``'s."""
@@ -411,7 +424,8 @@ class OptimizedProposer:
             st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
         return [row[1:] for row in rows]
 
-    def _propose_each(self, states: list[DrafterState], args: list[contract.ProposeArgs], k: int, call: str) -> list[list[int]]:
+    def _propose_each(self, states: list[DrafterState], args: list[contract.ProposeArgs], k: int,
+                      call: str) -> list[list[int]]:
         """A batch on the per-primitive path: each state's own program in turn (its data was
         checked on the host, so no state can refuse midway)."""
         drafts = []
@@ -450,12 +464,14 @@ class OptimizedProposer:
             self._check_live(st, "prefill_drafter")
             return contract.write_prefill(prompt_tokens, hiddens, st, self._write_rows, self.weights, self.max_seq_len)
 
-    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
+    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int,
+                        state: DrafterState) -> int:
         """Write rows ``row_base + i`` from ``tokens[i] = t_{row_base+i+1}`` and ``hiddens[i] =
         h_{row_base+i}`` (see ``ReferenceProposer.catchup_drafter``); ``pos_base`` is ignored."""
         with self._use(state, "catchup_drafter") as st:
             self._check_live(st, "catchup_drafter")
-            return contract.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows, self.weights,
+            return contract.write_catchup(tokens, hiddens, row_base, pos_base, st, self._write_catchup_rows,
+                                          self.weights,
                                           self.capacity)
 
     def _write_catchup_rows(self, ids: Tensor, hiddens: Tensor, row_base: int, st: OptimizedState) -> None:

@@ -74,7 +74,9 @@ class OptimizedState(DrafterState):
     deferred_error: str | None = None
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, owner: Owner | None = None) -> OptimizedState:
+    def allocate(
+        cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, owner: Owner | None = None
+    ) -> OptimizedState:
         """Every buffer of one sequence, zeroed (``x`` starts at zero, as in the reference);
         ``owner`` is the allocating drafter (``reference.state.Owner``)."""
         cache = LayerCache.allocate(cfg, blocks, dtype, device)
@@ -111,7 +113,8 @@ class OptimizedState(DrafterState):
         found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
         if self.cache.kpool is not None:
             found += [self.cache.kpool.gates, self.cache.kpool.keys, self.cache.kpool.complete]
-        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots, self.temp]
+        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots,
+                  self.temp]
         found += [t for pair in self.sample_bufs.values() for t in pair]
         return [t for t in found if t is not None]
 

@@ -7,4 +7,5 @@ from .proposer import DraftProposer, ReferenceProposer, SampledDrafts, SamplingP
 from .state import DrafterState
 from .weights import MtpWeights
 
-__all__ = ["MtpConfig", "MtpWeights", "ReferenceProposer", "DraftProposer", "SamplingProposer", "SampledDrafts", "DrafterState", "CheckpointError"]
+__all__ = ["MtpConfig", "MtpWeights", "ReferenceProposer", "DraftProposer", "SamplingProposer", "SampledDrafts",
+           "DrafterState", "CheckpointError"]

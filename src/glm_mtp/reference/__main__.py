@@ -45,7 +45,8 @@ def main() -> None:
             caught_up = prop.catchup_drafter([drafts[-1]], verified[k - 1 : k], m + k - 1, m + k - 1, state)
         print(
             f"round {r}: propose(t={token}, position={m - 1}, k={k}) -> drafts {drafts}; accepted {accepted}, "
-            f"bonus {bonus}; rows {prop.drafter_rows(state)} (+{caught_up} caught up), pair key {prop.last_pair_key(state)}"
+            f"bonus {bonus}; rows {prop.drafter_rows(state)} (+{caught_up} caught up), pair key "
+            f"{prop.last_pair_key(state)}"
         )
         m, token, h_prev = m + accepted + 1, bonus, verified[accepted]
     snap = prop.export_state(state)

@@ -29,7 +29,9 @@ from .indexer import index_keys_from, index_queries, index_scores, select_rows, 
 from .kpool import kpool_rows
 from .layers import apply_rope, rope_table
 from .fp8 import weight_values
-from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up
+from .numerics import (
+    PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up,
+)
 from .state import LayerCache
 from .weights import AttentionWeights, IndexerWeights
 
@@ -49,7 +51,8 @@ class Rope:
     sin: Tensor
 
     @classmethod
-    def build(cls, cfg: MtpConfig, capacity: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> Rope:
+    def build(cls, cfg: MtpConfig, capacity: int, device: torch.device | str,
+              dtype: torch.dtype = torch.float32) -> Rope:
         return cls(*rope_table(capacity, cfg.qk_rope_head_dim, cfg.rope_theta, device, acc_dtype(dtype)))
 
     def at(self, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,7 +65,8 @@ def latent_query(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor,
     """The queries of new rows ``a`` (T, H): ``q_latent`` (T, Lq), the normed low-rank query the
     indexer shares; ``q_nope`` (T, nh, nope) and the rotated ``q_pe`` (T, nh, R), split nope-first."""
     q_latent = ops.rms_norm(ops.linear(a, attn.q_a_proj), attn.q_a_layernorm, cfg.latent_norm_eps)  # (T, Lq)
-    q = rearrange(ops.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=cfg.num_attention_heads)  # (T, nh, nope + R)
+    # (T, nh, nope + R)
+    q = rearrange(ops.linear(q_latent, attn.q_b_proj), "t (h d) -> t h d", h=cfg.num_attention_heads)
     nope = cfg.qk_nope_head_dim
     return q_latent, q[..., :nope], apply_rope(q[..., nope:], cos[:, None], sin[:, None], cfg.rope_interleave)
 
@@ -84,7 +88,8 @@ def cache_rows(attn: AttentionWeights, cfg: MtpConfig, kv: Tensor, k: Tensor, co
     KV row (T, Lkv + R), the normalised latent then the rotated rope key shared by the heads,
     and the indexer key (T, D)."""
     k_pe = apply_rope(kv[:, cfg.kv_lora_rank :], cos, sin, cfg.rope_interleave)
-    return torch.cat((normed_latent(attn, cfg, kv, ops), k_pe), dim=-1), index_keys_from(attn.indexer, cfg, k, cos, sin, ops)
+    return (torch.cat((normed_latent(attn, cfg, kv, ops), k_pe), dim=-1),
+            index_keys_from(attn.indexer, cfg, k, cos, sin, ops))
 
 
 def new_cache_rows(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor,
@@ -116,7 +121,8 @@ def split_kv_b(attn: AttentionWeights, cfg: MtpConfig, acc: torch.dtype = torch.
     """Views of ``kv_b_proj`` per head: the key half ``W_uk`` (nh, nope, Lkv) and the value half
     ``W_uv`` (nh, v, Lkv). A block-scaled ``kv_b_proj`` gives its values in ``acc`` instead
     (``fp8.weight_values``: these products sum over its rows, across its scale blocks)."""
-    w_kv = rearrange(weight_values(attn.kv_b_proj, acc), "(h d) c -> h d c", h=cfg.num_attention_heads)  # (nh, nope + v, Lkv)
+    # (nh, nope + v, Lkv)
+    w_kv = rearrange(weight_values(attn.kv_b_proj, acc), "(h d) c -> h d c", h=cfg.num_attention_heads)
     return w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
 
 
@@ -127,7 +133,8 @@ def absorb_query(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor) -> Tens
     nh, Lkv, nope = w_uk.shape
     per_chunk = max(1, ATTENTION_CHUNK_ELEMENTS // max(1, nh * Lkv * nope))
     # rows are independent: chunks bound the products held
-    return torch.cat([dot(q_nope[t0 : t0 + per_chunk, :, None, :], w_uk) for t0 in range(0, q_nope.shape[0], per_chunk)])
+    return torch.cat([dot(q_nope[t0 : t0 + per_chunk, :, None, :], w_uk)
+                      for t0 in range(0, q_nope.shape[0], per_chunk)])
 
 
 def mla_over_lists(attn: AttentionWeights, cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, kv_rows: Tensor,
@@ -165,14 +172,16 @@ def sparse_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Ten
     return mla_over_lists(attn, cfg, absorb_query(attn, cfg, q_nope), q_pe, kv_rows, rows, count)
 
 
-def dense_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor, chosen: Tensor) -> Tensor:
+def dense_mla(attn: AttentionWeights, cfg: MtpConfig, q_nope: Tensor, q_pe: Tensor, kv_rows: Tensor,
+              chosen: Tensor) -> Tensor:
     """MLA with torch's kernels (training, the experiments' target): the same math as
     ``sparse_mla`` as one masked softmax over every row read, ``chosen`` (T, S) bool."""
     nope, Lkv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     acc = acc_dtype(q_nope.dtype)
     rows = kv_rows.to(acc)
     c_all, k_pe_all = rows[:, :Lkv], rows[:, Lkv:]
-    w_kv = rearrange(plain_weight(attn.kv_b_proj), "(h d) c -> h d c", h=cfg.num_attention_heads).to(acc)  # (nh, nope + v, Lkv)
+    # (nh, nope + v, Lkv)
+    w_kv = rearrange(plain_weight(attn.kv_b_proj), "(h d) c -> h d c", h=cfg.num_attention_heads).to(acc)
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     q_absorbed = torch.einsum("thn,hnc->thc", q_nope.to(acc), w_uk)  # (T, nh, Lkv)
     scores = torch.einsum("thc,sc->ths", q_absorbed, c_all) + torch.einsum("thr,sr->ths", q_pe.to(acc), k_pe_all)
@@ -223,7 +232,8 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
         rows, count = kpool(attn.indexer, cfg, a, q_latent, slots, cache, ops)  # (T, K), (T,)
     else:
         q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
-        rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)
+        # (T, K), (T,)
+        rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)
 
     # 2. MLA over the selected rows, then o_proj.
     if ops.pinned:

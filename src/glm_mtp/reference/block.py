@@ -33,7 +33,8 @@ EmbedFn = Callable[[MtpWeights, Tensor, Tensor], Tensor]
 
 def decoder_layer(
     layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
+    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED,
+    write_rows: WriteRowsFn = write_cache_rows,
     kpool: KPoolRowsFn = kpool_rows,
 ) -> Tensor:
     """One decoder layer (GLM-5's, or GLM-5.3-Flash's with ``cfg.family == "glm5_next"``: the
@@ -73,7 +74,8 @@ def embed_rows(w: MtpWeights, tokens: Tensor, slots: Tensor) -> Tensor:
 def block_input(w: MtpWeights, e: Tensor, hiddens: Tensor, ops: Numerics = PINNED) -> Tensor:
     """``eh_proj(cat[enorm(e), hnorm(h)])``: embedding first, hidden second (T, 2H) -> (T, H)."""
     eps = w.config.rms_norm_eps
-    return ops.linear(torch.cat((ops.rms_norm(e, w.enorm, eps), ops.rms_norm(hiddens, w.hnorm, eps)), dim=-1), w.eh_proj)
+    return ops.linear(torch.cat((ops.rms_norm(e, w.enorm, eps), ops.rms_norm(hiddens, w.hnorm, eps)), dim=-1),
+                      w.eh_proj)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cach
     reference's, with the pinned numerics)."""
     ops = hooks.ops
     u = block_input(w, hooks.embed(w, tokens, slots), hiddens, ops)
-    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows, hooks.kpool)
+    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows,
+                        hooks.kpool)
     return BlockOutput(x=ops.rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
 
 

@@ -72,7 +72,8 @@ def check_checkpoint_directory(call: str, directory: object) -> str:
     if not os.path.exists(path):
         raise ValueError(f"{call}: directory {path!r} does not exist")
     if not os.path.isdir(path):
-        raise ValueError(f"{call}: directory {path!r} is not a directory (a checkpoint is a folder holding config.json and safetensors)")
+        raise ValueError(f"{call}: directory {path!r} is not a directory (a checkpoint is a folder holding config.json "
+                         "and safetensors)")
     return path
 
 
@@ -90,7 +91,8 @@ def checkpoint_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.exists(index) and os.path.exists(single):
         # Which one is current cannot be told (an older save over a newer one left both behind).
-        raise CheckpointError(f"{directory}: holds both {INDEX_FILE} and {SINGLE_FILE}; which is current is ambiguous, remove one")
+        raise CheckpointError(f"{directory}: holds both {INDEX_FILE} and {SINGLE_FILE}; which is current is ambiguous, "
+                              "remove one")
     if os.path.exists(index):
         body = read_json_object(index, CheckpointError)
         wmap = body.get("weight_map")
@@ -128,7 +130,8 @@ def read_tensors(directory: str | os.PathLike[str], names: list[str], weight_map
                 held = set(f.keys())
                 for n in wanted:
                     if n not in held:
-                        raise CheckpointError(f"{path}: tensor {n!r} is not in the file (the checkpoint places it there)")
+                        raise CheckpointError(f"{path}: tensor {n!r} is not in the file (the checkpoint places "
+                                              "it there)")
                     out[n] = f.get_tensor(n)
         except CheckpointError:
             raise
@@ -158,9 +161,9 @@ def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: s
     for name in (reference, *tensors):
         if tensors[name].dtype not in WEIGHT_DTYPES:
             raise CheckpointError(
-                f"{where[name]}: tensor {name!r} has dtype {tensors[name].dtype}; checkpoint weights must be floating point, "
-                f"one of {', '.join(map(str, WEIGHT_DTYPES))} (or float8_e4m3fn with its *_scale_inv in a checkpoint whose "
-                "config.json declares quantization_config fp8, block [128, 128])"
+                f"{where[name]}: tensor {name!r} has dtype {tensors[name].dtype}; checkpoint weights must be "
+                f"floating point, one of {', '.join(map(str, WEIGHT_DTYPES))} (or float8_e4m3fn with its *_scale_inv "
+                "in a checkpoint whose config.json declares quantization_config fp8, block [128, 128])"
             )
     if cast:
         return
@@ -171,7 +174,8 @@ def check_dtypes(tensors: dict[str, Tensor], where: dict[str, str], reference: s
         if not ok:
             raise CheckpointError(
                 f"{where[name]}: tensor {name!r} has dtype {t.dtype}, but the checkpoint's weights are {want} "
-                f"(the dtype of {reference!r}); every weight must have that one floating dtype, or pass dtype= to cast all"
+                f"(the dtype of {reference!r}); every weight must have that one floating dtype, or pass dtype= to "
+                "cast all"
             )
 
 
@@ -236,14 +240,17 @@ def load_mtp_tensors(
     if extra:
         why = ""
         if extra[0].endswith(fp8.SCALE_SUFFIX):
-            why = ": a block scale, but config.json declares no quantization_config (quant_method fp8, weight_block_size [128, 128])"
-        raise CheckpointError(f"unexpected tensor {prefix + extra[0]!r} in the MTP layer{why} ({len(extra)} unexpected in all)")
+            why = (": a block scale, but config.json declares no quantization_config (quant_method fp8, "
+                   "weight_block_size [128, 128])")
+        raise CheckpointError(f"unexpected tensor {prefix + extra[0]!r} in the MTP layer{why} ({len(extra)} "
+                              "unexpected in all)")
     outer = [embed_name, "lm_head.weight"]
     tied = False
     if "lm_head.weight" not in wmap:
         tied = read_tie_word_embeddings(directory)
         if not tied:
-            raise CheckpointError(f"missing tensor 'lm_head.weight' (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
+            raise CheckpointError("missing tensor 'lm_head.weight' (expected shape "
+                                  f"{(cfg.vocab_size, cfg.hidden_size)})")
         outer.remove("lm_head.weight")
     if embed_name not in wmap:
         raise CheckpointError(f"missing tensor {embed_name!r} (expected shape {(cfg.vocab_size, cfg.hidden_size)})")
@@ -256,7 +263,8 @@ def load_mtp_tensors(
     if orphans:
         raise CheckpointError(f"unexpected tensor {prefix + orphans[0]!r} in the MTP layer: a scale of no weight "
                               f"({len(orphans)} such scales)")
-    tensors = read_tensors(directory, [prefix + n for n in expected] + outer + [prefix + n for n in sorted(expected_scales)], wmap)
+    tensors = read_tensors(directory,
+                           [prefix + n for n in expected] + outer + [prefix + n for n in sorted(expected_scales)], wmap)
     scale_tensors = {prefix + n: tensors.pop(prefix + n) for n in expected_scales}
     mtp = {n: tensors[prefix + n] for n in expected}
     for name, shape in expected.items():
@@ -290,7 +298,8 @@ def is_checkpoint_file(name: str) -> bool:
 
 def check_shard_size(shard_size: object) -> None:
     if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
-        raise ValueError(f"shard_size must be a positive integer (tensors per file) or None (one file), got {shard_size!r}")
+        raise ValueError("shard_size must be a positive integer (tensors per file) or None (one file), got "
+                         f"{shard_size!r}")
 
 
 def writable_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -307,7 +316,9 @@ def writable_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     for name, t in flat.items():
         if t.numel():
             start = t.data_ptr()
-            spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + t.numel() * t.element_size(), name))
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append(
+                (start, start + t.numel() * t.element_size(), name)
+            )
     for group in spans.values():
         end = -1
         for start, stop, name in sorted(group):
@@ -337,7 +348,8 @@ def _sibling(target: str, kind: str) -> str:
     return os.path.join(parent, f".{base}.{kind}-{secrets.token_hex(4)}")
 
 
-def write_checkpoint_files(directory: str, config: dict[str, Any], flat: dict[str, Tensor], shard_size: int | None) -> None:
+def write_checkpoint_files(directory: str, config: dict[str, Any], flat: dict[str, Tensor],
+                           shard_size: int | None) -> None:
     """``config.json`` and the safetensors (one file, or ``shard_size`` tensors a file plus the
     index, laid out as the hub's sharded checkpoints), each flushed to disk."""
     written = []
@@ -398,7 +410,8 @@ def swap_in(new: str, target: str) -> None:
             try:
                 os.rename(aside, target)
             except OSError as e:
-                raise OSError(f"save failed and the previous checkpoint could not be moved back: it is at {aside}") from e
+                raise OSError("save failed and the previous checkpoint could not be moved back: it is "
+                              f"at {aside}") from e
             raise
     except BaseException:
         for entry in reversed(moved):  # target is the previous folder again; return its companions
@@ -426,7 +439,8 @@ def check_save_target(directory: str | os.PathLike[str]) -> str:
                 f"({SINGLE_FILE} or {INDEX_FILE}); save into a new or empty folder"
             )
         if target == os.path.realpath(os.getcwd()):
-            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass another path")
+            raise ValueError(f"save: {target} is the current working directory, which a save replaces; pass "
+                             "another path")
     return target
 
 

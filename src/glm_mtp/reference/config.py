@@ -178,7 +178,8 @@ class MtpConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"MtpConfig.{name} must be a non-negative integer, got {value!r}")
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"MtpConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+            raise ValueError("MtpConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got "
+                             f"{self.qk_rope_head_dim}")
         if self.qk_rope_head_dim > self.index_head_dim:
             raise ValueError(
                 f"MtpConfig.index_head_dim ({self.index_head_dim}) must hold the "
@@ -224,10 +225,12 @@ class MtpConfig:
             raise ValueError(f"MtpConfig.index_kpool must be a positive integer in family 'glm5_next', got {kpool!r}")
         topk = self.index_topk
         if not isinstance(topk, bool) and isinstance(topk, int) and topk % kpool:
-            raise ValueError(f"MtpConfig.index_topk ({topk}) must be a multiple of index_kpool ({kpool}): rows are selected as whole pools")
+            raise ValueError(f"MtpConfig.index_topk ({topk}) must be a multiple of index_kpool ({kpool}): rows are "
+                             "selected as whole pools")
         rope = self.qk_rope_head_dim
         if isinstance(rope, bool) or not isinstance(rope, int) or rope != 0:
-            raise ValueError(f"MtpConfig.qk_rope_head_dim must be 0 in family 'glm5_next' (NoPE attention: no RoPE dims), got {rope!r}")
+            raise ValueError("MtpConfig.qk_rope_head_dim must be 0 in family 'glm5_next' (NoPE attention: no RoPE "
+                             f"dims), got {rope!r}")
         if not self.index_kpool_always_select_tail:
             raise ValueError(
                 "MtpConfig.index_kpool_always_select_tail must be true: without the tail a row before its first "
@@ -290,7 +293,8 @@ class MtpConfig:
         if next_family:
             raw, where = next_text_config(raw, where)
         elif not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{where}: model_type must be one of {SUPPORTED_MODEL_TYPES + NEXT_MODEL_TYPES}, got {model_type!r}")
+            raise ValueError(f"{where}: model_type must be one of {SUPPORTED_MODEL_TYPES + NEXT_MODEL_TYPES}, got "
+                             f"{model_type!r}")
         for name, want in (("scoring_func", "sigmoid"), ("hidden_act", "silu")):
             if name in raw and raw[name] != want:
                 raise ValueError(f"{where}: {name} must be {want!r} for this drafter, got {raw[name]!r}")
@@ -299,9 +303,12 @@ class MtpConfig:
                 raise ValueError(f"{where}: {name} must be a JSON object or null, got {raw[name]!r}")
         rope_scaling = raw.get("rope_scaling") or {}
         rope_params = raw.get("rope_parameters") or {}
-        rope_type = rope_scaling.get("type") or rope_scaling.get("rope_type") or rope_params.get("rope_type") or "default"
+        rope_type = (
+            rope_scaling.get("type") or rope_scaling.get("rope_type") or rope_params.get("rope_type") or "default"
+        )
         if rope_type != "default":
-            raise ValueError(f"{where}: rope_scaling / rope_parameters.rope_type {rope_type!r} is not supported (default RoPE only)")
+            raise ValueError(f"{where}: rope_scaling / rope_parameters.rope_type {rope_type!r} is not supported "
+                             "(default RoPE only)")
 
         required = [
             "hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -323,7 +330,8 @@ class MtpConfig:
             kwargs["rope_theta"] = hf_float(rope_params, "rope_theta", None, f"{where}: rope_parameters")
         else:
             kwargs["rope_theta"] = hf_float(raw, "rope_theta", None, where)
-        for name, default in (("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("max_position_embeddings", 4096),
+        for name, default in (("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1),
+                              ("max_position_embeddings", 4096),
                               ("first_k_dense_replace", 0), ("intermediate_size", 0)):
             kwargs[name] = hf_int(raw, name, default, where)
         # transformers' defaults where a file leaves a field out: GLM-5.3-Flash's eps is 1e-5

@@ -51,7 +51,12 @@ def hidden_fingerprint(hidden: Tensor) -> str:
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum``; ``ValueError`` naming the argument otherwise."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+    if (
+        isinstance(value, Tensor)
+        and value.numel() == 1
+        and not value.dtype.is_floating_point
+        and value.dtype != torch.bool
+    ):
         value = int(value.item())
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
@@ -98,7 +103,8 @@ def one_token(last_token: int | Tensor) -> int | Tensor:
     if isinstance(last_token, Tensor):
         check_strided("last_token", last_token)
         if last_token.dim() > 1 or last_token.numel() != 1:
-            raise ValueError(f"last_token must be an int or a tensor of one token id (0-d or (1,)), got shape {tuple(last_token.shape)}")
+            raise ValueError("last_token must be an int or a tensor of one token id (0-d or (1,)), got shape "
+                             f"{tuple(last_token.shape)}")
         return last_token.reshape(1)
     return last_token
 
@@ -123,7 +129,8 @@ def token_ids(name: str, tokens: Tokens, vocab_size: int, device: torch.device) 
     return ids
 
 
-def check_hiddens(name: str, hiddens: object, rows: int, weights: MtpWeights, device: torch.device, finite: bool = True) -> Tensor:
+def check_hiddens(name: str, hiddens: object, rows: int, weights: MtpWeights, device: torch.device,
+                  finite: bool = True) -> Tensor:
     """``hiddens`` checked to be ``(rows, H)`` of the weights' dtype on ``device`` (the state's),
     and finite unless ``finite`` is false (the optimized propose checks that on the device)."""
     H = weights.config.hidden_size
@@ -193,11 +200,13 @@ def check_temperature(temperature: object, logit_limit: float, acc: torch.dtype)
     info = torch.finfo(acc)
     rounded = round_to(value, acc)
     if not math.isfinite(rounded):
-        raise ValueError(f"temperature must be finite and > 0 in {acc} (its largest value is {info.max:.4g}), got {temperature!r}")
+        raise ValueError(f"temperature must be finite and > 0 in {acc} (its largest value is {info.max:.4g}), got "
+                         f"{temperature!r}")
     least = max(info.tiny, logit_limit / info.max)
     if not rounded >= least:
-        raise ValueError(f"temperature {temperature!r} is too small for {acc}: the draft distribution softmax(logits / T) "
-                         f"needs T >= {least:.3g} (the head's logits reach {logit_limit:.3g}; a smaller T overflows them to inf)")
+        raise ValueError(f"temperature {temperature!r} is too small for {acc}: the draft distribution "
+                         f"softmax(logits / T) needs T >= {least:.3g} (the head's logits reach {logit_limit:.3g}; a "
+                         "smaller T overflows them to inf)")
     return rounded
 
 
@@ -236,7 +245,8 @@ def state_device(weights: MtpWeights, device: torch.device | str) -> torch.devic
     """``alloc_state``'s device, which must be the weights' device."""
     device = torch.empty(0, device=device).device
     if device != weights.device:
-        raise ValueError(f"device must be the weights' device {weights.device}, got {device} (move them with MtpWeights.to)")
+        raise ValueError(f"device must be the weights' device {weights.device}, got {device} (move them with "
+                         "MtpWeights.to)")
     return device
 
 
@@ -304,7 +314,8 @@ def write_prefill(prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState, w
     with writing(state, "prefill_drafter"):
         write_rows(tokens[1:], hiddens[:-1], 0, state)
     rows = n - 1
-    logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n, (time.perf_counter() - t0) * 1e3)
+    logger.info("GLM MTP drafter prefill: %d rows (%d prompt tokens) in %.1f ms", rows, n,
+                (time.perf_counter() - t0) * 1e3)
     return rows
 
 
@@ -360,7 +371,8 @@ def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, po
                   state: DrafterState, weights: MtpWeights, capacity: int, device_checks: bool) -> ProposeArgs:
     position = check_int("position", position)
     if state.seq_len < position:
-        raise RuntimeError(f"{call}: the drafter holds {state.seq_len} rows, behind position {position}; catch up first")
+        raise RuntimeError(f"{call}: the drafter holds {state.seq_len} rows, behind position {position}; catch "
+                           "up first")
     token = one_token(last_token)
     vocab = weights.config.vocab_size
     if not isinstance(token, Tensor):
@@ -372,7 +384,11 @@ def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, po
         token = token_ids("last_token", token, vocab, state.device)
     if isinstance(target_hidden, Tensor):
         check_strided("target_hidden", target_hidden)
-    hidden = target_hidden.reshape(1, -1) if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1 else target_hidden
+    hidden = (
+        target_hidden.reshape(1, -1)
+        if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1
+        else target_hidden
+    )
     check_hiddens("target_hidden", hidden, 1, weights, state.device, finite=not device_checks)
     num_drafts = check_int("num_drafts", num_drafts)
     check_capacity(call, position + num_drafts, capacity)
@@ -487,7 +503,8 @@ class BatchPropose:
 
 
 def batch_propose_args(call: str, last_tokens: object, target_hiddens: object, positions: object, num_drafts: object,
-                       states: list[DrafterState], weights: MtpWeights, capacity: int, check_live_state: Callable[[DrafterState, str], None],
+                       states: list[DrafterState], weights: MtpWeights, capacity: int,
+                       check_live_state: Callable[[DrafterState, str], None],
                        device_checks: bool = False) -> BatchPropose:
     """Every check of ``propose_batch`` after the guards: the batch's own shapes, then each
     state's lifecycle (``check_live_state``) and propose checks (``propose_args``), in index order."""
@@ -501,7 +518,8 @@ def batch_propose_args(call: str, last_tokens: object, target_hiddens: object, p
         try:
             with batch_item(call, b):
                 check_live_state(st, call)
-                args.append(propose_args(call, tokens[b], hiddens[b], pos[b], num_drafts, st, weights, capacity, device_checks))
+                args.append(propose_args(call, tokens[b], hiddens[b], pos[b], num_drafts, st, weights, capacity,
+                                         device_checks))
         except (TypeError, ValueError, RuntimeError):
             if device_checks:  # an earlier state's data refuses first (index order): read it now, on refusal only
                 check_data(call, args, weights)
@@ -535,8 +553,16 @@ class CatchupRow:
     row_base: int
 
 
-def batch_catchup_args(call: str, tokens: object, hiddens: object, row_bases: object, states: list[DrafterState],
-                       weights: MtpWeights, capacity: int, check_live_state: Callable[[DrafterState, str], None]) -> list[CatchupRow]:
+def batch_catchup_args(
+    call: str,
+    tokens: object,
+    hiddens: object,
+    row_bases: object,
+    states: list[DrafterState],
+    weights: MtpWeights,
+    capacity: int,
+    check_live_state: Callable[[DrafterState, str], None],
+) -> list[CatchupRow]:
     """Every check of ``catchup_batch`` after the guards, each state's as ``catchup_drafter``'s
     with one row (``tokens[b]`` = t_{row_base+1}, ``hiddens[b]`` = h_{row_base}); returns the rows
     to write: a state whose ``row_bases[b]`` is not its ``seq_len`` writes nothing (the no-op rule)."""
@@ -548,7 +574,8 @@ def batch_catchup_args(call: str, tokens: object, hiddens: object, row_bases: ob
     for b, st in enumerate(states):
         with batch_item(call, b):
             check_live_state(st, call)
-            token = token_ids("tokens", [ids[b]] if not isinstance(ids[b], Tensor) else ids[b], weights.config.vocab_size, st.device)
+            token = token_ids("tokens", [ids[b]] if not isinstance(ids[b], Tensor) else ids[b],
+                              weights.config.vocab_size, st.device)
             base = check_int("row_base", bases[b])
             check_hiddens("hiddens", rows[b], 1, weights, st.device)
             check_capacity(call, base + 1, capacity)

@@ -97,9 +97,11 @@ class ShardSpec:
 # Launching ranks as processes on one machine (tests, CPU experiments).
 
 
-def _rank_main(rank: int, world: int, init_file: str, backend: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world: int, init_file: str, backend: str, timeout_s: float, fn: Callable,
+               args: tuple) -> None:
     dist.init_process_group(
-        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s)
     )
     fn(rank, world, *args)
     # Leave together, then skip the interpreter's teardown: a rank whose gloo threads are still
@@ -112,7 +114,8 @@ def _rank_main(rank: int, world: int, init_file: str, backend: str, timeout_s: f
     os._exit(0)
 
 
-def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0, backend: str = "gloo") -> None:
+def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0,
+           backend: str = "gloo") -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` processes joined in one process group.
 
     Raises ``RuntimeError`` with the failing rank's traceback if a rank raises or dies, and
@@ -125,7 +128,8 @@ def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, colle
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
-            _rank_main, args=(world, init_file, backend, collective_timeout_s, fn, args), nprocs=world, join=False, start_method="spawn"
+            _rank_main, args=(world, init_file, backend, collective_timeout_s, fn, args), nprocs=world, join=False,
+            start_method="spawn"
         )
         deadline = time.monotonic() + timeout_s
         try:
@@ -136,7 +140,8 @@ def launch(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0, colle
         except mp.ProcessRaisedException as e:
             raise RuntimeError(f"a rank raised:\n{e}") from None
         except mp.ProcessExitedException as e:
-            raise RuntimeError(f"rank {e.error_index} died (exit code {e.exit_code}); the others were stopped") from None
+            raise RuntimeError(f"rank {e.error_index} died (exit code {e.exit_code}); the others "
+                               "were stopped") from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():

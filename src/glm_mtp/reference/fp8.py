@@ -81,12 +81,17 @@ class BlockScaledWeight:
     def __post_init__(self) -> None:
         if not isinstance(self.w8, Tensor) or self.w8.dtype != FP8_DTYPE or self.w8.dim() < 2:
             raise ValueError(f"BlockScaledWeight.w8 must be a float8_e4m3fn tensor (..., N, K), got "
-                             f"{getattr(self.w8, 'dtype', type(self.w8).__name__)} {tuple(getattr(self.w8, 'shape', ()))}")
+                             f"{getattr(self.w8, 'dtype', type(self.w8).__name__)} "
+                             f"{tuple(getattr(self.w8, 'shape', ()))}")
         want = scale_shape(tuple(self.w8.shape))
-        if not isinstance(self.scale_inv, Tensor) or self.scale_inv.dtype != torch.float32 or tuple(self.scale_inv.shape) != want:
-            raise ValueError(f"BlockScaledWeight.scale_inv must be float32 of shape {want} (ceil(N/128), ceil(K/128)) for w8 "
-                             f"{tuple(self.w8.shape)}, got {getattr(self.scale_inv, 'dtype', None)} "
-                             f"{tuple(getattr(self.scale_inv, 'shape', ()))}")
+        if (
+            not isinstance(self.scale_inv, Tensor)
+            or self.scale_inv.dtype != torch.float32
+            or tuple(self.scale_inv.shape) != want
+        ):
+            raise ValueError(f"BlockScaledWeight.scale_inv must be float32 of shape {want} (ceil(N/128), "
+                             f"ceil(K/128)) for w8 {tuple(self.w8.shape)}, got "
+                             f"{getattr(self.scale_inv, 'dtype', None)} {tuple(getattr(self.scale_inv, 'shape', ()))}")
         if self.scale_inv.device != self.w8.device:
             raise ValueError(f"BlockScaledWeight: scale_inv is on {self.scale_inv.device}, w8 on {self.w8.device}")
 
@@ -214,7 +219,8 @@ QUANT_METHOD = "fp8"
 
 def quantization_config() -> dict[str, Any]:
     """What ``config.json`` says for a block-scaled checkpoint (as zai-org's FP8 releases)."""
-    return {"quant_method": QUANT_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
+    return {"quant_method": QUANT_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK)}
 
 
 def read_quantization(raw: dict[str, Any], where: str) -> bool:
@@ -231,14 +237,16 @@ def read_quantization(raw: dict[str, Any], where: str) -> bool:
     if not isinstance(q, dict):
         raise ValueError(f"{where}: quantization_config must be an object, got {q!r}")
     if q.get("quant_method") != QUANT_METHOD:
-        raise ValueError(f"{where}: quantization_config.quant_method must be {QUANT_METHOD!r} (block-scaled fp8 is the only "
-                         f"quantization this drafter reads), got {q.get('quant_method')!r}")
+        raise ValueError(f"{where}: quantization_config.quant_method must be {QUANT_METHOD!r} (block-scaled fp8 is "
+                         f"the only quantization this drafter reads), got {q.get('quant_method')!r}")
     block = q.get("weight_block_size")
     if not isinstance(block, list) or block != list(FP8_BLOCK):
-        raise ValueError(f"{where}: quantization_config.weight_block_size must be {list(FP8_BLOCK)} (one float32 scale per "
-                         f"128 x 128 block of the weight; other block sizes are not supported), got {block!r}")
+        raise ValueError(f"{where}: quantization_config.weight_block_size must be {list(FP8_BLOCK)} (one float32 "
+                         "scale per 128 x 128 block of the weight; other block sizes are not supported), got "
+                         f"{block!r}")
     if "fmt" in q and q["fmt"] != "e4m3":
-        raise ValueError(f"{where}: quantization_config.fmt must be 'e4m3' (weights stored as float8_e4m3fn), got {q['fmt']!r}")
+        raise ValueError(f"{where}: quantization_config.fmt must be 'e4m3' (weights stored as float8_e4m3fn), got "
+                         f"{q['fmt']!r}")
     return True
 
 
@@ -248,7 +256,8 @@ def non_finite_fp8(w8: Tensor) -> int:
 
 
 def pair_scales(
-    tensors: dict[str, Tensor], scales: dict[str, Tensor], where: dict[str, str], quantized: bool, check_finite: bool = True
+    tensors: dict[str, Tensor], scales: dict[str, Tensor], where: dict[str, str], quantized: bool,
+    check_finite: bool = True
 ) -> dict[str, Tensor | BlockScaledWeight]:
     """``tensors`` with each float8 weight replaced by its ``BlockScaledWeight`` (weight + its
     ``*_scale_inv`` from ``scales``). Raises ``ValueError`` naming the file and the tensor for a
@@ -264,25 +273,27 @@ def pair_scales(
             continue
         file = where[name]
         if not quantized:
-            raise ValueError(f"{file}: tensor {name!r} is {t.dtype}, but config.json has no quantization_config; a float8 "
-                             "weight needs quantization_config {quant_method: fp8, weight_block_size: [128, 128]} and its "
-                             f"{scale_name(name)!r}")
+            raise ValueError(f"{file}: tensor {name!r} is {t.dtype}, but config.json has no quantization_config; "
+                             "a float8 weight needs quantization_config {quant_method: fp8, weight_block_size: [128, "
+                             f"128]}} and its {scale_name(name)!r}")
         if t.dtype != FP8_DTYPE:
             raise ValueError(f"{file}: tensor {name!r} is {t.dtype}; block-scaled weights must be float8_e4m3fn")
         if not may_be_fp8(name):
-            raise ValueError(f"{file}: tensor {name!r} is float8, but this tensor stays bf16 in a block-scaled checkpoint "
-                             "(fp8 may be: q_a/q_b/kv_a/kv_b/o_proj, the indexer's wq_b and wk, shared and routed experts)")
+            raise ValueError(f"{file}: tensor {name!r} is float8, but this tensor stays bf16 in a block-scaled "
+                             "checkpoint (fp8 may be: q_a/q_b/kv_a/kv_b/o_proj, the indexer's wq_b and wk, shared and "
+                             "routed experts)")
         sname = scale_name(name)
         if sname not in scales:
-            raise ValueError(f"{file}: float8 tensor {name!r} has no scale {sname!r} (float32, one per 128 x 128 block)")
+            raise ValueError(f"{file}: float8 tensor {name!r} has no scale {sname!r} (float32, one per 128 x "
+                             "128 block)")
         s = scales[sname]
         want = scale_shape(tuple(t.shape))
         if s.dtype != torch.float32 or tuple(s.shape) != want:
-            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} is {s.dtype} {tuple(s.shape)}, expected float32 {want} "
-                             f"(ceil(N/128), ceil(K/128)) for weight {name!r} {tuple(t.shape)}")
+            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} is {s.dtype} {tuple(s.shape)}, expected "
+                             f"float32 {want} (ceil(N/128), ceil(K/128)) for weight {name!r} {tuple(t.shape)}")
         if not bool(torch.isfinite(s).all()):
-            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} holds {int((~torch.isfinite(s)).sum())} non-finite "
-                             "value(s) (NaN/inf); every block's scale must be finite")
+            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} holds {int((~torch.isfinite(s)).sum())} "
+                             "non-finite value(s) (NaN/inf); every block's scale must be finite")
         if check_finite and non_finite_fp8(t):
             raise ValueError(f"{file}: tensor {name!r} holds {non_finite_fp8(t)} NaN value(s) of {t.numel()}; pass "
                              "allow_non_finite=True to load it anyway")

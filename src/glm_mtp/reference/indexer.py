@@ -39,12 +39,14 @@ def normed_index_keys(ix: IndexerWeights, k: Tensor, ops: Numerics = PINNED) -> 
     return ops.layer_norm(k, ix.k_norm_weight, ix.k_norm_bias, K_NORM_EPS)
 
 
-def index_keys_from(ix: IndexerWeights, cfg: MtpConfig, k: Tensor, cos: Tensor, sin: Tensor, ops: Numerics = PINNED) -> Tensor:
+def index_keys_from(ix: IndexerWeights, cfg: MtpConfig, k: Tensor, cos: Tensor, sin: Tensor,
+                    ops: Numerics = PINNED) -> Tensor:
     """The cached indexer keys ``(T, D)`` of new rows from their raw keys ``k = wk(a)`` (T, D)."""
     return rope_first(normed_index_keys(ix, k, ops), cos, sin, cfg)
 
 
-def index_keys(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor, ops: Numerics = PINNED) -> Tensor:
+def index_keys(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, cos: Tensor, sin: Tensor,
+               ops: Numerics = PINNED) -> Tensor:
     """The indexer keys of new rows, as cached: ``(T, index_head_dim)``."""
     return index_keys_from(ix, cfg, ops.linear(a, ix.wk), cos, sin, ops)
 

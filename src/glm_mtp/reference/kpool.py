@@ -136,7 +136,9 @@ def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor
     kp.complete[done] = True
 
 
-def kpool_queries(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+def kpool_queries(
+    ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, ops: Numerics = PINNED
+) -> tuple[Tensor, Tensor]:
     """The index heads of new rows: queries ``(T, Hi, D)`` (S; no RoPE) and weights ``(T, Hi)``
     in A, ``up(weights_proj(a)) * Hi^-1/2``."""
     q = rearrange(ops.linear(q_latent, ix.wq_b), "t (h d) -> t h d", h=cfg.index_n_heads)  # (T, Hi, D)

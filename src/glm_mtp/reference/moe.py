@@ -51,7 +51,9 @@ def choose_experts(cfg: MtpConfig, logits: Tensor, bias: Tensor, ops: Numerics =
     if cfg.n_group > 1:
         grouped = rearrange(biased, "t (g e) -> t g e", g=cfg.n_group)
         group_score = ops.psum(grouped.topk(2, dim=-1).values)  # (T, G): best + second best
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, topk_indices(group_score, cfg.topk_group), True)
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+            1, topk_indices(group_score, cfg.topk_group), True
+        )
         keep = repeat(keep, "t g -> t (g e)", e=cfg.n_routed_experts // cfg.n_group)
         biased = biased.masked_fill(~keep, float("-inf"))
     experts = topk_indices(biased, cfg.num_experts_per_tok).sort(dim=-1).values  # (T, k)
@@ -115,7 +117,8 @@ def combine(weights: Tensor, y: Tensor, ops: Numerics = PINNED) -> Tensor:
     return total
 
 
-def moe_block(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = PINNED, outputs: ExpertFn = expert_outputs) -> Tensor:
+def moe_block(moe: MoeWeights, cfg: MtpConfig, m: Tensor, ops: Numerics = PINNED,
+              outputs: ExpertFn = expert_outputs) -> Tensor:
     """The MoE's output for its normed input ``m`` (T, H), in m's dtype. ``outputs`` computes
     the chosen experts' outputs (the optimized drafter passes one that needs no host read)."""
     experts, weights = route(moe, cfg, m, ops)

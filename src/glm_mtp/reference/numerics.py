@@ -145,7 +145,8 @@ def block_scaled_linear_acc(x: Tensor, weight: BlockScaledWeight) -> Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
     N, Kw = weight.shape
     if Kw != K:
-        raise ValueError(f"block-scaled linear: x has {K} input features, the weight {tuple(weight.shape)} expects {Kw}")
+        raise ValueError(f"block-scaled linear: x has {K} input features, the weight {tuple(weight.shape)} "
+                         f"expects {Kw}")
     bn, bk = FP8_BLOCK
     nb = -(-K // bk)
     A = acc_dtype(x.dtype)
@@ -349,5 +350,6 @@ class Numerics:
 
 
 PINNED = Numerics(True, linear, linear_acc, rms_norm, layer_norm, swiglu, sigmoid, psum)
-VENDOR = Numerics(False, linear_vendor, linear_acc_vendor, rms_norm_vendor, layer_norm_vendor, swiglu_vendor_checked, torch.sigmoid,
+VENDOR = Numerics(False, linear_vendor, linear_acc_vendor, rms_norm_vendor, layer_norm_vendor, swiglu_vendor_checked,
+                  torch.sigmoid,
                   lambda x: x.sum(-1))

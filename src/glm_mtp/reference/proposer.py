@@ -53,12 +53,15 @@ class DraftProposer(Protocol):
     def drafter_rows(self, state: DrafterState) -> int: ...
     def last_pair_key(self, state: DrafterState) -> int | None: ...
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int: ...
-    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int: ...
-    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]: ...
+    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int,
+                        state: DrafterState) -> int: ...
+    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                state: DrafterState) -> list[int]: ...
     def after_verify(self, num_accepted: int, state: DrafterState) -> None: ...
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
                       states: list[DrafterState]) -> list[list[int]]: ...
-    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]: ...
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
+                      states: list[DrafterState]) -> list[int]: ...
     def export_state(self, state: DrafterState) -> dict[str, Tensor]: ...
 
 
@@ -90,14 +93,16 @@ class SamplingProposer(DraftProposer, Protocol):
                         temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts: ...
 
 
-def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype,
+                      device: torch.device) -> Tensor:
     """The noise of a sampled propose: a ``(num_drafts, vocab_size)`` tensor of the acc dtype
     ``dtype`` on ``device`` (its values, positive and finite, are checked by the backend)."""
     if not isinstance(noise, Tensor):
         raise ValueError(f"noise must be a tensor, got {type(noise).__name__}")
     contract.check_strided("noise", noise)
     if tuple(noise.shape) != (num_drafts, vocab_size):
-        raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got {tuple(noise.shape)}")
+        raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got "
+                         f"{tuple(noise.shape)}")
     if noise.dtype != dtype:
         raise ValueError(f"noise must have the accumulation dtype {dtype}, got {noise.dtype}")
     if noise.device != device:
@@ -208,24 +213,29 @@ class ReferenceProposer:
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, state: DrafterState) -> None:
         end = row_base + tokens.shape[0]
         slots = torch.arange(row_base, end, device=state.device)
-        mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device), rows_read=end, hooks=self.hooks)
+        mtp_rows(self.weights, tokens, hiddens, slots, state.cache, self.rope(state.device), rows_read=end,
+                 hooks=self.hooks)
         state.seq_len = row_base + tokens.shape[0]
 
     def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int:
         """Write rows ``[0, n-1)`` from prompt ``t_0..t_{n-1}`` and hiddens ``h_0..h_{n-1}``."""
         with self.use(state, "prefill_drafter"):
             contract.check_live(state, "prefill_drafter")
-            return contract.write_prefill(prompt_tokens, hiddens, state, self._write_rows, self.weights, self.max_seq_len)
+            return contract.write_prefill(prompt_tokens, hiddens, state, self._write_rows, self.weights,
+                                          self.max_seq_len)
 
-    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int, state: DrafterState) -> int:
+    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int,
+                        state: DrafterState) -> int:
         """Write rows ``row_base + i`` pairing ``tokens[i] = t_{row_base+i+1}`` with
         ``hiddens[i] = h_{row_base+i}``. ``pos_base`` is ignored: a row's position is its slot."""
         with self.use(state, "catchup_drafter"):
             contract.check_live(state, "catchup_drafter")
-            return contract.write_catchup(tokens, hiddens, row_base, pos_base, state, self._write_rows, self.weights, self.capacity)
+            return contract.write_catchup(tokens, hiddens, row_base, pos_base, state, self._write_rows, self.weights,
+                                          self.capacity)
 
     # ---- drafting ----------------------------------------------------------------------
-    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState) -> list[int]:
+    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                state: DrafterState) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token``; draft 1 writes row ``position`` from
         ``(last_token, target_hidden)``, draft i > 1 row ``position + i - 1`` from the previous
         draft and the drafter's own hidden. Rewinds first if the drafter is ahead of ``position``."""
@@ -242,10 +252,13 @@ class ReferenceProposer:
         backend and device drafts the same tokens. Rows, ``x`` and counters are written as by
         ``propose`` (for the drafts drawn). Returns the drafts and the (k, V) ``q``."""
         with self.use(state, "propose_sampled"):
-            drafts, q = self._propose(last_token, target_hidden, position, num_drafts, state, (temperature, noise), "propose_sampled")
+            drafts, q = self._propose(last_token, target_hidden, position, num_drafts, state, (temperature, noise),
+                                      "propose_sampled")
             return SampledDrafts(drafts, q)
 
-    def sampling_inputs(self, temperature: object, noise: object, num_drafts: int, state: DrafterState) -> tuple[float, Tensor]:
+    def sampling_inputs(
+        self, temperature: object, noise: object, num_drafts: int, state: DrafterState
+    ) -> tuple[float, Tensor]:
         """``sampling_inputs`` for this drafter's weights and ``state``'s device."""
         return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device, self.logit_limit)
 
@@ -260,12 +273,14 @@ class ReferenceProposer:
         call = "propose_batch"
         states = contract.batch_states(call, states)
         with contract.guard_all(call, states, self.use):
-            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states, self.weights,
+            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
+                                                self.weights,
                                                 self.capacity, contract.check_live)
             with writing_all(states, call):
                 return [self._draft(args, st, call)[0] for args, st in zip(batch.args, states)]
 
-    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens, states: list[DrafterState]) -> list[int]:
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
+                      states: list[DrafterState]) -> list[int]:
         """``catchup_drafter`` of one row for many states: state b gets row ``row_bases[b]`` from
         ``tokens[b]`` and ``hiddens[b]`` (B, H), the row a fully accepted propose owes. Returns the
         rows written per state (0 where ``row_bases[b]`` is not the state's ``drafter_rows``).
@@ -283,17 +298,23 @@ class ReferenceProposer:
                 written[r.b] = 1
             return written
 
-    def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int, state: DrafterState,
+    def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                 state: DrafterState,
                  sample: tuple[object, object] | None = None, call: str = "propose") -> tuple[list[int], Tensor | None]:
         contract.check_live(state, call)
-        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, state, self.weights, self.capacity)
+        args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, state, self.weights,
+                                     self.capacity)
         return self._draft(args, state, call, sample)
 
     def _draft(self, args: contract.ProposeArgs, state: DrafterState, call: str,
                sample: tuple[object, object] | None = None) -> tuple[list[int], Tensor | None]:
         """A propose after its checks: the rewind, the draft steps, the counters."""
         position, num_drafts, hidden = args.position, args.num_drafts, args.hidden
-        token = args.token if isinstance(args.token, Tensor) else torch.tensor([args.token], dtype=torch.int64, device=state.device)
+        token = (
+            args.token
+            if isinstance(args.token, Tensor)
+            else torch.tensor([args.token], dtype=torch.int64, device=state.device)
+        )
         temp = noise = None
         if sample is not None:
             temperature, noise = self.sampling_inputs(*sample, num_drafts, state)
@@ -307,7 +328,8 @@ class ReferenceProposer:
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
-                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1, hooks=self.hooks)
+                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1,
+                               hooks=self.hooks)
                 logits = draft_logits(self.weights, out.x)  # (1, V) in S
                 if temp is None:
                     token = greedy_token(logits)  # (1,)

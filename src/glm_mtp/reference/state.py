@@ -157,7 +157,9 @@ _CLAIM = threading.Lock()
 
 
 @contextmanager
-def use_state(state: DrafterState, call: str, drafter: str, state_type: type, weights: Any, capacity: int) -> Iterator[DrafterState]:
+def use_state(
+    state: DrafterState, call: str, drafter: str, state_type: type, weights: Any, capacity: int
+) -> Iterator[DrafterState]:
     """The guard of every public call on a state: the state must come from this drafter, and it
     has one caller at a time.
 
@@ -173,16 +175,20 @@ def use_state(state: DrafterState, call: str, drafter: str, state_type: type, we
         RuntimeError: another call (another thread, or a call made from inside one) is using it.
     """
     if type(state) is not state_type:
-        raise TypeError(f"{call}: state must come from {drafter}.alloc_state (a {state_type.__name__}), got {type(state).__name__}")
+        raise TypeError(f"{call}: state must come from {drafter}.alloc_state (a {state_type.__name__}), got "
+                        f"{type(state).__name__}")
     owner = state.owner
     if owner is None or not owner.serves(weights):
-        raise ValueError(f"{call}: the state was allocated by a drafter on other weights; use that drafter's states only")
+        raise ValueError(f"{call}: the state was allocated by a drafter on other weights; use that drafter's "
+                         "states only")
     if owner.capacity != capacity:
-        raise ValueError(f"{call}: the state holds {owner.capacity} rows, this drafter's capacity is {capacity} (another max_seq_len)")
+        raise ValueError(f"{call}: the state holds {owner.capacity} rows, this drafter's capacity is {capacity} "
+                         "(another max_seq_len)")
     me = threading.get_ident()
     with _CLAIM:
         if state.user is not None:
-            raise RuntimeError(f"{call}: the state is in use by another call (thread {state.user}); a state has one caller at a time")
+            raise RuntimeError(f"{call}: the state is in use by another call (thread {state.user}); a state has one "
+                               "caller at a time")
         state.user = me
     try:
         yield state
@@ -195,7 +201,8 @@ def check_sound(state: DrafterState, call: str) -> None:
     if state.released:
         raise RuntimeError(f"{call}: the state was freed (free_state); allocate a new one")
     if state.poisoned is not None:
-        raise RuntimeError(f"{call}: the state is unusable: {state.poisoned}; free it (free_state) and allocate a new one")
+        raise RuntimeError(f"{call}: the state is unusable: {state.poisoned}; free it (free_state) and allocate "
+                           "a new one")
 
 
 @contextmanager

@@ -17,7 +17,8 @@ from torch import Tensor
 from . import fp8
 from .bytes import same_bytes
 from .checkpoint import (
-    WEIGHT_DTYPES, check_checkpoint_directory, check_shard_size, count_non_finite, float32_tensor, load_mtp_tensors, save_checkpoint,
+    WEIGHT_DTYPES, check_checkpoint_directory, check_shard_size, count_non_finite, float32_tensor, load_mtp_tensors,
+    save_checkpoint,
 )
 from .config import MtpConfig
 from .distributed import ShardSpec, ep_propose_enabled
@@ -149,10 +150,13 @@ def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
 
 def embed_head_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     """Absolute checkpoint name -> shape for the tensors an MTP drafter reads outside its layer."""
-    return {cfg.embed_tokens_name: (cfg.vocab_size, cfg.hidden_size), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+    return {cfg.embed_tokens_name: (cfg.vocab_size, cfg.hidden_size),
+            "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
 
 
-def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: bool = True, experts: range | None = None) -> DecoderLayerWeights:
+def decoder_layer_from_tensors(
+    cfg: MtpConfig, t: dict[str, Tensor], sparse: bool = True, experts: range | None = None
+) -> DecoderLayerWeights:
     """Build a layer from tensors keyed by their layer-relative checkpoint names (of the routed
     experts, only those in ``experts`` when given: a shard's block)."""
     attn = AttentionWeights(
@@ -179,14 +183,17 @@ def decoder_layer_from_tensors(cfg: MtpConfig, t: dict[str, Tensor], sparse: boo
         shared = None
         if cfg.n_shared_experts:
             shared = MlpWeights(
-                t["mlp.shared_experts.gate_proj.weight"], t["mlp.shared_experts.up_proj.weight"], t["mlp.shared_experts.down_proj.weight"]
+                t["mlp.shared_experts.gate_proj.weight"], t["mlp.shared_experts.up_proj.weight"],
+                t["mlp.shared_experts.down_proj.weight"]
             )
         mlp = MoeWeights(
             router=t["mlp.gate.weight"],
             e_score_correction_bias=t["mlp.gate.e_score_correction_bias"].float(),
-            experts_gate=fp8.stack_weights([t[f"mlp.experts.{e}.gate_proj.weight"] for e in held], "mlp.experts.*.gate_proj"),
+            experts_gate=fp8.stack_weights([t[f"mlp.experts.{e}.gate_proj.weight"] for e in held],
+                                           "mlp.experts.*.gate_proj"),
             experts_up=fp8.stack_weights([t[f"mlp.experts.{e}.up_proj.weight"] for e in held], "mlp.experts.*.up_proj"),
-            experts_down=fp8.stack_weights([t[f"mlp.experts.{e}.down_proj.weight"] for e in held], "mlp.experts.*.down_proj"),
+            experts_down=fp8.stack_weights([t[f"mlp.experts.{e}.down_proj.weight"] for e in held],
+                                           "mlp.experts.*.down_proj"),
             shared=shared,
             swiglu_limit=cfg.swiglu_limit,
         )
@@ -220,7 +227,8 @@ def decoder_layer_to_tensors(layer: DecoderLayerWeights) -> dict[str, Tensor]:
     if (isinstance(m, MoeWeights) and m.shard is not None) or layer.attn.shard is not None:
         raise ValueError("a sharded layer holds part of the tensors; save the unsharded weights instead")
     if isinstance(m, MlpWeights):
-        out.update({"mlp.gate_proj.weight": m.gate_proj, "mlp.up_proj.weight": m.up_proj, "mlp.down_proj.weight": m.down_proj})
+        out.update({"mlp.gate_proj.weight": m.gate_proj, "mlp.up_proj.weight": m.up_proj,
+                    "mlp.down_proj.weight": m.down_proj})
         return out
     out["mlp.gate.weight"] = m.router
     out["mlp.gate.e_score_correction_bias"] = m.e_score_correction_bias
@@ -235,7 +243,8 @@ def decoder_layer_to_tensors(layer: DecoderLayerWeights) -> dict[str, Tensor]:
     return out
 
 
-def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device | str = "cpu") -> Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator,
+                  device: torch.device | str = "cpu") -> Tensor:
     """A float32 init for a tensor by its name: norms near 1, biases small, matrices ~ 1/sqrt(fan_in)."""
     t = torch.randn(shape, generator=gen, device=device)
     if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
@@ -269,7 +278,8 @@ def check_device(name: str, device: object) -> torch.device:
     if isinstance(device, torch.device):
         return device
     if not isinstance(device, str):
-        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', got "
+                         f"{type(device).__name__}")
     try:
         return torch.device(device)
     except RuntimeError as e:
@@ -283,12 +293,13 @@ def check_cast_finite(name: str, before: Tensor, after: Tensor) -> None:
         return
     bad = count_non_finite(after)
     if bad and bad > count_non_finite(before):
-        raise ValueError(f"tensor {name!r}: casting {before.dtype} to {after.dtype} overflows {bad - count_non_finite(before)} "
-                         f"finite value(s) to inf (the largest {after.dtype} value is {torch.finfo(after.dtype).max:g}); "
-                         "keep a wider dtype")
+        raise ValueError(f"tensor {name!r}: casting {before.dtype} to {after.dtype} overflows "
+                         f"{bad - count_non_finite(before)} finite value(s) to inf (the largest {after.dtype} value is "
+                         f"{torch.finfo(after.dtype).max:g}); keep a wider dtype")
 
 
-def check_shard_args(call: str, names: tuple[str, str, str], rank: object, world: object, row_parallel_o_proj: object) -> None:
+def check_shard_args(call: str, names: tuple[str, str, str], rank: object, world: object,
+                     row_parallel_o_proj: object) -> None:
     """The expert-parallel arguments (``names``: how ``call`` calls rank, world and
     row_parallel_o_proj): integers with ``0 <= rank < world`` and a bool flag, checked even when
     ``world == 1`` shards nothing (a rank of 3 in a world of 1 is a mistake, not a no-op)."""
@@ -389,7 +400,8 @@ class MtpWeights:
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def from_tensors(
-        cls, cfg: MtpConfig, mtp: dict[str, Tensor], embed_tokens: Tensor, lm_head: Tensor, shard: ShardSpec | None = None
+        cls, cfg: MtpConfig, mtp: dict[str, Tensor], embed_tokens: Tensor, lm_head: Tensor,
+        shard: ShardSpec | None = None
     ) -> MtpWeights:
         """From MTP-layer tensors keyed by layer-relative names plus the target's embedding and
         head. With ``shard``, keep this rank's experts (the others may be absent from ``mtp``)
@@ -491,11 +503,13 @@ class MtpWeights:
 
         mtp = {n: moved(n, t) for n, t in self.mtp_tensors().items()}
         return MtpWeights.from_tensors(
-            self.config, mtp, moved("model.embed_tokens.weight", self.embed_tokens), moved("lm_head.weight", self.lm_head)
+            self.config, mtp, moved("model.embed_tokens.weight", self.embed_tokens),
+            moved("lm_head.weight", self.lm_head)
         )
 
     # ---- checkpoints ----------------------------------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike[str], shard_size: int | None = None, extra: dict[str, Tensor] | None = None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike[str], shard_size: int | None = None,
+                        extra: dict[str, Tensor] | None = None) -> None:
         """Write ``config.json`` and safetensors in GLM-5 naming (sharded with an index when
         ``shard_size`` tensors-per-file is given). ``extra`` adds tensors, e.g. a target's layers.
 
@@ -557,9 +571,12 @@ class MtpWeights:
         if not isinstance(allow_non_finite, bool):
             raise ValueError(f"{call}: allow_non_finite must be a bool, got {type(allow_non_finite).__name__}")
         cfg = MtpConfig.from_hf_config(directory)
-        spec = ShardSpec(ep_rank, ep_world, group, row_parallel_o_proj) if ep_world > 1 and ep_propose_enabled() else None
+        spec = (
+            ShardSpec(ep_rank, ep_world, group, row_parallel_o_proj) if ep_world > 1 and ep_propose_enabled() else None
+        )
         if spec is not None and cfg.n_routed_experts % ep_world:
-            raise ValueError(f"{call}: ep_world={ep_world} must divide the checkpoint's n_routed_experts={cfg.n_routed_experts}")
+            raise ValueError(f"{call}: ep_world={ep_world} must divide the checkpoint's "
+                             f"n_routed_experts={cfg.n_routed_experts}")
         mtp, embed, head = load_mtp_tensors(
             directory,
             cfg,
@@ -576,13 +593,16 @@ class MtpWeights:
             return out
 
         mtp = {n: place(n, t) for n, t in mtp.items()}
-        return cls.from_tensors(cfg, mtp, place("model.embed_tokens.weight", embed), place("lm_head.weight", head), spec)
+        return cls.from_tensors(cfg, mtp, place("model.embed_tokens.weight", embed), place("lm_head.weight", head),
+                                spec)
 
 
 def weights_equal(a: MtpWeights, b: MtpWeights) -> bool:
     """Byte equality of every tensor and equal configs."""
     sa, sb = a.state_dict(), b.state_dict()
-    return a.config == b.config and sa.keys() == sb.keys() and all(same_bytes(sa[k], sb[k].to(sa[k].device)) for k in sa)
+    return (
+        a.config == b.config and sa.keys() == sb.keys() and all(same_bytes(sa[k], sb[k].to(sa[k].device)) for k in sa)
+    )
 
 
 __all__ = [

@@ -278,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="python -m glm_mtp.tools.audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture to compile for (default sm_90)")
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET",
-                        help=f"MtpConfig presets (default {' '.join(DEFAULT_PRESETS)}; known: {' '.join(sorted(PRESETS))})")
+                        help=f"MtpConfig presets (default {' '.join(DEFAULT_PRESETS)}; known: "
+                             f"{' '.join(sorted(PRESETS))})")
     parser.add_argument("--modules", nargs="+", metavar="MODULE",
                         help="audit these modules' audit_launches(cfg, dtype) instead of the drafter's kernels "
                              "(a kernel in development; the audit's own tests)")

@@ -377,7 +377,8 @@ class LaunchCounter:
             finally:
                 counter._in_triton -= 1
                 counter._current = outer
-                counter.records.append(LaunchRecord("triton", launch.name, launch.loads.nbytes, launch.stores.nbytes, launch.grid))
+                counter.records.append(LaunchRecord("triton", launch.name, launch.loads.nbytes, launch.stores.nbytes,
+                                                    launch.grid))
 
         def grid_dim(self_, nx, ny, nz):
             if counter._current is not None:
@@ -483,10 +484,11 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     device = weights.device
     if backend == "optimized":
         if kernels == "triton" and device.type == "cpu" and not interpreting():
-            raise RuntimeError("measure_draft_step: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported "
-                               "(run python -m glm_mtp.tools.counters)")
+            raise RuntimeError("measure_draft_step: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before triton "
+                               "is imported (run python -m glm_mtp.tools.counters)")
         if device.type != "cpu" and kernels != "torch":
-            raise RuntimeError("measure_draft_step: Triton launches are counted through the CPU interpreter; use CPU weights")
+            raise RuntimeError("measure_draft_step: Triton launches are counted through the CPU interpreter; use "
+                               "CPU weights")
         prop = backend_class("optimized")(weights, max_seq_len, kernels=kernels)
         # The context rows come from the kernels' torch twins (byte-equal to them, and not what
         # is measured): the interpreter would spend most of the run there.
@@ -540,7 +542,8 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     )
 
 
-def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16, max_seq_len: int = 64,
+def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16,
+                       max_seq_len: int = 64,
                        seed: int = 0) -> dict[str, Any]:
     """Launches and bytes of one batched draft step (``propose_batch``) over ``batch`` states,
     measured as ``measure_draft_step`` measures one state's: counts(k=2) - counts(k=1), after an
@@ -553,7 +556,8 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
 
     device = weights.device
     if kernels == "triton" and device.type == "cpu" and not interpreting():
-        raise RuntimeError("measure_batch_step: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
+        raise RuntimeError("measure_batch_step: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before triton is "
+                           "imported")
     prop = backend_class("optimized")(weights, max_seq_len, kernels=kernels, max_batch=max(batch, 1))
     prefiller = backend_class("optimized")(weights, max_seq_len, kernels="torch")
     cfg = weights.config
@@ -564,7 +568,8 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
         for b, st in enumerate(states):
             n = context + 3 * b + 1
             if n + 3 > prop.capacity:
-                raise ValueError(f"measure_batch_step: state {b} holds {n - 1} rows, past the capacity {prop.capacity}; raise max_seq_len")
+                raise ValueError(f"measure_batch_step: state {b} holds {n - 1} rows, past the capacity "
+                                 f"{prop.capacity}; raise max_seq_len")
             prompt = torch.randint(cfg.vocab_size, (n,), generator=gen, device=device)
             hiddens = torch.randn(n, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
             prefiller.prefill_drafter(prompt, hiddens, st)
@@ -581,7 +586,8 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
             for st in states:
                 prop.after_verify(0, st)
 
-        prop.batch_buffers(device).out(1), prop.batch_buffers(device).out(2)  # allocated on first use: not a step's cost
+        # allocated on first use: not a step's cost
+        prop.batch_buffers(device).out(1), prop.batch_buffers(device).out(2)
         c1 = counted(propose(1))
         verify()
         c2 = counted(propose(2))
@@ -594,7 +600,8 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
         kernels=kernels, preset=cfg_name(weights), dtype=str(weights.dtype).removeprefix("torch."), batch=batch,
         context_rows=held, max_seq_len=prop.max_seq_len,
         launches_per_step=c2.launches - c1.launches, triton_launches_per_step=c2.triton_launches - c1.triton_launches,
-        kernel_bytes_per_step=step_bytes, kernel_bytes_per_row=step_bytes / max(batch, 1), syncs_per_step=c2.syncs - c1.syncs,
+        kernel_bytes_per_step=step_bytes, kernel_bytes_per_row=step_bytes / max(batch, 1),
+        syncs_per_step=c2.syncs - c1.syncs,
         launches_per_propose_overhead=2 * c1.launches - c2.launches,
         by_name_2=c2.by_name(),
     )
@@ -615,7 +622,8 @@ def cfg_name(weights: MtpWeights) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m glm_mtp.tools.counters",
-                                description="Kernel launches and bytes per draft step, counted in Triton's CPU interpreter.")
+                                description="Kernel launches and bytes per draft step, counted in Triton's CPU "
+                                            "interpreter.")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="optimized", choices=["optimized", "reference"])
@@ -626,9 +634,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (else a short table)")
     p.add_argument("--weights", default="plain", choices=["plain", "fp8"],
-                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by quantize_fp8)")
+                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by "
+                        "quantize_fp8)")
     p.add_argument("--batch", type=int, default=None,
-                   help="measure one batched draft step (propose_batch) over this many states instead (optimized backend)")
+                   help="measure one batched draft step (propose_batch) over this many states instead (optimized "
+                        "backend)")
     a = p.parse_args(argv)
     from glm_mtp.reference import MtpConfig
     from glm_mtp.registry import parse_dtype
@@ -648,7 +658,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.batch is not None:
         if a.batch < 1 or a.backend != "optimized":
             p.error("--batch must be >= 1, with --backend optimized")
-        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len,
+                                    seed=a.seed)
         result["preset"] = a.preset
         if a.json:
             print(json.dumps(result))
@@ -656,7 +667,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{a.preset} {a.dtype} batch {a.batch}: {result['launches_per_step']} launches/step, "
                   f"{result['kernel_bytes_per_step']} bytes/step ({result['kernel_bytes_per_row']:.0f} per row)")
         return
-    result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+    result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len,
+                                seed=a.seed)
     result["preset"], result["weights"] = a.preset, a.weights
     if a.json:
         print(json.dumps(result))
@@ -664,7 +676,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{a.preset} {a.dtype} ({a.weights} weights) {a.backend}: {result['launches_per_draft']} launches/draft "
           f"({result['triton_launches_per_draft']} Triton), {result['kernel_bytes_per_draft']} bytes/draft, "
           f"floor {result['floor_bytes_per_draft']} bytes (x{result['kernel_floor_ratio']:.2f}); "
-          f"per propose +{result['launches_per_propose_overhead']} launches, +{result['kernel_bytes_per_propose_overhead']} bytes")
+          f"per propose +{result['launches_per_propose_overhead']} launches, "
+          f"+{result['kernel_bytes_per_propose_overhead']} bytes")
     for name, d in sorted(result["by_name_2"].items(), key=lambda kv: -kv[1]["bytes"])[:25]:
         print(f"  {d['launches']:5d} x {name:60s} {d['bytes']:12d} B")
 

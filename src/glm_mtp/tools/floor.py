@@ -43,7 +43,8 @@ class StepBytes:
         return self.layer + self.head + self.cache
 
 
-def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2, block_scaled: bool = False) -> StepBytes:
+def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2,
+                     block_scaled: bool = False) -> StepBytes:
     """The floor of one draft step at ``visible_rows`` rows visible to it (its own included),
     with weights of ``storage_bytes`` per value (2: bf16):
 

@@ -46,7 +46,8 @@ AUDITED = (embed, rope_cache, linear, linear_fp8, fused_linear, mla, indexer, pi
 __all__ = [
     "embed_rows_torch", "embed_rows_triton",
     "argmax_reduce_torch", "argmax_reduce_triton", "block_input_torch", "block_input_triton", "head_partials_torch",
-    "head_partials_triton", "linear_residual_torch", "linear_residual_triton", "norm_linear_torch", "norm_linear_triton",
+    "head_partials_triton", "linear_residual_torch", "linear_residual_triton", "norm_linear_torch",
+    "norm_linear_triton",
     "index_scores_torch", "index_scores_triton", "select_rows_torch", "select_rows_triton",
     "pool_keys_write_torch", "pool_keys_write_triton", "pool_scores_torch", "pool_scores_triton", "pools_forget_torch",
     "pools_forget_triton", "select_pool_rows_torch", "select_pool_rows_triton",

@@ -642,7 +642,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         launches.append(AuditLaunch("block_input", variant, block_input_launch(
             a(V, H), a(T, dt=torch.int64), a(T, dt=torch.int64), a(T, H), a(H), a(H), cfg.rms_norm_eps,
             a(H, 2 * H), a(T, H), cuda=True)))
-        attn_in = [a(Lq, H), a(cfg.kv_row_width, H), a(D, H), a(Hi, H)] + ([a(D, H)] if cfg.is_next else [])  # + the KPool gate
+        # + the KPool gate
+        attn_in = [a(Lq, H), a(cfg.kv_row_width, H), a(D, H), a(Hi, H)] + ([a(D, H)] if cfg.is_next else [])
         launches.append(AuditLaunch("norm_linear:input", variant, norm_linear_launch(
             a(T, H), a(H), cfg.rms_norm_eps, attn_in, [a(T, w.shape[0]) for w in attn_in], cuda=True)))
         q_b = [a(nh * cfg.qk_head_dim, Lq), a(Hi * D, Lq)]

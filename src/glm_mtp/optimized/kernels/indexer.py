@@ -281,8 +281,8 @@ def index_scores_launch(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: 
         raise TypeError(f"index_scores_triton: cache dtype {dtype} / angle dtype {cos.dtype} is not supported")
     T = q.shape[0]
     if q.shape != (T, Hi * D) or w.shape != (T, Hi) or cos.shape != (T, max(R // 2, 1)) or sin.shape != cos.shape:
-        raise ValueError(f"index_scores_triton: q {tuple(q.shape)}, w {tuple(w.shape)}, cos {tuple(cos.shape)} do not fit "
-                         f"Hi={Hi}, D={D}, R={R}, T={T}")
+        raise ValueError(f"index_scores_triton: q {tuple(q.shape)}, w {tuple(w.shape)}, cos {tuple(cos.shape)} do "
+                         f"not fit Hi={Hi}, D={D}, R={R}, T={T}")
     if slots.shape != (T,):
         raise ValueError(f"index_scores_triton: slots must be ({T},), got {tuple(slots.shape)}")
     for name, x in (("q", q), ("w", w)):
@@ -354,8 +354,15 @@ def select_rows_launch(scores: Tensor, slots: Tensor, rows: Tensor, count: Tenso
     W = rows.shape[1]
     K = W if kpool == 1 else topk
     if kpool != 1 and (topk is None or W != topk * kpool + kpool - 1):
-        raise ValueError(f"select_rows_triton: pools of {kpool} rows need topk and a list of topk * kpool + kpool - 1 rows")
-    if rows.shape != (T, W) or rows.dtype != torch.int64 or rows.stride(-1) != 1 or count.shape != (T,) or count.dtype != torch.int64:
+        raise ValueError(f"select_rows_triton: pools of {kpool} rows need topk and a list of topk * kpool + kpool "
+                         "- 1 rows")
+    if (
+        rows.shape != (T, W)
+        or rows.dtype != torch.int64
+        or rows.stride(-1) != 1
+        or count.shape != (T,)
+        or count.dtype != torch.int64
+    ):
         raise ValueError("select_rows_triton: rows must be int64 (T, K), count int64 (T,)")
     args = (scores, slots, rows, count, S, K, W, scores.stride(0), rows.stride(0))
     meta = dict(BLOCK=SELECT_BLOCK, RADIX=RADIX_BITS, KPOOL=kpool, enable_fp_fusion=False)

@@ -112,7 +112,8 @@ def _pool_keys_kernel(
     ok = tl.load(ok_ptr) != 0
     done = ok & ((slot + 1) % KP == 0)  # this row completes its pool
     if done:
-        # Row t's index pool (blocks, 16, D) and block table; its gates (capacity, D), keys (pools, D), complete (pools,).
+        # Row t's index pool (blocks, 16, D) and block table; its gates (capacity, D), keys (pools, D), complete
+        # (pools,).
         _, index_ptr, table_ptr = row_pools(addresses_ptr, t, addr_stride, TO_BF16)
         gates_ptr, keys_ptr, complete_ptr = row_kpool(addresses_ptr, t, addr_stride, TO_BF16)
         pool = slot // KP
@@ -154,7 +155,8 @@ def pool_keys_write_launch(cfg: MtpConfig, ape: Tensor, slots: Tensor, caches: L
     dtype = check_kpool(name, cfg, rc, T)
     check_ok(name, ok)
     if tuple(ape.shape) != (kp, D) or ape.dtype != dtype or not ape.is_contiguous():
-        raise ValueError(f"{name}: kpool_ape must be a contiguous ({kp}, {D}) {dtype} tensor, got {tuple(ape.shape)} {ape.dtype}")
+        raise ValueError(f"{name}: kpool_ape must be a contiguous ({kp}, {D}) {dtype} tensor, got {tuple(ape.shape)} "
+                         f"{ape.dtype}")
     block_c = min(next_pow2(D), MAX_BLOCK_C)
     cuda = rc.addresses.is_cuda if cuda is None else cuda
     args = (slots, ok.view(torch.uint8), rc.addresses, rc.stride, ape, D)
@@ -276,7 +278,8 @@ def pool_scores_launch(cfg: MtpConfig, q_raw: Tensor, w_raw: Tensor, caches: Lay
         raise ValueError(f"{name}: out must be float32 (T, P) = ({T}, {P})")
     block_d, block_h = next_pow2(D), next_pow2(Hi)
     block_p = max(1, min(next_pow2(max(P, 1)), max(1, 4096 // block_d)))
-    args = (q_raw, w_raw, rc.addresses, rc.stride, slots, out, P, Hi, D, q_raw.stride(0), w_raw.stride(0), out.stride(0),
+    args = (q_raw, w_raw, rc.addresses, rc.stride, slots, out, P, Hi, D, q_raw.stride(0), w_raw.stride(0),
+            out.stride(0),
             float32_bits(Hi**-0.5), float32_bits(D**-0.5))
     meta = dict(KP=kp, BLOCK_P=block_p, BLOCK_D=block_d, LEVELS_D=block_d.bit_length() - 1, BLOCK_H=block_h,
                 LEVELS_H=block_h.bit_length() - 1, TO_BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
@@ -309,7 +312,8 @@ def pool_scores_triton(cfg: MtpConfig, q_raw: Tensor, w_raw: Tensor, caches: Lay
     pools ``p < (slot + 1) // kp``; past them the scores are not written (no reader looks:
     ``select_pool_rows_triton`` reads a row's visible pools only)."""
     rc = row_caches(caches)
-    out = torch.empty(slots.shape[0], rc.caches[0].capacity // cfg.index_kpool, dtype=torch.float32, device=q_raw.device)
+    out = torch.empty(slots.shape[0], rc.caches[0].capacity // cfg.index_kpool, dtype=torch.float32,
+                      device=q_raw.device)
     if out.numel():
         pool_scores_launch(cfg, q_raw, w_raw, rc, slots, out).run()
     return out
@@ -420,7 +424,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             RowCaches((cache,), abstract((1, ADDRESS_COLUMNS), torch.int64))
         scores = abstract((T, P), torch.float32)
         out += [
-            AuditLaunch("kpool:pool_keys_write", variant, pool_keys_write_launch(cfg, ape, slots, caches, ok, cuda=True)),
+            AuditLaunch("kpool:pool_keys_write", variant,
+                        pool_keys_write_launch(cfg, ape, slots, caches, ok, cuda=True)),
             AuditLaunch("kpool:pool_scores", variant, pool_scores_launch(
                 cfg, abstract((T, Hi * D), dtype), abstract((T, Hi), dtype), caches, slots, scores)),
             AuditLaunch("kpool:pools_forget", variant, pools_forget_launch(cfg, slots, caches, ok)),

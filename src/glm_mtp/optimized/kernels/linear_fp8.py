@@ -206,7 +206,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         for variant, tokens in (("step", 1), ("rows", 8)):
             T = tokens * per_token
             out = abstract((T, N), torch.float32 if acc else dtype)
-            launches.append(AuditLaunch(f"linear_fp8:{name}", variant, linear_fp8_launch(abstract((T, K), dtype), w8, s, out,
+            launches.append(AuditLaunch(f"linear_fp8:{name}", variant,
+                                        linear_fp8_launch(abstract((T, K), dtype), w8, s, out,
                                                                                          cuda=True)))
     # The decoder's own handle (the byte test's), so its instructions are audited alone too.
     decode = Launch(_e4m3_kernel, (1,), (abstract((256,), torch.uint8), abstract((256,), torch.float32), 256),

@@ -243,7 +243,9 @@ def _gemv_meta(N: int, K: int, cap_k: int, tile: int, to_bf16: bool, cuda: bool)
 # ---- the absorbed query -------------------------------------------------------------------------
 
 
-def absorbed_query_torch(cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def absorbed_query_torch(
+    cfg: MtpConfig, q: Tensor, kv_b_proj: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor]:
     """The twin: ``latent_query``'s split and RoPE after ``q_b_proj`` and ``absorb_query``, the
     reference's own code. ``q`` (T, nh * (nope + R)) in S, nope first per head; ``kv_b_proj``
     (nh * (nope + v), Lkv); ``cos``/``sin`` (T, R/2) in A. Returns ``q_abs`` (T, nh, Lkv) in A
@@ -345,7 +347,8 @@ def _mla_scores_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_in = k < K
         width = Lkv + R
-        kv_rows = kv_pool_ptr + _physical_rows(rows_ptr + t * stride_rows, block_table_ptr, k, k_in, ROWS_PER_BLOCK) * width
+        kv_rows = kv_pool_ptr + _physical_rows(rows_ptr + t * stride_rows, block_table_ptr, k, k_in,
+                                               ROWS_PER_BLOCK) * width
         q_rows = qabs_ptr + t * stride_at + h[:, None] * stride_ah  # (BLOCK_H, 1)
         ll = tl.arange(0, BLOCK_L)
         col = tl.arange(0, NCHUNK_L)
@@ -363,7 +366,8 @@ def _mla_scores_kernel(
             r_in = r < R
             pv = tl.load(qpe_ptr + t * stride_pt + h[:, None] * stride_ph + r[None, :],
                          mask=h_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)
-            kv = tl.load(kv_rows[:, None] + Lkv + r[None, :], mask=k_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)
+            kv = tl.load(kv_rows[:, None] + Lkv + r[None, :], mask=k_in[:, None] & r_in[None, :],
+                         other=0.0).to(tl.float32)
             dot_r = _tree(pv[:, None, :] * kv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_R, LEVELS_R)
             s = (dot_c + dot_r) * scale
         else:  # the reference adds the empty rope dot, psum of nothing = +0.0 (it turns -0.0 into +0.0)
@@ -516,7 +520,12 @@ def sparse_mla_launches(cfg: MtpConfig, q_abs: Tensor, q_pe: Tensor, caches: Lay
         raise ValueError(f"{name}: q_abs must be float32 (T, nh, Lkv) = ({T}, {nh}, {Lkv}), last dim contiguous")
     if q_pe.shape != (T, nh, R) or q_pe.stride(2) != 1:
         raise ValueError(f"{name}: q_pe must be (T, nh, R) = ({T}, {nh}, {R}), last dim contiguous")
-    if rows.dtype != torch.int64 or (K > 1 and rows.stride(1) != 1) or count.dtype != torch.int64 or count.shape != (T,):
+    if (
+        rows.dtype != torch.int64
+        or (K > 1 and rows.stride(1) != 1)
+        or count.dtype != torch.int64
+        or count.shape != (T,)
+    ):
         raise ValueError(f"{name}: rows must be (T, K) int64 (last dim contiguous) and count (T,) int64")
     if count.stride(0) != 1 and T > 1:
         raise ValueError(f"{name}: count must be contiguous")
@@ -638,7 +647,8 @@ def _check_caches(name: str, rc: RowCaches, T: int, width: int) -> Tensor:
         if pool.dtype != first.kv_pool.dtype or pool.shape != first.kv_pool.shape:
             raise ValueError(f"{name}: every cache's kv_pool must have one dtype and shape")
         if bt.dtype != torch.int32 or bt.dim() != 1 or not bt.is_contiguous() or bt.shape != first.block_table.shape:
-            raise ValueError(f"{name}: block_table must be a contiguous (blocks,) int32 tensor, one shape for all caches")
+            raise ValueError(f"{name}: block_table must be a contiguous (blocks,) int32 tensor, one shape for "
+                             "all caches")
     return first.kv_pool
 
 
@@ -697,7 +707,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             out.append(AuditLaunch("mla:absorbed_query_fp8", variant, absorbed_query_launch(
                 cfg, abstract((T, nh * (nope + R)), dtype), kv_b8, angles, angles, q_abs, q_pe, cuda=True)))
             fp8_launches = sparse_mla_launches(cfg, q_abs, q_pe, caches, abstract((T, K), torch.int64),
-                                               abstract((T,), torch.int64), kv_b8, scratch, abstract((T, nh * v), dtype),
+                                               abstract((T,), torch.int64), kv_b8, scratch,
+                                               abstract((T, nh * v), dtype),
                                                cuda=True)
             out.append(AuditLaunch("mla:out_fp8", variant, fp8_launches[3]))
     return out

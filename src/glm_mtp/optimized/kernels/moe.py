@@ -340,7 +340,8 @@ def _storage_meta(dtype: torch.dtype, cuda: bool) -> dict:
 
 def experts_gate_up_launch(m: Tensor, experts: Tensor, experts_gate: Tensor, experts_up: Tensor,
                            shared_gate: Tensor | None, shared_up: Tensor | None, hidden: Tensor,
-                           shared_hidden: Tensor | None, cuda: bool | None = None, limit: float | None = None) -> Launch:
+                           shared_hidden: Tensor | None, cuda: bool | None = None,
+                           limit: float | None = None) -> Launch:
     """The gate/up launch: grid (column blocks, k + 1 slots (k without a shared expert), T);
     ``limit``: glm5_next's ``swiglu_limit`` (the clamped SwiGLU), None for GLM-5's."""
     (T, H), k, I = m.shape, experts.shape[1], experts_gate.shape[1]
@@ -365,7 +366,8 @@ def experts_gate_up_launch(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
             experts_gate.stride(0), experts_gate.stride(1), experts_up.stride(0), experts_up.stride(1),
             sg.stride(0) if has_shared else 0, su.stride(0) if has_shared else 0, hidden.stride(0), hidden.stride(1),
             sh.stride(0) if has_shared else 0, float32_bits(limit) if limit is not None else 0)
-    meta = dict(K=k, CLAMP=limit is not None, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1, NCHUNK=nchunk,
+    meta = dict(K=k, CLAMP=limit is not None, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1,
+                NCHUNK=nchunk,
                 LEVELS_C=nchunk.bit_length() - 1, **_storage_meta(hidden.dtype, cuda), FP8=fp8)
     grid = (triton.cdiv(max(I, Is), block_n), k + int(has_shared), T)
     return Launch(_gate_up_kernel, grid, args, meta)
@@ -403,7 +405,8 @@ def experts_gate_up_triton(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
     if m.dim() != 2 or m.dtype not in MOE_DTYPES:
         raise ValueError(f"{name}: m must be (T, H) in one of {MOE_DTYPES}, got {tuple(m.shape)} {m.dtype}")
     if experts.dim() != 2 or experts.dtype != torch.int64 or experts.shape[0] != m.shape[0]:
-        raise ValueError(f"{name}: experts must be (T, k) int64 with T = {m.shape[0]}, got {tuple(experts.shape)} {experts.dtype}")
+        raise ValueError(f"{name}: experts must be (T, k) int64 with T = {m.shape[0]}, got {tuple(experts.shape)} "
+                         f"{experts.dtype}")
     if (shared_gate is None) != (shared_up is None):
         raise ValueError(f"{name}: pass both shared_gate and shared_up, or neither")
     mats = [("experts_gate", experts_gate, 3), ("experts_up", experts_up, 3)]
@@ -424,7 +427,8 @@ def experts_gate_up_triton(m: Tensor, experts: Tensor, experts_gate: Tensor, exp
     hidden = torch.empty(T, k, I, dtype=m.dtype, device=m.device)
     shared = None if shared_gate is None else torch.empty(T, shared_gate.shape[0], dtype=m.dtype, device=m.device)
     if T and (k or shared is not None):
-        experts_gate_up_launch(m, experts, experts_gate, experts_up, shared_gate, shared_up, hidden, shared, limit=limit).run()
+        experts_gate_up_launch(m, experts, experts_gate, experts_up, shared_gate, shared_up, hidden, shared,
+                               limit=limit).run()
     return hidden, shared
 
 
@@ -558,13 +562,17 @@ def experts_down_combine_triton(hidden: Tensor, shared_hidden: Tensor | None, ex
     ``shared_down`` (H, Is) or None, ``residual`` (T, H) S -> ``out`` (T, H) S, byte-equal to the twin."""
     name = "experts_down_combine_triton"
     if hidden.dim() != 3 or hidden.dtype not in MOE_DTYPES:
-        raise ValueError(f"{name}: hidden must be (T, k, I) in one of {MOE_DTYPES}, got {tuple(hidden.shape)} {hidden.dtype}")
+        raise ValueError(f"{name}: hidden must be (T, k, I) in one of {MOE_DTYPES}, got {tuple(hidden.shape)} "
+                         f"{hidden.dtype}")
     T, k, I = hidden.shape
     if experts.shape != (T, k) or experts.dtype != torch.int64:
         raise ValueError(f"{name}: experts must be ({T}, {k}) int64, got {tuple(experts.shape)} {experts.dtype}")
     if weights.shape != (T, k) or weights.dtype != torch.float32:
         raise ValueError(f"{name}: weights must be ({T}, {k}) float32, got {tuple(weights.shape)} {weights.dtype}")
-    _one_format(name, [("experts_down", experts_down, 3)] + ([("shared_down", shared_down, 2)] if shared_down is not None else []))
+    _one_format(
+        name,
+        [("experts_down", experts_down, 3)] + ([("shared_down", shared_down, 2)] if shared_down is not None else []),
+    )
     _check_stack(name, "experts_down", experts_down, 3, hidden.dtype)
     H = experts_down.shape[1]
     if experts_down.shape[2] != I:
@@ -581,7 +589,8 @@ def experts_down_combine_triton(hidden: Tensor, shared_hidden: Tensor | None, ex
         if shared_hidden.shape[1] > 1 and shared_hidden.stride(1) != 1:
             shared_hidden = shared_hidden.contiguous()
     if residual.shape != (T, H) or residual.dtype != hidden.dtype:
-        raise ValueError(f"{name}: residual must be ({T}, {H}) {hidden.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(f"{name}: residual must be ({T}, {H}) {hidden.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
     if I > 1 and hidden.stride(2) != 1:
         hidden = hidden.contiguous()
     experts, weights = _unit_columns(experts), _unit_columns(weights)
@@ -625,7 +634,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
                                                          abstract(scale_shape(tuple(w.shape)), torch.float32))
              for n, w in (("gate", gate), ("up", upw), ("down", down), ("sg", sg), ("su", su), ("sd", sd))}
         launches += [
-            AuditLaunch("moe:gate_up_fp8", variant, experts_gate_up_launch(m, experts, q["gate"], q["up"], q["sg"], q["su"],
+            AuditLaunch("moe:gate_up_fp8", variant,
+                        experts_gate_up_launch(m, experts, q["gate"], q["up"], q["sg"], q["su"],
                                                                            hidden, sh, cuda=True)),
             AuditLaunch("moe:down_combine_fp8", variant, experts_down_combine_launch(
                 hidden, sh, experts, weights, q["down"], q["sd"], res, abstract((T, H), dtype), cuda=True)),

@@ -46,10 +46,12 @@ def cache_addresses(cache: LayerCache) -> list[int]:
     kp = cache.kpool
     line = [cache.kv_pool.data_ptr(), cache.index_pool.data_ptr(), cache.block_table.data_ptr(),
             *((kp.gates.data_ptr(), kp.keys.data_ptr(), kp.complete.data_ptr()) if kp is not None else (0, 0, 0))]
-    for name, address in zip(("kv_pool", "index_pool", "block_table", "kpool.gates", "kpool.keys", "kpool.complete"), line):
+    for name, address in zip(("kv_pool", "index_pool", "block_table", "kpool.gates", "kpool.keys", "kpool.complete"),
+                             line):
         if address % ADDRESS_ALIGN:
             raise ValueError(f"RowCaches: the cache's {name} starts {address % ADDRESS_ALIGN} bytes past a "
-                             f"{ADDRESS_ALIGN}-byte boundary; the cache kernels need aligned pools (LayerCache.allocate's are)")
+                             f"{ADDRESS_ALIGN}-byte boundary; the cache kernels need aligned pools "
+                             "(LayerCache.allocate's are)")
     return line
 
 
@@ -84,7 +86,12 @@ class RowCaches:
         lines = torch.tensor([cache_addresses(c) for c in caches], dtype=torch.int64)
         if table is None:
             return cls(caches, lines.to(device))
-        if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] < len(caches) or table.shape[1] != ADDRESS_COLUMNS:
+        if (
+            table.dtype != torch.int64
+            or table.dim() != 2
+            or table.shape[0] < len(caches)
+            or table.shape[1] != ADDRESS_COLUMNS
+        ):
             raise ValueError(f"RowCaches.per_row: table must be int64 (>= {len(caches)}, {ADDRESS_COLUMNS}), got "
                              f"{table.dtype} {tuple(table.shape)}")
         view = table[: len(caches)]
@@ -228,7 +235,8 @@ def scatter_rows_launch(values: Tensor, targets: RowTargets, ok: Tensor) -> Laun
     """The kernel's launch (see ``scatter_rows_triton``), arguments checked."""
     T = len(targets.tensors)
     if values.dim() != 2 or values.shape[0] != T or values.stride(-1) != 1:
-        raise ValueError(f"scatter_rows_triton: values must be (T={T}, N) with a contiguous last dim, got {tuple(values.shape)}")
+        raise ValueError(f"scatter_rows_triton: values must be (T={T}, N) with a contiguous last dim, got "
+                         f"{tuple(values.shape)}")
     if values.dtype not in _BITS:
         raise TypeError(f"scatter_rows_triton: dtype {values.dtype} is not supported")
     for t, dst in enumerate(targets.tensors):
@@ -237,7 +245,8 @@ def scatter_rows_launch(values: Tensor, targets: RowTargets, ok: Tensor) -> Laun
                              f"{values.shape[1]} elements")
     bits = _BITS[values.dtype]
     N = values.shape[1]
-    args = (values.view(bits), targets.addresses, ok.view(torch.uint8), N, values.stride(0), targets.addresses.stride(0))
+    args = (values.view(bits), targets.addresses, ok.view(torch.uint8), N, values.stride(0),
+            targets.addresses.stride(0))
     meta = dict(BITS=torch.iinfo(bits).bits, BLOCK=min(1024, triton.next_power_of_2(max(N, 1))), enable_fp_fusion=False)
     return Launch(_scatter_rows_kernel, (T,), args, meta)
 
@@ -257,6 +266,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     ok = abstract((1,), torch.bool)
     out = []
     for name, values in (("x", abstract((T, cfg.hidden_size), dtype)), ("seq", abstract((T, 1), torch.int64))):
-        targets = RowTargets(tuple(abstract((values.shape[1],), values.dtype) for _ in range(T)), abstract((T,), torch.int64))
+        targets = RowTargets(tuple(abstract((values.shape[1],), values.dtype) for _ in range(T)),
+                             abstract((T,), torch.int64))
         out.append(AuditLaunch("scatter_rows", name, scatter_rows_launch(values, targets, ok)))
     return out

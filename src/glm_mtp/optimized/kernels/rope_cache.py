@@ -225,7 +225,9 @@ def _cache_rows_write_kernel(
     lm = cl < Lkv
     x = tl.load(kv_in + cl, mask=lm, other=0.0).to(tl.float32)  # +0.0 past Lkv: the tree's padding
     ss = _tree1(x * x, BLOCK_L, LEVELS_L)
-    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, Lkv.to(tl.float32)) + latent_eps_bits.to(tl.float32, bitcast=True)))
+    r = tl.math.div_rn(
+        1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, Lkv.to(tl.float32)) + latent_eps_bits.to(tl.float32, bitcast=True))
+    )
     normed = round_to_storage(x * r, TO_BF16, NAN_BITS).to(tl.float32)
     wl = tl.load(kv_norm_ptr + cl, mask=lm, other=0.0).to(tl.float32)
     tl.store(kv_row + cl, round_to_storage(wl * normed, TO_BF16, NAN_BITS), mask=lm & ((cl * 0 + ok) != 0))
@@ -320,7 +322,8 @@ def rope_cache_write_launch(
     Lkv, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
     dtype = kv_pool.dtype
     if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
-        raise TypeError(f"rope_cache_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
+        raise TypeError(f"rope_cache_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not "
+                        "supported")
     for name, t in (("latent", latent), ("kpe_raw", kpe_raw), ("ikey_raw", ikey_raw)):
         if t.stride(-1) != 1 or t.dtype != dtype:
             raise ValueError(f"rope_cache_write_triton: {name} must be {dtype} with a contiguous last dim")
@@ -415,7 +418,8 @@ def cache_rows_write_torch(
             row's ``KPoolCache.gates`` at its slot; ``None`` for GLM-5.
     """
     for cache, rows in row_caches(caches).runs(slots.shape[0]):
-        _cache_rows_write_one(cfg, kv[rows], k[rows], kv_norm_weight, k_norm_weight, k_norm_bias, slots[rows], cos_table,
+        _cache_rows_write_one(cfg, kv[rows], k[rows], kv_norm_weight, k_norm_weight, k_norm_bias, slots[rows],
+                              cos_table,
                               sin_table, cache, ok, None if gates is None else gates[rows])
 
 
@@ -461,7 +465,8 @@ def check_kpool_cache(name: str, cache: LayerCache, dtype: torch.dtype) -> None:
     for arg, x, shape, dt in (("gates", kpc.gates, (capacity, D), dtype), ("keys", kpc.keys, (pools, D), dtype),
                               ("complete", kpc.complete, (pools,), torch.bool)):
         if tuple(x.shape) != shape or x.dtype != dt or not x.is_contiguous():
-            raise ValueError(f"{name}: kpool.{arg} must be a contiguous {shape} {dt} tensor, got {tuple(x.shape)} {x.dtype}")
+            raise ValueError(f"{name}: kpool.{arg} must be a contiguous {shape} {dt} tensor, got {tuple(x.shape)} "
+                             f"{x.dtype}")
 
 
 def cache_rows_write_launch(
@@ -487,10 +492,12 @@ def cache_rows_write_launch(
     T = slots.shape[0]
     dtype = rc.caches[0].kv_pool.dtype
     if dtype not in KERNEL_DTYPES or cos_table.dtype != torch.float32:
-        raise TypeError(f"cache_rows_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not supported")
+        raise TypeError(f"cache_rows_write_triton: cache dtype {dtype} / table dtype {cos_table.dtype} is not "
+                        "supported")
     check_row_caches("cache_rows_write_triton", rc, T, Lkv + R, D, kpool=gates is not None)
     if kv.shape != (T, Lkv + R) or k.shape != (T, D):
-        raise ValueError(f"cache_rows_write_triton: kv {tuple(kv.shape)} / k {tuple(k.shape)} must be ({T}, {Lkv + R}) / ({T}, {D})")
+        raise ValueError(f"cache_rows_write_triton: kv {tuple(kv.shape)} / k {tuple(k.shape)} must be ({T}, {Lkv + R}) "
+                         f"/ ({T}, {D})")
     if gates is not None and gates.shape != (T, D):
         raise ValueError(f"cache_rows_write_triton: gates {tuple(gates.shape)} must be ({T}, {D})")
     for name, x in (("kv", kv), ("k", k), ("kv_norm_weight", kv_norm_weight), ("k_norm_weight", k_norm_weight),
@@ -503,7 +510,8 @@ def cache_rows_write_launch(
         kv, k, k if gates is None else gates, kv_norm_weight, k_norm_weight, k_norm_bias, slots, cos_table, sin_table,
         rc.addresses, rc.stride,
         ok.view(torch.uint8),  # bytes, not i1: the flag loads the same on every backend
-        kv.stride(0), k.stride(0), 0 if gates is None else gates.stride(0), Lkv, R, D, float32_bits(cfg.latent_norm_eps),
+        kv.stride(0), k.stride(0), 0 if gates is None else gates.stride(0), Lkv, R, D,
+        float32_bits(cfg.latent_norm_eps),
         float32_bits(K_NORM_EPS),
     )
     meta = dict(
@@ -577,7 +585,8 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         caches = RowCaches((cache,) * T, abstract((T, ADDRESS_COLUMNS), torch.int64)) if batch else \
             RowCaches((cache,), abstract((1, ADDRESS_COLUMNS), torch.int64))
         gates = abstract((T, D), dtype) if cfg.is_next else None  # a glm5_next row's KPool gate
-        return cache_rows_write_launch(cfg, abstract((T, Lkv + R), dtype), abstract((T, D), dtype), abstract((Lkv,), dtype),
+        return cache_rows_write_launch(cfg, abstract((T, Lkv + R), dtype), abstract((T, D), dtype),
+                                       abstract((Lkv,), dtype),
                                        abstract((D,), dtype), abstract((D,), dtype), slots, table, table, caches, ok,
                                        gates=gates, cuda=True)
 
