@@ -119,7 +119,7 @@ def test_batched_scenarios_are_reproducible_and_round_trip_through_json(tmp_path
     assert {scenario(0, i, CFG, 64).generator for i in range(4)} == {"realistic", "adversarial"}
 
 
-def test_the_batched_generator_covers_the_issue():
+def test_the_batched_generator_covers_every_batched_case():
     seen: Counter = Counter()
     for i in range(60):
         m_states = 0

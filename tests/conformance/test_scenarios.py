@@ -120,7 +120,7 @@ def _coverage(n_scenarios: int) -> Counter:
     return seen
 
 
-def test_generators_cover_every_case_of_the_issue():
+def test_generators_cover_every_scenario_case():
     seen = _coverage(200)
     want = (
         ["prefill 0 noop", "prefill 1 noop", "prefill typical ok", "prefill cap ok", "prefill over cap ValueError"]

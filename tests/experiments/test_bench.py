@@ -117,7 +117,7 @@ def test_bad_arguments_exit_2():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--repeats", "0"],  # used to run 7 silently
+    ["--repeats", "0"],  # refused, not replaced by the default
     ["--repeats", "-2"],
     ["--copy-mib", "-1"],
     ["--context", "-4"],

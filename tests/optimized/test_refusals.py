@@ -154,7 +154,7 @@ def test_prompt_and_catchup_tokens_on_another_device_are_refused(weights, backen
 
 def test_triton_kernels_that_cannot_run_are_refused_at_construction(tmp_path):
     """No GPU and no TRITON_INTERPRET: refused when the drafter is made, with the reason and the
-    remedy (it used to be accepted, then fail with "0 active drivers" at the first call)."""
+    remedy (accepted, it would fail with "0 active drivers" at the first call)."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA device runs the kernels")
     code = ("import torch\n"
