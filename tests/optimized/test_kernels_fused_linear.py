@@ -289,7 +289,7 @@ def test_width_one(dtype):
 
 @triton.jit
 def _left_to_right(x, R: tl.constexpr, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
-    """A mutant of ``_tree``: the W lanes added left to right (lane i picked out exactly by a max)."""
+    """A mutant of ``psum_grid``: the W lanes added left to right (lane i picked out exactly by a max)."""
     lane = tl.arange(0, W)[None, None, :]
     acc = tl.zeros((R, N), tl.float32)
     for i in tl.static_range(W):
@@ -345,7 +345,7 @@ def test_mutant_left_to_right_sum_is_caught(monkeypatch):
     want, _ = norm_linear_torch(x, nw, EPS, ws, acc=True)
     got, _ = norm_linear_triton(x, nw, EPS, ws, acc=True)
     assert all(_equal(g, w) for g, w in zip(got, want))
-    monkeypatch.setattr(fl, "_tree", _left_to_right)
+    monkeypatch.setattr(fl, "psum_grid", _left_to_right)
     got, _ = norm_linear_triton(x, nw, EPS, ws, acc=True)
     assert not all(_equal(g, w) for g, w in zip(got, want))
     args = _block_inputs(1, 48, 16, FP32, seed=22)

@@ -11,8 +11,9 @@ import triton.language as tl
 
 from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.linear import (
-    _tree, linear_acc_torch, linear_acc_triton, linear_blocks, linear_launch, linear_torch, linear_triton,
+    linear_acc_torch, linear_acc_triton, linear_blocks, linear_launch, linear_torch, linear_triton,
 )
+from glm_mtp.optimized.kernels.pinned_math import psum_grid
 from glm_mtp.reference import numerics
 from glm_mtp.reference.bytes import same_bytes
 
@@ -131,9 +132,9 @@ def _other_order_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_x, stride_w, stri
         if ORDER == 0:
             roots = tl.where(col[None, None, :] == c, tl.sum(p, axis=2)[:, :, None], roots)
         else:
-            acc = acc + _tree(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)
+            acc = acc + psum_grid(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)
     if ORDER == 0:
-        acc = _tree(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)
+        acc = psum_grid(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)
     tl.store(out_ptr + t[:, None] * stride_out + n[None, :], acc, mask=(t[:, None] < T) & (n[None, :] < N))
 
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from glm_mtp.optimized.kernels import AUDITED, linear_fp8
-from glm_mtp.optimized.kernels.linear import _tree
+from glm_mtp.optimized.kernels.pinned_math import psum_grid
 from glm_mtp.optimized.kernels.linear_fp8 import (
     _e4m3_kernel, fp8_weight_bytes, linear_fp8_acc_triton, linear_fp8_launch, linear_fp8_torch, linear_fp8_triton,
 )
@@ -78,10 +78,10 @@ def _scale_once_kernel(x_ptr, w_ptr, s_ptr, out_ptr, T, N, K, stride_x, stride_w
         xv = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
         wb = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
         wv = linear_fp8.e4m3_to_f32(wb)
-        root = _tree(xv[:, None, :] * wv[None, :, :], BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)
+        root = psum_grid(xv[:, None, :] * wv[None, :, :], BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     s = tl.load(s_ptr + (n // SCALE_ROWS) * stride_s, mask=n < N, other=0.0)
-    y = _tree(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C) * s[None, :]
+    y = psum_grid(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C) * s[None, :]
     tl.store(out_ptr + t[:, None] * stride_out + n[None, :], y, mask=(t[:, None] < T) & (n[None, :] < N))
 
 

@@ -22,10 +22,11 @@ from glm_mtp.optimized.kernels import absorbed_query_torch, absorbed_query_trito
 from glm_mtp.optimized.kernels import mla
 from glm_mtp.optimized.kernels.launch import Launch
 from glm_mtp.optimized.kernels.mla import (
-    MlaBlocks, MlaScratch, _list_level, _physical_rows, _prefix_tree, sparse_mla_launches,
+    MlaBlocks, MlaScratch, _list_level, _physical_rows, sparse_mla_launches,
 )
 from glm_mtp.optimized.kernels.paged import ADDRESS_COLUMNS, RowCaches, row_pools
 from glm_mtp.optimized.kernels.pinned_math import exp_f32 as _exp
+from glm_mtp.optimized.kernels.pinned_math import psum_prefix_grid
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.attention import Rope, absorb_query, latent_query, sparse_mla
 from glm_mtp.reference.bytes import bits, same_bytes
@@ -400,10 +401,10 @@ def _softmax_mutant(s_ptr, p_ptr, count_ptr, nh, K, BLOCK_H: tl.constexpr, BLOCK
             e = _exp(s - m[:, None])
         e = tl.where((k < K)[None, :], e, 0.0)
         den = den + tl.sum(e, axis=1)
-        root = _prefix_tree(tl.reshape(e, (1, BLOCK_H, BLOCK_K)), 1, BLOCK_H, BLOCK_K, LEVELS_K, level, 0)
+        root = psum_prefix_grid(tl.reshape(e, (1, BLOCK_H, BLOCK_K)), 1, BLOCK_H, BLOCK_K, LEVELS_K, level, 0)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
     if MODE == 1:
-        den = tl.reshape(_prefix_tree(roots, 1, BLOCK_H, NCHUNK, LEVELS_C, level, LEVELS_K), (BLOCK_H,))
+        den = tl.reshape(psum_prefix_grid(roots, 1, BLOCK_H, NCHUNK, LEVELS_C, level, LEVELS_K), (BLOCK_H,))
     out = p_ptr + (t * nh + h[:, None]) * K
     for c in range(0, tl.cdiv(K, BLOCK_K)):
         k = c * BLOCK_K + kk
@@ -447,9 +448,9 @@ def _latent_mutant(p_ptr, addresses_ptr, addr_stride, rows_ptr, count_ptr, o_ptr
             live = k_in
         cv = tl.load(kv_rows[None, :] + l[:, None], mask=l_in[:, None] & live[None, :], other=0.0).to(tl.float32)
         pv = tl.load(p_rows + k[None, :], mask=h_in[:, None] & k_in[None, :], other=0.0)
-        root = _prefix_tree(pv[:, None, :] * cv[None, :, :], BLOCK_H, BLOCK_L, BLOCK_K, LEVELS_K, level, 0)
+        root = psum_prefix_grid(pv[:, None, :] * cv[None, :, :], BLOCK_H, BLOCK_L, BLOCK_K, LEVELS_K, level, 0)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    o = _prefix_tree(roots, BLOCK_H, BLOCK_L, NCHUNK, LEVELS_C, level, LEVELS_K)
+    o = psum_prefix_grid(roots, BLOCK_H, BLOCK_L, NCHUNK, LEVELS_C, level, LEVELS_K)
     tl.store(o_ptr + (t * nh + h[:, None]) * Lkv + l[None, :], o, mask=h_in[:, None] & l_in[None, :])
 
 

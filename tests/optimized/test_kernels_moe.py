@@ -16,7 +16,7 @@ import triton.language as tl
 
 from glm_mtp.optimized.kernels import moe as K
 from glm_mtp.optimized.kernels.launch import Launch
-from glm_mtp.optimized.kernels.linear import _tree
+from glm_mtp.optimized.kernels.pinned_math import psum_grid
 from glm_mtp.optimized.kernels.pinned_math import exp_launch, exp_torch, exp_triton, sigmoid_f32
 from glm_mtp.reference import MtpConfig, MtpWeights, numerics
 from glm_mtp.reference.bytes import bits, same_bytes
@@ -208,7 +208,8 @@ def _route_high_ties_kernel(logits_ptr, bias_ptr, experts_ptr, weights_ptr, stri
     s_in = slot < K
     w = tl.where(s_in, sigmoid_f32(tl.load(logits_ptr + t * stride_l + out, mask=s_in, other=0.0)), 0.0)
     if NORM:
-        w = tl.math.div_rn(w, tl.reshape(_tree(tl.reshape(w, (1, 1, BLOCK_KS)), 1, 1, BLOCK_KS, LEVELS_KS), (1,)) + EPS)
+        total = tl.reshape(psum_grid(tl.reshape(w, (1, 1, BLOCK_KS)), 1, 1, BLOCK_KS, LEVELS_KS), (1,))
+        w = tl.math.div_rn(w, total + EPS)
     tl.store(experts_ptr + t * stride_x + slot, out.to(tl.int64), mask=s_in)
     tl.store(weights_ptr + t * stride_w + slot, w * scaling, mask=s_in)
 

@@ -70,9 +70,9 @@ def triton_runs_on(device: torch.device) -> str | None:
         return None if torch.cuda.is_available() else "CUDA is not available"
     from triton.runtime.interpreter import InterpretedFunction
 
-    from .kernels import linear
+    from .kernels import pinned_math
 
-    if isinstance(linear._tree, InterpretedFunction):
+    if isinstance(pinned_math.psum_grid, InterpretedFunction):
         return None
     return (f"the weights are on {device} and Triton has no driver there; its CPU interpreter needs TRITON_INTERPRET=1 "
             "set before triton is imported (set it in the environment, or use kernels='auto' or 'torch', the kernels' "

@@ -30,10 +30,10 @@ from .moe import (
     experts_down_combine_torch, experts_down_combine_triton, experts_gate_up_torch, experts_gate_up_triton, route_torch,
     route_triton,
 )
-from .paged import RowCaches, RowTargets, row_caches, scatter_rows_torch, scatter_rows_triton
+from .paged import KERNEL_DTYPES, RowCaches, RowTargets, row_caches, scatter_rows_torch, scatter_rows_triton
 from .pinned_math import exp_torch, exp_triton
 from .rope_cache import (
-    KERNEL_DTYPES, cache_rows_write_torch, cache_rows_write_triton, rope_cache_write_torch, rope_cache_write_triton,
+    cache_rows_write_torch, cache_rows_write_triton, rope_cache_write_torch, rope_cache_write_triton,
 )
 
 # Every module here whose kernels the drafter launches. Each has ``audit_launches(cfg, dtype)``,

@@ -48,8 +48,9 @@ from glm_mtp.reference.layers import greedy_token
 
 from .embed import embed_rows_torch
 from .launch import AuditLaunch, Launch, abstract
-from .linear import LINEAR_DTYPES, MAX_BLOCK_K, _tree, linear_blocks
+from .linear import LINEAR_DTYPES, MAX_BLOCK_K, linear_blocks
 from .linear_fp8 import FP8_BLOCK, e4m3_to_f32, fp8_linear_blocks
+from .pinned_math import psum_grid
 from .rounding import to_storage
 
 # At most this many weights share one norm_linear launch.
@@ -86,9 +87,9 @@ def _sum_squares(rows, t_in, n, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, LE
         k = c * BLOCK_R + kk
         v = tl.load(rows + k[None, :], mask=t_in[:, None] & (k < n)[None, :], other=0.0).to(tl.float32)
         sq = tl.reshape(v * v, (BLOCK_T, 1, BLOCK_R))
-        root = _tree(sq, BLOCK_T, 1, BLOCK_R, LEVELS_R)  # (BLOCK_T, 1)
+        root = psum_grid(sq, BLOCK_T, 1, BLOCK_R, LEVELS_R)  # (BLOCK_T, 1)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    return tl.reshape(_tree(roots, BLOCK_T, 1, NCHUNK_R, LEVELS_CR), (BLOCK_T,))
+    return tl.reshape(psum_grid(roots, BLOCK_T, 1, NCHUNK_R, LEVELS_CR), (BLOCK_T,))
 
 
 @triton.jit
@@ -246,12 +247,12 @@ def _fused_linear_kernel(
         else:
             wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         p = a[:, None, :] * wv[None, :, :]  # (BLOCK_T, BLOCK_N, BLOCK_K), +0.0 past K
-        root = _tree(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N)
+        root = psum_grid(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N)
         if FP8:  # chunk c is scale block c (BLOCK_K = 128): times its scale, one rounding
             scale = tl.load(c_ptr + (n // SCALE_ROWS).to(tl.int64) * stride_c + c, mask=n_in, other=0.0)
             root = root * scale[None, :]
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    y = _tree(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # (BLOCK_T, BLOCK_N)
+    y = psum_grid(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # (BLOCK_T, BLOCK_N)
 
     out_in = t_in[:, None] & n_in[None, :]
     if EPI == 0:

@@ -45,9 +45,8 @@ from glm_mtp.reference.numerics import up
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
-from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
+from .paged import ADDRESS_COLUMNS, RowCaches, check_row_caches, row_caches, row_pools
 from .pinned_math import order_key, psum_rows
-from .rope_cache import check_row_caches
 from .rounding import float32_bits, round_to_storage
 
 # The storage dtypes the index-score kernel reads (queries, head weights, cached keys).

@@ -52,9 +52,9 @@ from glm_mtp.reference.weights import IndexerWeights
 
 from .indexer import select_rows_launch
 from .launch import AuditLaunch, Launch, abstract
-from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_kpool, row_pools
+from .paged import ADDRESS_COLUMNS, RowCaches, check_row_caches, row_caches, row_kpool, row_pools
 from .pinned_math import exp_f32, psum_rows
-from .rope_cache import BATCH_ROWS, check_row_caches
+from .rope_cache import BATCH_ROWS
 from .rounding import float32_bits, round_to_storage
 
 # Storage dtypes the kernels take (their A is float32).

@@ -33,6 +33,7 @@ from glm_mtp.reference import numerics
 from glm_mtp.reference.config import MtpConfig
 
 from .launch import AuditLaunch, Launch, abstract
+from .pinned_math import psum_grid
 from .rounding import round_to_storage
 
 # The storage dtypes the kernel reads and writes.
@@ -44,16 +45,6 @@ MAX_BLOCK_T = 4
 TILE = 2048
 # The cache rows the audit's index-score launch multiplies (see drafter_linears).
 SCORED_ROWS = 4096
-
-
-@triton.jit
-def _tree(x, R: tl.constexpr, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
-    """``psum`` over the last axis of ``x`` (R, N, W), ``W = 2 ** LEVELS``: level by level
-    ``x[..., i] = x[..., 2i] + x[..., 2i + 1]``. Returns (R, N)."""
-    for level in tl.static_range(LEVELS):
-        a, b = tl.split(tl.reshape(x, (R, N, W >> (level + 1), 2)))
-        x = a + b
-    return tl.reshape(x, (R, N))
 
 
 @triton.jit
@@ -92,9 +83,9 @@ def _linear_kernel(
         xv = tl.load(x_rows + k[None, :], mask=t_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         p = xv[:, None, :] * wv[None, :, :]  # (BLOCK_T, BLOCK_N, BLOCK_K), +0.0 past K
-        root = _tree(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N)
+        root = psum_grid(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    y = _tree(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # (BLOCK_T, BLOCK_N)
+    y = psum_grid(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # (BLOCK_T, BLOCK_N)
     dst = out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :]
     inside = t_in[:, None] & n_in[None, :]
     if TO_F16:

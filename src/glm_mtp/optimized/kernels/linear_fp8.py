@@ -28,7 +28,8 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.fp8 import FP8_BLOCK, FP8_DTYPE, BlockScaledWeight, scale_shape
 
 from .launch import AuditLaunch, Launch, abstract
-from .linear import LINEAR_DTYPES, MAX_BLOCK_T, TILE, _tree, drafter_linears
+from .linear import LINEAR_DTYPES, MAX_BLOCK_T, TILE, drafter_linears
+from .pinned_math import psum_grid
 from .rounding import to_storage
 
 BLOCK_K = FP8_BLOCK[1]  # one chunk = one scale block of K
@@ -100,10 +101,10 @@ def _linear_fp8_kernel(
         xv = tl.load(x_rows + k[None, :], mask=t_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         wv = e4m3_to_f32(tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0))  # 0x00 = +0.0
         p = xv[:, None, :] * wv[None, :, :]  # (BLOCK_T, BLOCK_N, 128), +0.0 past K
-        root = _tree(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N): the block's tree
+        root = psum_grid(p, BLOCK_T, BLOCK_N, BLOCK_K, LEVELS_K)  # (BLOCK_T, BLOCK_N): the block's tree
         s = tl.load(s_rows + c, mask=n_in, other=0.0)  # (BLOCK_N,) the block's scale
         roots = tl.where(col[None, None, :] == c, (root * s[None, :])[:, :, None], roots)
-    y = _tree(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # the tree over blocks
+    y = psum_grid(roots, BLOCK_T, BLOCK_N, NCHUNK, LEVELS_C)  # the tree over blocks
     dst = out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(dst, to_storage(y, TO_BF16, TO_F16, NAN_BITS), mask=t_in[:, None] & n_in[None, :])
 

@@ -31,7 +31,7 @@ do not depend on the others):
 ``psum_prefix`` (DESIGN.md §5): a list of ``count`` values held in the static width K takes the
 root of the left-most subtree of width ``P = next_pow2(count)`` of the padded tree over K, i.e.
 value 0 of level ``L = log2(P)``. The kernels compute the tree level by level and, from level L
-up, keep the left child instead of adding (``_prefix_tree``): the root is then exactly that
+up, keep the left child instead of adding (``psum_prefix_grid``): the root is then exactly that
 value 0. K is read in chunks of a power of two (aligned subtrees), each chunk's root goes to a
 column of a root array, and the root array is reduced the same way from level ``log2(chunk)``.
 Only the chunks that hold ``[0, min(P, K))`` are read. Lanes inside ``[count, P)`` are the lists'
@@ -62,11 +62,10 @@ from glm_mtp.reference.layers import apply_rope
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
-from .linear import _tree
 from .linear_fp8 import e4m3_to_f32
-from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_pools
-from .pinned_math import exp_f32
-from .rope_cache import KERNEL_DTYPES, _rotate_store
+from .paged import ADDRESS_COLUMNS, KERNEL_DTYPES, RowCaches, row_caches, row_pools
+from .pinned_math import exp_f32, psum_grid, psum_prefix_grid
+from .rope_cache import _rotate_store
 from .rounding import round_to_storage
 
 
@@ -124,18 +123,6 @@ def _log2(n: int) -> int:
 
 
 # ---- shared pieces --------------------------------------------------------------------------------
-
-
-@triton.jit
-def _prefix_tree(x, R: tl.constexpr, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr, level, BASE: tl.constexpr):
-    """The ``psum`` tree over the last axis of ``x`` (R, N, W), ``W = 2 ** LEVELS``, whose leaves
-    are level ``BASE`` of a larger tree, stopped at level ``level``: from there up each step keeps
-    the left child, so the result (R, N) is value 0 of level ``level`` (the whole root when
-    ``level >= BASE + LEVELS``; ``x[..., 0]`` when ``level <= BASE``)."""
-    for i in tl.static_range(LEVELS):
-        a, b = tl.split(tl.reshape(x, (R, N, W >> (i + 1), 2)))
-        x = tl.where(level > BASE + i, a + b, a)
-    return tl.reshape(x, (R, N))
 
 
 @triton.jit
@@ -221,9 +208,9 @@ def _head_gemv_kernel(
         else:
             wv = tl.load(w_rows + k[None, :] * stride_wk, mask=w_in, other=0.0).to(tl.float32)
         p = tl.reshape(xv[None, :] * wv, (1, BLOCK_N, BLOCK_K))  # +0.0 past K
-        root = _tree(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)  # (1, BLOCK_N)
+        root = psum_grid(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)  # (1, BLOCK_N)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    y = tl.reshape(_tree(roots, 1, BLOCK_N, NCHUNK, LEVELS_C), (BLOCK_N,))
+    y = tl.reshape(psum_grid(roots, 1, BLOCK_N, NCHUNK, LEVELS_C), (BLOCK_N,))
     tl.store(out_ptr + t * stride_ot + h * stride_oh + n, round_to_storage(y, TO_BF16, NAN_BITS), mask=n_in)
     if ROPE:
         if tl.program_id(2) == 0:
@@ -358,9 +345,9 @@ def _mla_scores_kernel(
             l_in = l < Lkv
             qv = tl.load(q_rows + l[None, :], mask=h_in[:, None] & l_in[None, :], other=0.0)  # (BLOCK_H, BLOCK_L)
             cv = tl.load(kv_rows[:, None] + l[None, :], mask=k_in[:, None] & l_in[None, :], other=0.0).to(tl.float32)
-            root = _tree(qv[:, None, :] * cv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_L, LEVELS_L)  # (BLOCK_H, BLOCK_K)
+            root = psum_grid(qv[:, None, :] * cv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_L, LEVELS_L)  # (BLOCK_H, BLOCK_K)
             roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-        dot_c = _tree(roots, BLOCK_H, BLOCK_K, NCHUNK_L, LEVELS_CL)
+        dot_c = psum_grid(roots, BLOCK_H, BLOCK_K, NCHUNK_L, LEVELS_CL)
         if HAS_ROPE:
             r = tl.arange(0, BLOCK_R)
             r_in = r < R
@@ -368,7 +355,7 @@ def _mla_scores_kernel(
                          mask=h_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)
             kv = tl.load(kv_rows[:, None] + Lkv + r[None, :], mask=k_in[:, None] & r_in[None, :],
                          other=0.0).to(tl.float32)
-            dot_r = _tree(pv[:, None, :] * kv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_R, LEVELS_R)
+            dot_r = psum_grid(pv[:, None, :] * kv[None, :, :], BLOCK_H, BLOCK_K, BLOCK_R, LEVELS_R)
             s = (dot_c + dot_r) * scale
         else:  # the reference adds the empty rope dot, psum of nothing = +0.0 (it turns -0.0 into +0.0)
             s = (dot_c + 0.0) * scale
@@ -410,9 +397,9 @@ def _mla_softmax_kernel(
         k = c * BLOCK_K + kk
         s = tl.load(rows + k[None, :], mask=h_in[:, None] & (k < count)[None, :], other=float("-inf"))
         e = tl.where((k < K)[None, :], exp_f32(s - m[:, None]), 0.0)  # past K: the tree's +0.0 padding
-        root = _prefix_tree(tl.reshape(e, (1, BLOCK_H, BLOCK_K)), 1, BLOCK_H, BLOCK_K, LEVELS_K, level, 0)
+        root = psum_prefix_grid(tl.reshape(e, (1, BLOCK_H, BLOCK_K)), 1, BLOCK_H, BLOCK_K, LEVELS_K, level, 0)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    den = tl.reshape(_prefix_tree(roots, 1, BLOCK_H, NCHUNK, LEVELS_C, level, LEVELS_K), (BLOCK_H,))
+    den = tl.reshape(psum_prefix_grid(roots, 1, BLOCK_H, NCHUNK, LEVELS_C, level, LEVELS_K), (BLOCK_H,))
     den = tl.where(h_in, den, 1.0)
     # p = e / denominator (e recomputed: the same bits, and no read of this program's own stores).
     out = p_ptr + (t * nh + h[:, None]) * K
@@ -466,9 +453,9 @@ def _mla_latent_kernel(
         cv = tl.load(kv_rows[None, :] + l[:, None], mask=l_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         pv = tl.load(p_rows + k[None, :], mask=h_in[:, None] & k_in[None, :], other=0.0)  # (BLOCK_H, BLOCK_K)
         prod = pv[:, None, :] * cv[None, :, :]  # (BLOCK_H, BLOCK_L, BLOCK_K)
-        root = _prefix_tree(prod, BLOCK_H, BLOCK_L, BLOCK_K, LEVELS_K, level, 0)
+        root = psum_prefix_grid(prod, BLOCK_H, BLOCK_L, BLOCK_K, LEVELS_K, level, 0)
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    o = _prefix_tree(roots, BLOCK_H, BLOCK_L, NCHUNK, LEVELS_C, level, LEVELS_K)
+    o = psum_prefix_grid(roots, BLOCK_H, BLOCK_L, NCHUNK, LEVELS_C, level, LEVELS_K)
     o = tl.where(count > 0, o, 0.0)  # psum_prefix of an empty list
     tl.store(o_ptr + (t * nh + h[:, None]) * Lkv + l[None, :], o, mask=h_in[:, None] & l_in[None, :])
 

@@ -38,9 +38,8 @@ from glm_mtp.reference.moe import choose_experts, combine
 from glm_mtp.reference.numerics import PINNED, up
 
 from .launch import AuditLaunch, Launch, abstract
-from .linear import _tree
 from .linear_fp8 import FP8_BLOCK, e4m3_to_f32
-from .pinned_math import key_value, order_key, sigmoid_f32, silu_f32
+from .pinned_math import key_value, order_key, psum_grid, sigmoid_f32, silu_f32
 from .rounding import float32_bits, to_storage
 from glm_mtp.reference.layers import clamped_swiglu_hidden
 
@@ -82,11 +81,11 @@ def _dot_cols(x_row, w_rows, n_in, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
         else:
             wv = tl.load(w_rows + k[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
         p = xv[None, None, :] * wv[None, :, :]  # (1, BLOCK_N, BLOCK_K), +0.0 past K
-        root = _tree(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)
+        root = psum_grid(p, 1, BLOCK_N, BLOCK_K, LEVELS_K)
         if FP8:
             root = root * tl.load(s_rows + c, mask=n_in, other=0.0)[None, :]
         roots = tl.where(col[None, None, :] == c, root[:, :, None], roots)
-    return tl.reshape(_tree(roots, 1, BLOCK_N, NCHUNK, LEVELS_C), (BLOCK_N,))
+    return tl.reshape(psum_grid(roots, 1, BLOCK_N, NCHUNK, LEVELS_C), (BLOCK_N,))
 
 
 # ---- 1. the expert choice -----------------------------------------------------------------------
@@ -157,7 +156,7 @@ def _route_kernel(
     # The chosen experts' unbiased scores, recomputed from their logits (same bits as above).
     w = tl.where(s_in, sigmoid_f32(tl.load(logits_ptr + t * stride_l + out_ids, mask=s_in, other=0.0)), 0.0)
     if NORM:
-        total = tl.reshape(_tree(tl.reshape(w, (1, 1, BLOCK_KS)), 1, 1, BLOCK_KS, LEVELS_KS), (1,))
+        total = tl.reshape(psum_grid(tl.reshape(w, (1, 1, BLOCK_KS)), 1, 1, BLOCK_KS, LEVELS_KS), (1,))
         w = tl.math.div_rn(w, total + EPS)
     w = w * scaling
     tl.store(experts_ptr + t * stride_x + slot, out_ids.to(tl.int64), mask=s_in)
@@ -495,7 +494,7 @@ def _down_combine_kernel(
                       LEVELS_C, down_s + e * stride_cde + srow * stride_cdn, FP8)
         term = w * to_storage(y, TO_BF16, TO_F16, NAN_BITS).to(tl.float32)  # weights * up(round_S(y))
         terms = tl.where(slot[None, None, :] == j, term[None, :, None], terms)
-    moe = tl.reshape(_tree(terms, 1, BLOCK_N, BLOCK_KS, LEVELS_KS), (BLOCK_N,))  # combine: psum over slots
+    moe = tl.reshape(psum_grid(terms, 1, BLOCK_N, BLOCK_KS, LEVELS_KS), (BLOCK_N,))  # combine: psum over slots
     if HAS_SHARED:
         rows = sdown_ptr + n.to(tl.int64)[:, None] * stride_sd
         ysh = _dot_cols(shidden_ptr + t * stride_st, rows, n_in, Is, BLOCK_N, BLOCK_KSH, LEVELS_KSH, NCHUNK_SH,

@@ -25,9 +25,12 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
-from glm_mtp.reference.state import LayerCache
+from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
+
+# The storage dtypes the cache kernels (and the fused step) take; other dtypes run the torch twins.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 # The columns of an address table: each row's kv pool, index pool and block table, then its
 # KPool cache's gates, pooled keys and complete flags (glm5_next; 0 where the layer has none).
@@ -130,6 +133,52 @@ def row_caches(caches: LayerCache | RowCaches) -> RowCaches:
     """``caches`` as a ``RowCaches`` (a lone ``LayerCache`` serves every row; this makes a one-line
     table with a host-to-device copy, so capturable callers pass a ``RowCaches`` made once)."""
     return caches if isinstance(caches, RowCaches) else RowCaches.of(caches)
+
+
+def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, index_width: int | None,
+                     kpool: bool = False) -> torch.dtype:
+    """The host-side checks of a cache kernel's ``RowCaches`` (no device reads): one cache or T,
+    the address table int64 ``(len(caches), ADDRESS_COLUMNS)``, every cache's pools contiguous with
+    the widths given (``None``: that pool is not read) and the same dtype, shape and block count as
+    the first; with ``kpool``, every cache's KPool cache too (gates (capacity, D), keys (pools, D)
+    and complete (pools,) bool, contiguous, the pools' dtype). Returns the pools' dtype."""
+    n = len(rc.caches)
+    if n not in (1, T):
+        raise ValueError(f"{name}: {n} caches for {T} rows (one for every row, or one per row)")
+    if rc.addresses.dtype != torch.int64 or tuple(rc.addresses.shape) != (n, ADDRESS_COLUMNS):
+        raise ValueError(f"{name}: the address table must be int64 ({n}, {ADDRESS_COLUMNS}), got "
+                         f"{rc.addresses.dtype} {tuple(rc.addresses.shape)}")
+    first = rc.caches[0]
+    dtype = first.kv_pool.dtype
+    for c in rc.caches:
+        if c.kv_pool.dtype != dtype or c.index_pool.dtype != dtype:
+            raise ValueError(f"{name}: every cache must hold {dtype}")
+        bt = c.block_table
+        if bt.dtype != torch.int32 or bt.shape != first.block_table.shape or not bt.is_contiguous():
+            raise ValueError(f"{name}: every block table must be contiguous int32 {tuple(first.block_table.shape)}")
+        blocks = first.block_table.shape[0]
+        for pool, width in ((c.kv_pool, kv_width), (c.index_pool, index_width)):
+            if width is not None and (tuple(pool.shape) != (blocks, BLOCK_ROWS, width) or not pool.is_contiguous()):
+                raise ValueError(f"{name}: every pool must be contiguous ({blocks}, {BLOCK_ROWS}, {width}), got "
+                                 f"{tuple(pool.shape)}")
+        if kpool:
+            check_kpool_cache(name, c, dtype)
+    return dtype
+
+
+def check_kpool_cache(name: str, cache: LayerCache, dtype: torch.dtype) -> None:
+    """``cache`` has a KPool cache the kernels can address: gates (capacity, D) and keys (pools, D)
+    contiguous in ``dtype``, complete (pools,) bool."""
+    kpc = cache.kpool
+    if kpc is None:
+        raise ValueError(f"{name}: a glm5_next layer's cache needs its KPool cache (LayerCache.kpool)")
+    capacity, D = cache.capacity, cache.index_pool.shape[-1]
+    pools = capacity // kpc.kpool
+    for arg, x, shape, dt in (("gates", kpc.gates, (capacity, D), dtype), ("keys", kpc.keys, (pools, D), dtype),
+                              ("complete", kpc.complete, (pools,), torch.bool)):
+        if tuple(x.shape) != shape or x.dtype != dt or not x.is_contiguous():
+            raise ValueError(f"{name}: kpool.{arg} must be a contiguous {shape} {dt} tensor, got {tuple(x.shape)} "
+                             f"{x.dtype}")
 
 
 @triton.jit

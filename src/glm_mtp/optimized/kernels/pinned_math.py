@@ -1,5 +1,5 @@
-"""The pinned elementwise functions of DESIGN.md §5 as ``@triton.jit`` helpers any kernel can
-import: ``exp``, ``sigmoid`` and ``silu`` in float32, each the step-by-step port of
+"""The pinned arithmetic of DESIGN.md §5 as ``@triton.jit`` helpers any kernel can import: the
+``psum`` trees and the elementwise ``exp``, ``sigmoid`` and ``silu`` in float32, each the step-by-step port of
 ``glm_mtp.reference.numerics`` (same constants, same operations, same order), so they give the
 same bits as the reference wherever the kernel is compiled with ``enable_fp_fusion=False``.
 
@@ -10,6 +10,9 @@ same bits as the reference wherever the kernel is compiled with ``enable_fp_fusi
   GPU it is ``ex2.approx``).
 - ``sigmoid_f32(x) = 1 / (1 + exp(-x))`` with a correctly rounded division (``div_rn``).
 - ``silu_f32(x) = x * sigmoid(x)``.
+- ``psum_grid`` (R, N, W) -> (R, N), ``psum_rows`` (N, W) -> (N,), ``psum_vector`` (W,) -> ():
+  ``psum`` over the last axis, ``W = 2 ** LEVELS``, adjacent pairs first (no ``tl.sum``, whose
+  order is the compiler's); ``psum_prefix_grid`` stops the tree at a level (MLA's prefix sums).
 
 ``exp_kernel`` applies ``exp_f32`` to a float32 buffer: the byte test's handle on the helper
 (tests/optimized/test_kernels_moe.py sweeps float32 bit patterns against ``numerics.exp``).
@@ -86,6 +89,20 @@ def silu_f32(x):
     return x * sigmoid_f32(x)
 
 
+# ---- the psum trees (DESIGN.md §5): adjacent pairs first, level by level, over a power-of-two
+# width; every kernel that sums in the pinned order sums through one of these ----
+
+
+@triton.jit
+def psum_grid(x, R: tl.constexpr, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
+    """``psum`` over the last axis of ``x`` (R, N, W), ``W = 2 ** LEVELS``: level by level
+    ``x[..., i] = x[..., 2i] + x[..., 2i + 1]``. Returns (R, N)."""
+    for level in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (R, N, W >> (level + 1), 2)))
+        x = a + b
+    return tl.reshape(x, (R, N))
+
+
 @triton.jit
 def psum_rows(x, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
     """``psum`` over the last axis of ``x`` (N, W), ``W = 2 ** LEVELS``, adjacent pairs first
@@ -94,6 +111,28 @@ def psum_rows(x, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
         a, b = tl.split(tl.reshape(x, (N, W >> (level + 1), 2)))
         x = a + b
     return tl.reshape(x, (N,))
+
+
+@triton.jit
+def psum_vector(x, W: tl.constexpr, LEVELS: tl.constexpr):
+    """``psum`` of ``x`` (W,), ``W = 2 ** LEVELS``: level by level ``x[i] = x[2i] + x[2i + 1]``."""
+    for level in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (W >> (level + 1), 2)))
+        x = a + b
+    return tl.reshape(x, ())
+
+
+@triton.jit
+def psum_prefix_grid(x, R: tl.constexpr, N: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr, level,
+                     BASE: tl.constexpr):
+    """The ``psum`` tree over the last axis of ``x`` (R, N, W), ``W = 2 ** LEVELS``, whose leaves
+    are level ``BASE`` of a larger tree, stopped at level ``level``: from there up each step keeps
+    the left child, so the result (R, N) is value 0 of level ``level`` (the whole root when
+    ``level >= BASE + LEVELS``; ``x[..., 0]`` when ``level <= BASE``)."""
+    for i in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (R, N, W >> (i + 1), 2)))
+        x = tl.where(level > BASE + i, a + b, a)
+    return tl.reshape(x, (R, N))
 
 
 @triton.jit

@@ -57,10 +57,10 @@ from glm_mtp.reference.numerics import layer_norm, rms_norm
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 
 from .launch import AuditLaunch, Launch, abstract
-from .paged import ADDRESS_COLUMNS, RowCaches, row_caches, row_kpool, row_pools
+from .paged import ADDRESS_COLUMNS, KERNEL_DTYPES, RowCaches, check_row_caches, row_caches, row_kpool, row_pools
+from .pinned_math import psum_vector
 from .rounding import float32_bits, round_to_storage
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # The rows of the audit's batched launch: one per sequence of a batched draft step.
 BATCH_ROWS = 16
 
@@ -152,15 +152,6 @@ def _rope_cache_write_kernel(
 
 
 @triton.jit
-def _tree1(x, W: tl.constexpr, LEVELS: tl.constexpr):
-    """``psum`` of ``x`` (W,), ``W = 2 ** LEVELS``: level by level ``x[i] = x[2i] + x[2i + 1]``."""
-    for level in tl.static_range(LEVELS):
-        a, b = tl.split(tl.reshape(x, (W >> (level + 1), 2)))
-        x = a + b
-    return tl.reshape(x, ())
-
-
-@triton.jit
 def _layer_norm_at(k_row, w_ptr, b_ptr, idx, mask, mu, inv, TO_BF16: tl.constexpr, NAN_BITS: tl.constexpr):
     """``layer_norm``'s output at lanes ``idx`` of one row, from its statistics: ``round_S((d * inv)
     * w + b)`` with ``d = x - mu``, back in float32 (exact). Elementwise, so any lane order gives
@@ -224,7 +215,7 @@ def _cache_rows_write_kernel(
     cl = tl.arange(0, BLOCK_L)
     lm = cl < Lkv
     x = tl.load(kv_in + cl, mask=lm, other=0.0).to(tl.float32)  # +0.0 past Lkv: the tree's padding
-    ss = _tree1(x * x, BLOCK_L, LEVELS_L)
+    ss = psum_vector(x * x, BLOCK_L, LEVELS_L)
     r = tl.math.div_rn(
         1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, Lkv.to(tl.float32)) + latent_eps_bits.to(tl.float32, bitcast=True))
     )
@@ -240,9 +231,9 @@ def _cache_rows_write_kernel(
     dm = cd < D
     xk = tl.load(k_in + cd, mask=dm, other=0.0).to(tl.float32)
     n_d = D.to(tl.float32)
-    mu = tl.math.div_rn(_tree1(xk, BLOCK_D, LEVELS_D), n_d)
+    mu = tl.math.div_rn(psum_vector(xk, BLOCK_D, LEVELS_D), n_d)
     dev = tl.where(dm, xk - mu, 0.0)  # +0.0 past D
-    var = tl.math.div_rn(_tree1(dev * dev, BLOCK_D, LEVELS_D), n_d)
+    var = tl.math.div_rn(psum_vector(dev * dev, BLOCK_D, LEVELS_D), n_d)
     inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + k_eps_bits.to(tl.float32, bitcast=True)))
     rot = cd < R
     if INDEX_INTERLEAVE:  # pairs (2i, 2i + 1)
@@ -421,52 +412,6 @@ def cache_rows_write_torch(
         _cache_rows_write_one(cfg, kv[rows], k[rows], kv_norm_weight, k_norm_weight, k_norm_bias, slots[rows],
                               cos_table,
                               sin_table, cache, ok, None if gates is None else gates[rows])
-
-
-def check_row_caches(name: str, rc: RowCaches, T: int, kv_width: int | None, index_width: int | None,
-                     kpool: bool = False) -> torch.dtype:
-    """The host-side checks of a cache kernel's ``RowCaches`` (no device reads): one cache or T,
-    the address table int64 ``(len(caches), ADDRESS_COLUMNS)``, every cache's pools contiguous with
-    the widths given (``None``: that pool is not read) and the same dtype, shape and block count as
-    the first; with ``kpool``, every cache's KPool cache too (gates (capacity, D), keys (pools, D)
-    and complete (pools,) bool, contiguous, the pools' dtype). Returns the pools' dtype."""
-    n = len(rc.caches)
-    if n not in (1, T):
-        raise ValueError(f"{name}: {n} caches for {T} rows (one for every row, or one per row)")
-    if rc.addresses.dtype != torch.int64 or tuple(rc.addresses.shape) != (n, ADDRESS_COLUMNS):
-        raise ValueError(f"{name}: the address table must be int64 ({n}, {ADDRESS_COLUMNS}), got "
-                         f"{rc.addresses.dtype} {tuple(rc.addresses.shape)}")
-    first = rc.caches[0]
-    dtype = first.kv_pool.dtype
-    for c in rc.caches:
-        if c.kv_pool.dtype != dtype or c.index_pool.dtype != dtype:
-            raise ValueError(f"{name}: every cache must hold {dtype}")
-        bt = c.block_table
-        if bt.dtype != torch.int32 or bt.shape != first.block_table.shape or not bt.is_contiguous():
-            raise ValueError(f"{name}: every block table must be contiguous int32 {tuple(first.block_table.shape)}")
-        blocks = first.block_table.shape[0]
-        for pool, width in ((c.kv_pool, kv_width), (c.index_pool, index_width)):
-            if width is not None and (tuple(pool.shape) != (blocks, BLOCK_ROWS, width) or not pool.is_contiguous()):
-                raise ValueError(f"{name}: every pool must be contiguous ({blocks}, {BLOCK_ROWS}, {width}), got "
-                                 f"{tuple(pool.shape)}")
-        if kpool:
-            check_kpool_cache(name, c, dtype)
-    return dtype
-
-
-def check_kpool_cache(name: str, cache: LayerCache, dtype: torch.dtype) -> None:
-    """``cache`` has a KPool cache the kernels can address: gates (capacity, D) and keys (pools, D)
-    contiguous in ``dtype``, complete (pools,) bool."""
-    kpc = cache.kpool
-    if kpc is None:
-        raise ValueError(f"{name}: a glm5_next layer's cache needs its KPool cache (LayerCache.kpool)")
-    capacity, D = cache.capacity, cache.index_pool.shape[-1]
-    pools = capacity // kpc.kpool
-    for arg, x, shape, dt in (("gates", kpc.gates, (capacity, D), dtype), ("keys", kpc.keys, (pools, D), dtype),
-                              ("complete", kpc.complete, (pools,), torch.bool)):
-        if tuple(x.shape) != shape or x.dtype != dt or not x.is_contiguous():
-            raise ValueError(f"{name}: kpool.{arg} must be a contiguous {shape} {dt} tensor, got {tuple(x.shape)} "
-                             f"{x.dtype}")
 
 
 def cache_rows_write_launch(
