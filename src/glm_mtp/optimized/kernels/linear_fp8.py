@@ -14,6 +14,12 @@ scales directly: ``numerics.block_scaled_linear_acc``'s order,
 sign, exponent + 120 and mantissa moved into float32's fields for a normal value, ``m * 2^-9``
 (exact) for a subnormal one, NaN for ``S.1111.111``. That is exact for all 256 patterns on every
 device, including Triton's CPU interpreter, whose own float8 cast maps the NaN pattern to a number.
+
+The drafter does not launch this GEMV: the fused step's fp8 variants (``fused_linear``, ``moe``,
+``mla``) import its decoder and block helpers and follow its order inside their own kernels. The
+GEMV is that order on its own, proven byte-equal to the reference by
+tests/optimized/test_kernels_linear_fp8.py and audited with the rest (``kernels.AUDITED``); it is
+not among the kernels ``glm_mtp.optimized.kernels`` exports.
 """
 
 from __future__ import annotations
@@ -208,8 +214,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
             T = tokens * per_token
             out = abstract((T, N), torch.float32 if acc else dtype)
             launches.append(AuditLaunch(f"linear_fp8:{name}", variant,
-                                        linear_fp8_launch(abstract((T, K), dtype), w8, s, out,
-                                                                                         cuda=True)))
+                                        linear_fp8_launch(abstract((T, K), dtype), w8, s, out, cuda=True)))
     # The decoder's own handle (the byte test's), so its instructions are audited alone too.
     decode = Launch(_e4m3_kernel, (1,), (abstract((256,), torch.uint8), abstract((256,), torch.float32), 256),
                     dict(BLOCK=256, enable_fp_fusion=False))
