@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm_mtp.conformance import run
-from glm_mtp.optimized import block as opt_block
+from glm_mtp.optimized import unfused_block as opt_block
 from glm_mtp.optimized import kernels, proposer
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference import MtpConfig, MtpWeights

@@ -30,7 +30,7 @@ Exponential(1) noise (k, V) in float32) and returns the drafts with q (k, V), ke
 
 from glm_mtp.reference import DraftProposer, MtpConfig, MtpWeights
 
-from .block import PrimitiveKernels
+from .unfused_block import PrimitiveKernels
 from .proposer import OptimizedProposer, with_triton_kernels
 from .state import OptimizedState
 

@@ -28,7 +28,7 @@ from glm_mtp.reference.numerics import rms_norm
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers, BatchRows, bucket
-from .block import PrimitiveKernels, block_rows, gated_forget
+from .unfused_block import PrimitiveKernels, block_rows, gated_forget
 from .graphs import GraphKey, run_program
 from .state import OptimizedState
 from .step import StepKernels, fused_head, fused_rows

@@ -42,7 +42,7 @@ from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state,
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
-from .block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
+from .unfused_block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .kernels import KERNEL_DTYPES
 from .programs import CHECK_OK, HIDDEN_FINITE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens
 from .state import OptimizedState, Unsettled

@@ -37,7 +37,7 @@ SwiGLU at ``swiglu_limit``. There are no RoPE angles to gather.
 
 ``fused_rows`` serves any number of rows T (a draft step: T = 1; a catch-up: its rows), each
 computed as if alone. It needs a MoE layer without shards (GLM-5's and GLM-5.3-Flash's MTP
-layers); anything else takes the per-primitive path (``glm_mtp.optimized.block.block_rows``).
+layers); anything else takes the per-primitive path (``glm_mtp.optimized.unfused_block.block_rows``).
 """
 
 from __future__ import annotations

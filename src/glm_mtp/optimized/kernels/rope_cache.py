@@ -1,7 +1,7 @@
 """RoPE on the new rows' keys fused with their paged cache write, as one kernel.
 
 Replaces ``glm_mtp.reference.attention.write_cache_rows`` after its norms (the optimized
-block's ``write_rows`` hook, ``glm_mtp.optimized.block.PrimitiveKernels.write_rows_hook``)::
+block's ``write_rows`` hook, ``glm_mtp.optimized.unfused_block.PrimitiveKernels.write_rows_hook``)::
 
     k_pe = apply_rope(kv[:, Lkv:], cos, sin, rope_interleave)
     ikey = rope_first(k_raw, cos, sin, cfg)            # RoPE on the first R dims of the index key
@@ -504,7 +504,7 @@ def cache_rows_write_triton(
 
 def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
     """The launches the drafter makes at ``cfg`` with a ``dtype`` cache, on abstract tensors
-    shaped as ``glm_mtp.optimized.block.PrimitiveKernels.write_rows_hook`` passes them: the rope key a view of
+    shaped as ``glm_mtp.optimized.unfused_block.PrimitiveKernels.write_rows_hook`` passes them: the rope key a view of
     ``kv`` (T, Lkv + R) after the latent, the pools from ``LayerCache.allocate``, float32 tables
     (see ``glm_mtp.tools.audit``). Only ``KERNEL_DTYPES`` caches take the kernel.
 

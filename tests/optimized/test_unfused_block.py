@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm_mtp.optimized.block import PrimitiveKernels, block_rows
+from glm_mtp.optimized.unfused_block import PrimitiveKernels, block_rows
 from glm_mtp.reference.attention import Rope, cache_rows, row_projections, write_cache_rows
 from glm_mtp.reference.block import REFERENCE_HOOKS, BlockHooks, mtp_rows
 from glm_mtp.reference.bytes import bits

@@ -1,5 +1,5 @@
-"""The MTP block for new rows, per primitive: the optimized drafter's path for a layer the fused
-step (``optimized/step.py``) does not take (a dense MLP, sharded weights, float64).
+"""The unfused MTP block for new rows, one kernel per primitive: the optimized drafter's path for
+a layer the fused step (``optimized/step.py``) does not take (a dense MLP, sharded weights, float64).
 
 The block is ``glm_mtp.reference.block.mtp_rows`` itself, called with the optimized pieces
 (``reference.block.BlockHooks``): every reduction follows the pinned order of DESIGN.md §5
