@@ -8,7 +8,7 @@ row t with candidate pools ``C_t`` (complete, last row <= t; at least two),
     target(t, p) = sum_{s in pool p} p_dense(t, s) / sum_{p' in C_t} sum_{s in p'} p_dense(t, s)
     loss_t       = KL(target(t, .) || softmax_{p in C_t} I(t, p))
 
-with ``p_dense`` the head-averaged dense causal attention of the layer (``reference.recall``),
+with ``p_dense`` the head-averaged dense causal attention of the layer (``tools.selection_recall``),
 detached. The tail (the row's own incomplete pool) is always attended and not scored, so it is
 not in the target. As in DSA's sparse stage the indexer's inputs are detached from the model
 (its queries, head weights, gates and keys are recomputed from the detached layer input), so
@@ -27,7 +27,7 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
 from glm_mtp.reference.kpool import kpool_scores, select_pool_rows
 from glm_mtp.reference.numerics import Numerics
-from glm_mtp.reference.recall import dense_attention_mass, recall_of
+from glm_mtp.tools.selection_recall import dense_attention_mass, recall_of
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import AttentionWeights, IndexerWeights
 
@@ -63,7 +63,7 @@ def pool_kl(scores: Tensor, mass: Tensor, slots: Tensor, kpool: int) -> tuple[Te
 class IndexerDistill:
     """A ``KPoolRowsFn`` for training (pass it to ``Target`` and the MTP forward): it selects as
     ``kpool.kpool_rows`` does, with torch's kernels, and records each call's indexer KL and the
-    selection's recall (``reference.recall``).
+    selection's recall (``tools.selection_recall``).
 
     Args:
         layers: the attention weights of every glm5_next layer it serves (the target's and the

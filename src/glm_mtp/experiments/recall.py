@@ -1,7 +1,7 @@
 """The drafter's sparse selection in an acceptance run: which selection it attends through
 (``attention``: ``sparse``, its KPool indexer, or ``dense``, every visible row) and how much of
 the dense attention the selection keeps at every drafted position (the indexer's recall,
-``reference.recall``).
+``tools.selection_recall``).
 
 A ``RecallProbe`` is the drafter's ``KPoolRowsFn`` (glm5_next): it runs the chosen selection and,
 while ``ProbedProposer.propose`` (or ``propose_batch``) runs, records for each drafted row its draft position i (1..k),
@@ -26,7 +26,7 @@ from glm_mtp.reference.attention import KPoolRowsFn
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.kpool import kpool_all_rows, kpool_rows
 from glm_mtp.reference.numerics import Numerics
-from glm_mtp.reference.recall import dense_attention_mass, oracle_pool_recall, recall_of
+from glm_mtp.tools.selection_recall import dense_attention_mass, oracle_pool_recall, recall_of
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.weights import IndexerWeights, MtpWeights
 

@@ -11,7 +11,9 @@ listed rows carry, ``sum_{s listed} p(t, s)``, computed as ``1 - sum_{s visible,
 so a list of every visible row gives exactly 1.0. The **oracle** recall of a KPool layer is that
 of the best selection of the same size: the ``index_topk / kpool`` candidate pools carrying the
 most dense mass, plus the tail (``oracle_pool_recall``): what a perfect indexer would keep. A
-measurement, not part of the drafter: float64, torch's kernels.
+measurement, not part of the drafter (so a tool, beside the counters): float64, torch's kernels.
+The experiments' recall probe (``experiments/recall.py``) and the indexer's training loss
+(``experiments/indexer_loss.py``) call it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from .config import MtpConfig
-from .indexer import selection_mask
-from .kpool import select_pool_rows
-from .numerics import plain_weight
-from .weights import AttentionWeights
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.indexer import selection_mask
+from glm_mtp.reference.kpool import select_pool_rows
+from glm_mtp.reference.numerics import plain_weight
+from glm_mtp.reference.weights import AttentionWeights
 
 
 def dense_attention_mass(attn: AttentionWeights, cfg: MtpConfig, q_latent: Tensor, kv_rows: Tensor, slots: Tensor,
