@@ -154,7 +154,7 @@ def test_fingerprint_log(prop, inputs, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="glm_mtp"):
         prop.propose(7, hid, pos, 1, state)
     (rec,) = [r for r in caplog.records if "GLM_MTP_DBG" in r.getMessage()]
-    from glm_mtp.reference.proposer import hidden_fingerprint
+    from glm_mtp.reference.bytes import hidden_fingerprint
 
     assert f"position={pos}" in rec.getMessage() and f"fp_target={hidden_fingerprint(hid)}" in rec.getMessage()
     assert hidden_fingerprint(hid) != hidden_fingerprint(hid + 1)

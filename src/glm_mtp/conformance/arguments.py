@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import Tensor
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
-from glm_mtp.reference.proposer import SampledDrafts
+from glm_mtp.reference.contract import SampledDrafts
 
 # What a refusal may be: arguments (ValueError, TypeError) and the lifecycle (RuntimeError).
 REFUSALS = (ValueError, TypeError, RuntimeError)

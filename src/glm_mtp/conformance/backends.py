@@ -10,7 +10,7 @@ import importlib
 from typing import Any, Callable
 
 from glm_mtp.reference import MtpWeights
-from glm_mtp.reference.proposer import DraftProposer
+from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.registry import BACKENDS, backend_class
 
 Factory = Callable[[MtpWeights, int], DraftProposer]

@@ -28,6 +28,7 @@ from torch import Tensor
 from glm_mtp.reference import attention as _attention
 from glm_mtp.reference import block as _block
 from glm_mtp.reference import contract as _contract
+from glm_mtp.reference import contract_batch as _contract_batch
 from glm_mtp.reference import indexer as _indexer
 from glm_mtp.reference import kpool as _kpool
 from glm_mtp.reference import numerics as _numerics
@@ -386,16 +387,16 @@ class BatchChecksAsItGoes(Mutant):
 
     def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
         call = "propose_batch"
-        states = _contract.batch_states(call, states)
+        states = _contract_batch.batch_states(call, states)
         B, H = len(states), self.config.hidden_size
-        tokens = _contract.batch_values(call, "last_tokens", last_tokens, B)
-        hiddens = _contract.batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
-        pos = _contract.batch_ints(call, "positions", positions, B)
+        tokens = _contract_batch.batch_values(call, "last_tokens", last_tokens, B)
+        hiddens = _contract_batch.batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
+        pos = _contract_batch.batch_ints(call, "positions", positions, B)
         check_int("num_drafts", num_drafts)
         # MUTATION: each state checked and drafted in turn (the single call), not all checked first.
         out = []
         for b, st in enumerate(states):
-            with _contract.batch_item(call, b):
+            with _contract_batch.batch_item(call, b):
                 out.append(self.propose(tokens[b], hiddens[b], pos[b], num_drafts, st))
         return out
 
@@ -419,7 +420,7 @@ class CatchupBatchWritesMisaligned(Mutant):
     generators = ("batched",)
 
     def catchup_batch(self, tokens, hiddens, row_bases, states):  # type: ignore[no-untyped-def]
-        original = _contract.batch_catchup_args
+        original = _contract_batch.batch_catchup_args
 
         def every_row(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state):  # type: ignore[no-untyped-def]
             original(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state)  # the real checks
@@ -427,7 +428,7 @@ class CatchupBatchWritesMisaligned(Mutant):
             return original(call, tokens, hiddens, [st.seq_len for st in states], states, weights, capacity,
                             check_live_state)
 
-        with swapped(_contract, "batch_catchup_args", every_row):
+        with swapped(_contract_batch, "batch_catchup_args", every_row):
             return super().catchup_batch(tokens, hiddens, row_bases, states)
 
 

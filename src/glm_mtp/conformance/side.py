@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference import MtpConfig
-from glm_mtp.reference.proposer import DraftProposer
+from glm_mtp.reference.contract import DraftProposer
 
 from .compare import first_mismatch
 from .spec import FOREIGN, Hidden, Op, TokenIds, other_device

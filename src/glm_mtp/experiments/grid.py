@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from glm_mtp.reference.proposer import DraftProposer
+from glm_mtp.reference.contract import DraftProposer
 
 FEEDS = ("post_norm", "pre_norm")
 

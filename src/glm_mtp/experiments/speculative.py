@@ -55,7 +55,7 @@ from torch import Tensor
 
 from glm_mtp.reference.attention import KPoolRowsFn
 from glm_mtp.reference.numerics import acc_dtype
-from glm_mtp.reference.proposer import DraftProposer
+from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
 from glm_mtp.registry import backend_class
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_mtp.reference import contract
-from glm_mtp.reference.attention import Rope
-from glm_mtp.reference.contract import FeedHidden, Tokens
-from glm_mtp.reference.proposer import NOISE_MESSAGE, SampledDrafts, sampling_inputs
-from glm_mtp.reference.state import DrafterState, Owner, check_sound, use_state, writing, writing_all
+from glm_mtp.reference import contract, contract_batch
+from glm_mtp.reference.attention import Rope, rope_for
+from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling_inputs
+from glm_mtp.reference.contract_guards import Owner, check_sound, use_state, writing, writing_all
+from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
@@ -134,7 +134,7 @@ class OptimizedProposer:
 
     def rope(self, device: torch.device) -> Rope:
         """The RoPE table of ``device`` (the reference's table, built once per device)."""
-        return contract.rope_for(self._rope, self.weights, self.capacity, device)
+        return rope_for(self._rope, self.weights, self.capacity, device)
 
     # ---- lifetime -----------------------------------------------------------------------
     def alloc_state(self, device: torch.device | str) -> OptimizedState:
@@ -179,7 +179,7 @@ class OptimizedProposer:
         """Every byte the conformance suite compares: the reference's keys, shapes and dtypes."""
         with self._use(state, "export_state") as st:
             self._settle(st)
-            return contract.snapshot(st, self.weights)  # once settled, the state's fields are the reference's
+            return snapshot(st, self.weights)  # once settled, the state's fields are the reference's
 
     # ---- validation ---------------------------------------------------------------------
     def _use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
@@ -349,11 +349,11 @@ class OptimizedProposer:
         after checking every state's data on the host."""
         call = "propose_batch"
         states = self._batch_states(call, states)
-        with contract.guard_all(call, states, self._use):
+        with contract_batch.guard_all(call, states, self._use):
             fused = self.step is not None
-            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
-                                                self.weights,
-                                                self.capacity, self._check_live, device_checks=fused)
+            batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
+                                                      self.weights, self.capacity, self._check_live,
+                                                      device_checks=fused)
             k = batch.num_drafts
             if not states:
                 return []
@@ -376,9 +376,9 @@ class OptimizedProposer:
         its own state's cache; checks on the host, as ``catchup_drafter``'s."""
         call = "catchup_batch"
         states = self._batch_states(call, states)
-        with contract.guard_all(call, states, self._use):
-            rows = contract.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights, self.capacity,
-                                               self._check_live)
+        with contract_batch.guard_all(call, states, self._use):
+            rows = contract_batch.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights,
+                                                     self.capacity, self._check_live)
             owed = [states[r.b] for r in rows]
             written = [0] * len(states)
             if not rows:
@@ -407,7 +407,7 @@ class OptimizedProposer:
         return self._batch[device]
 
     def _batch_states(self, call: str, states: object) -> list[DrafterState]:
-        states = contract.batch_states(call, states)
+        states = contract_batch.batch_states(call, states)
         if len(states) > self.max_batch:
             raise ValueError(f"{call}: {len(states)} states, more than this drafter's max_batch={self.max_batch}")
         return states

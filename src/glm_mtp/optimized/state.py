@@ -16,7 +16,8 @@ from torch import Tensor
 
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.numerics import acc_dtype
-from glm_mtp.reference.state import DrafterState, LayerCache, Owner
+from glm_mtp.reference.contract_guards import Owner
+from glm_mtp.reference.state import DrafterState, LayerCache
 
 from .kernels.paged import RowCaches
 
@@ -78,7 +79,7 @@ class OptimizedState(DrafterState):
         cls, cfg: MtpConfig, blocks: int, dtype: torch.dtype, device: torch.device, owner: Owner | None = None
     ) -> OptimizedState:
         """Every buffer of one sequence, zeroed (``x`` starts at zero, as in the reference);
-        ``owner`` is the allocating drafter (``reference.state.Owner``)."""
+        ``owner`` is the allocating drafter (``reference.contract_guards.Owner``)."""
         cache = LayerCache.allocate(cfg, blocks, dtype, device)
         capacity = cache.capacity
         return cls(

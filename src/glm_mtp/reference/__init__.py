@@ -3,7 +3,8 @@ semantics every other backend must reproduce."""
 
 from .checkpoint import CheckpointError
 from .config import MtpConfig
-from .proposer import DraftProposer, ReferenceProposer, SampledDrafts, SamplingProposer
+from .contract import DraftProposer, SampledDrafts, SamplingProposer
+from .proposer import ReferenceProposer
 from .state import DrafterState
 from .weights import MtpWeights
 

@@ -33,7 +33,7 @@ from .numerics import (
     PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up,
 )
 from .state import LayerCache
-from .weights import AttentionWeights, IndexerWeights
+from .weights import AttentionWeights, IndexerWeights, MtpWeights
 
 # RMSNorm epsilon of q_a_layernorm and kv_a_layernorm, fixed by GLM-5's architecture (glm5_next
 # uses its rms_norm_eps: ``MtpConfig.latent_norm_eps`` says which).
@@ -241,3 +241,10 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
     else:
         out = dense_mla(attn, cfg, q_nope, q_pe, cache.kv_rows(S), selection_mask(rows, count, S))
     return output_projection(attn, cfg, out, ops)
+
+
+def rope_for(tables: dict[torch.device, Rope], weights: MtpWeights, capacity: int, device: torch.device) -> Rope:
+    """The drafter's RoPE table on ``device`` from its cache ``tables`` (built once per device)."""
+    if device not in tables:
+        tables[device] = Rope.build(weights.config, capacity, device, weights.dtype)
+    return tables[device]

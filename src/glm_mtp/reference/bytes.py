@@ -8,6 +8,8 @@ reference's own checks, the optimized drafter's, conformance, the tests) compare
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import Tensor
 
@@ -43,3 +45,8 @@ def keyed_bytes(tensors: dict[str, Tensor]) -> dict[str, tuple[tuple[int, ...], 
     """``(shape, dtype, raw bytes)`` per key: a snapshot (e.g. of ``export_state``) that compares
     equal exactly when every tensor is the same bytes."""
     return {k: (tuple(t.shape), str(t.dtype), raw_bytes(t)) for k, t in tensors.items()}
+
+
+def hidden_fingerprint(hidden: Tensor) -> str:
+    """16 hex digits of a hash of the tensor's bytes."""
+    return hashlib.blake2b(raw_bytes(hidden), digest_size=8).hexdigest()

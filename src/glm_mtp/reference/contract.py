@@ -1,9 +1,11 @@
-"""The drafter contract's rules that every backend applies the same way (DESIGN.md §3-§4), once:
-the constructor's arguments and the row capacity, the argument checks of each call, the no-op
-rules and row bookkeeping of prefill and catch-up, the counters of ``after_verify``, and the
-exported snapshot. ``ReferenceProposer`` and ``OptimizedProposer`` both call these plain
-functions; what differs between them (where rows are computed, which data checks run on the
-device) stays in each backend.
+"""The drafter contract (DESIGN.md §3-§4), once for every backend: what an engine calls
+(``DraftProposer``, ``SamplingProposer``) and what a sampled propose returns (``SampledDrafts``);
+the constructor's arguments, the argument checks of each call (sampling's included), the no-op
+rules and row bookkeeping of prefill and catch-up, and the counters of ``after_verify``.
+``ReferenceProposer`` and ``OptimizedProposer`` both call these plain functions; what differs
+between them (where rows are computed, which data checks run on the device) stays in each
+backend. The rest of the contract is beside it: ``contract_guards`` (a state's owner, its one
+caller, freed and poisoned states) and ``contract_batch`` (many states in one call).
 
 Every check raises before anything changes (``ValueError`` for arguments, ``RuntimeError`` for
 the lifecycle), naming the argument, in the order the contract documents.
@@ -11,23 +13,21 @@ the lifecycle), naming the argument, in the order the contract documents.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import struct
 import time
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from .attention import Rope
-from .bytes import raw_bytes
-from .kpool import empty_snapshot as empty_kpool_snapshot
-from .state import BLOCK_ROWS, DrafterState, check_sound, num_blocks, rewind_rows, writing
+from .bytes import hidden_fingerprint, same_bytes
+from .contract_guards import check_sound, writing
+from .numerics import acc_dtype
+from .state import DrafterState, Sizes, rewind_rows
 from .weights import MtpWeights
 
 logger = logging.getLogger(__name__)
@@ -41,12 +41,93 @@ FeedHidden = Literal["post_norm", "pre_norm"]
 WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]
 
 
+# ---- the protocol and its results ------------------------------------------------------------
+
+
+@runtime_checkable
+class DraftProposer(Protocol):
+    """What an engine calls on a drafter (the engine's ``DraftProposer`` trait, in snake_case)."""
+
+    max_seq_len: int
+
+    def prefill_hidden_rows(self, max_seq_len: int) -> int: ...
+    def alloc_state(self, device: torch.device | str) -> DrafterState: ...
+    def free_state(self, state: DrafterState) -> None: ...
+    def needs_comm(self) -> bool: ...
+    def prefill_uses_shared_buffers(self) -> bool: ...
+    def drafter_rows(self, state: DrafterState) -> int: ...
+    def last_pair_key(self, state: DrafterState) -> int | None: ...
+    def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int: ...
+    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int,
+                        state: DrafterState) -> int: ...
+    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                state: DrafterState) -> list[int]: ...
+    def after_verify(self, num_accepted: int, state: DrafterState) -> None: ...
+    def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
+                      states: list[DrafterState]) -> list[list[int]]: ...
+    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
+                      states: list[DrafterState]) -> list[int]: ...
+    def export_state(self, state: DrafterState) -> dict[str, Tensor]: ...
+
+
+@dataclass(eq=False)
+class SampledDrafts:
+    """What ``propose_sampled`` returns: the drafts and each draft's distribution. Two are equal
+    when their drafts are and their ``q`` have the same shape, dtype and bytes (-0.0 != 0.0).
+
+    Args:
+        drafts: the k drafted token ids, ``drafts[i] = argmax(q[i] / noise[i])``.
+        q: (k, V) in A, ``q[i] = softmax(up(logits_i) / temperature)`` (``layers.draft_probs``),
+            on the state's device.
+    """
+
+    drafts: list[int]
+    q: Tensor
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SampledDrafts):
+            return NotImplemented
+        return self.drafts == other.drafts and same_bytes(self.q.detach().cpu(), other.q.detach().cpu())
+
+
+@runtime_checkable
+class SamplingProposer(DraftProposer, Protocol):
+    """A ``DraftProposer`` that can also draft by sampling (both backends of this package)."""
+
+    def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
+                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts: ...
+
+
+def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype,
+                      device: torch.device) -> Tensor:
+    """The noise of a sampled propose: a ``(num_drafts, vocab_size)`` tensor of the acc dtype
+    ``dtype`` on ``device`` (its values, positive and finite, are checked by the backend)."""
+    if not isinstance(noise, Tensor):
+        raise ValueError(f"noise must be a tensor, got {type(noise).__name__}")
+    check_strided("noise", noise)
+    if tuple(noise.shape) != (num_drafts, vocab_size):
+        raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got "
+                         f"{tuple(noise.shape)}")
+    if noise.dtype != dtype:
+        raise ValueError(f"noise must have the accumulation dtype {dtype}, got {noise.dtype}")
+    if noise.device != device:
+        raise ValueError(f"noise must be on the state's device {device}, got {noise.device}")
+    return noise
+
+
+def sampling_inputs(temperature: object, noise: object, num_drafts: int, weights: MtpWeights,
+                    device: torch.device, logit_limit: float) -> tuple[float, Tensor]:
+    """The checks of ``propose_sampled``'s own arguments that read no data, shared by both
+    drafters: ``(temperature, noise)``, the temperature rounded to A (``check_temperature``
+    against the head's ``logit_limit``, ``logit_bound``)."""
+    return (check_temperature(temperature, logit_limit, acc_dtype(weights.dtype)),
+            check_noise_shape(noise, num_drafts, weights.config.vocab_size, acc_dtype(weights.dtype), device))
+
+
+NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
+
+
 # ---- values ------------------------------------------------------------------------------------
-
-
-def hidden_fingerprint(hidden: Tensor) -> str:
-    """16 hex digits of a hash of the tensor's bytes."""
-    return hashlib.blake2b(raw_bytes(hidden), digest_size=8).hexdigest()
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:
@@ -213,25 +294,13 @@ def check_temperature(temperature: object, logit_limit: float, acc: torch.dtype)
 # ---- the drafter and its states ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """A drafter's row budget: ``max_seq_len`` (capped at the model's DSA context), the
-    ``blocks`` of 16 rows a state claims and their ``capacity`` in rows."""
-
-    max_seq_len: int
-    blocks: int
-    capacity: int
-
-
 def drafter_sizes(weights: MtpWeights, max_seq_len: object, feed_hidden: object) -> Sizes:
     """The constructor's checks (``max_seq_len`` >= 1, ``feed_hidden`` one of ``FeedHidden``)
     and its sizes: ``max_seq_len`` capped at ``max_position_embeddings``, ``num_blocks`` of it."""
     max_seq_len = check_int("max_seq_len", max_seq_len, 1)
     if feed_hidden not in ("post_norm", "pre_norm"):
         raise ValueError(f"feed_hidden must be 'post_norm' or 'pre_norm', got {feed_hidden!r}")
-    capped = min(max_seq_len, weights.config.max_position_embeddings)
-    blocks = num_blocks(capped)
-    return Sizes(capped, blocks, BLOCK_ROWS * blocks)
+    return Sizes.of(max_seq_len, weights.config.max_position_embeddings)
 
 
 def needs_comm(weights: MtpWeights) -> bool:
@@ -250,49 +319,11 @@ def state_device(weights: MtpWeights, device: torch.device | str) -> torch.devic
     return device
 
 
-def rope_for(tables: dict[torch.device, Rope], weights: MtpWeights, capacity: int, device: torch.device) -> Rope:
-    """The drafter's RoPE table on ``device`` from its cache ``tables`` (built once per device)."""
-    if device not in tables:
-        tables[device] = Rope.build(weights.config, capacity, device, weights.dtype)
-    return tables[device]
-
-
 def check_live(state: DrafterState, call: str) -> None:
     """The lifecycle checks of a mutating call: a sound state with no propose pending."""
     check_sound(state, call)
     if state.pending:
         raise RuntimeError(f"{call}: a propose of {state.last_drafted} drafts is pending; call after_verify first")
-
-
-def snapshot(state: DrafterState, weights: MtpWeights) -> dict[str, Tensor]:
-    """``export_state``'s bytes (after the owner checks): every byte the conformance suite
-    compares; rows past ``seq_len`` are never exported. Works on a freed or a poisoned state."""
-    cfg, dt, dev = weights.config, weights.dtype, state.device
-    scalars = {
-        "seq_len": torch.tensor(state.seq_len, dtype=torch.int64, device=dev),
-        "last_drafted": torch.tensor(state.last_drafted, dtype=torch.int64, device=dev),
-        "pending": torch.tensor(state.pending, dtype=torch.bool, device=dev),
-    }
-    if state.released:
-        return {
-            "kv_rows": torch.zeros(0, cfg.kv_row_width, dtype=dt, device=dev),
-            "index_rows": torch.zeros(0, cfg.index_head_dim, dtype=dt, device=dev),
-            "x": torch.zeros(cfg.hidden_size, dtype=dt, device=dev),
-            **scalars,
-            "block_table": torch.zeros(0, dtype=torch.int32, device=dev),
-            **(empty_kpool_snapshot(cfg, dt, dev) if cfg.is_next else {}),
-        }
-    n = state.seq_len
-    kpool = state.cache.kpool
-    return {
-        "kv_rows": state.cache.kv_rows()[:n].clone(),
-        "index_rows": state.cache.index_rows()[:n].clone(),
-        "x": state.x.clone(),
-        **scalars,
-        "block_table": state.cache.block_table.clone(),
-        # glm5_next only (GLM-5's keys stay exactly the five above): pooled keys, completeness, gates
-        **(kpool.snapshot(n) if kpool is not None else {}),
-    }
 
 
 # ---- the calls, after their owner and lifecycle checks ------------------------------------------
@@ -399,6 +430,13 @@ def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, po
     return ProposeArgs(position, token, hidden, num_drafts)
 
 
+def check_args_data(args: ProposeArgs, weights: MtpWeights) -> None:
+    """The data checks ``propose_args`` left to the device, for one propose, on the host."""
+    if isinstance(args.token, Tensor):
+        token_ids("last_token", args.token, weights.config.vocab_size, args.token.device)
+    check_hiddens("target_hidden", args.hidden, 1, weights, args.hidden.device)
+
+
 def apply_verify(num_accepted: object, state: DrafterState) -> None:
     """``after_verify`` after its owner checks: its lifecycle and argument checks, then the
     counters: keep the first ``num_accepted + 1`` rows of the pending propose (never fewer than
@@ -415,170 +453,3 @@ def apply_verify(num_accepted: object, state: DrafterState) -> None:
     state.last_drafted = 0
 
 
-# ---- batches: many states in one call ----------------------------------------------------------
-# A batched call applies every per-state rule above to each state, names the state of a refusal
-# (``states[b]``) and changes no state unless every state passed: the checks of all states run
-# before any compute. Rule 0 (the owner and the one caller) is taken for every state first, as
-# the guard of the whole call.
-
-
-def batch_states(call: str, states: object) -> list[DrafterState]:
-    """``states`` as a list: a list or tuple, each state at most once (two rows of one state
-    would race for its rows)."""
-    if not isinstance(states, (list, tuple)):
-        raise ValueError(f"{call}: states must be a list or tuple of states, got {type(states).__name__}")
-    seen: dict[int, int] = {}
-    for b, st in enumerate(states):
-        if id(st) in seen:
-            raise ValueError(f"{call}: states[{b}] is states[{seen[id(st)]}]; a state appears once in a batch")
-        seen[id(st)] = b
-    return list(states)
-
-
-@contextmanager
-def batch_item(call: str, b: int) -> Iterator[None]:
-    """Checks of ``states[b]``: a refusal keeps its type and says which state it was."""
-    try:
-        yield
-    except (TypeError, ValueError, RuntimeError) as e:
-        message = str(e)
-        if message.startswith(f"{call}: "):
-            message = message[len(call) + 2:]
-        raise type(e)(f"{call}: states[{b}]: {message}") from e
-
-
-def batch_values(call: str, name: str, values: object, B: int) -> list[int | Tensor]:
-    """``values``, one per state: a list/tuple of B Python ints or a (B,) integer tensor (each
-    row a (1,) view). Ranges are the per-state checks'."""
-    if isinstance(values, Tensor):
-        check_strided(name, values)
-        check_token_dtype(name, values)
-        if values.dim() != 1 or values.shape[0] != B:
-            raise ValueError(f"{call}: {name} must be a ({B},) tensor, one per state, got shape {tuple(values.shape)}")
-        return [values[b : b + 1] for b in range(B)]
-    if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{call}: {name} must be a list of {B} ints or a ({B},) tensor, got {type(values).__name__}")
-    if len(values) != B:
-        raise ValueError(f"{call}: {name} has {len(values)} entries for {B} states")
-    return list(values)
-
-
-def batch_ints(call: str, name: str, values: object, B: int) -> list[int]:
-    """``batch_values`` read on the host as Python ints (a tensor's one read)."""
-    rows = batch_values(call, name, values, B)
-    if isinstance(values, Tensor):
-        return [int(v) for v in values.tolist()]
-    return rows  # type: ignore[return-value]  # each checked per state (check_int)
-
-
-def batch_hiddens(call: str, name: str, hiddens: object, B: int, H: int) -> list[Tensor]:
-    """``hiddens`` (B, H), one row per state, as B (1, H) views (dtype, device and values are the
-    per-state checks')."""
-    if not isinstance(hiddens, Tensor):
-        raise ValueError(f"{call}: {name} must be a tensor, got {type(hiddens).__name__}")
-    check_strided(f"{call}: {name}", hiddens)
-    if hiddens.dim() != 2 or tuple(hiddens.shape) != (B, H):
-        raise ValueError(f"{call}: {name} must have shape ({B}, {H}), one row per state, got {tuple(hiddens.shape)}")
-    return [hiddens[b : b + 1] for b in range(B)]
-
-
-@contextmanager
-def guard_all(call: str, states: Sequence[DrafterState], use: Callable[[DrafterState, str], Any]) -> Iterator[None]:
-    """Rule 0 for every state of a batch, held for the whole call: ``use(state, call)`` is the
-    backend's guard (``use_state``); a refusal names the state and releases the ones taken."""
-    with ExitStack() as stack:
-        for b, st in enumerate(states):
-            with batch_item(call, b):
-                stack.enter_context(use(st, call))
-        yield
-
-
-@dataclass
-class BatchPropose:
-    """``propose_batch``'s checked arguments: one ``ProposeArgs`` per state."""
-
-    states: list[DrafterState]
-    args: list[ProposeArgs]
-    num_drafts: int
-
-
-def batch_propose_args(call: str, last_tokens: object, target_hiddens: object, positions: object, num_drafts: object,
-                       states: list[DrafterState], weights: MtpWeights, capacity: int,
-                       check_live_state: Callable[[DrafterState, str], None],
-                       device_checks: bool = False) -> BatchPropose:
-    """Every check of ``propose_batch`` after the guards: the batch's own shapes, then each
-    state's lifecycle (``check_live_state``) and propose checks (``propose_args``), in index order."""
-    B, H = len(states), weights.config.hidden_size
-    tokens = batch_values(call, "last_tokens", last_tokens, B)
-    hiddens = batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
-    pos = batch_ints(call, "positions", positions, B)
-    num_drafts = check_int("num_drafts", num_drafts)
-    args: list[ProposeArgs] = []
-    for b, st in enumerate(states):
-        try:
-            with batch_item(call, b):
-                check_live_state(st, call)
-                args.append(propose_args(call, tokens[b], hiddens[b], pos[b], num_drafts, st, weights, capacity,
-                                         device_checks))
-        except (TypeError, ValueError, RuntimeError):
-            if device_checks:  # an earlier state's data refuses first (index order): read it now, on refusal only
-                check_data(call, args, weights)
-            raise
-    return BatchPropose(states, args, num_drafts)
-
-
-def check_data(call: str, args: Sequence[ProposeArgs], weights: MtpWeights) -> None:
-    """The data checks ``propose_args`` leaves to the device (a token tensor's range, the hidden's
-    finiteness), on the host, for states ``0..len(args)-1`` in order: the first failure raises."""
-    for b, a in enumerate(args):
-        with batch_item(call, b):
-            check_args_data(a, weights)
-
-
-def check_args_data(args: ProposeArgs, weights: MtpWeights) -> None:
-    """The data checks ``propose_args`` left to the device, for one propose, on the host."""
-    if isinstance(args.token, Tensor):
-        token_ids("last_token", args.token, weights.config.vocab_size, args.token.device)
-    check_hiddens("target_hidden", args.hidden, 1, weights, args.hidden.device)
-
-
-@dataclass
-class CatchupRow:
-    """One state's row of ``catchup_batch`` that is written: ``token`` (1,) int64, ``hidden``
-    (1, H), at ``row_base``."""
-
-    b: int
-    token: Tensor
-    hidden: Tensor
-    row_base: int
-
-
-def batch_catchup_args(
-    call: str,
-    tokens: object,
-    hiddens: object,
-    row_bases: object,
-    states: list[DrafterState],
-    weights: MtpWeights,
-    capacity: int,
-    check_live_state: Callable[[DrafterState, str], None],
-) -> list[CatchupRow]:
-    """Every check of ``catchup_batch`` after the guards, each state's as ``catchup_drafter``'s
-    with one row (``tokens[b]`` = t_{row_base+1}, ``hiddens[b]`` = h_{row_base}); returns the rows
-    to write: a state whose ``row_bases[b]`` is not its ``seq_len`` writes nothing (the no-op rule)."""
-    B, H = len(states), weights.config.hidden_size
-    ids = batch_values(call, "tokens", tokens, B)
-    rows = batch_hiddens(call, "hiddens", hiddens, B, H)
-    bases = batch_ints(call, "row_bases", row_bases, B)
-    out = []
-    for b, st in enumerate(states):
-        with batch_item(call, b):
-            check_live_state(st, call)
-            token = token_ids("tokens", [ids[b]] if not isinstance(ids[b], Tensor) else ids[b],
-                              weights.config.vocab_size, st.device)
-            base = check_int("row_base", bases[b])
-            check_hiddens("hiddens", rows[b], 1, weights, st.device)
-            check_capacity(call, base + 1, capacity)
-            if base == st.seq_len:
-                out.append(CatchupRow(b, token, rows[b], base))
-    return out

@@ -1,4 +1,5 @@
-"""The drafter's contract (``DraftProposer``) and its eager implementation, ``ReferenceProposer``.
+"""The eager drafter, ``ReferenceProposer``: the contract (``contract.DraftProposer``) computed
+with the reference's own functions.
 
 Row r pairs token ``t_{r+1}`` with the target's hidden ``h_r``, lives in slot r and is rotated at
 RoPE position r. A propose writes one row per draft; ``after_verify`` keeps the first row of a
@@ -14,112 +15,20 @@ byte-identical; a call that fails midway poisons it (``state.writing``).
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from . import contract
-from .attention import KPoolRowsFn, Rope
+from . import contract, contract_batch
+from .attention import KPoolRowsFn, Rope, rope_for
 from .block import REFERENCE_HOOKS, BlockHooks, draft_logits, mtp_rows
+from .contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling_inputs
+from .contract_guards import Owner, use_state, writing, writing_all
 from .kpool import kpool_rows
-from .bytes import same_bytes
-from .contract import (  # noqa: F401  (re-exported: the contract's names, where callers found them)
-    FINGERPRINT_ENV, FeedHidden, Tokens, WriteRows, check_int, check_temperature, check_token_dtype, check_token_id,
-    hidden_fingerprint, one_token,
-)
 from .layers import draft_probs, greedy_token, sampled_token
-from .numerics import acc_dtype
-from .state import DrafterState, LayerCache, Owner, rewind_rows, use_state, writing, writing_all
+from .state import DrafterState, LayerCache, rewind_rows, snapshot
 from .weights import MtpWeights
-
-logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class DraftProposer(Protocol):
-    """What an engine calls on a drafter (the engine's ``DraftProposer`` trait, in snake_case)."""
-
-    max_seq_len: int
-
-    def prefill_hidden_rows(self, max_seq_len: int) -> int: ...
-    def alloc_state(self, device: torch.device | str) -> DrafterState: ...
-    def free_state(self, state: DrafterState) -> None: ...
-    def needs_comm(self) -> bool: ...
-    def prefill_uses_shared_buffers(self) -> bool: ...
-    def drafter_rows(self, state: DrafterState) -> int: ...
-    def last_pair_key(self, state: DrafterState) -> int | None: ...
-    def prefill_drafter(self, prompt_tokens: Tokens, hiddens: Tensor, state: DrafterState) -> int: ...
-    def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int,
-                        state: DrafterState) -> int: ...
-    def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                state: DrafterState) -> list[int]: ...
-    def after_verify(self, num_accepted: int, state: DrafterState) -> None: ...
-    def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
-                      states: list[DrafterState]) -> list[list[int]]: ...
-    def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
-                      states: list[DrafterState]) -> list[int]: ...
-    def export_state(self, state: DrafterState) -> dict[str, Tensor]: ...
-
-
-@dataclass(eq=False)
-class SampledDrafts:
-    """What ``propose_sampled`` returns: the drafts and each draft's distribution. Two are equal
-    when their drafts are and their ``q`` have the same shape, dtype and bytes (-0.0 != 0.0).
-
-    Args:
-        drafts: the k drafted token ids, ``drafts[i] = argmax(q[i] / noise[i])``.
-        q: (k, V) in A, ``q[i] = softmax(up(logits_i) / temperature)`` (``layers.draft_probs``),
-            on the state's device.
-    """
-
-    drafts: list[int]
-    q: Tensor
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, SampledDrafts):
-            return NotImplemented
-        return self.drafts == other.drafts and same_bytes(self.q.detach().cpu(), other.q.detach().cpu())
-
-
-@runtime_checkable
-class SamplingProposer(DraftProposer, Protocol):
-    """A ``DraftProposer`` that can also draft by sampling (both backends of this package)."""
-
-    def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts: ...
-
-
-def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype,
-                      device: torch.device) -> Tensor:
-    """The noise of a sampled propose: a ``(num_drafts, vocab_size)`` tensor of the acc dtype
-    ``dtype`` on ``device`` (its values, positive and finite, are checked by the backend)."""
-    if not isinstance(noise, Tensor):
-        raise ValueError(f"noise must be a tensor, got {type(noise).__name__}")
-    contract.check_strided("noise", noise)
-    if tuple(noise.shape) != (num_drafts, vocab_size):
-        raise ValueError(f"noise must have shape ({num_drafts}, {vocab_size}) (num_drafts, vocab_size), got "
-                         f"{tuple(noise.shape)}")
-    if noise.dtype != dtype:
-        raise ValueError(f"noise must have the accumulation dtype {dtype}, got {noise.dtype}")
-    if noise.device != device:
-        raise ValueError(f"noise must be on the state's device {device}, got {noise.device}")
-    return noise
-
-
-def sampling_inputs(temperature: object, noise: object, num_drafts: int, weights: MtpWeights,
-                    device: torch.device, logit_limit: float) -> tuple[float, Tensor]:
-    """The checks of ``propose_sampled``'s own arguments that read no data, shared by both
-    drafters: ``(temperature, noise)``, the temperature rounded to A (``contract.check_temperature``
-    against the head's ``logit_limit``, ``contract.logit_bound``)."""
-    return (check_temperature(temperature, logit_limit, acc_dtype(weights.dtype)),
-            check_noise_shape(noise, num_drafts, weights.config.vocab_size, acc_dtype(weights.dtype), device))
-
-
-NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 
 
 class ReferenceProposer:
@@ -175,7 +84,7 @@ class ReferenceProposer:
 
     # ---- lifetime -----------------------------------------------------------------------
     def rope(self, device: torch.device) -> Rope:
-        return contract.rope_for(self._rope, self.weights, self.capacity, device)
+        return rope_for(self._rope, self.weights, self.capacity, device)
 
     def alloc_state(self, device: torch.device | str) -> DrafterState:
         device = contract.state_device(self.weights, device)
@@ -207,7 +116,7 @@ class ReferenceProposer:
         """Every byte the conformance suite compares; rows past ``seq_len`` are never exported.
         Works on a freed or a poisoned state (the bytes as they are)."""
         with self.use(state, "export_state"):
-            return contract.snapshot(state, self.weights)
+            return snapshot(state, self.weights)
 
     # ---- context rows ------------------------------------------------------------------
     def _write_rows(self, tokens: Tensor, hiddens: Tensor, row_base: int, state: DrafterState) -> None:
@@ -271,11 +180,10 @@ class ReferenceProposer:
         Checks: every state's guard first, then the batch's shapes, then each state's
         ``propose`` checks in index order; a refusal names ``states[b]`` and changes no state."""
         call = "propose_batch"
-        states = contract.batch_states(call, states)
-        with contract.guard_all(call, states, self.use):
-            batch = contract.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
-                                                self.weights,
-                                                self.capacity, contract.check_live)
+        states = contract_batch.batch_states(call, states)
+        with contract_batch.guard_all(call, states, self.use):
+            batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
+                                                      self.weights, self.capacity, contract.check_live)
             with writing_all(states, call):
                 return [self._draft(args, st, call)[0] for args, st in zip(batch.args, states)]
 
@@ -286,10 +194,10 @@ class ReferenceProposer:
         rows written per state (0 where ``row_bases[b]`` is not the state's ``drafter_rows``).
         Checks as ``propose_batch``'s."""
         call = "catchup_batch"
-        states = contract.batch_states(call, states)
-        with contract.guard_all(call, states, self.use):
-            rows = contract.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights, self.capacity,
-                                               contract.check_live)
+        states = contract_batch.batch_states(call, states)
+        with contract_batch.guard_all(call, states, self.use):
+            rows = contract_batch.batch_catchup_args(call, tokens, hiddens, row_bases, states, self.weights,
+                                                     self.capacity, contract.check_live)
             with writing_all(states, call):
                 for r in rows:
                     self._write_rows(r.token, r.hidden, r.row_base, states[r.b])

@@ -7,17 +7,19 @@ table is ``[0, blocks)``; rolling back is lowering ``seq_len``, since nothing re
 
 from __future__ import annotations
 
-import threading
-import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .config import MtpConfig
 from .kpool import KPoolCache
+from .kpool import empty_snapshot as empty_kpool_snapshot
+from .weights import MtpWeights
+
+if TYPE_CHECKING:
+    from .contract_guards import Owner
 
 BLOCK_ROWS = 16
 
@@ -129,102 +131,49 @@ def rewind_rows(state: Any, n: int) -> None:
         kpool.forget_from(n)
 
 
-# ---- who may use a state, and when ----------------------------------------------------------------
-# Host-side flags only: nothing here touches a tensor, so the checks cost no device sync.
+@dataclass(frozen=True)
+class Sizes:
+    """A drafter's row budget: ``max_seq_len`` (capped at the model's DSA context), the
+    ``blocks`` of 16 rows a state claims and their ``capacity`` in rows."""
+
+    max_seq_len: int
+    blocks: int
+    capacity: int
+
+    @classmethod
+    def of(cls, max_seq_len: int, max_position_embeddings: int) -> Sizes:
+        """``max_seq_len`` capped at the model's DSA context, and the rows a state claims for it."""
+        capped = min(max_seq_len, max_position_embeddings)
+        blocks = num_blocks(capped)
+        return cls(capped, blocks, BLOCK_ROWS * blocks)
 
 
-class Owner:
-    """The drafter a state belongs to: its weights (the object, compared by identity) and its
-    states' row capacity. With the state's type (one per backend) this is what ``use_state``
-    checks, so a state never meets a drafter whose rows or weights it does not fit.
-
-    The weights are held by a weak reference (a state does not keep them alive), and the class
-    has slots and no ``__dict__``: walkers that measure what a state holds never reach them."""
-
-    __slots__ = ("_weights", "capacity")
-
-    def __init__(self, weights: Any, capacity: int) -> None:
-        self._weights = weakref.ref(weights)
-        self.capacity = capacity
-
-    def serves(self, weights: Any) -> bool:
-        """Whether these are the weights the state was allocated for."""
-        return self._weights() is weights
-
-
-# Held only for the test-and-set of ``DrafterState.user``, never across a call's compute.
-_CLAIM = threading.Lock()
-
-
-@contextmanager
-def use_state(
-    state: DrafterState, call: str, drafter: str, state_type: type, weights: Any, capacity: int
-) -> Iterator[DrafterState]:
-    """The guard of every public call on a state: the state must come from this drafter, and it
-    has one caller at a time.
-
-    Args:
-        state: what the caller passed.
-        call: the public call's name, for messages.
-        drafter: the drafter's class name, for messages.
-        state_type / weights / capacity: what this drafter's ``alloc_state`` makes.
-
-    Raises:
-        TypeError: not a state of this backend (``state_type``, exactly).
-        ValueError: a state of a drafter with other weights or another capacity.
-        RuntimeError: another call (another thread, or a call made from inside one) is using it.
-    """
-    if type(state) is not state_type:
-        raise TypeError(f"{call}: state must come from {drafter}.alloc_state (a {state_type.__name__}), got "
-                        f"{type(state).__name__}")
-    owner = state.owner
-    if owner is None or not owner.serves(weights):
-        raise ValueError(f"{call}: the state was allocated by a drafter on other weights; use that drafter's "
-                         "states only")
-    if owner.capacity != capacity:
-        raise ValueError(f"{call}: the state holds {owner.capacity} rows, this drafter's capacity is {capacity} "
-                         "(another max_seq_len)")
-    me = threading.get_ident()
-    with _CLAIM:
-        if state.user is not None:
-            raise RuntimeError(f"{call}: the state is in use by another call (thread {state.user}); a state has one "
-                               "caller at a time")
-        state.user = me
-    try:
-        yield state
-    finally:
-        state.user = None
-
-
-def check_sound(state: DrafterState, call: str) -> None:
-    """``RuntimeError`` for a freed or a poisoned state (the first lifecycle checks)."""
+def snapshot(state: DrafterState, weights: MtpWeights) -> dict[str, Tensor]:
+    """``export_state``'s bytes (after the owner checks): every byte the conformance suite
+    compares; rows past ``seq_len`` are never exported. Works on a freed or a poisoned state."""
+    cfg, dt, dev = weights.config, weights.dtype, state.device
+    scalars = {
+        "seq_len": torch.tensor(state.seq_len, dtype=torch.int64, device=dev),
+        "last_drafted": torch.tensor(state.last_drafted, dtype=torch.int64, device=dev),
+        "pending": torch.tensor(state.pending, dtype=torch.bool, device=dev),
+    }
     if state.released:
-        raise RuntimeError(f"{call}: the state was freed (free_state); allocate a new one")
-    if state.poisoned is not None:
-        raise RuntimeError(f"{call}: the state is unusable: {state.poisoned}; free it (free_state) and allocate "
-                           "a new one")
-
-
-@contextmanager
-def writing(state: DrafterState, call: str) -> Iterator[None]:
-    """The part of a call that changes the state, after every check passed.
-
-    It runs without autograd: hiddens (or weights) that require grad would otherwise chain every
-    row written into one growing graph. Any exception from it (an interrupt, an out-of-memory, a
-    failing kernel) poisons the state: rows may be half-written while the counters say otherwise,
-    and restoring them would need a copy on every call, so later calls refuse it instead."""
-    with writing_all((state,), call):
-        yield
-
-
-@contextmanager
-def writing_all(states: Sequence[DrafterState], call: str) -> Iterator[None]:
-    """``writing`` for a batch: a failure midway poisons every state of it (any of them may hold
-    half-written rows)."""
-    try:
-        with torch.no_grad():
-            yield
-    except BaseException as e:
-        for state in states:
-            state.poisoned = f"{call} failed midway ({type(e).__name__}: {e})"
-        raise
+        return {
+            "kv_rows": torch.zeros(0, cfg.kv_row_width, dtype=dt, device=dev),
+            "index_rows": torch.zeros(0, cfg.index_head_dim, dtype=dt, device=dev),
+            "x": torch.zeros(cfg.hidden_size, dtype=dt, device=dev),
+            **scalars,
+            "block_table": torch.zeros(0, dtype=torch.int32, device=dev),
+            **(empty_kpool_snapshot(cfg, dt, dev) if cfg.is_next else {}),
+        }
+    n = state.seq_len
+    kpool = state.cache.kpool
+    return {
+        "kv_rows": state.cache.kv_rows()[:n].clone(),
+        "index_rows": state.cache.index_rows()[:n].clone(),
+        "x": state.x.clone(),
+        **scalars,
+        "block_table": state.cache.block_table.clone(),
+        # glm5_next only (GLM-5's keys stay exactly the five above): pooled keys, completeness, gates
+        **(kpool.snapshot(n) if kpool is not None else {}),
+    }
