@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from glm_mtp.conformance import MUTANTS, run
-from glm_mtp.conformance.mutants import _topk_ties_high
+from glm_mtp.conformance.mutants_block import topk_ties_high
 from glm_mtp.conformance.lockstep import Harness
 from glm_mtp.conformance.runner import record
 from glm_mtp.reference import attention, indexer, layers, proposer
@@ -67,12 +67,19 @@ def test_every_mutant_is_caught_where_it_breaks_its_rule(name, capsys):
 
 
 def test_every_mutant_is_registered_and_names_its_rule():
-    """Every ``Mutant`` subclass defined in mutants.py is in ``MUTANTS`` (a mutant left out would
-    never be run) with a rule, and every one has a place it must show in ``SHOWS_AT``."""
-    import glm_mtp.conformance.mutants as mutants
+    """Every ``Mutant`` subclass defined in a module of mutants (``mutants.GROUPS``) is in
+    ``MUTANTS`` (a mutant left out would never be run) with a rule, every module of mutants in this
+    package is a group, and every mutant has a place it must show in ``SHOWS_AT``."""
+    import pkgutil
 
-    defined = {cls for cls in vars(mutants).values()
-               if isinstance(cls, type) and issubclass(cls, mutants.Mutant) and "name" in vars(cls)}
+    import glm_mtp.conformance as conformance
+    from glm_mtp.conformance.mutants import GROUPS
+    from glm_mtp.conformance.mutants_base import Mutant
+
+    modules = {m.name for m in pkgutil.iter_modules(conformance.__path__) if m.name.startswith("mutants_")}
+    assert modules - {"mutants_base"} == {g.__name__.rsplit(".", 1)[1] for g in GROUPS}
+    defined = {cls for group in GROUPS for cls in vars(group).values()
+               if isinstance(cls, type) and issubclass(cls, Mutant) and "name" in vars(cls)}
     assert defined == set(MUTANTS.values())
     assert all(cls.rule for cls in defined) and set(SHOWS_AT) == set(MUTANTS)
 
@@ -80,9 +87,9 @@ def test_every_mutant_is_registered_and_names_its_rule():
 def test_tie_mutant_differs_only_on_ties():
     scores = torch.tensor([[0.5, 0.0, -1.0, 0.0, 0.0, 0.25]])
     assert sorted(topk_indices(scores, 3)[0].tolist()) == [0, 1, 5]  # the zero-score tie goes low
-    assert sorted(_topk_ties_high(scores, 3)[0].tolist()) == [0, 4, 5]
+    assert sorted(topk_ties_high(scores, 3)[0].tolist()) == [0, 4, 5]
     distinct = torch.randn(3, 40)
-    assert torch.equal(topk_indices(distinct, 6).sort().values, _topk_ties_high(distinct, 6).sort().values)
+    assert torch.equal(topk_indices(distinct, 6).sort().values, topk_ties_high(distinct, 6).sort().values)
 
 
 def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
@@ -126,7 +133,7 @@ def test_real_drafter_inputs_tie_at_the_top_k_boundary():
     """Why ``topk_ties_high`` is catchable: relu makes a row's index score exactly 0 whenever
     every head's dot product is negative, and when the head weights are negative those zeros are
     the best scores, so exact ties straddle the top-k boundary on ordinary random inputs."""
-    from glm_mtp.conformance.mutants import swapped
+    from glm_mtp.conformance.mutants_base import swapped
     from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 
     cfg = MtpConfig.preset("tiny")
