@@ -14,7 +14,7 @@ SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthC
 def test_hostile_arguments_reference_vs_optimized():
     run_state_machine_as_test(argument_machine(),
                               settings=settings(max_examples=10, stateful_step_count=12, derandomize=True,
-                                                                    **SETTINGS))
+                                                **SETTINGS))
 
 
 @pytest.mark.slow

@@ -47,8 +47,8 @@ def test_a_head_trained_on_a_frozen_base(tmp_path):
     out = tmp_path / "ckpt"
     cfg = config("train",
                  ["logger=none", f"out={out}", "train.base=shipped", "tokenizer.limit_items=4", "train.steps=2",
-                           "train.batch_size=2", "train.seq_len=16", "train.eval_every=10", "train.eval_windows=1",
-                           "train.log_every=1", "train.mtp_depth=2", "train.mtp_distill=0.5", "train.warmup=1"])
+                  "train.batch_size=2", "train.seq_len=16", "train.eval_every=10", "train.eval_windows=1",
+                  "train.log_every=1", "train.mtp_depth=2", "train.mtp_distill=0.5", "train.warmup=1"])
     final = train.run(cfg, str(tmp_path / "run"))
     assert final["steps"] == 2 and "mtp2_loss" in final
     base = shipped_checkpoint()

@@ -164,7 +164,7 @@ def _snapshot(bt):
 
 @pytest.mark.parametrize("bad",
                          ["nan_hidden", "token_tensor", "token_int", "pending", "behind", "capacity", "duplicate",
-                                 "freed", "other_drafter", "lengths", "too_many"])
+                          "freed", "other_drafter", "lengths", "too_many"])
 def test_refusal_names_the_state_and_changes_nothing(weights, bad):
     bt = Batched(weights, seed=3, max_batch=4)
     for n in (5, 2, 11, 7):

@@ -349,7 +349,7 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
             self.play("propose_sampled",
                       {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
-                                          "num_drafts": k, "temperature": temperature, "noise": noise},
+                       "num_drafts": k, "temperature": temperature, "noise": noise},
                       lambda p, s: p.propose_sampled(token, hidden, position, k, temperature, noise, s[i]), [i])
 
         def batch(self, d: Draws) -> list[int]:
@@ -382,7 +382,7 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
             positions = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
             self.play("propose_batch",
                       {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
-                                        "num_drafts": k},
+                       "num_drafts": k},
                       lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]),
                       list(range(STATES)))
 

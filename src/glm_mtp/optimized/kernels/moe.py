@@ -635,7 +635,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         launches += [
             AuditLaunch("moe:gate_up_fp8", variant,
                         experts_gate_up_launch(m, experts, q["gate"], q["up"], q["sg"], q["su"],
-                                                                           hidden, sh, cuda=True)),
+                                               hidden, sh, cuda=True)),
             AuditLaunch("moe:down_combine_fp8", variant, experts_down_combine_launch(
                 hidden, sh, experts, weights, q["down"], q["sd"], res, abstract((T, H), dtype), cuda=True)),
         ]
