@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16 | float64 (default bfloat16)")
     p.add_argument("--preset", default="tiny",
                    help="MtpConfig preset: tiny | small | glm5_shape | glm5, or of the glm5_next family "
-                   "glm5next_tiny | glm5next_small | glm5next (default tiny)")
+                        "glm5next_tiny | glm5next_small | glm5next (default tiny)")
     p.add_argument("--max-seq-len", type=int, default=64, help="the proposers' max_seq_len (default 64)")
     p.add_argument("--scenarios", type=int, default=100, help="scenarios to run (default 100)")
     p.add_argument("--seed", type=int, default=0, help="the run's seed; scenario i depends only on (seed, i)")
