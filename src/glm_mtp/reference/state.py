@@ -3,6 +3,8 @@
 Rows are dense: row r lives in slot r, found through the block table as
 ``pool[block_table[r // 16], r % 16]``. A drafter claims its whole pool at allocation, so the
 table is ``[0, blocks)``; rolling back is lowering ``seq_len``, since nothing reads past it.
+A drafter's row budget is ``Sizes``; ``snapshot`` is a state's bytes as ``export_state`` gives
+them. Who may use a state, and when, is the contract's (``contract_guards``).
 """
 
 from __future__ import annotations
