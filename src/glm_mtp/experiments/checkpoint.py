@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,13 +44,16 @@ def shipped_checkpoint(name: str = SHIPPED) -> Path:
 @dataclass
 class LoadedModel:
     """A target, its MTP layer (sharing the embedding and head tensors) and, for a trained
-    checkpoint, its tokenizer and held-out item names."""
+    checkpoint, its tokenizer and held-out item names. A checkpoint in the release layout
+    (``load_hf_checkpoint``) has no ``target`` weights: ``hf`` holds transformers' model of it
+    (``hf_target.HfCheckpoint``), and the drafter reads its own copy of the embedding and head."""
 
-    target: TargetWeights
+    target: TargetWeights | None
     mtp: MtpWeights
-    tokenizer: BpeTokenizer | None
+    tokenizer: Any
     heldout: list[str]
     path: str | None
+    hf: Any = None
 
 
 def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -64,6 +68,20 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dty
         with open(path / "corpus.json") as f:
             heldout = json.load(f)["heldout"]
     return LoadedModel(target, mtp, tok, heldout, str(path))
+
+
+def load_hf_checkpoint(path: str | os.PathLike[str], device: str, dtype: torch.dtype) -> LoadedModel:
+    """A checkpoint in the release layout: transformers' target (``hf_target.load_hf_model``) on
+    ``device``, the drafter (``MtpWeights.from_pretrained``) beside the target's head, the
+    checkpoint's tokenizer (None without one) and, as the held-out text, the shipped corpus's."""
+    from .hf_target import drafter_device, load_hf_model
+
+    path = os.fspath(path)
+    hf = load_hf_model(path, device, dtype)
+    mtp = MtpWeights.from_pretrained(path, dtype=dtype, device=drafter_device(hf))
+    with open(shipped_checkpoint() / "corpus.json") as f:
+        heldout = json.load(f)["heldout"]
+    return LoadedModel(None, mtp, hf.tokenizer, heldout, path, hf)
 
 
 def random_model(preset: str, seed: int, dtype: torch.dtype) -> LoadedModel:
