@@ -322,3 +322,25 @@ def test_a_bad_jsonl_line_is_named(tmp_path):
         assert str(e.value).startswith(f"{path}:2: ")
     path.write_text(good + "\n")
     assert jsonl_prompts(str(path), Chars(), 5) == [Chars().encode("ok")]
+
+
+def test_transformers_runs_the_shipped_glm5_checkpoint_as_the_package_target():
+    """The shipped GLM-5 checkpoint (the package's own target layers, in GLM-5 naming) loaded as
+    model=hf: transformers' GlmMoeDsaForCausalLM computes the package target's logits (float32,
+    torch's kernels on both sides, so equal up to rounding), and the package's BPE tokenizer and
+    held-out split come with it."""
+    from glm_mtp.experiments.bpe import BpeTokenizer
+    from glm_mtp.experiments.checkpoint import load_checkpoint, load_hf_checkpoint, shipped_checkpoint
+    from glm_mtp.experiments.target import Target
+
+    path = shipped_checkpoint()
+    hf, toy = load_hf_checkpoint(path, "cpu", torch.float32), load_checkpoint(path)
+    assert isinstance(hf.tokenizer, BpeTokenizer) and hf.heldout == toy.heldout
+    tokens = toy.tokenizer.encode("def main():\n    import sys\n    print(sys.argv[1:])\n")
+    package = Target(toy.target, 64)
+    want = package.prefill(tokens, package.alloc_state())
+    target = HfTarget(hf.hf.model, 4, 64)
+    got = target.prefill(tokens, target.alloc_state())
+    assert float((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 1e-5
+    assert got.logits.argmax(-1).tolist() == want.logits.argmax(-1).tolist()
+    assert float((got.hidden - want.hidden).abs().max()) < 1e-4

@@ -73,15 +73,19 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dty
 def load_hf_checkpoint(path: str | os.PathLike[str], device: str, dtype: torch.dtype) -> LoadedModel:
     """A checkpoint in the release layout: transformers' target (``hf_target.load_hf_model``) on
     ``device``, the drafter (``MtpWeights.from_pretrained``) beside the target's head, the
-    checkpoint's tokenizer (None without one) and, as the held-out text, the shipped corpus's."""
+    checkpoint's tokenizer (None without one) and, as the held-out text, the shipped corpus's. A
+    checkpoint this package trained (``corpus.json`` beside it) keeps its own BPE tokenizer and
+    held-out split."""
     from .hf_target import drafter_device, load_hf_model
 
     path = os.fspath(path)
-    hf = load_hf_model(path, device, dtype)
+    ours = os.path.exists(os.path.join(path, "corpus.json"))
+    hf = load_hf_model(path, device, dtype, tokenizer=not ours)
     mtp = MtpWeights.from_pretrained(path, dtype=dtype, device=drafter_device(hf))
-    with open(shipped_checkpoint() / "corpus.json") as f:
+    with open(os.path.join(path, "corpus.json") if ours else shipped_checkpoint() / "corpus.json") as f:
         heldout = json.load(f)["heldout"]
-    return LoadedModel(None, mtp, hf.tokenizer, heldout, path, hf)
+    tokenizer = BpeTokenizer.load(Path(path) / "tokenizer.json") if ours else hf.tokenizer
+    return LoadedModel(None, mtp, tokenizer, heldout, path, hf)
 
 
 def random_model(preset: str, seed: int, dtype: torch.dtype) -> LoadedModel:

@@ -221,10 +221,10 @@ def has_tokenizer(directory: str) -> bool:
     return any(os.path.exists(os.path.join(directory, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def load_hf_model(directory: str, device: str, dtype: torch.dtype) -> HfCheckpoint:
+def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bool = True) -> HfCheckpoint:
     """transformers' target of ``directory`` in ``dtype`` on ``device`` (``cpu``, ``cuda``, or
-    ``auto``: accelerate's device map over the visible GPUs), from local files only, and its
-    tokenizer when the directory has one."""
+    ``auto``: accelerate's device map over the visible GPUs), from local files only, and, with
+    ``tokenizer``, transformers' tokenizer when the directory has one."""
     from .provenance import file_sha256
 
     transformers = require_transformers()
@@ -246,16 +246,16 @@ def load_hf_model(directory: str, device: str, dtype: torch.dtype) -> HfCheckpoi
     finally:
         transformers.logging.set_verbosity(verbosity)
     model.eval()
-    tokenizer = None
-    if has_tokenizer(directory):
+    hf_tokenizer = None
+    if tokenizer and has_tokenizer(directory):
         from transformers import AutoTokenizer
 
-        tokenizer = HfTokenizer(AutoTokenizer.from_pretrained(directory, local_files_only=True))
+        hf_tokenizer = HfTokenizer(AutoTokenizer.from_pretrained(directory, local_files_only=True))
     device_map = getattr(model, "hf_device_map", None) or {"": str(model.get_input_embeddings().weight.device)}
     info = {"implementation": "transformers", "transformers_version": transformers.__version__, "class": cls.__name__,
             "model_type": model_type, "config_sha256": file_sha256(config_file), "device": device,
             "device_map": {k: str(v) for k, v in device_map.items()}, "dtype": str(dtype).removeprefix("torch.")}
-    return HfCheckpoint(model, tokenizer, info)
+    return HfCheckpoint(model, hf_tokenizer, info)
 
 
 def drafter_device(checkpoint: HfCheckpoint) -> torch.device:
