@@ -239,12 +239,17 @@ def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bo
     with open(config_file) as f:
         model_type = json.load(f).get("model_type")
     cls = target_class(model_type)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the MTP layer is reported as unexpected keys, tensor by tensor
+    # Quiet while loading: the MTP layer is reported as unexpected keys, tensor by tensor, and a
+    # progress bar per load would stand among the run's lines.
+    verbosity, bar = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     try:
         model = cls.from_pretrained(directory, dtype=dtype, device_map=None if device == "cpu" else device, local_files_only=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
     model.eval()
     hf_tokenizer = None
     if tokenizer and has_tokenizer(directory):
