@@ -290,6 +290,7 @@ def test_bad_model_hf_and_prompt_settings_are_one_line():
         ({}, "model.path must be a checkpoint directory for model=hf"),
         ({"model.path": ".", "model.device": "tpu"}, "model.device must be one of cpu, cuda, auto"),
         ({"model.path": ".", "target_numerics": "pinned"}, "model=hf verifies with transformers'"),
+        ({"model.path": ".", "backend.name": "optimized"}, "backend=optimized drafts on CUDA"),
         ({"model.path": ".", "source": "jsonl"}, "source=jsonl reads prompts.path"),
         ({"model.path": ".", "source": "jsonl", "prompts.path": "pyproject.toml", "mode": "teacher_forced"}, "it runs mode=speculative"),
         ({"model.path": ".", "source": "text", "prompts.path": "no/such/dir"}, "does not exist"),

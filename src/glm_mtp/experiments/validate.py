@@ -202,6 +202,9 @@ def check_hf_model(cfg: Any, numerics: str) -> None:
             raise ValueError("model.device=auto places the layers with accelerate, which is not installed: "
                              "pip install 'glm-mtp[hf]'") from None
     need_choice(cfg, "model.topk_ties", TOPK_TIES)
+    if device == "cpu" and _get(cfg, "backend.name") == "optimized":
+        raise ValueError("backend=optimized drafts on CUDA, and model=hf puts the drafter beside the target's head: "
+                         "model.device=cpu leaves it on the CPU (use model.device=cuda or auto, or backend=reference)")
     if numerics != "vendor":
         raise ValueError(f"target_numerics={numerics} sets the package's own target; model=hf verifies with transformers' "
                          "(leave target_numerics=vendor)")
