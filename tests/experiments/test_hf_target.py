@@ -343,3 +343,17 @@ def test_transformers_runs_the_shipped_glm5_checkpoint_as_the_package_target():
     assert float((got.logits - want.logits).abs().max() / want.logits.abs().max()) < 1e-5
     assert got.logits.argmax(-1).tolist() == want.logits.argmax(-1).tolist()
     assert float((got.hidden - want.hidden).abs().max()) < 1e-4
+
+
+def test_pinned_topk_sends_ties_to_the_lower_index_inside_the_block_only():
+    from glm_mtp.experiments.hf_target import pinned_topk
+
+    scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0, 0.0]])
+    saved = torch.topk, torch.Tensor.topk
+    with pinned_topk("lower_index"):
+        assert torch.topk(scores, 3).indices.tolist() == [[1, 3, 0]]
+        assert scores.topk(4, dim=-1).indices.tolist() == [[1, 3, 0, 2]]
+        assert (-scores).topk(2, largest=False).indices.tolist() == [[1, 3]]
+    assert (torch.topk, torch.Tensor.topk) == saved
+    with pinned_topk("torch"):
+        assert (torch.topk, torch.Tensor.topk) == saved
