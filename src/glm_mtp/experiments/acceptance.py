@@ -54,7 +54,7 @@ from . import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
 from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model, shipped_checkpoint
-from .prompts import WINDOW_SOURCES, jsonl_prompts, path_sha256, prompts_path, read_text, text_files, windows
+from .prompts import WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text, text_files
 from .provenance import provenance
 from .recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
@@ -114,7 +114,7 @@ def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed
         gen = torch.Generator().manual_seed(seed)
         return torch.randint(0, model.mtp.config.vocab_size, (num_prompts, prompt_tokens), generator=gen).tolist()
     stream = model.tokenizer.encode("\n\n".join(source_texts(model, source, path)))
-    return windows(stream, num_prompts, prompt_tokens, source)
+    return cut_windows(stream, num_prompts, prompt_tokens, source)
 
 
 def fmt_ci(x: float, ci: list[float]) -> str:

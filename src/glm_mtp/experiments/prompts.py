@@ -43,7 +43,7 @@ def read_text(path: str) -> str:
         return f.read()
 
 
-def windows(stream: list[int], num: int, length: int, what: str) -> list[list[int]]:
+def cut_windows(stream: list[int], num: int, length: int, what: str) -> list[list[int]]:
     """``num`` windows of ``length`` tokens, evenly spaced over ``stream``."""
     if len(stream) < length:
         raise ValueError(f"the {what} source holds {len(stream)} tokens, fewer than prompt_tokens + max_new_tokens = {length}")
