@@ -92,9 +92,9 @@ def test_a_target_left_on_the_drafts_is_caught(tiny64, target64, random_prompt, 
         last["a"] = real_verify(logits, drafts)[0]
         return real_verify(logits, drafts)
 
-    real_rewind = target64.rewind
+    real_rollback = target64.rollback
     monkeypatch.setattr(speculative, "greedy_verify", remember)
-    monkeypatch.setattr(target64, "rewind", lambda state, length: real_rewind(state, length + last["a"]))
+    monkeypatch.setattr(target64, "rollback", lambda state, length: real_rollback(state, length + last["a"]))
     bad = GreedyOracle(tiny64.mtp, 128, target64, text, 0.3, seed=5)
     mutant = teacher_forced(target64, bad, text, n, k)
     assert mutant.accepted != ok.accepted

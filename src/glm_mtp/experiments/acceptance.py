@@ -53,7 +53,8 @@ from . import speedup as spd
 from . import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
-from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, random_model, shipped_checkpoint
+from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model, shipped_checkpoint
+from .prompts import WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text, text_files
 from .provenance import provenance
 from .recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
@@ -61,16 +62,19 @@ from .target import Target
 from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, weights_dtype
 
 def load_model(mcfg: Any) -> LoadedModel:
-    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``;
-    ``weights_dtype: fp8`` quantizes the drafter's §8 matrices (``MtpWeights.quantize_fp8``; the
-    target keeps its weights)."""
+    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one), ``kind:
+    random``, or ``kind: hf`` (a checkpoint in the release layout: transformers runs its target,
+    the package drafts with its MTP layer); ``weights_dtype: fp8`` quantizes the drafter's §8
+    matrices (``MtpWeights.quantize_fp8``; the target keeps its weights)."""
     dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "checkpoint":  # path, or the shipped checkpoint model.shipped names (default: the GLM-5 one)
         model = load_checkpoint(mcfg.path or shipped_checkpoint(mcfg.get("shipped") or SHIPPED), dtype)
     elif mcfg.kind == "random":
         model = random_model(mcfg.preset, mcfg.seed, dtype)
+    elif mcfg.kind == "hf":
+        model = load_hf_checkpoint(mcfg.path, mcfg.get("device", "cpu"), dtype)
     else:
-        raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
+        raise ValueError(f"model.kind must be 'checkpoint', 'random' or 'hf', got {mcfg.kind!r}")
     if weights_dtype(mcfg) == "fp8":
         model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
     return model
@@ -78,37 +82,39 @@ def load_model(mcfg: Any) -> LoadedModel:
 
 
 
-def source_items(model: LoadedModel, source: str) -> list[str]:
-    """Item names of a text source: the checkpoint's held-out items or the OOD packages' files."""
-    from .corpus import ood_items
+def source_texts(model: LoadedModel, source: str, path: str | None = None) -> list[str]:
+    """The texts of a window source: the checkpoint's held-out items, the OOD packages' files, or
+    the plain text files at ``path`` (source=text)."""
+    from .corpus import ood_items, read_item
 
+    if source == "text":
+        if path is None:
+            raise ValueError("source=text reads prompts.path (a text file or a folder of them); it is null")
+        return [read_text(f) for f in text_files(path)]
     if source == "heldout":
-        return list(model.heldout)
-    if source == "ood":
-        return ood_items()
-    raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-
-
-def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int,
-                  source: str = "heldout") -> list[list[int]]:
-    """``num_prompts`` windows of ``prompt_tokens`` tokens, evenly spaced over the source's items
-    (joined as in training); random tokens for a model without a tokenizer."""
-    if model.tokenizer is None:
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, model.target.config.vocab_size, (num_prompts, prompt_tokens), generator=gen).tolist()
-    from .corpus import read_item
-
+        names = list(model.heldout)
+    elif source == "ood":
+        names = ood_items()
+    else:
+        raise ValueError(f"source must be one of {WINDOW_SOURCES} to be cut into windows, got {source!r}")
     texts = []
-    for name in source_items(model, source):
+    for name in names:
         try:
             texts.append(read_item(name))
         except (OSError, KeyError):  # another Python version may lack a file or topic
             continue
-    stream = model.tokenizer.encode("\n\n".join(texts))
-    if len(stream) < prompt_tokens:
-        raise ValueError(f"the {source} source holds {len(stream)} tokens, fewer than prompt_tokens={prompt_tokens}")
-    stride = (len(stream) - prompt_tokens) // max(1, num_prompts)
-    return [stream[i * stride : i * stride + prompt_tokens] for i in range(num_prompts)]
+    return texts
+
+
+def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int, source: str = "heldout",
+                  path: str | None = None) -> list[list[int]]:
+    """``num_prompts`` windows of ``prompt_tokens`` tokens, evenly spaced over the source's texts
+    (joined as in training); random tokens for a model without a tokenizer."""
+    if model.tokenizer is None:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, model.mtp.config.vocab_size, (num_prompts, prompt_tokens), generator=gen).tolist()
+    stream = model.tokenizer.encode("\n\n".join(source_texts(model, source, path)))
+    return cut_windows(stream, num_prompts, prompt_tokens, source)
 
 
 def fmt_ci(x: float, ci: list[float]) -> str:
@@ -167,16 +173,16 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
 
 
 def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
-                        batch_size: int) -> Iterator[tuple[list[int], SpecResult]]:
+                        batch_size: int, device: torch.device | str = "cpu") -> Iterator[tuple[list[int], SpecResult]]:
     """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
     ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
-    ``batch_size`` prompts (the last batch may be shorter)."""
+    ``batch_size`` prompts (the last batch may be shorter); drafter states on ``device``."""
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         if batch_size == 1:
-            yield chunk[0], decoder.generate(chunk[0], max_new_tokens)
+            yield chunk[0], decoder.generate(chunk[0], max_new_tokens, device)
         else:
-            yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens))
+            yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens, device))
 
 
 @dataclass
@@ -193,7 +199,7 @@ class Measurement:
     draft: str
     numerics: str
     model: LoadedModel
-    target: Target
+    target: Any  # Target, or HfTarget for model=hf
     proposer: Any
     windows: list[list[int]]
     stats: SpecStats
@@ -209,6 +215,52 @@ class Measurement:
     recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
 
 
+def run_prompts(cfg: Any, model: LoadedModel, source: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The run's token windows and the loop's prompts. Window sources give windows of
+    prompt_tokens + max_new_tokens tokens in both modes, so the two modes see the same prompts
+    (paired in the report): teacher forcing scores a window's last max_new_tokens positions, the
+    loop starts from its first prompt_tokens and generates its own continuation. ``jsonl`` gives
+    the user's prompts, whole, as both."""
+    run, path = cfg.run, prompts_path(cfg)
+    if source == "jsonl":
+        if model.tokenizer is None:
+            raise ValueError("source=jsonl needs the checkpoint's tokenizer; this model has none")
+        prompts = jsonl_prompts(path, model.tokenizer, run.num_prompts)
+        return prompts, prompts
+    if source == "text" and model.tokenizer is None:
+        raise ValueError("source=text needs the checkpoint's tokenizer; this model has none")
+    windows = build_prompts(model, run.num_prompts, run.prompt_tokens + run.max_new_tokens, cfg.seed, source, path)
+    return windows, [w[: run.prompt_tokens] for w in windows]
+
+
+def check_prompt_lengths(cfg: Any, starts: list[list[int]], max_seq_len: int) -> None:
+    """Every prompt, its max_new_tokens and one verify fit the target and the drafter."""
+    for i, p in enumerate(starts):
+        need = len(p) + cfg.run.max_new_tokens + cfg.num_drafts + 1
+        if need > max_seq_len:
+            raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens + num_drafts + 1 = {need} exceeds "
+                             f"model.max_seq_len={max_seq_len}")
+
+
+def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -> tuple[Any, torch.device | str]:
+    """The run's target (the package's ``Target``, or ``HfTarget`` for model=hf) and the device
+    the drafter's states live on (beside the target's hidden rows)."""
+    if model.hf is None:
+        return Target(model.target, max_seq_len, numerics=numerics), "cpu"
+    from .hf_target import HfTarget
+
+    target = HfTarget(model.hf.model, cfg.num_drafts + 1, max_seq_len, model.mtp.device, cfg.model.get("topk_ties", "lower_index"))
+    return target, model.mtp.device
+
+
+def target_record(m: "Measurement") -> dict[str, Any]:
+    """What the target was: transformers' model (version, class, config sha256, device map,
+    dtype, top-k ties) or the package's own."""
+    if m.model.hf is not None:
+        return {**m.model.hf.info, "topk_ties": m.target.topk_ties}
+    return {"implementation": "glm_mtp.experiments.target.Target", "numerics": m.numerics}
+
+
 def measure(cfg: Any) -> Measurement:
     """Load the model, build the prompts and run the loop (or teacher forcing) over them."""
     mode, source = cfg.get("mode", "speculative"), cfg.get("source", "heldout")
@@ -221,20 +273,15 @@ def measure(cfg: Any) -> Measurement:
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
-    prompts = cfg.run
+    run = cfg.run
     model = load_model(cfg.model)
-    # Windows of prompt + max_new_tokens tokens in both modes, so the two see the same prompts
-    # (paired in the report): teacher forcing scores the window's last max_new_tokens positions,
-    # the loop starts from its first prompt_tokens and generates its own continuation.
-    windows = build_prompts(model, prompts.num_prompts, prompts.prompt_tokens + prompts.max_new_tokens, cfg.seed,
-                            source)
-    max_seq_len = min(cfg.model.max_seq_len, model.target.config.max_position_embeddings)
-    need = prompts.prompt_tokens + prompts.max_new_tokens + cfg.num_drafts + 1
-    if need > max_seq_len:
-        raise ValueError(f"prompt_tokens + max_new_tokens + num_drafts + 1 = {need} exceeds "
-                         f"model.max_seq_len={max_seq_len}")
+    windows, starts = run_prompts(cfg, model, source)
+    max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
+    check_prompt_lengths(cfg, starts, max_seq_len)
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
-    target = Target(model.target, max_seq_len, numerics=numerics)
+    if model.hf is not None:
+        numerics = "transformers"
+    target, device = make_target(cfg, model, max_seq_len, numerics)
     attention = check_attention(cfg.get("attention", "sparse"), cfg.backend.name, model.mtp.config)
     probe = None
     if model.mtp.config.is_next and cfg.backend.name == "reference":  # the selection, and its recall recorded
@@ -248,21 +295,18 @@ def measure(cfg: Any) -> Measurement:
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
     generated, grams, distinct = 0, 0, 0
-    check_lossless = bool(prompts.check_lossless) and mode == "speculative" and cfg.temperature == 0
+    check_lossless = bool(run.check_lossless) and mode == "speculative" and cfg.temperature == 0
     divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    results = speculative_results(decoder, [w[: prompts.prompt_tokens] for w in windows], prompts.max_new_tokens,
-                                  batch_size)
+    results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device)
     for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, drafter, w, prompts.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
-                                decoder.gen,
-                                draft=draft)
+            st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
+                                device=device, draft=draft)
             if len(samples) < 2:
-                samples.append({"prompt": decode(w[: prompts.prompt_tokens]),
-                                "continuation": decode(w[prompts.prompt_tokens :]),
+                samples.append({"prompt": decode(w[: run.prompt_tokens]), "continuation": decode(w[run.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
             p, res = next(results)
@@ -271,7 +315,7 @@ def measure(cfg: Any) -> Measurement:
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:
-                plain = target_decode(target, p, prompts.max_new_tokens)
+                plain = target_decode(target, p, run.max_new_tokens)
                 if res.tokens != plain:
                     at = next(i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y)
                     divergences.append({"prompt": len(per_prompt), "token": at})
@@ -332,12 +376,17 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "recall": None if m.recall is None else recall_summary(m.recall, cfg.num_drafts),
         "prompts": len(windows),
         "batch_size": m.batch_size,
-        "prompt_tokens": cfg.run.prompt_tokens,
+        "prompt_tokens": cfg.run.prompt_tokens if m.source != "jsonl" else None,  # jsonl: each prompt its own length
         "scored_positions": stats.steps if m.mode == "teacher_forced" else None,
         "generated_tokens": m.generated,
         # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
         # saw the same prompts and are paired in report.py, across modes too.
         "prompts_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
+        # source=jsonl / text: the sha256 of the file read (of its files' names and sha256s for a folder)
+        "prompts_file_sha256": path_sha256(prompts_path(cfg)) if m.source in ("jsonl", "text") else None,
+        "prompts_path": prompts_path(cfg) if m.source in ("jsonl", "text") else None,
+        # The target that verified: transformers' (version, class, config sha256, device map) or the package's
+        "target": target_record(m),
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": m.distinct / m.grams if m.grams else float("nan"),

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,13 +45,16 @@ def shipped_checkpoint(name: str = SHIPPED) -> Path:
 @dataclass
 class LoadedModel:
     """A target, its MTP layer (sharing the embedding and head tensors) and, for a trained
-    checkpoint, its tokenizer and held-out item names."""
+    checkpoint, its tokenizer and held-out item names. A checkpoint in the release layout
+    (``load_hf_checkpoint``) has no ``target`` weights: ``hf`` holds transformers' model of it
+    (``hf_target.HfCheckpoint``), and the drafter reads its own copy of the embedding and head."""
 
-    target: TargetWeights
+    target: TargetWeights | None
     mtp: MtpWeights
-    tokenizer: BpeTokenizer | None
+    tokenizer: Any
     heldout: list[str]
     path: str | None
+    hf: Any = None
 
 
 def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -65,6 +69,24 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dty
         with open(path / "corpus.json") as f:
             heldout = json.load(f)["heldout"]
     return LoadedModel(target, mtp, tok, heldout, str(path))
+
+
+def load_hf_checkpoint(path: str | os.PathLike[str], device: str, dtype: torch.dtype) -> LoadedModel:
+    """A checkpoint in the release layout: transformers' target (``hf_target.load_hf_model``) on
+    ``device``, the drafter (``MtpWeights.from_pretrained``) beside the target's head, the
+    checkpoint's tokenizer (None without one) and, as the held-out text, the shipped corpus's. A
+    checkpoint this package trained (``corpus.json`` beside it) keeps its own BPE tokenizer and
+    held-out split."""
+    from .hf_target import drafter_device, load_hf_model
+
+    path = os.fspath(path)
+    ours = os.path.exists(os.path.join(path, "corpus.json"))
+    hf = load_hf_model(path, device, dtype, tokenizer=not ours)
+    mtp = MtpWeights.from_pretrained(path, dtype=dtype, device=drafter_device(hf))
+    with open(os.path.join(path, "corpus.json") if ours else shipped_checkpoint() / "corpus.json") as f:
+        heldout = json.load(f)["heldout"]
+    tokenizer = BpeTokenizer.load(Path(path) / "tokenizer.json") if ours else hf.tokenizer
+    return LoadedModel(None, mtp, tokenizer, heldout, path, hf)
 
 
 def random_model(preset: str, seed: int, dtype: torch.dtype) -> LoadedModel:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -66,11 +66,24 @@ DRAFTS = ("argmax", "sampled")
 
 
 class TargetModel(Protocol):
-    """What the loop needs of a target (``glm_mtp.experiments.target.Target`` is one)."""
+    """What the loop and teacher forcing need of a target. The package's toy target
+    (``experiments.target.Target``) and transformers' model of a released checkpoint
+    (``experiments.hf_target.HfTarget``) are two.
+
+    - ``prefill(tokens, state)``: the prompt, positions ``[0, n)`` of a fresh state;
+    - ``verify(tokens, state)``: ``[t_m, d_1..d_k]`` at positions ``[m, m + k + 1)``;
+    - ``rollback(state, length)``: keep positions ``< length``. The loop rolls back only into
+      the last verify, and a target may refuse anything else (``HfTarget`` does: its linear
+      layers restore recorded states only).
+
+    Both forwards return ``.logits`` (T, V) and ``.hidden`` (T, H): the hidden rows after the
+    final norm, what the head and the drafter read.
+    """
 
     def alloc_state(self) -> object: ...
-    def forward(self, tokens: Tensor, state: object) -> object: ...  # .logits (T, V), .hidden (T, H)
-    def rewind(self, state: object, length: int) -> None: ...
+    def prefill(self, tokens: list[int], state: object) -> Any: ...
+    def verify(self, tokens: list[int], state: object) -> Any: ...
+    def rollback(self, state: object, length: int) -> None: ...
 
 
 def check_draft(draft: str, temperature: float, proposer: DraftProposer | None = None) -> None:
@@ -293,7 +306,7 @@ class SpeculativeDecoder:
 
         t0 = clock()
         tstate = tg.alloc_state()
-        out = tg.forward(torch.tensor(prompt), tstate)  # h_0..h_{n-1}
+        out = tg.prefill(list(prompt), tstate)  # h_0..h_{n-1}
         tokens = list(prompt) + [pick(out.logits[-1], self.temperature, self.gen)]
         stats.prefill_s += clock() - t0
         t0 = clock()
@@ -306,9 +319,9 @@ class SpeculativeDecoder:
             t0 = clock()
             drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen)
             t1 = clock()
-            out = tg.forward(torch.tensor([tokens[m], *drafts]), tstate)  # positions m..m+k
+            out = tg.verify([tokens[m], *drafts], tstate)  # positions m..m+k
             a, bonus = self._verify(out.logits, drafts, q)
-            tg.rewind(tstate, m + a + 1)
+            tg.rollback(tstate, m + a + 1)
             t2 = clock()
             if self.policy == "first_row_kept":
                 prop.after_verify(a, dstate)
@@ -360,6 +373,31 @@ class SpeculativeDecoder:
         Only ``policy='first_row_kept'`` and ``draft='argmax'`` are batched; others raise
         ``ValueError`` (use ``generate``).
         """
+        seqs = [_Seq(p, n, SpecStats(self.k)) for p, n in self._batch_inputs(prompts, max_new_tokens)]
+        cap = getattr(self.proposer, "max_batch", None) or len(seqs)  # the most states one batched call takes
+        try:
+            for s in seqs:  # prompt by prompt (the order generate draws from the generator in)
+                self._prefill_one(s, device)
+            self._leave(seqs)
+            while live := [s for s in seqs if not s.done]:
+                drafts = self._propose_round(live, cap)
+                owed = [o for s, d in zip(live, drafts) if (o := self._verify_one(s, d)) is not None]
+                self._catch_up_round(owed, cap)
+                for s in live:
+                    s.done = s.generated >= s.want
+                self._leave(live)
+        finally:  # an error midway frees every state still held
+            for s in seqs:
+                if s.dstate is not None:
+                    self.proposer.free_state(s.dstate)
+                    s.dstate = None
+        return [SpecResult(s.tokens[len(s.prompt) : len(s.prompt) + s.want], s.stats, s.tokens) for s in seqs]
+
+    # The steps of generate_batch, in the order a round runs them.
+
+    def _batch_inputs(self, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int]) -> list[tuple[list[int], int]]:
+        """(prompt, tokens wanted) per prompt, checked: a batched policy and draft, at least one
+        prompt of at least one token, a count >= 1 for each."""
         if self.policy != "first_row_kept":
             raise ValueError(f"generate_batch runs policy='first_row_kept' only, got policy={self.policy!r} "
                              "(refeed and trim_all are single-sequence: use generate)")
@@ -378,72 +416,71 @@ class SpeculativeDecoder:
                 raise ValueError(f"prompts[{b}] must hold at least one token")
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"max_new_tokens must be >= 1, got {n!r} for prompts[{b}]")
-        tg, prop, k = self.target, self.proposer, self.k
-        clock = time.perf_counter
-        seqs = [_Seq(p, n, SpecStats(k)) for p, n in zip(prompts, wants)]
-        try:
-            for s in seqs:  # prefill, prompt by prompt (the order generate draws from the generator in)
-                t0 = clock()
-                s.tstate = tg.alloc_state()
-                out = tg.forward(torch.tensor(s.tokens), s.tstate)  # h_0..h_{n-1}
-                s.tokens.append(pick(out.logits[-1], self.temperature, self.gen))
-                s.stats.prefill_s += clock() - t0
-                t0 = clock()
-                s.dstate = prop.alloc_state(device)
-                prop.prefill_drafter(s.prompt, out.hidden, s.dstate)  # rows [0, n-1)
-                s.stats.draft_s += clock() - t0
-                s.m, s.h_prev = len(s.prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
-                s.done = s.generated >= s.want
-            self._leave(seqs)
+        return list(zip(prompts, wants))
 
-            cap = getattr(prop, "max_batch", None) or B  # the most states one batched call takes
-            while live := [s for s in seqs if not s.done]:
-                drafts = []
-                for i in range(0, len(live), cap):
-                    part = live[i : i + cap]
-                    t0 = clock()
-                    drafts += prop.propose_batch([s.tokens[s.m] for s in part], torch.cat([s.h_prev for s in part]),
-                                                 [s.m - 1 for s in part], k, [s.dstate for s in part])
-                    share = (clock() - t0) / len(part)
-                    for s in part:
-                        s.stats.draft_s += share
-                owed: list[tuple[_Seq, int, Tensor, int]] = []  # fully accepted: (seq, d_k, h_{m+k-1}, row m+k-1)
-                for s, d in zip(live, drafts):
-                    t1 = clock()
-                    out = tg.forward(torch.tensor([s.tokens[s.m], *d]), s.tstate)  # positions m..m+k
-                    a, bonus = self._verify(out.logits, d)
-                    tg.rewind(s.tstate, s.m + a + 1)
-                    t2 = clock()
-                    prop.after_verify(a, s.dstate)
-                    s.stats.verify_s += t2 - t1
-                    s.stats.draft_s += clock() - t2
-                    if a == k:  # one row behind: (d_k, h_{m+k-1}) at row m+k-1, in the batch's catch-up
-                        owed.append((s, d[-1], out.hidden[k - 1 : k], s.m + k - 1))
-                    s.stats.record(a)
-                    s.tokens += [*d[:a], bonus]
-                    s.h_prev = out.hidden[a : a + 1]  # h_{m+a}
-                    s.m += a + 1
-                for i in range(0, len(owed), cap):
-                    part = owed[i : i + cap]
-                    t0 = clock()
-                    written = prop.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]),
-                                                 [o[3] for o in part],
-                                                 [o[0].dstate for o in part])
-                    share = (clock() - t0) / len(part)
-                    for (s, _, _, row), w in zip(part, written):
-                        s.stats.draft_s += share
-                        if w != 1:
-                            raise RuntimeError(f"catchup_batch wrote {w} rows for a fully accepted sequence at "
-                                               f"row {row}; the drafter is not where the loop left it")
-                for s in live:
-                    s.done = s.generated >= s.want
-                self._leave(live)
-        finally:  # an error midway frees every state still held
-            for s in seqs:
-                if s.dstate is not None:
-                    prop.free_state(s.dstate)
-                    s.dstate = None
-        return [SpecResult(s.tokens[len(s.prompt) : len(s.prompt) + s.want], s.stats, s.tokens) for s in seqs]
+    def _prefill_one(self, s: "_Seq", device: torch.device | str) -> None:
+        """The target's prefill of the prompt (h_0..h_{n-1}, the first token) and the drafter's
+        rows [0, n-1)."""
+        clock = time.perf_counter
+        t0 = clock()
+        s.tstate = self.target.alloc_state()
+        out = self.target.prefill(s.tokens, s.tstate)
+        s.tokens.append(pick(out.logits[-1], self.temperature, self.gen))
+        s.stats.prefill_s += clock() - t0
+        t0 = clock()
+        s.dstate = self.proposer.alloc_state(device)
+        self.proposer.prefill_drafter(s.prompt, out.hidden, s.dstate)
+        s.stats.draft_s += clock() - t0
+        s.m, s.h_prev = len(s.prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
+        s.done = s.generated >= s.want
+
+    def _propose_round(self, live: list["_Seq"], cap: int) -> list[list[int]]:
+        """One ``propose_batch`` per ``cap`` live sequences: k drafts each, in order."""
+        clock, drafts = time.perf_counter, []
+        for i in range(0, len(live), cap):
+            part = live[i : i + cap]
+            t0 = clock()
+            drafts += self.proposer.propose_batch([s.tokens[s.m] for s in part], torch.cat([s.h_prev for s in part]),
+                                                  [s.m - 1 for s in part], self.k, [s.dstate for s in part])
+            share = (clock() - t0) / len(part)
+            for s in part:
+                s.stats.draft_s += share
+        return drafts
+
+    def _verify_one(self, s: "_Seq", d: list[int]) -> tuple["_Seq", int, Tensor, int] | None:
+        """The target verifies ``[t_m, d_1..d_k]``, rolls back past the accepted drafts and the
+        drafter keeps its rows; commits. Returns the row a fully accepted sequence owes,
+        ``(seq, d_k, h_{m+k-1}, row m+k-1)``, for the round's catch-up (None otherwise)."""
+        clock, k = time.perf_counter, self.k
+        t1 = clock()
+        out = self.target.verify([s.tokens[s.m], *d], s.tstate)  # positions m..m+k
+        a, bonus = self._verify(out.logits, d)
+        self.target.rollback(s.tstate, s.m + a + 1)
+        t2 = clock()
+        self.proposer.after_verify(a, s.dstate)
+        s.stats.verify_s += t2 - t1
+        s.stats.draft_s += clock() - t2
+        owed = (s, d[-1], out.hidden[k - 1 : k], s.m + k - 1) if a == k else None
+        s.stats.record(a)
+        s.tokens += [*d[:a], bonus]
+        s.h_prev = out.hidden[a : a + 1]  # h_{m+a}
+        s.m += a + 1
+        return owed
+
+    def _catch_up_round(self, owed: list[tuple["_Seq", int, Tensor, int]], cap: int) -> None:
+        """One ``catchup_batch`` per ``cap`` owed rows; each must write exactly its one row."""
+        clock = time.perf_counter
+        for i in range(0, len(owed), cap):
+            part = owed[i : i + cap]
+            t0 = clock()
+            written = self.proposer.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]), [o[3] for o in part],
+                                                  [o[0].dstate for o in part])
+            share = (clock() - t0) / len(part)
+            for (s, _, _, row), w in zip(part, written):
+                s.stats.draft_s += share
+                if w != 1:
+                    raise RuntimeError(f"catchup_batch wrote {w} rows for a fully accepted sequence at row {row}; "
+                                       "the drafter is not where the loop left it")
 
     def _leave(self, seqs: list[_Seq]) -> None:
         """Finished sequences leave the batch: their drafter state is freed, their target state dropped."""
@@ -481,10 +518,10 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
     """The target alone, one token per forward: the reference speculative decoding must match."""
     gen = gen or torch.Generator().manual_seed(0)
     state = target.alloc_state()
-    out = target.forward(torch.tensor(prompt), state)
+    out = target.prefill(list(prompt), state)
     tokens = [pick(out.logits[-1], temperature, gen)]
     while len(tokens) < max_new_tokens:
-        out = target.forward(torch.tensor(tokens[-1:]), state)
+        out = target.verify(tokens[-1:], state)
         tokens.append(pick(out.logits[-1], temperature, gen))
     return tokens
 
@@ -523,7 +560,7 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     stats, clock, k = SpecStats(num_drafts), time.perf_counter, num_drafts
     t0 = clock()
     tstate = target.alloc_state()
-    out = target.forward(torch.tensor(text[:prompt_len]), tstate)  # h_0..h_{n-1}
+    out = target.prefill(list(text[:prompt_len]), tstate)  # h_0..h_{n-1}
     stats.prefill_s += clock() - t0
     t0 = clock()
     dstate = proposer.alloc_state(device)
@@ -534,12 +571,12 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
         t0 = clock()
         drafts, q = draft_tokens(proposer, draft, text[m], h_prev, m - 1, k, dstate, temperature, gen)
         t1 = clock()
-        out = target.forward(torch.tensor([text[m], *drafts]), tstate)  # positions m..m+k
+        out = target.verify([text[m], *drafts], tstate)  # positions m..m+k
         if temperature == 0:
             a, _ = greedy_verify(out.logits, drafts)
         else:
             a, _ = stochastic_verify(out.logits, drafts, temperature, gen, q)
-        target.rewind(tstate, m + 1)
+        target.rollback(tstate, m + 1)
         t2 = clock()
         proposer.after_verify(0, dstate)  # keeps row m-1: (t_m, h_{m-1})
         if policy == "trim_all":

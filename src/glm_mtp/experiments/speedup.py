@@ -153,18 +153,19 @@ def measure_costs(target: Any, proposer: Any, kmax: int, context: list[int], rep
         raise ValueError("context must hold at least 2 tokens")
     P = len(context)
     tstate = target.alloc_state()
-    out = target.forward(torch.tensor(context), tstate)
-    dstate = proposer.alloc_state("cpu")
-    proposer.prefill_drafter(context[:-1], out.hidden[:-1], dstate)  # rows [0, P-2)
-    tok, h_prev = context[-1], out.hidden[-2:-1]
-    target.rewind(tstate, P - 1)
-    fed = torch.tensor([tok] + [context[i % P] for i in range(kmax)])  # the token, then any k tokens
+    out = target.prefill(list(context[:-1]), tstate)  # h_0..h_{P-2}
+    dstate = proposer.alloc_state(out.hidden.device)
+    proposer.prefill_drafter(context[:-1], out.hidden, dstate)  # rows [0, P-2)
+    tok, h_prev = context[-1], out.hidden[-1:]
+    fed = [tok] + [context[i % P] for i in range(kmax)]  # the token, then any k tokens
 
     def verify(n: int) -> float:
         t0 = clock()
-        target.forward(fed[:n], tstate)
+        out = target.verify(fed[:n], tstate)
+        if out.logits.is_cuda:  # the forward's kernels are queued: the time is theirs once they finished
+            torch.cuda.synchronize(out.logits.device)
         dt = clock() - t0
-        target.rewind(tstate, P - 1)
+        target.rollback(tstate, P - 1)
         return dt
 
     def draft() -> float:

@@ -238,6 +238,22 @@ class Target:
         state.length += T
         return TargetOutput(logits=self.ops.linear(hidden, w.lm_head).to(acc_dtype(hidden.dtype)), hidden=hidden)
 
+    # The loop's target interface (``speculative.TargetModel``): a prefill, verifies, rollbacks.
+
+    def prefill(self, tokens: list[int], state: TargetState) -> TargetOutput:
+        """The prompt at positions ``[0, n)`` of an empty state."""
+        if state.length:
+            raise ValueError(f"prefill needs an empty state; this one holds {state.length} positions (alloc_state a new one)")
+        return self.forward(torch.tensor(tokens), state)
+
+    def verify(self, tokens: list[int], state: TargetState) -> TargetOutput:
+        """``tokens`` at positions ``[length, length + T)``."""
+        return self.forward(torch.tensor(tokens), state)
+
+    def rollback(self, state: TargetState, length: int) -> None:
+        """Keep positions ``< length`` (``rewind``: any length back to 0 is exact here)."""
+        self.rewind(state, length)
+
     def rewind(self, state: TargetState, length: int) -> None:
         """Forget positions ``>= length`` (nothing is copied: later writes overwrite them; a
         glm5_next layer's KPool pool that loses a row becomes incomplete, as in the drafter)."""

@@ -21,16 +21,17 @@ from typing import Any, Callable
 
 from glm_mtp.registry import BACKENDS
 
+from .prompts import SOURCES as PROMPT_SOURCES
 from .speculative import DRAFTS, POLICIES
 from .target import TARGET_NUMERICS
 
 FEED_HIDDEN = ("post_norm", "pre_norm")
-MODEL_KINDS = ("checkpoint", "random")
+MODEL_KINDS = ("checkpoint", "random", "hf")
 MODEL_DTYPES = ("float32", "float64", "bfloat16")  # names of glm_mtp.registry.DTYPES (a test keeps them so)
 LOGGERS = ("none", "wandb")
 # An acceptance run's modes and text sources.
 MODES = ("speculative", "teacher_forced")
-SOURCES = ("heldout", "ood")
+SOURCES = PROMPT_SOURCES
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -145,9 +146,9 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_choice(cfg, "policy", POLICIES)
     temperature = need_float(cfg, "temperature", 0.0)
     if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
-        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's "
-                         "softmax at the temperature: draft=sampled needs temperature > 0)")
-    need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
+        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax at the "
+                         "temperature: draft=sampled needs temperature > 0)")
+    numerics = need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
     need_int(cfg, "seed", 0)
     need_int(cfg, "threads", 1)
@@ -159,6 +160,9 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)
+    if kind == "hf":
+        check_hf_model(cfg, numerics)
+    check_prompts(cfg)
     need_int(cfg, "run.num_prompts", 1)
     need_int(cfg, "run.prompt_tokens", 1)
     need_int(cfg, "run.max_new_tokens", 1)
@@ -183,6 +187,53 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
         check_sampling_temperature(cfg)
 
 
+def check_hf_model(cfg: Any, numerics: str) -> None:
+    """model=hf: transformers installed (one line naming the extra otherwise), ``model.device``
+    and ``model.topk_ties`` known, and the package's own target settings left alone."""
+    from .hf_target import HF_DEVICES, TOPK_TIES, require_transformers
+
+    try:
+        require_transformers()
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    device = need_choice(cfg, "model.device", HF_DEVICES)
+    if device == "auto":
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise ValueError("model.device=auto places the layers with accelerate, which is not installed: "
+                             "pip install 'glm-mtp[hf]'") from None
+    need_choice(cfg, "model.topk_ties", TOPK_TIES)
+    if device == "cpu" and _get(cfg, "backend.name") == "optimized":
+        raise ValueError("backend=optimized drafts on CUDA, and model=hf puts the drafter beside the target's head: "
+                         "model.device=cpu leaves it on the CPU (use model.device=cuda or auto, or backend=reference)")
+    if numerics != "vendor":
+        raise ValueError(f"target_numerics={numerics} sets the package's own target; model=hf verifies with transformers' "
+                         "(leave target_numerics=vendor)")
+    if _get(cfg, "model").get("path") is None:
+        raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as released)")
+
+
+def check_prompts(cfg: Any) -> None:
+    """source=jsonl / text read ``prompts.path`` (a JSONL file; a text file or a folder); jsonl
+    holds prompts only, so it runs the speculative mode."""
+    source = _get(cfg, "source")
+    if source not in ("jsonl", "text"):
+        return
+    node = cfg.get("prompts") or {}
+    path = node.get("path")
+    if not isinstance(path, str):
+        raise ValueError(f"source={source} reads prompts.path, which must be a file path; got {path!r}")
+    if source == "jsonl":
+        if not os.path.isfile(path):
+            raise ValueError(f"prompts.path must be a JSONL file (one prompt a line) for source=jsonl; {path!r} is not a file")
+        if _get(cfg, "mode") != "speculative":
+            raise ValueError("source=jsonl holds prompts, not text to score: it runs mode=speculative (use source=text for "
+                             "mode=teacher_forced)")
+    elif not os.path.exists(path):
+        raise ValueError(f"prompts.path must be a text file or a folder of them for source=text; {path!r} does not exist")
+
+
 def draft_kind(cfg: Any) -> str:
     return _get(cfg, "draft")
 
@@ -193,13 +244,16 @@ def model_config(cfg: Any) -> Any:
     from glm_mtp.reference import MtpConfig
     from glm_mtp.reference.checkpoint import check_checkpoint_directory
 
-    if _get(cfg, "model.kind") == "random":
+    kind = _get(cfg, "model.kind")
+    if kind == "random":
         preset = _get(cfg, "model.preset")
         try:
             return MtpConfig.preset(preset)
         except (ValueError, TypeError) as e:
             raise ValueError(f"model.preset must be a preset name: {e}") from None
     path = _get(cfg, "model").get("path")
+    if path is None and kind == "hf":
+        raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as released)")
     if path is None:
         from .checkpoint import SHIPPED, shipped_checkpoint
 
