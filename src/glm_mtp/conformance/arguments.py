@@ -87,8 +87,10 @@ class Draws:
             return self.draw(st.booleans())
         if k == "float":
             return self.draw(st.sampled_from([1.0, 2.5, math.nan, math.inf]))
-        if k == "tensor":
-            return torch.tensor(self.draw(valid), dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])))
+        if k == "tensor":  # on the CPU mostly; on the meta device it holds no value to read
+            device = self.draw(st.sampled_from(["cpu", "cpu", *devices()]))
+            return torch.tensor(self.draw(valid), dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])),
+                                device=device)
         if k == "float_tensor":
             return torch.tensor(float(self.draw(valid)))
         return None if k == "none" else "3"
@@ -346,7 +348,9 @@ class HostileCalls(RuleBasedStateMachine):
             hiddens: Any = torch.stack([r.reshape(H) for r in rows])
         else:
             hiddens = d.hiddens(len(picked))
-        positions = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
+        positions: Any = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
+        if d.draw(st.integers(0, 3)) == 0 and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 2**63 for p in positions):
+            positions = torch.tensor(positions, dtype=torch.int64, device=d.draw(st.sampled_from(devices())))  # (B,), any device
         self.play("propose_batch", {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
                                     "num_drafts": k},
                   lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]), list(range(STATES)))
