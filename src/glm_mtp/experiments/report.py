@@ -272,7 +272,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> str:
     """CLI entry point; returns the printed Markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.report", description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
     ap.add_argument("--pair", default="policy", help=f"comma-separated settings that paired differences vary, of {SETTINGS + tuple(EXTRA_SETTINGS)} (default: policy)")
