@@ -5,7 +5,8 @@ floats, played on two backends at once.
 
 ``machine.lockstep_machine`` plays well-formed scenario ops (misuse of the call order, odd
 orders) as data; this machine passes raw Python values and tensors, the way a hostile caller
-would, and checks DESIGN.md §4's promise about bad input after every step:
+would (integer arguments and weights on the meta device among them), and checks DESIGN.md §4's
+promise about bad input after every step:
 
 - either both backends refuse, with the same exception type and message, a ``ValueError`` or
   ``TypeError`` naming an argument (or a ``RuntimeError`` of the lifecycle), and every state
@@ -234,6 +235,8 @@ class HostileCalls(RuleBasedStateMachine):
     cfg: MtpConfig
     dtype: torch.dtype
     max_seq_len: int
+    weights: MtpWeights
+    candidate: Callable[[MtpWeights, int], Any]
 
     def __init__(self) -> None:
         super().__init__()
@@ -384,6 +387,25 @@ class HostileCalls(RuleBasedStateMachine):
             self.states[i] = [p.alloc_state("cpu") for p in self.sides]
 
     @rule(data=st.data())
+    def construct(self, data: Any) -> None:
+        """A drafter built on these weights (or on their meta copy: shapes without data) with a
+        drawn ``max_seq_len``: both backends build, or both refuse alike, naming the argument."""
+        d = Draws(data, self.cfg, self.dtype)
+        weights = self.weights.to("meta") if d.draw(st.integers(0, 3)) == 0 else self.weights
+        max_seq_len = d.integer(st.sampled_from([1, 16, self.max_seq_len]))
+        outcomes = [Outcome(lambda f=f: (f(weights, max_seq_len).max_seq_len,)) for f in (ReferenceProposer, self.candidate)]
+        ref, cand = outcomes
+        context = f"construct(weights on {weights.device}, max_seq_len={short(max_seq_len)}): reference {ref.describe()}; " \
+                  f"candidate {cand.describe()}"
+        self.calls.append(context)
+        assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
+        if ref.error is not None:
+            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
+            assert "max_seq_len" in str(ref.error) or "weights" in str(ref.error), f"a refusal that names no argument: {context}"
+        else:
+            assert ref.value == cand.value, f"different results: {context}"
+
+    @rule(data=st.data())
     def queries(self, data: Any) -> None:
         i = data.draw(st.integers(0, STATES - 1))
         n = data.draw(st.integers(0, 2 * self.max_seq_len))
@@ -404,7 +426,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
         from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
     weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
     sides = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
-    return type("ArgumentMachine", (HostileCalls,), {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len})
+    return type("ArgumentMachine", (HostileCalls,), {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
+                                                     "weights": weights, "candidate": staticmethod(candidate)})
 
 
 def short(value: Any) -> str:
