@@ -2,6 +2,7 @@
 zeros by the pinned RMSNorm, so it drafts exactly as a zero hidden; the reference and the
 optimized drafter (its kernels' torch twins on CPU, byte-equal to the kernels) agree byte for byte."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,3 +42,17 @@ def test_a_hidden_near_float32s_square_root_of_its_range_drafts_alike_in_both_ba
     if not torch.isfinite(psum(up(hidden) * up(hidden))):  # the row normalises to zeros
         zero = draft(DRAFTERS[preset][0], prompt, hiddens, torch.zeros(H, dtype=torch.bfloat16))
         assert ref[0] == zero[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(WEIGHTS))
+def test_the_triton_kernels_agree_on_an_overflowing_hidden(preset):
+    # The kernels themselves (the interpreter on CPU, the GPU under CUDA), not their torch twins.
+    w = WEIGHTS[preset]
+    H, gen = w.config.hidden_size, torch.Generator().manual_seed(3)
+    prompt = torch.randint(w.config.vocab_size, (6,), generator=gen)
+    hiddens = torch.randn(6, H, generator=gen).to(torch.bfloat16)
+    hidden = (torch.randn(H, generator=gen) * 2.0**64).to(torch.bfloat16)
+    ref = draft(DRAFTERS[preset][0], prompt, hiddens, hidden)
+    opt = draft(OptimizedProposer(w, 32, kernels="triton"), prompt, hiddens, hidden)
+    assert ref[0] == opt[0] and all(same_bytes(ref[1][k], opt[1][k]) for k in ref[1])
