@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,9 +76,27 @@ def settings_error(args: argparse.Namespace) -> str | None:
     from glm_mtp.reference.config import MtpConfig
 
     try:
-        MtpConfig.preset(args.preset)
+        config = MtpConfig.preset(args.preset)
     except ValueError as e:
         return f"--preset: {e}"
+    return scenario_settings_error(args, config)
+
+
+def scenario_settings_error(args: argparse.Namespace, config: Any) -> str | None:
+    """The scenario generators' rules (``scenarios.scenario`` checks the same), by flag name:
+    known generators, ``--max-seq-len`` at least their shortest prompt, ``--max-drafts`` within
+    the rows a state has left after a prompt of ``--max-seq-len`` tokens; then the device."""
+    from .scenarios import ALL_GENERATORS, MIN_MAX_SEQ_LEN, max_drafts_limit
+
+    for g in (g for g in args.generators.split(",") if g):
+        if g not in ALL_GENERATORS:
+            return f"--generators: unknown generator {g!r}; known: {', '.join(ALL_GENERATORS)}"
+    if args.max_seq_len < MIN_MAX_SEQ_LEN:
+        return f"--max-seq-len must be >= {MIN_MAX_SEQ_LEN} (the generators' prompts hold 2 or more tokens), got {args.max_seq_len}"
+    limit = max_drafts_limit(config, args.max_seq_len)
+    if args.max_drafts > limit:
+        return (f"--max-drafts must be <= {limit} (the rows a state has left after a prompt of --max-seq-len "
+                f"{args.max_seq_len} tokens), got {args.max_drafts}")
     import torch
 
     try:

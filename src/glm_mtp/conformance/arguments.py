@@ -5,7 +5,8 @@ floats, played on two backends at once.
 
 ``machine.lockstep_machine`` plays well-formed scenario ops (misuse of the call order, odd
 orders) as data; this machine passes raw Python values and tensors, the way a hostile caller
-would, and checks DESIGN.md §4's promise about bad input after every step:
+would (integer arguments and weights on the meta device among them), and checks DESIGN.md §4's
+promise about bad input after every step:
 
 - either both backends refuse, with the same exception type and message, a ``ValueError`` or
   ``TypeError`` naming an argument (or a ``RuntimeError`` of the lifecycle), and every state
@@ -90,9 +91,10 @@ class Draws:
             return self.draw(st.booleans())
         if k == "float":
             return self.draw(st.sampled_from([1.0, 2.5, math.nan, math.inf]))
-        if k == "tensor":
-            return torch.tensor(self.draw(valid),
-                                dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])))
+        if k == "tensor":  # on the CPU mostly; on the meta device it holds no value to read
+            device = self.draw(st.sampled_from(["cpu", "cpu", *devices()]))
+            return torch.tensor(self.draw(valid), dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])),
+                                device=device)
         if k == "float_tensor":
             return torch.tensor(float(self.draw(valid)))
         return None if k == "none" else "3"
@@ -242,6 +244,193 @@ class Outcome:
         )
 
 
+class HostileCalls(RuleBasedStateMachine):
+    """The machine's steps: a rule per public call, each drawing its arguments (``Draws``) and
+    playing them on both backends (``play``). ``argument_machine`` binds the two drafters
+    (``sides``: the reference, then the candidate), their weights' config, dtype and length."""
+
+    sides: tuple[Any, Any]
+    cfg: MtpConfig
+    dtype: torch.dtype
+    max_seq_len: int
+    weights: MtpWeights
+    candidate: Callable[[MtpWeights, int], Any]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states = [[p.alloc_state("cpu") for p in self.sides] for _ in range(STATES)]
+        self.calls: list[str] = []
+
+    # ---- the one check of every step ------------------------------------------------
+    def play(self, call: str, args: dict[str, Any], fn: Callable[[Any, list[Any]], Any], touched: list[int]) -> None:
+        """Run ``fn(prop, states_of_that_backend)`` on both backends and check the outcome."""
+        self.calls.append(f"{call}({', '.join(f'{k}={short(v)}' for k, v in args.items())})")
+        before = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(self.sides)]
+        outcomes = [Outcome(lambda s=s, p=p: fn(p, [pair[s] for pair in self.states])) for s, p in enumerate(self.sides)]
+        ref, cand = outcomes
+        where = "\n  ".join(self.calls)
+        context = f"{call}: reference {ref.describe()}; candidate {cand.describe()}\ncalls:\n  {where}"
+        assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
+        if ref.error is not None:
+            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
+            if isinstance(ref.error, (ValueError, TypeError)):
+                names = [*args, "state", "token id", "temperature", "noise", "hidden"]
+                assert any(n in str(ref.error) for n in names), f"a refusal that names no argument: {context}"
+            after = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(self.sides)]
+            assert after == before, f"a refused call changed a state: {context}"
+            for pair in self.states:
+                for st_ in pair:
+                    assert st_.poisoned is None, f"a refused call poisoned a state ({st_.poisoned}): {context}"
+        else:
+            assert ref.value == cand.value, f"different results: {context}"
+
+    @invariant()
+    def states_agree(self) -> None:
+        for i, (r, c) in enumerate(self.states):
+            assert r.poisoned is None and c.poisoned is None, f"state {i} poisoned: {r.poisoned or c.poisoned}"
+            assert state_bytes(self.sides[0], r) == state_bytes(self.sides[1], c), f"state {i} differs after:\n  " + "\n  ".join(self.calls)
+
+    def seq_len(self, i: int) -> int:
+        return self.sides[0].drafter_rows(self.states[i][0]) if not self.states[i][0].released else 0
+
+    def live(self, i: int) -> bool:
+        return not self.states[i][0].released
+
+    # ---- rules ------------------------------------------------------------------------
+    @rule(data=st.data())
+    def prefill(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        d = Draws(data, self.cfg, self.dtype)
+        n = d.draw(st.sampled_from([0, 1, 2, 5, 9, self.max_seq_len, self.max_seq_len + 1]))
+        tokens, hiddens = d.tokens(n), d.hiddens(n)
+        self.play("prefill_drafter", {"state": i, "prompt_tokens": tokens, "hiddens": hiddens},
+                  lambda p, s: p.prefill_drafter(tokens, hiddens, s[i]), [i])
+
+    @rule(data=st.data())
+    def catchup(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        d = Draws(data, self.cfg, self.dtype)
+        n = d.draw(st.sampled_from([0, 1, 1, 2, 3]))
+        base = self.seq_len(i)
+        row_base = d.integer(st.sampled_from([base, base, base, max(base - 1, 0), base + 1, 60, 63]))
+        pos_base = d.integer(st.sampled_from([base]))
+        tokens, hiddens = d.tokens(n), d.hiddens(n)
+        self.play("catchup_drafter", {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
+                  lambda p, s: p.catchup_drafter(tokens, hiddens, row_base, pos_base, s[i]), [i])
+
+    def propose_args(self, d: Draws, i: int) -> tuple[Any, Any, Any, Any]:
+        base = self.seq_len(i)
+        position = d.integer(st.sampled_from([base, base, max(base - 1, 0), max(base - 3, 0), 0, base + 1]))
+        num_drafts = d.integer(st.sampled_from([0, 1, 2, 3, 3, 4, 70]))
+        return d.token(), d.hiddens(None), position, num_drafts
+
+    @rule(data=st.data())
+    def propose(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        d = Draws(data, self.cfg, self.dtype)
+        token, hidden, position, k = self.propose_args(d, i)
+        self.play("propose", {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
+                  lambda p, s: p.propose(token, hidden, position, k, s[i]), [i])
+
+    @rule(data=st.data())
+    def propose_sampled(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        d = Draws(data, self.cfg, self.dtype)
+        token, hidden, position, k = self.propose_args(d, i)
+        temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
+        self.play("propose_sampled", {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
+                                      "num_drafts": k, "temperature": temperature, "noise": noise},
+                  lambda p, s: p.propose_sampled(token, hidden, position, k, temperature, noise, s[i]), [i])
+
+    def batch(self, d: Draws) -> list[int]:
+        order = d.draw(st.permutations(range(STATES)))
+        size = d.draw(st.sampled_from([0, 1, 2, 2, 3]))
+        picked = list(order[:size])
+        if picked and d.draw(st.integers(0, 9)) == 0:
+            picked.append(picked[0])  # a state twice
+        return picked
+
+    @rule(data=st.data())
+    def propose_batch(self, data: Any) -> None:
+        d = Draws(data, self.cfg, self.dtype)
+        picked = self.batch(d)
+        args = [self.propose_args(d, i) for i in picked]
+        k = d.integer(st.sampled_from([0, 1, 2, 3]))
+        if d.draw(st.booleans()):
+            tokens: Any = [a[0] for a in args]
+        else:
+            tokens = torch.tensor([d.token_id() for _ in picked], dtype=torch.int64)
+            if d.draw(st.integers(0, 4)) == 0 and picked:
+                tokens[-1] = d.draw(st.sampled_from([-1, self.cfg.vocab_size]))
+        H = self.cfg.hidden_size
+        rows = [a[1] for a in args]
+        if rows and all(isinstance(r, Tensor) and r.layout == torch.strided and r.numel() == H and r.dtype == self.dtype
+                        and r.device.type == "cpu" for r in rows):
+            hiddens: Any = torch.stack([r.reshape(H) for r in rows])
+        else:
+            hiddens = d.hiddens(len(picked))
+        positions: Any = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
+        if d.draw(st.integers(0, 3)) == 0 and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 2**63 for p in positions):
+            positions = torch.tensor(positions, dtype=torch.int64, device=d.draw(st.sampled_from(devices())))  # (B,), any device
+        self.play("propose_batch", {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
+                                    "num_drafts": k},
+                  lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]), list(range(STATES)))
+
+    @rule(data=st.data())
+    def catchup_batch(self, data: Any) -> None:
+        d = Draws(data, self.cfg, self.dtype)
+        picked = self.batch(d)
+        tokens = d.tokens(len(picked))
+        hiddens = d.hiddens(len(picked))
+        bases = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [d.integer(st.integers(0, 8)) for _ in picked]
+        self.play("catchup_batch", {"states": picked, "tokens": tokens, "hiddens": hiddens, "row_bases": bases},
+                  lambda p, s: p.catchup_batch(tokens, hiddens, bases, [s[i] for i in picked]), list(range(STATES)))
+
+    @rule(data=st.data())
+    def after_verify(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        d = Draws(data, self.cfg, self.dtype)
+        drafted = self.states[i][0].last_drafted
+        num_accepted = d.integer(st.integers(0, max(drafted, 0) + 1))
+        self.play("after_verify", {"state": i, "num_accepted": num_accepted},
+                  lambda p, s: p.after_verify(num_accepted, s[i]), [i])
+
+    @rule(data=st.data())
+    def free_or_renew(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        if self.live(i) and data.draw(st.booleans()):
+            self.play("free_state", {"state": i}, lambda p, s: p.free_state(s[i]), [i])
+        else:
+            self.calls.append(f"alloc_state() -> state {i}")
+            self.states[i] = [p.alloc_state("cpu") for p in self.sides]
+
+    @rule(data=st.data())
+    def construct(self, data: Any) -> None:
+        """A drafter built on these weights (or on their meta copy: shapes without data) with a
+        drawn ``max_seq_len``: both backends build, or both refuse alike, naming the argument."""
+        d = Draws(data, self.cfg, self.dtype)
+        weights = self.weights.to("meta") if d.draw(st.integers(0, 3)) == 0 else self.weights
+        max_seq_len = d.integer(st.sampled_from([1, 16, self.max_seq_len]))
+        outcomes = [Outcome(lambda f=f: (f(weights, max_seq_len).max_seq_len,)) for f in (ReferenceProposer, self.candidate)]
+        ref, cand = outcomes
+        context = f"construct(weights on {weights.device}, max_seq_len={short(max_seq_len)}): reference {ref.describe()}; " \
+                  f"candidate {cand.describe()}"
+        self.calls.append(context)
+        assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
+        if ref.error is not None:
+            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
+            assert "max_seq_len" in str(ref.error) or "weights" in str(ref.error), f"a refusal that names no argument: {context}"
+        else:
+            assert ref.value == cand.value, f"different results: {context}"
+
+    @rule(data=st.data())
+    def queries(self, data: Any) -> None:
+        i = data.draw(st.integers(0, STATES - 1))
+        n = data.draw(st.integers(0, 2 * self.max_seq_len))
+        self.play("queries", {"state": i, "max_seq_len": n},
+                  lambda p, s: (p.drafter_rows(s[i]), p.last_pair_key(s[i]), p.prefill_hidden_rows(n)), [i])
+
+
 def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, dtype: torch.dtype = torch.bfloat16,
                      max_seq_len: int = 32, weights_seed: int = 0) -> type[RuleBasedStateMachine]:
     """A machine class playing hostile calls on ``candidate(weights, max_seq_len)`` (default: the
@@ -254,178 +443,9 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
     if candidate is None:
         from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
     weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
-    cfg = weights.config
     sides = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
-
-    class ArgumentMachine(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.states = [[p.alloc_state("cpu") for p in sides] for _ in range(STATES)]
-            self.calls: list[str] = []
-
-        # ---- the one check of every step ------------------------------------------------
-        def play(self, call: str, args: dict[str, Any], fn: Callable[[Any, list[Any]], Any],
-                 touched: list[int]) -> None:
-            """Run ``fn(prop, states_of_that_backend)`` on both backends and check the outcome."""
-            self.calls.append(f"{call}({', '.join(f'{k}={short(v)}' for k, v in args.items())})")
-            before = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(sides)]
-            outcomes = [Outcome(lambda s=s, p=p: fn(p, [pair[s] for pair in self.states])) for s, p in enumerate(sides)]
-            ref, cand = outcomes
-            where = "\n  ".join(self.calls)
-            context = f"{call}: reference {ref.describe()}; candidate {cand.describe()}\ncalls:\n  {where}"
-            assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
-            if ref.error is not None:
-                assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), (
-                    f"different refusals: {context}"
-                )
-                if isinstance(ref.error, (ValueError, TypeError)):
-                    names = [*args, "state", "token id", "temperature", "noise", "hidden"]
-                    assert any(n in str(ref.error) for n in names), f"a refusal that names no argument: {context}"
-                after = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(sides)]
-                assert after == before, f"a refused call changed a state: {context}"
-                for pair in self.states:
-                    for st_ in pair:
-                        assert st_.poisoned is None, f"a refused call poisoned a state ({st_.poisoned}): {context}"
-            else:
-                assert ref.value == cand.value, f"different results: {context}"
-
-        @invariant()
-        def states_agree(self) -> None:
-            for i, (r, c) in enumerate(self.states):
-                assert r.poisoned is None and c.poisoned is None, f"state {i} poisoned: {r.poisoned or c.poisoned}"
-                assert state_bytes(sides[0], r) == state_bytes(sides[1], c), (
-                    f"state {i} differs after:\n  " + "\n  ".join(self.calls)
-                )
-
-        def seq_len(self, i: int) -> int:
-            return sides[0].drafter_rows(self.states[i][0]) if not self.states[i][0].released else 0
-
-        def live(self, i: int) -> bool:
-            return not self.states[i][0].released
-
-        # ---- rules ------------------------------------------------------------------------
-        @rule(data=st.data())
-        def prefill(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            d = Draws(data, cfg, dtype)
-            n = d.draw(st.sampled_from([0, 1, 2, 5, 9, max_seq_len, max_seq_len + 1]))
-            tokens, hiddens = d.tokens(n), d.hiddens(n)
-            self.play("prefill_drafter", {"state": i, "prompt_tokens": tokens, "hiddens": hiddens},
-                      lambda p, s: p.prefill_drafter(tokens, hiddens, s[i]), [i])
-
-        @rule(data=st.data())
-        def catchup(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            d = Draws(data, cfg, dtype)
-            n = d.draw(st.sampled_from([0, 1, 1, 2, 3]))
-            base = self.seq_len(i)
-            row_base = d.integer(st.sampled_from([base, base, base, max(base - 1, 0), base + 1, 60, 63]))
-            pos_base = d.integer(st.sampled_from([base]))
-            tokens, hiddens = d.tokens(n), d.hiddens(n)
-            self.play("catchup_drafter",
-                      {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
-                      lambda p, s: p.catchup_drafter(tokens, hiddens, row_base, pos_base, s[i]), [i])
-
-        def propose_args(self, d: Draws, i: int) -> tuple[Any, Any, Any, Any]:
-            base = self.seq_len(i)
-            position = d.integer(st.sampled_from([base, base, max(base - 1, 0), max(base - 3, 0), 0, base + 1]))
-            num_drafts = d.integer(st.sampled_from([0, 1, 2, 3, 3, 4, 70]))
-            return d.token(), d.hiddens(None), position, num_drafts
-
-        @rule(data=st.data())
-        def propose(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            d = Draws(data, cfg, dtype)
-            token, hidden, position, k = self.propose_args(d, i)
-            self.play("propose",
-                      {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
-                      lambda p, s: p.propose(token, hidden, position, k, s[i]), [i])
-
-        @rule(data=st.data())
-        def propose_sampled(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            d = Draws(data, cfg, dtype)
-            token, hidden, position, k = self.propose_args(d, i)
-            temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
-            self.play("propose_sampled",
-                      {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
-                       "num_drafts": k, "temperature": temperature, "noise": noise},
-                      lambda p, s: p.propose_sampled(token, hidden, position, k, temperature, noise, s[i]), [i])
-
-        def batch(self, d: Draws) -> list[int]:
-            order = d.draw(st.permutations(range(STATES)))
-            size = d.draw(st.sampled_from([0, 1, 2, 2, 3]))
-            picked = list(order[:size])
-            if picked and d.draw(st.integers(0, 9)) == 0:
-                picked.append(picked[0])  # a state twice
-            return picked
-
-        @rule(data=st.data())
-        def propose_batch(self, data: Any) -> None:
-            d = Draws(data, cfg, dtype)
-            picked = self.batch(d)
-            args = [self.propose_args(d, i) for i in picked]
-            k = d.integer(st.sampled_from([0, 1, 2, 3]))
-            if d.draw(st.booleans()):
-                tokens: Any = [a[0] for a in args]
-            else:
-                tokens = torch.tensor([d.token_id() for _ in picked], dtype=torch.int64)
-                if d.draw(st.integers(0, 4)) == 0 and picked:
-                    tokens[-1] = d.draw(st.sampled_from([-1, cfg.vocab_size]))
-            H = cfg.hidden_size
-            rows = [a[1] for a in args]
-            if rows and all(isinstance(r, Tensor) and r.layout == torch.strided and r.numel() == H and r.dtype == dtype
-                            and r.device.type == "cpu" for r in rows):
-                hiddens: Any = torch.stack([r.reshape(H) for r in rows])
-            else:
-                hiddens = d.hiddens(len(picked))
-            positions = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
-            self.play("propose_batch",
-                      {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
-                       "num_drafts": k},
-                      lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]),
-                      list(range(STATES)))
-
-        @rule(data=st.data())
-        def catchup_batch(self, data: Any) -> None:
-            d = Draws(data, cfg, dtype)
-            picked = self.batch(d)
-            tokens = d.tokens(len(picked))
-            hiddens = d.hiddens(len(picked))
-            bases = (
-                [self.seq_len(i) for i in picked]
-                if d.draw(st.booleans())
-                else [d.integer(st.integers(0, 8)) for _ in picked]
-            )
-            self.play("catchup_batch", {"states": picked, "tokens": tokens, "hiddens": hiddens, "row_bases": bases},
-                      lambda p, s: p.catchup_batch(tokens, hiddens, bases, [s[i] for i in picked]), list(range(STATES)))
-
-        @rule(data=st.data())
-        def after_verify(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            d = Draws(data, cfg, dtype)
-            drafted = self.states[i][0].last_drafted
-            num_accepted = d.integer(st.integers(0, max(drafted, 0) + 1))
-            self.play("after_verify", {"state": i, "num_accepted": num_accepted},
-                      lambda p, s: p.after_verify(num_accepted, s[i]), [i])
-
-        @rule(data=st.data())
-        def free_or_renew(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            if self.live(i) and data.draw(st.booleans()):
-                self.play("free_state", {"state": i}, lambda p, s: p.free_state(s[i]), [i])
-            else:
-                self.calls.append(f"alloc_state() -> state {i}")
-                self.states[i] = [p.alloc_state("cpu") for p in sides]
-
-        @rule(data=st.data())
-        def queries(self, data: Any) -> None:
-            i = data.draw(st.integers(0, STATES - 1))
-            n = data.draw(st.integers(0, 2 * max_seq_len))
-            self.play("queries", {"state": i, "max_seq_len": n},
-                      lambda p, s: (p.drafter_rows(s[i]), p.last_pair_key(s[i]), p.prefill_hidden_rows(n)), [i])
-
-    return ArgumentMachine
+    return type("ArgumentMachine", (HostileCalls,), {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
+                                                     "weights": weights, "candidate": staticmethod(candidate)})
 
 
 def short(value: Any) -> str:

@@ -36,6 +36,8 @@ from .spec import Op, SpecModel
 # The generators a run uses unless told otherwise, and every generator a run may name.
 GENERATORS = ("realistic", "adversarial")
 ALL_GENERATORS = GENERATORS + ("batched",)
+# The least max_seq_len the generators serve: their prompts hold 2 or more tokens (one row or more).
+MIN_MAX_SEQ_LEN = 2
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ def scenario(
     for g in generators:
         if g not in ALL_GENERATORS:
             raise ValueError(f"generators: unknown generator {g!r}; known: {ALL_GENERATORS}")
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < MIN_MAX_SEQ_LEN:
+        raise ValueError(f"max_seq_len must be an integer >= {MIN_MAX_SEQ_LEN} (the generators' prompts hold 2 or more "
+                         f"tokens), got {max_seq_len!r}")
     limit = max_drafts_limit(config, max_seq_len)
     if isinstance(max_drafts, bool) or not isinstance(max_drafts, int) or not 1 <= max_drafts <= limit:
         raise ValueError(f"max_drafts must be an integer in [1, {limit}] (the rows left after a prompt of "

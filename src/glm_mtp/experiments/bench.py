@@ -386,7 +386,8 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
     return costs
 
 
-def parse_args(argv: list[str] | None = None) -> BenchConfig:
+def bench_parser() -> argparse.ArgumentParser:
+    """The bench's flags (``parse_args`` checks them)."""
     p = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.bench",
                                 description="Propose latency and memory, reference vs optimized, against the "
                                             "bandwidth floor.")
@@ -408,61 +409,22 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
                         "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "
                         "none: --counters with no preset)")
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
-    p.add_argument("--target-costs", action="store_true",
-                   help="measure the speedup model's c and v(k) on the toy target (costs.json)")
-    p.add_argument("--checkpoint", default=None,
-                   help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
-    a = p.parse_args(argv)
-    try:
-        device = torch.device(a.device)
-    except (RuntimeError, ValueError) as e:
-        p.error(f"--device {a.device!r} is not a device ({e})")
-    cuda = device.type == "cuda"
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
-    if cuda and not torch.cuda.is_available():
-        p.error("--device cuda, but CUDA is not available")
-    if cuda and device.index is not None and device.index >= torch.cuda.device_count():
-        p.error(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if any(k < 1 for k in a.drafts):
-        p.error("--drafts must be >= 1")
-    # None means the device's default; 0 or a negative count is refused, never replaced silently.
-    for name, minimum in (("repeats", 1), ("copy_mib", 1), ("context", 1), ("warmup", 0), ("max_seq_len", 1)):
-        value = getattr(a, name)
-        if value is not None and value < minimum:
-            p.error(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
-    presets = a.presets or (["tiny", "small", "glm5_shape", "glm5"] if cuda else ["tiny", "small", "glm5_shape"])
-    for name in presets:
-        try:
-            MtpConfig.preset(name)
-        except ValueError as e:
-            p.error(str(e))
-    # The counters do not depend on the device (a CPU subprocess): a CUDA run leaves them to the CPU bench
-    # unless asked (scripts/gpu_check.sh gives the bench 200 s).
-    counted = ([] if cuda else [n for n in COUNTER_PRESETS if n in presets]) if a.counters is None else a.counters
-    for name in counted:
-        if name not in presets:
-            p.error(f"--counters {name}: not among the presets run ({' '.join(presets)})")
-    if a.max_position_embeddings is not None and a.max_position_embeddings < 1:
-        p.error(f"--max-position-embeddings must be >= 1, got {a.max_position_embeddings}")
-    if a.context + max(a.drafts) + 2 > a.max_seq_len:
-        p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
-    if a.max_position_embeddings is not None and a.context + max(a.drafts) + 2 > a.max_position_embeddings:
-        p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps "
-                "max_seq_len)")
-    if a.checkpoint is not None and not a.target_costs:
-        p.error("--checkpoint is the toy target of --target-costs; pass --target-costs too")
-    if a.target_costs and device.type != "cpu":
-        p.error("--target-costs runs on the CPU (the experiments' target is eager torch)")
-    if a.checkpoint is not None:
-        from glm_mtp.reference.checkpoint import check_checkpoint_directory
+    p.add_argument("--target-costs", action="store_true", help="measure the speedup model's c and v(k) on the toy target (costs.json)")
+    p.add_argument("--checkpoint", default=None, help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
+    return p
 
-        try:
-            check_checkpoint_directory("--checkpoint", a.checkpoint)
-        except ValueError as e:
-            p.error(str(e))
-        if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
-            p.error(f"--checkpoint: {a.checkpoint} holds no config.json (not a checkpoint directory)")
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    """The bench's flags, every one checked before any measurement (``p.error``: exit status 2, one line)."""
+    p = bench_parser()
+    a = p.parse_args(argv)
+    device = checked_device(p, a.device)
+    cuda = device.type == "cuda"
+    check_counts(p, a)
+    presets = checked_presets(p, a, cuda)
+    counted = checked_counters(p, a, presets, cuda)
+    check_lengths(p, a, presets)
+    check_target_costs(p, a, device)
     out = a.out or os.path.join("outputs", "bench", f"{a.device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}")
     if why := unwritable_dir(out):  # before the measurements, not after them
         p.error(f"--out {why}")
@@ -474,6 +436,91 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         counters=counted,
         target_costs=a.target_costs, checkpoint=a.checkpoint,
     )
+
+
+def checked_device(p: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device``: cpu or an existing cuda[:N]."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        p.error(f"--device {name!r} is not a device ({e})")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        p.error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def check_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The counts' lower bounds. None means the device's default; 0 or a negative count is refused,
+    never replaced silently."""
+    if any(k < 1 for k in a.drafts):
+        p.error("--drafts must be >= 1")
+    for name, minimum in (("repeats", 1), ("copy_mib", 1), ("context", 1), ("warmup", 0), ("max_seq_len", 1),
+                          ("max_position_embeddings", 1)):
+        value = getattr(a, name)
+        if value is not None and value < minimum:
+            p.error(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+
+
+def checked_presets(p: argparse.ArgumentParser, a: argparse.Namespace, cuda: bool) -> list[str]:
+    """``--presets`` (or the device's default list), each a known preset."""
+    presets = a.presets or (["tiny", "small", "glm5_shape", "glm5"] if cuda else ["tiny", "small", "glm5_shape"])
+    for name in presets:
+        try:
+            MtpConfig.preset(name)
+        except ValueError as e:
+            p.error(str(e))
+    return presets
+
+
+def checked_counters(p: argparse.ArgumentParser, a: argparse.Namespace, presets: list[str], cuda: bool) -> list[str]:
+    """The presets whose draft step is counted: ``--counters``, each among the presets run. The
+    counters do not depend on the device (a CPU subprocess): a CUDA run leaves them to the CPU bench
+    unless asked (scripts/gpu_check.sh gives the bench 200 s)."""
+    counted = ([] if cuda else [n for n in COUNTER_PRESETS if n in presets]) if a.counters is None else a.counters
+    for name in counted:
+        if name not in presets:
+            p.error(f"--counters {name}: not among the presets run ({' '.join(presets)})")
+    return counted
+
+
+def check_lengths(p: argparse.ArgumentParser, a: argparse.Namespace, presets: list[str]) -> None:
+    """The rows a measurement holds, ``--context + max(--drafts) + 2``, fit the capacity asked for
+    and every preset's context (``max_position_embeddings``, or the flag that replaces it), which
+    caps a drafter's ``max_seq_len``."""
+    rows = a.context + max(a.drafts) + 2
+    if rows > a.max_seq_len:
+        p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
+    if a.max_position_embeddings is not None:
+        if rows > a.max_position_embeddings:
+            p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps max_seq_len)")
+        return
+    for name in presets:
+        cap = MtpConfig.preset(name).max_position_embeddings
+        if rows > cap:
+            p.error(f"--context {a.context} + max(--drafts) + 2 = {rows} rows exceed preset {name}'s context "
+                    f"(max_position_embeddings {cap}, which caps max_seq_len); lower --context or pass --max-position-embeddings")
+
+
+def check_target_costs(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.device) -> None:
+    """``--target-costs`` runs on the CPU; ``--checkpoint`` goes with it and is a checkpoint directory."""
+    if a.checkpoint is not None and not a.target_costs:
+        p.error("--checkpoint is the toy target of --target-costs; pass --target-costs too")
+    if a.target_costs and device.type != "cpu":
+        p.error("--target-costs runs on the CPU (the experiments' target is eager torch)")
+    if a.checkpoint is None:
+        return
+    from glm_mtp.reference.checkpoint import check_checkpoint_directory
+
+    try:
+        check_checkpoint_directory("--checkpoint", a.checkpoint)
+    except ValueError as e:
+        p.error(str(e))
+    if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
+        p.error(f"--checkpoint: {a.checkpoint} holds no config.json (not a checkpoint directory)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 from typing import Any
+
+from glm_mtp.reference.config import read_json_object
 
 from .sweep_jobs import refuse_incomplete
 from .validate import unwritable_dir
@@ -35,12 +36,46 @@ EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 
+# The fields of an acceptance run's summary.json that the report reads, with their JSON types: a
+# file without one of them, or with a value of another type, is not a summary this report can read.
+TEXT, NUMBER, COUNT, NUMBERS, OBJECT = "a string", "a number", "an integer >= 1", "a list of numbers", "an object"
+SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": TEXT, "policy": TEXT, "temperature": NUMBER,
+                  "num_drafts": COUNT, "prompts": COUNT, "acceptance_per_position": NUMBERS, "mean_accepted_length": NUMBER}
+# Read when present and not null (older summaries lack them, a speculative run scores no positions).
+OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT, "attention": TEXT, "generated_tokens": NUMBER,
+                   "scored_positions": NUMBER, "cumulative": NUMBERS, "acceptance_cumulative": NUMBERS, "speedup": OBJECT}
+
+
+def is_json_type(value: Any, kind: str) -> bool:
+    """Whether ``value`` (parsed JSON) is of ``kind`` (a number is never a bool; a list of numbers
+    may hold null or NaN where a position was never reached)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return {TEXT: isinstance(value, str), NUMBER: number(value), COUNT: number(value) and value == int(value) >= 1,
+            NUMBERS: isinstance(value, list) and all(v is None or number(v) for v in value),
+            OBJECT: isinstance(value, dict)}[kind]
+
+
+def check_summary(path: str, s: dict[str, Any]) -> None:
+    """``ValueError`` naming the file and the field unless ``s`` is an acceptance run's summary
+    the report can read (``SUMMARY_FIELDS``, ``OPTIONAL_FIELDS``)."""
+    for name in SUMMARY_FIELDS:
+        if name not in s:
+            raise ValueError(f"{path}: not an acceptance run's summary (no {name!r}; written by python -m glm_mtp.experiments.acceptance)")
+    for name, kind in {**SUMMARY_FIELDS, **OPTIONAL_FIELDS}.items():
+        if name in s and not is_json_type(s[name], kind) and not (name in OPTIONAL_FIELDS and s[name] is None):
+            raise ValueError(f"{path}: {name} must be {kind}, got {s[name]!r:.60}")
+    if "generated_tokens" not in s and "scored_positions" not in s:
+        raise ValueError(f"{path}: not an acceptance run's summary (neither 'generated_tokens' nor 'scored_positions')")
+
+
 def load_summaries(root: str) -> list[dict[str, Any]]:
-    """Every run's summary under ``root``, sorted by mode, source, backend, temperature, feed, policy, k."""
+    """Every run's summary under ``root``, sorted by mode, source, backend, temperature, feed, policy, k.
+    ``ValueError`` naming the file for one that is not JSON, not an object or not a summary
+    (``check_summary``); ``FileNotFoundError`` when there is none."""
     runs = []
     for path in sorted(glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)):
-        with open(path) as f:
-            s = json.load(f)
+        s = read_json_object(path)
+        check_summary(path, s)
         s["_dir"] = os.path.relpath(os.path.dirname(path), root)
         s.setdefault("mode", "speculative")  # summaries written before the modes existed
         s.setdefault("source", "heldout")
@@ -253,7 +288,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> str:
     """CLI entry point; returns the printed Markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap = argparse.ArgumentParser(prog="python -m glm_mtp.experiments.report", description=__doc__.split("\n")[1])
     ap.add_argument("sweep_dir")
     ap.add_argument("--out", default=None, help="where report.md and report.png go (default: the sweep directory)")
     ap.add_argument("--pair", default="policy",
@@ -275,7 +310,7 @@ def main(argv: list[str] | None = None) -> str:
     incomplete = refuse_incomplete(ap, args.sweep_dir, "summary.json", args.partial)
     try:
         runs = load_summaries(args.sweep_dir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         ap.error(str(e))
     out = args.out or args.sweep_dir
     os.makedirs(out, exist_ok=True)

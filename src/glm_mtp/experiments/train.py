@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +43,8 @@ from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes,
 from .bpe import BpeTokenizer
 from .corpus import Split, corpus_split, read_item
 from .indexer_loss import IndexerDistill
-from .target import ExpertLoad, Target, TargetWeights, grouped_moe, target_tensor_shapes
+from .model_card import model_card
+from .target import ExpertLoad, Target, TargetWeights, grouped_moe
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,153 +340,26 @@ def plot_curves(history: list[dict[str, float]], evals: list[dict[str, float]], 
     plt.close(fig)
 
 
-def model_card(cfg: Any, mcfg: MtpConfig, corpus: Corpus, final: dict[str, float], minutes: float, steps: int,
-               command: str) -> str:
-    """The checkpoint's README."""
-    n_params = sum(math.prod(s) for s in target_tensor_shapes(mcfg).values())
-    n_mtp = sum(math.prod(s) for s in mtp_tensor_shapes(mcfg).values())
-    from . import corpus as corpus_mod
+@dataclass
+class Models:
+    """What a run trains: the corpus, the target, the MTP layer, their config and trainable tensors."""
 
-    t = cfg.train
-    ov = [o for n, o in corpus.split.overlap.items() if n in corpus.split.heldout]
-    max_lines, max_grams = max((o.lines for o in ov), default=0.0), max((o.ngrams for o in ov), default=0.0)
-    repro_test = ("`tests/experiments/test_train_next.py` (sha256 of the written files, twice; another seed differs)"
-                  if mcfg.is_next
-                  else "`tests/experiments/test_train_repro.py` (sha256 of the written files, one run on a clock\n"
-                       "a thousand times slower)")
-    tok_path = cfg.tokenizer.get("path")
-    reused = (f"; reused from `tokenizer.path={tok_path}` (the same split, checked by its sha256), not retrained"
-              if tok_path else "")
-    based = (f"\n\nBase: the target, embedding, head and tokenizer of `train.base={t.base}`, frozen; only the MTP "
-             "layer was trained (from a random start), so the target losses below are the base's."
-             if t.get("base") else "")
-    stopped = ("" if steps == t.steps
-               else f"\nStopped by `train.max_minutes` at step {steps} of {t.steps}: the schedule did not finish.")
-    title, architecture = card_architecture(cfg, mcfg, n_params, n_mtp)
-    return f"""{title}
-
-Trained by this package on the Python standard library, so acceptance-rate numbers can be
-re-derived on any machine. {architecture}
-
-## Command
-
-```
-{command}
-```
-
-({steps} steps of {t.batch_size} x {t.seq_len} tokens, {minutes:.1f} minutes with {t.threads} CPU thread(s), torch {torch.__version__},
-Python {".".join(map(str, sys.version_info[:3]))}; seed {t.seed}; MTP loss weight {t.mtp_loss_weight}, MTP unrolled {t.mtp_depth} times with shared
-weights, self-distillation share {t.mtp_distill}.){stopped}{based}
-
-Reproducible: the learning rate is a function of the step alone (linear warm-up over {t.warmup} steps,
-cosine from {t.lr:g} to {t.min_lr:g} at step {t.steps}, `training_log.json` holds the rate of every step),
-windows are drawn from a generator seeded with the seed, and torch runs `train.threads` = {t.threads}
-thread(s) (set by the command: the reductions' order depends on the thread count). So the same
-command on the same Python and torch gives a byte-identical `model.safetensors`; checked on short
-runs by {repro_test}.
-
-## Data
-
-- Corpus: the `.py` files of the Python {".".join(map(str, sys.version_info[:3]))} standard library (tests, idlelib, turtledemo,
-  lib2to3, ensurepip, site-packages excluded) and the `pydoc_data.topics` texts.
-- Held-out: candidates are the items whose blake2b path hash falls in the {corpus_mod.HELDOUT_PERCENT}% bucket; a
-  candidate stays held out only if at most {corpus_mod.MAX_OVERLAP:.0%} of its distinct lines of {corpus_mod.MIN_LINE_CHARS}+ characters and
-  at most {corpus_mod.MAX_OVERLAP:.0%} of its distinct {corpus_mod.NGRAM}-word n-grams occur in training items (else it moves to
-  training, repeated until none moves). Listed in `corpus.json` ({len(corpus.split.heldout)} held out, {len(corpus.split.train)} for training).
-  Measured after the fix: at most {max_lines:.1%} of a held-out item's long lines and {max_grams:.1%} of its n-grams occur in training.
-- Corpus file-list sha256: `{corpus.split.digest()}`
-- Tokenizer: byte-level BPE, {corpus.tokenizer.vocab_size} tokens, trained on the training split (`tokenizer.json`,
-  `glm_mtp.experiments.bpe.BpeTokenizer.load`){reused}. Training stream {corpus.train.numel()} tokens, held-out {corpus.heldout.numel()}.
-
-## Final losses (nats; held-out over {t.eval_windows} fixed windows of {t.seq_len} tokens)
-
-| | target | MTP depth 1 | MTP depth 1 top-1 acc |{' MTP depth 2 |' if t.mtp_depth >= 2 else ''}
-|---|---|---|---|{'---|' if t.mtp_depth >= 2 else ''}
-| held-out | {final['target_loss']:.4f} | {final['mtp1_loss']:.4f} | {final['mtp1_acc']:.4f} |{f" {final['mtp2_loss']:.4f} |" if t.mtp_depth >= 2 else ''}
-| train (last {t.log_every} steps) | {final['train_target_loss']:.4f} | {final['train_mtp1_loss']:.4f} | | |
-
-The loss curves are in `loss_curve.png`, every logged step in `training_log.json`.
-
-## Load
-
-```python
-from glm_mtp.reference import MtpWeights
-from glm_mtp.experiments.target import TargetWeights
-mtp = MtpWeights.from_pretrained(dir)        # the MTP layer + embedding + head
-target = TargetWeights.from_pretrained(dir)  # the target's layers
-```
-
-{card_indexer(cfg, mcfg, final)}
-"""  # noqa: E501 (the card is markdown: its lines are the card's)
+    corpus: Corpus
+    target: TargetWeights
+    mtp: MtpWeights
+    config: MtpConfig
+    params: list[Tensor]
 
 
-def card_architecture(cfg: Any, mcfg: MtpConfig, n_params: int, n_mtp: int) -> tuple[str, str]:
-    """The model card's title and architecture paragraph, by family."""
-    sizes = (f"Target {n_params / 1e6:.2f} M parameters (embedding and head included), MTP layer {n_mtp / 1e6:.2f} M. "
-             "float32.")
-    moe = f"sigmoid-routed MoE ({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared)"
-    if not mcfg.is_next:
-        return ("# glm5-mtp-stdlib: a small GLM-5-architecture target with its MTP layer",
-                f"""Architecture: GLM-5 (`glm_moe_dsa`) at toy scale: {mcfg.num_hidden_layers} decoder
-layers (the first {mcfg.first_k_dense_replace} dense), DSA attention (MLA + lightning indexer), sigmoid-routed MoE
-({mcfg.n_routed_experts} experts, {mcfg.num_experts_per_tok} per token, 1 shared), and one MTP layer at `model.layers.{mcfg.num_hidden_layers}`.
-{sizes}""")  # noqa: E501 (markdown)
-    name = os.path.basename(os.path.normpath(cfg.out)) if cfg.get("out") else "glm5next-mtp"
-    return (f"# {name}: a small target with GLM-5.3-Flash's MTP layer (glm5_next family)",
-            f"""Architecture: the glm5_next family (DESIGN.md §7) at toy scale: {mcfg.num_hidden_layers} decoder layers
-(the first {mcfg.first_k_dense_replace} dense), each with GLM-5.3-Flash's DSA attention (NoPE MLA, qk_nope {mcfg.qk_nope_head_dim}, no RoPE; KPool
-indexer, `index_kpool` {mcfg.index_kpool}, `index_topk` {mcfg.index_topk}: {mcfg.kpool_pools_selected} pools of {mcfg.index_kpool} rows plus the row's own
-incomplete pool), {moe} with the SwiGLU clamped at `swiglu_limit` {mcfg.swiglu_limit:g},
-and one MTP layer at `{mcfg.layer_prefix.rstrip(".")}` (a plain pre-norm block, as in GLM-5.3-Flash).
-{sizes}
-
-Left out of GLM-5.3-Flash: its decoder's Kimi Delta Attention layers (the target here is DSA
-layers only), the mHC hyper-connections (plain residuals here), the vision tower, the fp8
-weights and the real widths; the MTP layer's structure is the release's (its config reads back as
-`model_type: glm5_next`).""")  # noqa: E501 (markdown)
-
-
-def card_indexer(cfg: Any, mcfg: MtpConfig, final: dict[str, float]) -> str:
-    """The model card's paragraph on the indexer: untrained (GLM-5: keep contexts within
-    ``index_topk``) or trained (glm5_next: how, and its held-out KL and recall)."""
-    t = cfg.train
-    if not mcfg.is_next:
-        return f"""The lightning indexer is not trained (training windows fit in `index_topk` = {mcfg.index_topk} rows, so DSA
-attends to every visible row); keep contexts within {mcfg.index_topk} rows."""  # noqa: E501 (markdown)
-    return f"""## The KPool indexer: trained
-
-Training windows of {t.seq_len} tokens are {t.seq_len / mcfg.index_topk:g}x `index_topk` = {mcfg.index_topk}, so selection is real. Every
-layer (the target's {mcfg.num_hidden_layers} and the MTP layer) attends through the KPool selection in the training
-forward, as at inference (torch's kernels, `kpool.kpool_rows` with `ops=VENDOR`); the selection is
-discrete, so the language-model losses never reach the indexer. The indexer is trained end to end
-alongside the model by its own loss, DSA's sparse-stage indexer KL (DeepSeek-V3.2) aggregated to
-pools: for each row with at least two candidate pools, KL(dense attention mass per candidate pool,
-head-averaged, detached and renormalised || softmax of the indexer's pool scores), weight
-`train.indexer_loss_weight` = {t.get("indexer_loss_weight", 0.0)}. The indexer's inputs are detached (its queries, head
-weights, gates and keys are recomputed from the detached layer input), so that KL trains the
-indexer (`wq_b`, `wk`, `k_norm`, `weights_proj`, the KPool gate and `ape`) and nothing else
-(`experiments/indexer_loss.py`). No dense warm-up stage: the indexer starts random.
-
-Held-out at the end: indexer KL {final.get("indexer_kl", float("nan")):.4f} nats per scored row, mean recall {final.get("indexer_recall", float("nan")):.4f}
-(the share of the dense head-averaged attention mass on the selected rows, every row of the
-{t.eval_windows} windows and every layer)."""  # noqa: E501 (markdown)
-
-
-def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.train") -> dict[str, float]:
-    """Train per ``cfg`` (conf/train.yaml), log to ``run_dir``; returns the final metrics.
-    ``command`` is recorded in the model card."""
+def prepare_models(cfg: Any) -> Models:
+    """The corpus and the models: a trained target, frozen, with a fresh MTP layer (``train.base``:
+    ``cfg.arch`` and ``cfg.tokenizer`` are the checkpoint's), or both fresh on a corpus built (or
+    reused, ``tokenizer.path``) here."""
     from omegaconf import OmegaConf
-    from tqdm import tqdm
-
-    from .wandb_log import make_logger
 
     t = cfg.train
-    os.makedirs(run_dir, exist_ok=True)
-    torch.set_num_threads(t.threads)
-    torch.manual_seed(t.seed)
-    t0 = time.perf_counter()
     base = t.get("base")
-    if base:  # a trained target, frozen; a fresh MTP layer (cfg.arch and cfg.tokenizer are the checkpoint's)
+    if base:
         corpus, target, mtp, params = base_models(base, t.seed, cfg.tokenizer.limit_items)
         mcfg = mtp.config
     else:
@@ -496,31 +369,99 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
             corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
         mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
     if t.seq_len > mcfg.index_topk and not mcfg.is_next:
-        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's "
-                         "indexer is not trained (the glm5_next family's KPool indexer is)")
-    indexer_weight = float(t.get("indexer_loss_weight", 0.0))
+        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not "
+                         "trained (the glm5_next family's KPool indexer is)")
     if not base:
         target, mtp, params = build_models(mcfg, t.seed)
+    return Models(corpus, target, mtp, mcfg, params)
+
+
+def make_optimizer(t: Any, params: list[Tensor]) -> torch.optim.Optimizer:
+    """AdamW, weight decay on the matrices only."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(t.seed)
-    eval_windows = sample_windows(corpus.heldout, t.eval_windows, t.seq_len + 1,
-                                  torch.Generator().manual_seed(t.seed + 7))
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train",
-                      group=cfg.get("group"))
-    setup_s = time.perf_counter() - t0
-    print(f"corpus: {corpus.train.numel()} train / {corpus.heldout.numel()} held-out tokens, vocab "
-          f"{corpus.tokenizer.vocab_size}, setup {setup_s:.0f}s, "
-          f"{sum(p.numel() for p in params) / 1e6:.2f}M parameters")
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(0.9, 0.95))
 
+
+def train_step(t: Any, m: Models, opt: torch.optim.Optimizer, batch: Tensor, moe: MoeFn, indexer_weight: float) -> dict[str, float]:
+    """One optimizer step over ``batch`` (windows, each its own forward): the losses averaged
+    over the batch, the gradient norm before clipping."""
+    tot_t, tot_m, accs = 0.0, [0.0] * t.mtp_depth, [0.0] * t.mtp_depth
+    tot_ix, tot_recall = 0.0, 0.0
+    opt.zero_grad(set_to_none=True)
+    for window in batch:
+        ls = sequence_losses(m.target, m.mtp, window, t.mtp_depth, moe, t.mtp_distill)
+        loss = ls.target + t.mtp_loss_weight * torch.stack(ls.mtp).mean()
+        if ls.indexer is not None:  # glm5_next: the KPool indexer's KL (its inputs detached)
+            loss = loss + indexer_weight * ls.indexer
+            tot_ix += float(ls.indexer.detach()) / t.batch_size
+            tot_recall += ls.recall / t.batch_size
+        (loss / t.batch_size).backward()
+        tot_t += float(ls.target.detach()) / t.batch_size
+        for k in range(t.mtp_depth):
+            tot_m[k] += float(ls.mtp[k].detach()) / t.batch_size
+            accs[k] += ls.mtp_acc[k] / t.batch_size
+    gnorm = float(torch.nn.utils.clip_grad_norm_(m.params, t.grad_clip))
+    opt.step()
+    rec = {"grad_norm": gnorm, "target_loss": tot_t,
+           **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)}, **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
+    if m.config.is_next:
+        rec.update(indexer_kl=tot_ix, indexer_recall=tot_recall)
+    return rec
+
+
+def rebalance_experts(m: Models, load: ExpertLoad, rate: float, frozen_target: bool) -> None:
+    """Aux-loss-free balancing: nudge every routing bias toward under-loaded experts."""
+    with torch.no_grad():
+        for layer in moe_layers(m.target, m.mtp, frozen_target=frozen_target):
+            c = load.counts.get(id(layer.router))
+            if c is not None:
+                layer.e_score_correction_bias += rate * torch.sign(c.float().mean() - c.float())
+    load.counts.clear()
+
+
+def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.train") -> dict[str, float]:
+    """Train per ``cfg`` (conf/train.yaml), log to ``run_dir``; returns the final metrics.
+    ``command`` is recorded in the model card."""
+    from omegaconf import OmegaConf
+
+    from .wandb_log import make_logger
+
+    t = cfg.train
+    os.makedirs(run_dir, exist_ok=True)
+    torch.set_num_threads(t.threads)
+    torch.manual_seed(t.seed)
+    t0 = time.perf_counter()
+    m = prepare_models(cfg)
+    opt = make_optimizer(t, m.params)
+    eval_windows = sample_windows(m.corpus.heldout, t.eval_windows, t.seq_len + 1, torch.Generator().manual_seed(t.seed + 7))
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train", group=cfg.get("group"))
+    print(f"corpus: {m.corpus.train.numel()} train / {m.corpus.heldout.numel()} held-out tokens, vocab {m.corpus.tokenizer.vocab_size}, "
+          f"setup {time.perf_counter() - t0:.0f}s, {sum(p.numel() for p in m.params) / 1e6:.2f}M parameters")
+    history, evals, steps = train_loop(cfg, m, opt, eval_windows, log, t0)
+    minutes = (time.perf_counter() - t0) / 60
+    recent = history[-t.log_every:]
+    final = {**evals[-1], "train_target_loss": sum(h["target_loss"] for h in recent) / len(recent),
+             "train_mtp1_loss": sum(h["mtp1_loss"] for h in recent) / len(recent), "minutes": minutes, "steps": steps}
+    write_outputs(cfg, run_dir, m, log, history, evals, final, command)
+    return final
+
+
+def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Tensor, log: Any,
+               t0: float) -> tuple[list[dict[str, float]], list[dict[str, float]], int]:
+    """The steps, logged every ``log_every`` and evaluated every ``eval_every`` and at the end:
+    the step records, the evaluations and how many steps ran. The ``max_minutes`` budget covers
+    the whole run: training stops a minute early for the last eval and saving."""
+    from tqdm import tqdm
+
+    t = cfg.train
+    indexer_weight = float(t.get("indexer_loss_weight", 0.0))
+    gen = torch.Generator().manual_seed(t.seed)
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
     load = ExpertLoad()
     moe = partial(grouped_moe, load=load)
-    # The budget covers the whole run: stop training a minute early for the last eval and saving.
     deadline = t0 + 60 * (t.max_minutes - 1)
     bar = tqdm(range(t.steps), desc="train", dynamic_ncols=True, mininterval=5)
     step = 0
@@ -528,42 +469,16 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
         lr = lr_at(step, t.steps, t.lr, t.min_lr, t.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = sample_windows(corpus.train, t.batch_size, t.seq_len + 1, gen)
-        tot_t, tot_m, accs = 0.0, [0.0] * t.mtp_depth, [0.0] * t.mtp_depth
-        tot_ix, tot_recall = 0.0, 0.0
-        opt.zero_grad(set_to_none=True)
-        for window in batch:
-            ls = sequence_losses(target, mtp, window, t.mtp_depth, moe, t.mtp_distill)
-            loss = ls.target + t.mtp_loss_weight * torch.stack(ls.mtp).mean()
-            if ls.indexer is not None:  # glm5_next: the KPool indexer's KL (its inputs detached)
-                loss = loss + indexer_weight * ls.indexer
-                tot_ix += float(ls.indexer.detach()) / t.batch_size
-                tot_recall += ls.recall / t.batch_size
-            (loss / t.batch_size).backward()
-            tot_t += float(ls.target.detach()) / t.batch_size
-            for k in range(t.mtp_depth):
-                tot_m[k] += float(ls.mtp[k].detach()) / t.batch_size
-                accs[k] += ls.mtp_acc[k] / t.batch_size
-        gnorm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
-        opt.step()
-        with torch.no_grad():  # aux-loss-free balancing: nudge biases toward under-loaded experts
-            for m in moe_layers(target, mtp, frozen_target=bool(base)):
-                c = load.counts.get(id(m.router))
-                if c is not None:
-                    m.e_score_correction_bias += t.bias_update_rate * torch.sign(c.float().mean() - c.float())
-        load.counts.clear()
-        rec = {"step": step, "lr": lr, "grad_norm": gnorm, "target_loss": tot_t,
-               **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)},
-               **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
-        if mcfg.is_next:
-            rec.update(indexer_kl=tot_ix, indexer_recall=tot_recall)
+        batch = sample_windows(m.corpus.train, t.batch_size, t.seq_len + 1, gen)
+        rec = {"step": step, "lr": lr, **train_step(t, m, opt, batch, moe, indexer_weight)}
+        rebalance_experts(m, load, t.bias_update_rate, frozen_target=bool(t.get("base")))
         history.append(rec)
-        bar.set_postfix(loss=f"{tot_t:.3f}", mtp1=f"{tot_m[0]:.3f}", acc1=f"{accs[0]:.2f}")
+        bar.set_postfix(loss=f"{rec['target_loss']:.3f}", mtp1=f"{rec['mtp1_loss']:.3f}", acc1=f"{rec['mtp1_acc']:.2f}")
         if step % t.log_every == 0:
             log.log({f"train/{k}": v for k, v in rec.items() if k != "step"}, step=step)
         last = step == t.steps - 1 or time.perf_counter() >= deadline
         if step % t.eval_every == 0 or last:
-            ev = {"step": step, **evaluate(target, mtp, eval_windows, t.mtp_depth)}
+            ev = {"step": step, **evaluate(m.target, m.mtp, eval_windows, t.mtp_depth)}
             evals.append(ev)
             log.log({f"heldout/{k}": v for k, v in ev.items() if k != "step"}, step=step)
             tqdm.write(f"step {step}: held-out target {ev['target_loss']:.3f} mtp1 {ev['mtp1_loss']:.3f} acc1 "
@@ -573,31 +488,30 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
                 tqdm.write(f"stopping at step {step}: the train.max_minutes={t.max_minutes} budget is spent")
             break
     bar.close()
-    minutes = (time.perf_counter() - t0) / 60
-    recent = history[-t.log_every:]
-    final = {**evals[-1], "train_target_loss": sum(h["target_loss"] for h in recent) / len(recent),
-             "train_mtp1_loss": sum(h["mtp1_loss"] for h in recent) / len(recent), "minutes": minutes,
-             "steps": step + 1}
+    return history, evals, step + 1
+
+
+def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dict[str, float]], evals: list[dict[str, float]],
+                  final: dict[str, float], command: str) -> None:
+    """The run's files (loss curve, final.json), its W&B summary and, with ``out``, the checkpoint
+    and its model card."""
+    from .provenance import git_commit
+
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
     log.log_image("loss_curve", png)
-    from .provenance import git_commit
-
-    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": corpus.split.digest(),
-                 "git_commit": git_commit()})
+    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": m.corpus.split.digest(), "git_commit": git_commit()})
     log.finish()
     with open(os.path.join(run_dir, "final.json"), "w") as f:
         json.dump(final, f, indent=1)
     print(json.dumps(final, indent=1))
     if cfg.out:
-        card = model_card(cfg, mcfg, corpus, final, minutes, step + 1, command)
-        save_trained_model(cfg.out, target, mtp, corpus, card,
-                           {"training_log.json": {"history": history, "evals": evals, "final": final}})
+        card = model_card(cfg, m.config, m.corpus, final, final["minutes"], final["steps"], command)
+        save_trained_model(cfg.out, m.target, m.mtp, m.corpus, card, {"training_log.json": {"history": history, "evals": evals, "final": final}})
         import shutil
 
         shutil.copy(png, os.path.join(cfg.out, "loss_curve.png"))
         print(f"checkpoint written to {cfg.out}")
-    return final
 
 
 def main() -> None:

@@ -135,6 +135,21 @@ def weights_dtype(mcfg: Any) -> str:
     return v
 
 
+def check_drafter_weights(backend: str, dtype: str, weights_format: str) -> None:
+    """Both backends draft with fp8 weights (``model.weights_dtype=fp8``); the optimized one reads
+    them in its fused step's kernels only, whose storage dtypes are ``KERNEL_DTYPES`` (its
+    constructor refuses others): checked here, before any model is built."""
+    if weights_format != "fp8" or backend != "optimized":
+        return
+    from glm_mtp.optimized.kernels import KERNEL_DTYPES
+    from glm_mtp.registry import DTYPES
+
+    if DTYPES[dtype] not in KERNEL_DTYPES:
+        names = " or ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
+        raise ValueError(f"model.weights_dtype=fp8 with backend=optimized needs model.dtype {names} (the fused step's kernels "
+                         f"read block-scaled weights; a {dtype} drafter runs the per-primitive path, which reads none), got {dtype}")
+
+
 def check_acceptance(cfg: Any, model: Any = None) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups). ``model``: the
     ``MtpConfig`` of a checkpoint that does not exist yet (a grid job's, trained first), checked
@@ -156,7 +171,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
     need_choice(cfg, "model.dtype", MODEL_DTYPES)
-    weights_dtype(_get(cfg, "model"))  # both backends draft with fp8 weights
+    check_drafter_weights(_get(cfg, "backend.name"), _get(cfg, "model.dtype"), weights_dtype(_get(cfg, "model")))
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)
@@ -312,6 +327,10 @@ def check_train(cfg: Any) -> None:
     need_float(cfg, "train.min_lr", 0.0)
     for key in ("weight_decay", "grad_clip", "mtp_loss_weight", "bias_update_rate"):
         need_float(cfg, f"train.{key}", 0.0)
+    seq_len, depth = _get(cfg, "train.seq_len"), _get(cfg, "train.mtp_depth")
+    if seq_len <= depth:
+        raise ValueError(f"train.seq_len must be > train.mtp_depth ({depth}): MTP depth k trains on seq_len - k rows of each "
+                         f"window, so depth {depth} would have none; got {seq_len}")
     distill = need_float(cfg, "train.mtp_distill", 0.0)
     if distill > 1:
         raise ValueError(f"train.mtp_distill must be in [0, 1], got {distill}")
@@ -337,10 +356,33 @@ def check_train(cfg: Any) -> None:
     if _get(cfg, "tokenizer.limit_items") is not None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
+    check_tokenizer_vocab(cfg)
     trained_model_config(cfg)
     out = _get(cfg, "out") if "out" in cfg else None
     if out is not None:
         check_out(out)
+
+
+def check_tokenizer_vocab(cfg: Any) -> None:
+    """``tokenizer.vocab_size`` is the size of the BPE a run trains; a run that reads a trained
+    tokenizer instead (``train.base``, or ``tokenizer.path``) cannot honour another size, so the
+    setting must state that tokenizer's (never silently ignored)."""
+    from .bpe import BpeTokenizer
+    from .checkpoint import shipped_checkpoint
+
+    base, path = _get(cfg, "train").get("base"), _get(cfg, "tokenizer").get("path")
+    key, source = ("train.base", base) if base is not None else ("tokenizer.path", path)
+    if source is None:
+        return
+    directory = str(shipped_checkpoint()) if source == "shipped" else source
+    file = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{key}={source} holds no tokenizer.json (the run reads its tokenizer)")
+    size = BpeTokenizer.load(file).vocab_size
+    asked = _get(cfg, "tokenizer.vocab_size")
+    if asked != size:
+        raise ValueError(f"tokenizer.vocab_size must be {size}, the size of the tokenizer {key}={source} reads (the run trains no "
+                         f"tokenizer of its own, so it cannot honour another size), got {asked}")
 
 
 def trained_model_config(cfg: Any) -> Any:
@@ -451,6 +493,18 @@ def remove_hydra_run_dir(run_dir: str) -> None:
             os.remove(path)
     if not os.listdir(run_dir):
         os.rmdir(run_dir)
+        remove_empty_parents(run_dir)
+
+
+def remove_empty_parents(path: str) -> None:
+    """Remove the folders above ``path`` that are left empty, up to the working directory (Hydra
+    makes ``outputs/<name>/`` or ``multirun/`` on the way to a run's folder); stops at the first
+    that holds anything, and never leaves the working directory."""
+    here = os.path.abspath(os.getcwd())
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent != here and parent.startswith(here + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
+        os.rmdir(parent)
+        parent = os.path.dirname(parent)
 
 
 def _sweep_dir() -> str | None:
@@ -477,4 +531,5 @@ def exit_on_bad_config(check: Callable[[Any], None], cfg: Any, run_dir: str, pro
         sweep = _sweep_dir()
         if sweep and os.path.isdir(sweep) and set(os.listdir(sweep)) <= {"multirun.yaml"}:
             shutil.rmtree(sweep, ignore_errors=True)
+            remove_empty_parents(sweep)
         sys.exit(2)

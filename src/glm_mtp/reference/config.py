@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ NEXT_FIELDS = ("index_kpool", "index_kpool_always_select_tail", "swiglu_limit")
 BOOL_FIELDS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "index_kpool_always_select_tail",
                "index_share_for_mtp_iteration")
 FLOAT_FIELDS = ("rope_theta", "routed_scaling_factor", "rms_norm_eps")
+# float32's least positive normal (2^-126) and greatest finite value: the range of a float setting.
+FLOAT32_TINY = 2.0 ** -126
+FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
 
 
 @dataclass(frozen=True)
@@ -156,9 +160,7 @@ class MtpConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"MtpConfig.{name} must be a boolean (true/false), got {value!r}")
         for name in FLOAT_FIELDS:
-            value = getattr(self, name)
-            if not finite_number(value):
-                raise ValueError(f"MtpConfig.{name} must be a finite number, got {value!r}")
+            check_float32_setting(name, getattr(self, name))
         if not isinstance(self.family, str) or self.family not in FAMILIES:
             raise ValueError(f"MtpConfig.family must be one of {FAMILIES}, got {self.family!r}")
         self.validate_family()
@@ -204,12 +206,6 @@ class MtpConfig:
             )
         if self.first_k_dense_replace > 0 and self.intermediate_size < 1:
             raise ValueError("MtpConfig.intermediate_size must be positive when first_k_dense_replace > 0")
-        if not self.rope_theta > 0:
-            raise ValueError(f"MtpConfig.rope_theta must be positive, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"MtpConfig.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"MtpConfig.routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
 
     def validate_family(self) -> None:
         """The rules of the family's own fields (DESIGN.md §7), each naming the field."""
@@ -236,9 +232,7 @@ class MtpConfig:
                 "MtpConfig.index_kpool_always_select_tail must be true: without the tail a row before its first "
                 "complete pool would attend to no row at all"
             )
-        limit = self.swiglu_limit
-        if not finite_number(limit) or not limit > 0:
-            raise ValueError(f"MtpConfig.swiglu_limit must be a finite number > 0 in family 'glm5_next', got {limit!r}")
+        check_float32_setting("swiglu_limit", self.swiglu_limit, " in family 'glm5_next'")
 
     # ----------------------------------------------------------------------------------------
     @classmethod
@@ -413,6 +407,30 @@ def finite_number(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def float32_value(value: float) -> float:
+    """``value`` rounded to float32 (to nearest even), as a Python float; past float32's range, inf."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def check_float32_setting(name: str, value: object, where: str = "") -> float:
+    """A float setting, checked as the float32 value the drafter computes with (DESIGN.md §5:
+    constants are rounded once to float32): a real number whose float32 value is finite, normal
+    and > 0. 1e-300 rounds to 0 there (an ``rms_norm_eps`` of 0 makes a zero row NaN, a
+    ``swiglu_limit`` of 0 zeroes every expert) and 1e300 to inf (a scaling of inf drafts
+    garbage, a limit of inf clamps nothing). Returns the float32 value; ``ValueError`` naming
+    ``MtpConfig.<name>`` otherwise."""
+    if not finite_number(value) or not value > 0:  # type: ignore[operator]
+        raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where}, got {value!r}")
+    rounded = float32_value(float(value))  # type: ignore[arg-type]
+    if not (math.isfinite(rounded) and rounded >= FLOAT32_TINY):
+        raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where} as float32, the precision the drafter uses it in "
+                         f"(a normal float32, {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}): {value!r} rounds to {rounded!r} there")
+    return rounded
 
 
 def read_hf_json(path: str | os.PathLike[str] | dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -131,13 +131,10 @@ NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum``; ``ValueError`` naming the argument otherwise."""
-    if (
-        isinstance(value, Tensor)
-        and value.numel() == 1
-        and not value.dtype.is_floating_point
-        and value.dtype != torch.bool
-    ):
+    """``value`` as an int >= ``minimum`` (a Python int, or a one-element integer tensor that
+    holds data: ``check_strided``); ``ValueError`` naming the argument otherwise."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+        check_strided(name, value)
         value = int(value.item())
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
@@ -163,10 +160,13 @@ def check_token_dtype(name: str, tokens: Tensor) -> None:
 
 
 def check_strided(name: str, t: Tensor) -> None:
-    """A tensor argument must be dense (``torch.strided``): a sparse or other layout has no rows
-    to copy or reshape (torch would fail deep inside the call)."""
+    """A tensor argument must be dense (``torch.strided``) and hold data: a sparse or other
+    layout has no rows to copy or reshape, and a tensor on the meta device has a shape but no
+    values to read (torch would fail deep inside the call, with its own error)."""
     if t.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} must hold data: a tensor on the meta device has a shape but no values")
 
 
 def check_token_device(name: str, tokens: Tensor, device: torch.device) -> None:
@@ -298,6 +298,9 @@ def drafter_sizes(weights: MtpWeights, max_seq_len: object, feed_hidden: object)
     """The constructor's checks (``max_seq_len`` >= 1, ``feed_hidden`` one of ``FeedHidden``)
     and its sizes: ``max_seq_len`` capped at ``max_position_embeddings``, ``num_blocks`` of it."""
     max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+    if weights.device.type == "meta":
+        raise ValueError("weights must hold data: they are on the meta device (shapes without values); load them "
+                         "(MtpWeights.from_pretrained) or move them (MtpWeights.to) to the CPU or a GPU first")
     if feed_hidden not in ("post_norm", "pre_norm"):
         raise ValueError(f"feed_hidden must be 'post_norm' or 'pre_norm', got {feed_hidden!r}")
     return Sizes.of(max_seq_len, weights.config.max_position_embeddings)

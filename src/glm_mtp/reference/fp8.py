@@ -29,6 +29,8 @@ FP8_BLOCK = (128, 128)
 E4M3_MAX = 448.0
 # The checkpoint name of a weight's scale: ``...proj.weight`` -> ``...proj.weight_scale_inv``.
 SCALE_SUFFIX = "_scale_inv"
+# The least normal float32 (2^-126): every block's scale is a normal float32 > 0 (check_scales).
+SCALE_TINY = 2.0 ** -126
 
 # Which weights may be block-scaled (§8, as zai-org's GLM-5.x FP8 releases store them), as
 # patterns over a tensor's layer-relative checkpoint name. Everything else (the embedding,
@@ -169,20 +171,23 @@ def expand_scales(scale_inv: Tensor, n: int, k: int) -> Tensor:
     return scale_inv.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
 
 
-def quantize_fp8(w: Tensor) -> BlockScaledWeight:
+def quantize_fp8(w: Tensor, name: str = "w") -> BlockScaledWeight:
     """``w`` (..., N, K) as the released checkpoints were made: per 128 x 128 block
-    ``s = amax(|up(w)|) / 448`` (float32; an all-zero block gets ``s = 1``), then
-    ``W8 = e4m3(up(w) / s)`` rounded to nearest even (the quotient is clamped to +-448 first: its
-    own rounding can put the amax a hair above)."""
+    ``s = amax(|up(w)|) / 448`` (float32; an all-zero block gets ``s = 1``, and a block whose
+    quotient is below float32's least normal, 2^-126 (an amax of subnormal size), gets ``s = 2^-126``,
+    so every scale passes ``check_scales`` and the codes stay finite), then ``W8 = e4m3(up(w) / s)``
+    rounded to nearest even (the quotient is clamped to +-448 first: its own rounding can put the
+    amax a hair above). ``name`` is the tensor's name in error messages."""
     if not isinstance(w, Tensor) or not w.dtype.is_floating_point or w.dtype == FP8_DTYPE or w.dim() < 2:
-        raise ValueError(f"quantize_fp8: w must be a floating tensor (..., N, K) other than fp8, got "
+        raise ValueError(f"quantize_fp8: {name} must be a floating tensor (..., N, K) other than fp8, got "
                          f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
     wf = w.to(torch.float32)
     if not bool(torch.isfinite(wf).all()):
-        raise ValueError("quantize_fp8: w holds NaN/inf; a block's scale would not be finite")
+        raise ValueError(f"quantize_fp8: tensor {name!r} holds {int((~torch.isfinite(wf)).sum())} NaN/inf value(s) "
+                         f"of {wf.numel()}; a block's scale would not be finite")
     n, k = w.shape[-2:]
     amax = _padded_blocks(wf.abs()).amax(dim=(-3, -1))  # (..., nb_N, nb_K)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    s = torch.where(amax > 0, torch.clamp(amax / E4M3_MAX, min=SCALE_TINY), torch.ones_like(amax))
     q = torch.clamp(wf / expand_scales(s, n, k), -E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return BlockScaledWeight(q, s.contiguous())
 
@@ -255,6 +260,21 @@ def non_finite_fp8(w8: Tensor) -> int:
     return int(((w8.view(torch.uint8) & 0x7F) == 0x7F).sum())
 
 
+def check_scales(what: str, scale_inv: Tensor) -> None:
+    """The rule of a block scale (DESIGN.md §8): every value a normal float32 > 0, that is finite
+    and at least 2^-126. A scale of 0 erases its block, a negative one flips its sign, NaN/inf
+    poison every row that reads it, and a subnormal one is not what ``quantize_fp8`` writes.
+    ``ValueError`` starting with ``what`` (the file and the scale's name), counting the bad values
+    and showing the first."""
+    bad = ~(torch.isfinite(scale_inv) & (scale_inv >= SCALE_TINY))
+    count = int(bad.sum())
+    if count:
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{what} holds {count} value(s) that are not a normal float32 > 0 (block {first}: "
+                         f"{float(scale_inv[first])!r}); every block's scale must be finite and >= 2^-126 (0 erases "
+                         "the block, a negative scale flips its sign)")
+
+
 def pair_scales(
     tensors: dict[str, Tensor], scales: dict[str, Tensor], where: dict[str, str], quantized: bool,
     check_finite: bool = True
@@ -263,8 +283,8 @@ def pair_scales(
     ``*_scale_inv`` from ``scales``). Raises ``ValueError`` naming the file and the tensor for a
     float8 tensor in a checkpoint whose config declares no ``quantization_config``, one of a float8
     type other than e4m3fn, fp8 on a tensor §8 keeps bf16 (``may_be_fp8``), a missing scale, a scale
-    that is not float32 of shape (ceil(N/128), ceil(K/128)), a scale (or, with ``check_finite``, a
-    W8 value) that is NaN/inf, and a scale with no float8 weight beside it."""
+    that is not float32 of shape (ceil(N/128), ceil(K/128)), a scale that breaks ``check_scales``
+    (or, with ``check_finite``, a W8 value that is NaN), and a scale with no float8 weight beside it."""
     out: dict[str, Tensor | BlockScaledWeight] = {}
     used = set()
     for name, t in tensors.items():
@@ -289,11 +309,9 @@ def pair_scales(
         s = scales[sname]
         want = scale_shape(tuple(t.shape))
         if s.dtype != torch.float32 or tuple(s.shape) != want:
-            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} is {s.dtype} {tuple(s.shape)}, expected "
-                             f"float32 {want} (ceil(N/128), ceil(K/128)) for weight {name!r} {tuple(t.shape)}")
-        if not bool(torch.isfinite(s).all()):
-            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} holds {int((~torch.isfinite(s)).sum())} "
-                             "non-finite value(s) (NaN/inf); every block's scale must be finite")
+            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} is {s.dtype} {tuple(s.shape)}, expected float32 {want} "
+                             f"(ceil(N/128), ceil(K/128)) for weight {name!r} {tuple(t.shape)}")
+        check_scales(f"{where.get(sname, file)}: scale {sname!r}", s)
         if check_finite and non_finite_fp8(t):
             raise ValueError(f"{file}: tensor {name!r} holds {non_finite_fp8(t)} NaN value(s) of {t.numel()}; pass "
                              "allow_non_finite=True to load it anyway")

@@ -237,7 +237,30 @@ def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tens
     return visible_rows(slots)
 
 
+# The selection pieces a drafter's KPool hook may run (DESIGN.md §7): the indexer, and the dense
+# ablation that attends every visible row.
+SELECTIONS = (kpool_rows, kpool_all_rows)
+
+
+def check_selection(kpool: object, cfg: MtpConfig) -> None:
+    """The rule of a drafter's ``kpool`` piece, checked at construction: one of ``SELECTIONS``,
+    or a probe that runs one as its ``select`` attribute (``experiments.recall.RecallProbe``
+    records what its selection does). Any other object would fail, or select rows the rules do not
+    define, at the first prefill. Only the glm5_next family selects through KPool: a GLM-5
+    drafter (its lightning indexer selects) takes the default ``kpool_rows``, which it never
+    calls. ``ValueError`` naming ``kpool`` and the rule otherwise."""
+    select = getattr(kpool, "select", kpool)
+    if not any(select is piece for piece in SELECTIONS):
+        raise ValueError("kpool must be a KPool selection: kpool.kpool_rows (the indexer), kpool.kpool_all_rows (every visible "
+                         f"row) or a probe running one as its .select; got {kpool!r:.80}")
+    if not cfg.is_next and kpool is not kpool_rows:
+        raise ValueError(f"kpool={getattr(select, '__name__', select)!r} cannot apply to family {cfg.family!r}: only glm5_next "
+                         "selects rows by KPool pools (GLM-5's lightning indexer selects its own); leave kpool at its default")
+
+
 __all__ = [
+    "SELECTIONS",
+    "check_selection",
     "KPoolCache",
     "empty_snapshot",
     "pooled_keys",

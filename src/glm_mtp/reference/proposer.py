@@ -25,7 +25,7 @@ from .attention import KPoolRowsFn, Rope, rope_for
 from .block import REFERENCE_HOOKS, BlockHooks, draft_logits, mtp_rows
 from .contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling_inputs
 from .contract_guards import Owner, use_state, writing, writing_all
-from .kpool import kpool_rows
+from .kpool import check_selection, kpool_rows
 from .layers import draft_probs, greedy_token, sampled_token
 from .state import DrafterState, LayerCache, rewind_rows, snapshot
 from .weights import MtpWeights
@@ -44,12 +44,15 @@ class ReferenceProposer:
             default and the right choice for GLM-5) or ``pre_norm`` (the layer output; an ablation).
         kpool: the KPool indexer of a glm5_next layer (``attention.KPoolRowsFn``): the default
             ``kpool.kpool_rows``; ``kpool.kpool_all_rows`` is the dense ablation (every visible
-            row attended), and experiments wrap either to measure the selection.
+            row attended), and experiments wrap either (as its ``select``) to measure the
+            selection. Anything else, or a piece other than the default on a GLM-5 layer, is
+            refused here (``kpool.check_selection``).
     """
 
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm",
                  kpool: KPoolRowsFn = kpool_rows) -> None:
         sizes = contract.drafter_sizes(weights, max_seq_len, feed_hidden)
+        check_selection(kpool, weights.config)
         self.weights = weights
         # The head's logit bound (contract.logit_bound) for the temperature rule: read here, once,
         # so a sampled propose reads nothing on the host.

@@ -386,7 +386,7 @@ class MtpWeights:
         """A copy with every weight §8 lets be fp8 block-scaled (``fp8.quantize_fp8``: per-block
         amax / 448, nearest e4m3), the rest shared with these weights (S stays ``dtype``). Already
         block-scaled weights are kept."""
-        mtp = {n: fp8.quantize_fp8(t) if fp8.may_be_fp8(n) and not fp8.is_block_scaled(t) else t
+        mtp = {n: fp8.quantize_fp8(t, n) if fp8.may_be_fp8(n) and not fp8.is_block_scaled(t) else t
                for n, t in self.mtp_tensors().items()}
         return MtpWeights.from_tensors(self.config, mtp, self.embed_tokens, self.lm_head)
 

@@ -42,13 +42,14 @@ from typing import Any, Iterable, Sequence
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from glm_mtp.optimized.kernels import AUDITED, KERNEL_DTYPES
-from glm_mtp.optimized.kernels.launch import AuditLaunch, Launch
+from glm_mtp.optimized.kernels.launch import AuditLaunch, Launch, abstract
 from glm_mtp.reference.config import PRESETS, MtpConfig
 
 DEFAULT_PRESETS = ("tiny", "small", "glm5")
@@ -121,6 +122,36 @@ def parse_arch(arch: str) -> int:
     if m is None or int(m.group(1)) < 75:
         raise ValueError(f"--arch must be a CUDA architecture sm_<cc> with cc >= 75, such as sm_90; got {arch!r}")
     return int(m.group(1))
+
+
+@triton.jit
+def _arch_probe(x_ptr, n, BLOCK: tl.constexpr):
+    # A load, a cross-lane max (the warp shuffles a reduction compiles to) and a store: what an
+    # architecture LLVM's NVPTX backend does not know fails on.
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(x_ptr + offs, v + tl.max(v, 0), mask=offs < n)
+
+
+def compile_probe(capability: int) -> None:
+    """Compile ``_arch_probe`` for ``sm_<capability>`` (in a child process: ``unknown_arch``)."""
+    compile_launch(Launch(_arch_probe, (1,), (abstract((16,), torch.float32), 16), {"BLOCK": 16, "enable_fp_fusion": False}),
+                   GPUTarget("cuda", capability, 32))
+
+
+def unknown_arch(arch: str, capability: int) -> str | None:
+    """Why this Triton cannot compile for ``arch`` (its LLVM does not know the processor, and on
+    such a target LLVM aborts the whole process: no Python error to catch), or ``None``. A probe
+    kernel is compiled in a child process first, so the audit refuses the flag instead of dying."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"from glm_mtp.tools.audit import compile_probe; compile_probe({capability})"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if "not a recognized processor" in line or "LLVM ERROR" in line]
+    if r.returncode == 0 and not said:
+        return None
+    why = (said or lines or [f"exit status {r.returncode}"])[0].strip()
+    return f"--arch {arch}: this Triton's LLVM cannot compile for it ({why})"
 
 
 def compile_launch(launch: Launch, target: GPUTarget) -> Any:
@@ -304,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             modules.append(module)
     if knobs.runtime.interpret:
         parser.error("TRITON_INTERPRET is set: the kernels are interpreter objects; unset it to compile them")
+    if why := unknown_arch(args.arch, capability):
+        parser.error(why)
     rows = run_audit(args.presets, capability, modules)
     return report(rows, args.arch)
 

@@ -620,7 +620,8 @@ def cfg_name(weights: MtpWeights) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> None:
+def counters_parser() -> argparse.ArgumentParser:
+    """The counters' flags (``checked_weights`` checks them)."""
     p = argparse.ArgumentParser(prog="python -m glm_mtp.tools.counters",
                                 description="Kernel launches and bytes per draft step, counted in Triton's CPU "
                                             "interpreter.")
@@ -637,29 +638,55 @@ def main(argv: list[str] | None = None) -> None:
                    help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by "
                         "quantize_fp8)")
     p.add_argument("--batch", type=int, default=None,
-                   help="measure one batched draft step (propose_batch) over this many states instead (optimized "
-                        "backend)")
-    a = p.parse_args(argv)
+                   help="measure one batched draft step (propose_batch) over this many states instead (optimized backend)")
+    return p
+
+
+def checked_weights(p: argparse.ArgumentParser, a: argparse.Namespace) -> MtpWeights:
+    """Every flag checked before anything is counted (``p.error``: exit status 2, one line naming
+    the flag): the preset and its context, the dtype, the rows a measurement holds against the
+    drafter's capacity, ``--batch``; then the weights, and the drafter built once on them, so a
+    combination it refuses (fp8 weights in a storage dtype its kernels do not take) is named."""
     from glm_mtp.reference import MtpConfig
-    from glm_mtp.registry import parse_dtype
+    from glm_mtp.registry import DTYPES, backend_class, parse_dtype
 
     try:
         cfg = MtpConfig.preset(a.preset)
     except ValueError as e:
-        p.error(str(e))
+        p.error(f"--preset: {e}")
     if a.max_position_embeddings is not None:
-        cfg = cfg.replace(max_position_embeddings=a.max_position_embeddings)
+        try:
+            cfg = cfg.replace(max_position_embeddings=a.max_position_embeddings)
+        except ValueError as e:
+            p.error(f"--max-position-embeddings {a.max_position_embeddings}: {e}")
+    if a.dtype not in DTYPES:
+        p.error(f"--dtype must be a weight dtype ({', '.join(DTYPES)}), got {a.dtype!r}")
+    if a.batch is not None and (a.batch < 1 or a.backend != "optimized"):
+        p.error("--batch must be >= 1, with --backend optimized")
     if a.context < 1 or a.context + 4 > a.max_seq_len:
         p.error("--context must be >= 1 and --max-seq-len >= --context + 4")
-    torch.set_num_threads(1)
+    held = a.context + 4 + (3 * (a.batch - 1) if a.batch else 0)  # the batched states hold 3 more rows each
+    if held > cfg.max_position_embeddings:
+        p.error(f"--context {a.context}: a measurement holds {held} rows, past preset {a.preset}'s context "
+                f"(max_position_embeddings {cfg.max_position_embeddings}, which caps --max-seq-len); lower --context "
+                "or raise --max-position-embeddings")
     weights = MtpWeights.random(cfg, seed=a.seed, dtype=parse_dtype(a.dtype), device="cpu")
     if a.weights == "fp8":
         weights = weights.quantize_fp8()
+    try:
+        backend_class(a.backend)(weights, a.max_seq_len)
+    except ValueError as e:
+        p.error(f"--backend {a.backend} --weights {a.weights} --dtype {a.dtype}: {e}")
+    return weights
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = counters_parser()
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    weights = checked_weights(p, a)
     if a.batch is not None:
-        if a.batch < 1 or a.backend != "optimized":
-            p.error("--batch must be >= 1, with --backend optimized")
-        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len,
-                                    seed=a.seed)
+        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
         result["preset"] = a.preset
         if a.json:
             print(json.dumps(result))
