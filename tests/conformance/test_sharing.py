@@ -96,3 +96,18 @@ def test_unwritten_shared_index_keys_show_when_a_later_propose_selects_over_them
 def test_every_sharing_mutant_is_registered_once():
     assert set(SHARING_MUTANTS) <= set(MUTANTS) and all(MUTANTS[n] is c for n, c in SHARING_MUTANTS.items())
     assert {dataclasses.is_dataclass(c) for c in SHARING_MUTANTS.values()} == {False}
+
+
+OTHER_FAMILY = {"tiny": "glm5next_tiny", "glm5next_tiny": "tiny"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SHARING_MUTANTS))
+def test_sharing_mutants_are_caught_in_the_other_family_too(name):
+    """The default run catches each sharing mutant in one family (``test_mutants``); here, the other."""
+    from glm_mtp.conformance import run
+
+    r = run(f"mutant:{name}", "reference", scenarios=40, seed=0, preset=OTHER_FAMILY[MUTANTS[name].preset])
+    assert not r.ok and r.first_difference.op.startswith("propose")
+    print(f"\n  mutant {name} ({OTHER_FAMILY[MUTANTS[name].preset]}): {r.first_difference.what}[{r.first_difference.tensor}] "
+          f"at step {r.first_difference.step} of scenario {r.first_difference.scenario_index}")
