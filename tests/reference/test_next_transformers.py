@@ -49,6 +49,7 @@ def text_config() -> Glm5NextTextConfig:
         mlp_layer_types=(["dense"] * c.first_k_dense_replace
                          + ["sparse"] * (c.num_hidden_layers - c.first_k_dense_replace)),
     )
+    t.index_share_for_mtp_iteration = True  # as the release's config.json (and the preset): DESIGN.md §9
     t._attn_implementation = "eager"
     return t
 

@@ -3,7 +3,8 @@ command line).
 
 The mutants are reference drafters that each break one rule (``mutants_base``), grouped by what
 they break: ``mutants_rows`` (a call's rows, counters and refusals), ``mutants_block`` (what a
-row computes), ``mutants_batch`` (batched calls), ``mutants_kpool`` (the KPool indexer).
+row computes), ``mutants_batch`` (batched calls), ``mutants_kpool`` (the KPool indexer),
+``mutants_sharing`` (index sharing across draft steps, DESIGN.md §9).
 
 To add one: subclass ``Mutant`` (or ``SwappingMutant`` and return the swaps from ``swaps``) in
 the module of what it breaks, set ``name`` and ``rule``, and add the class to that module's
@@ -14,12 +15,11 @@ demands the suite catch every one. Add a mutant whenever a rule is added to the 
 
 from __future__ import annotations
 
-from . import mutants_batch, mutants_block, mutants_kpool, mutants_rows
+from . import mutants_batch, mutants_block, mutants_kpool, mutants_rows, mutants_sharing
 from .mutants_base import Mutant
 
-# Every module of mutants. A new group (e.g. the index-sharing mutants) is one import above and
-# one entry here.
-GROUPS = (mutants_rows, mutants_block, mutants_batch, mutants_kpool)
+# Every module of mutants. A new group is one import above and one entry here.
+GROUPS = (mutants_rows, mutants_block, mutants_batch, mutants_kpool, mutants_sharing)
 
 # The registry: name -> class. Every entry must be caught by the suite (tests/conformance).
 MUTANTS: dict[str, type[Mutant]] = {cls.name: cls for group in GROUPS for cls in group.MUTANTS}

@@ -14,6 +14,7 @@ from torch import Tensor
 from glm_mtp.reference import contract as _contract
 from glm_mtp.reference.block import draft_logits, mtp_rows
 from glm_mtp.reference.layers import greedy_token
+from glm_mtp.reference.sharing import share_selection
 from glm_mtp.reference.contract import check_int
 from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
 
@@ -60,9 +61,10 @@ class NoRewindWhenAhead(Mutant):
         # MUTATION: no `state.seq_len = min(state.seq_len, position)`, and rows only ever grow.
         drafts: list[int] = []
         rope = self.rope(state.device)
+        share = share_selection(self.config.index_share_for_mtp_iteration)  # DESIGN.md §9, as the reference
         for i in range(num_drafts):
             out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache,
-                           rope)
+                           rope, share=share)
             token = greedy_token(draft_logits(self.weights, out.x))
             drafts.append(int(token[0]))
             state.x = out.x[0].clone()

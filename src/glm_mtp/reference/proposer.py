@@ -27,6 +27,7 @@ from .contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling
 from .contract_guards import Owner, use_state, writing, writing_all
 from .kpool import check_selection, kpool_rows
 from .layers import draft_probs, greedy_token, sampled_token
+from .sharing import share_selection
 from .state import DrafterState, LayerCache, rewind_rows, snapshot
 from .weights import MtpWeights
 
@@ -44,9 +45,13 @@ class ReferenceProposer:
             default and the right choice for GLM-5) or ``pre_norm`` (the layer output; an ablation).
         kpool: the KPool indexer of a glm5_next layer (``attention.KPoolRowsFn``): the default
             ``kpool.kpool_rows``; ``kpool.kpool_all_rows`` is the dense ablation (every visible
-            row attended), and experiments wrap either (as its ``select``) to measure the
-            selection. Anything else, or a piece other than the default on a GLM-5 layer, is
-            refused here (``kpool.check_selection``).
+            row attended at every draft step, sharing or not), and experiments wrap either (as its
+            ``select``) to measure the selection. Anything else, or a piece other than the default
+            on a GLM-5 layer, is refused here (``kpool.check_selection``).
+
+    Index sharing (DESIGN.md §9) follows ``weights.config.index_share_for_mtp_iteration``
+    (``MtpWeights.with_index_share`` overrides it): draft steps 2..k of a propose attend draft
+    step 1's selection.
     """
 
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm",
@@ -219,7 +224,8 @@ class ReferenceProposer:
 
     def _draft(self, args: contract.ProposeArgs, state: DrafterState, call: str,
                sample: tuple[object, object] | None = None) -> tuple[list[int], Tensor | None]:
-        """A propose after its checks: the rewind, the draft steps, the counters."""
+        """A propose after its checks: the rewind, the draft steps (sharing step 1's selection
+        when the config says so, §9), the counters."""
         position, num_drafts, hidden = args.position, args.num_drafts, args.hidden
         token = (
             args.token
@@ -235,12 +241,15 @@ class ReferenceProposer:
         drafts: list[int] = []
         qs: list[Tensor] = []
         rope = self.rope(state.device)
+        # Index sharing (DESIGN.md §9): step 1 keeps its selection here, later steps attend it;
+        # this propose's own, read by nothing else.
+        share = share_selection(self.config.index_share_for_mtp_iteration)
         with writing(state, call):
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
-                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1,
-                               hooks=self.hooks)
+                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1, hooks=self.hooks,
+                               share=share)
                 logits = draft_logits(self.weights, out.x)  # (1, V) in S
                 if temp is None:
                     token = greedy_token(logits)  # (1,)
