@@ -58,8 +58,10 @@ class RecallProbe:
     num_drafts: int = 0  # of the running propose: a batched one drafts its states one after another
 
     def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                 ops: Numerics) -> tuple[Tensor, Tensor]:
-        rows, count = self.select(ix, cfg, a, q_latent, slots, cache, ops)
+                 ops: Numerics, shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        # shared: a shared draft step's selection (DESIGN.md §9), passed on: the step's rows are
+        # recorded as every step's are, so position i > 1 measures the kept selection's recall.
+        rows, count = self.select(ix, cfg, a, q_latent, slots, cache, ops, shared=shared)
         if self.position is not None:  # a propose writes its drafts one row per call
             S = int(slots.max()) + 1
             mass = dense_attention_mass(self.weights.layer.attn, cfg, q_latent, cache.kv_rows(S), slots)  # (T, S)

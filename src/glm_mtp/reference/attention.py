@@ -30,6 +30,7 @@ from .kpool import kpool_rows
 from .layers import apply_rope, rope_table
 from .fp8 import weight_values
 from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up
+from .sharing import SharedSelection
 from .state import LayerCache
 from .weights import AttentionWeights, IndexerWeights
 
@@ -107,8 +108,12 @@ WriteRowsFn = Callable[[AttentionWeights, MtpConfig, Tensor, Tensor, Tensor, Rop
 
 # How the KPool indexer (glm5_next) lists new rows' attended rows, its pool writes included:
 # ``kpool(ix, cfg, a (T, H), q_latent (T, Lq), slots (T,), cache, ops) -> (rows (T, K), count (T,))``.
-# It must store and return exactly ``kpool.kpool_rows``' values (the default); the optimized
-# drafter passes one gated by a device flag, with no host read.
+# A shared draft step (DESIGN.md §9) calls it with one more keyword, ``shared=(rows, count)``
+# (step 1's selection): it then writes the row's gate and pooled key as always, runs none of the
+# query side, and returns its selection (``kpool.kpool_rows`` returns ``shared``; the dense
+# ablation ``kpool.kpool_all_rows`` still lists every visible row). It must store and return
+# exactly ``kpool.kpool_rows``' values (the default); the optimized drafter passes one gated by a
+# device flag, with no host read.
 KPoolRowsFn = Callable[[IndexerWeights, MtpConfig, Tensor, Tensor, Tensor, LayerCache, Numerics], tuple[Tensor, Tensor]]
 
 
@@ -203,14 +208,21 @@ def output_projection(attn: AttentionWeights, cfg: MtpConfig, out: Tensor, ops: 
 
 def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
                   rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
-                  kpool: KPoolRowsFn = kpool_rows) -> Tensor:
+                  kpool: KPoolRowsFn = kpool_rows, share: SharedSelection | None = None) -> Tensor:
     """Attention for new rows ``a`` (T, H) at ``slots`` (T,): writes their rows into ``cache``,
     then each attends over the rows the indexer selects for it. Returns ``(T, H)``.
 
     ``rows_read``: the cache rows ``[0, rows_read)`` read, at least ``max(slots) + 1`` (the
     default: the whole capacity). No result depends on it; the indexer's cost does.
     ``write_rows``: how the new rows are stored (``WriteRowsFn``; default ``write_cache_rows``).
-    ``kpool``: the KPool indexer of a glm5_next layer (``KPoolRowsFn``; default ``kpool_rows``)."""
+    ``kpool``: the KPool indexer of a glm5_next layer (``KPoolRowsFn``; default ``kpool_rows``).
+    ``share``: index sharing within a propose (DESIGN.md §9), one row per call: None selects for
+    the row; an empty ``SharedSelection`` (draft step 1) selects for the row and keeps the
+    selection in it; a kept one (a later step) attends exactly the kept rows and runs none of
+    the indexer's query side. The row's cache entries are written the same in all three."""
+    if share is not None and slots.shape[0] != 1:
+        raise ValueError(f"share: index sharing drafts one row per call, got {slots.shape[0]} rows")
+    kept = None if share is None else share.kept
     cos, sin = rope.at(slots)  # (T, R/2)
     q_latent, q_nope, q_pe = latent_query(attn, cfg, a, cos, sin, ops)
     kv, k = row_projections(attn, a, ops)  # (T, Lkv + R), (T, D)
@@ -218,12 +230,20 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
 
     # 1. The indexer: each new row scores the rows it can see and keeps its index_topk best
     #    (glm5_next: its best pools of rows plus its tail, kpool.kpool_rows).
+    #    A shared step (kept: step 1's selection) scores nothing: it attends the kept rows; the
+    #    KPool indexer still writes its gate and the key of a pool it completes.
     S = cache.capacity if rows_read is None else rows_read
-    if cfg.is_next:  # pinned, or torch's kernels (training, the target) inside kpool_rows
+    if cfg.is_next and kept is None:  # pinned, or torch's kernels (training, the target) inside kpool_rows
         rows, count = kpool(attn.indexer, cfg, a, q_latent, slots, cache, ops)  # (T, K), (T,)
-    else:
+    elif cfg.is_next:
+        rows, count = kpool(attn.indexer, cfg, a, q_latent, slots, cache, ops, shared=kept)  # (1, K), (1,)
+    elif kept is None:
         q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
         rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)
+    else:
+        rows, count = kept  # (1, K), (1,)
+    if share is not None and kept is None:
+        share.keep(rows, count)
 
     # 2. MLA over the selected rows, then o_proj.
     if ops.pinned:

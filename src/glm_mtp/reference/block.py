@@ -21,6 +21,7 @@ from .kpool import kpool_rows
 from .config import MtpConfig
 from .moe import moe_block
 from .numerics import PINNED, Numerics, linear
+from .sharing import SharedSelection
 from .state import LayerCache
 from .weights import DecoderLayerWeights, MlpWeights, MoeWeights, MtpWeights
 
@@ -34,7 +35,7 @@ EmbedFn = Callable[[MtpWeights, Tensor, Tensor], Tensor]
 def decoder_layer(
     layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
     moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
-    kpool: KPoolRowsFn = kpool_rows,
+    kpool: KPoolRowsFn = kpool_rows, share: SharedSelection | None = None,
 ) -> Tensor:
     """One decoder layer (GLM-5's, or GLM-5.3-Flash's with ``cfg.family == "glm5_next"``: the
     same residual structure, its attention and MoE pieces chosen by the config) on new rows ``h``
@@ -48,9 +49,10 @@ def decoder_layer(
         ops: the primitives: ``PINNED`` (the drafter) or ``VENDOR`` (training, the target).
         write_rows: how the new rows reach the cache (``attention.WriteRowsFn``).
         kpool: the KPool indexer of a glm5_next layer (``attention.KPoolRowsFn``).
+        share: index sharing within a propose (``attention.dsa_attention``; DESIGN.md §9).
     """
     a = ops.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
-    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops, write_rows, kpool)
+    h = h + dsa_attention(layer.attn, cfg, a, slots, cache, rope, rows_read, ops, write_rows, kpool, share)
     m = ops.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, MlpWeights):
         return h + ops.swiglu(m, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
@@ -103,13 +105,16 @@ REFERENCE_HOOKS = BlockHooks()
 
 
 def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-             rows_read: int | None = None, hooks: BlockHooks = REFERENCE_HOOKS) -> BlockOutput:
+             rows_read: int | None = None, hooks: BlockHooks = REFERENCE_HOOKS,
+             share: SharedSelection | None = None) -> BlockOutput:
     """Run the block on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at ``slots`` (T,);
-    ``rows_read`` as in ``decoder_layer``; ``hooks`` the swappable pieces (default: the
-    reference's, with the pinned numerics)."""
+    ``rows_read`` and ``share`` (index sharing within a propose, DESIGN.md §9) as in
+    ``decoder_layer``; ``hooks`` the swappable pieces (default: the reference's, with the
+    pinned numerics)."""
     ops = hooks.ops
     u = block_input(w, hooks.embed(w, tokens, slots), hiddens, ops)
-    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows, hooks.kpool)
+    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows, hooks.kpool,
+                        share)
     return BlockOutput(x=ops.rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
 
 

@@ -209,11 +209,18 @@ def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor
 
 
 def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
-               ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+               ops: Numerics = PINNED, shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The KPool indexer for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows are
     already in ``cache``: writes their gates and the keys of the pools they complete, then each
     row's list (``select_pool_rows`` of ``kpool_scores``). ``q_latent`` (T, Lq) is the MLA's
-    normed low-rank query."""
+    normed low-rank query.
+
+    ``shared``: a shared draft step's selection (step 1's ``(rows, count)``, DESIGN.md §9): the
+    writes as always, none of the query side (no ``wq_b``, head weights, scores or top-k), and
+    ``shared`` is the list returned."""
+    if shared is not None:
+        write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
+        return shared
     return select_pool_rows(kpool_scores(ix, cfg, a, q_latent, slots, cache, ops), slots, cfg)
 
 
@@ -227,10 +234,12 @@ def visible_rows(slots: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
-                   ops: Numerics = PINNED) -> tuple[Tensor, Tensor]:
+                   ops: Numerics = PINNED, shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The dense ablation of the KPool indexer (a ``KPoolRowsFn``; the reference drafter only):
     the same gate and pooled-key writes as ``kpool_rows`` (so a state's pool bytes do not depend
-    on it), but each new row attends to every visible row ``[0, t]`` (``visible_rows``)."""
+    on it), but each new row attends to every visible row ``[0, t]`` (``visible_rows``). It
+    selects nothing, so there is nothing to share: a shared step's ``shared`` is not read, and
+    every draft step attends every visible row, its own included (DESIGN.md §9)."""
     write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
     return visible_rows(slots)
 

@@ -32,6 +32,7 @@ from .contract import (  # noqa: F401  (re-exported: the contract's names, where
     hidden_fingerprint, one_token,
 )
 from .layers import draft_probs, greedy_token, sampled_token
+from .sharing import share_selection
 from .numerics import acc_dtype
 from .state import DrafterState, LayerCache, Owner, rewind_rows, use_state, writing, writing_all
 from .weights import MtpWeights
@@ -130,7 +131,12 @@ class ReferenceProposer:
             default and the right choice for GLM-5) or ``pre_norm`` (the layer output; an ablation).
         kpool: the KPool indexer of a glm5_next layer (``attention.KPoolRowsFn``): the default
             ``kpool.kpool_rows``; ``kpool.kpool_all_rows`` is the dense ablation (every visible
-            row attended), and experiments wrap either to measure the selection.
+            row attended at every draft step, sharing or not), and experiments wrap either to
+            measure the selection.
+
+    Index sharing (DESIGN.md §9) follows ``weights.config.index_share_for_mtp_iteration``
+    (``MtpWeights.with_index_share`` overrides it): draft steps 2..k of a propose attend draft
+    step 1's selection.
     """
 
     def __init__(self, weights: MtpWeights, max_seq_len: int, feed_hidden: FeedHidden = "post_norm",
@@ -291,7 +297,8 @@ class ReferenceProposer:
 
     def _draft(self, args: contract.ProposeArgs, state: DrafterState, call: str,
                sample: tuple[object, object] | None = None) -> tuple[list[int], Tensor | None]:
-        """A propose after its checks: the rewind, the draft steps, the counters."""
+        """A propose after its checks: the rewind, the draft steps (sharing step 1's selection
+        when the config says so, §9), the counters."""
         position, num_drafts, hidden = args.position, args.num_drafts, args.hidden
         token = args.token if isinstance(args.token, Tensor) else torch.tensor([args.token], dtype=torch.int64, device=state.device)
         temp = noise = None
@@ -303,11 +310,15 @@ class ReferenceProposer:
         drafts: list[int] = []
         qs: list[Tensor] = []
         rope = self.rope(state.device)
+        # Index sharing (DESIGN.md §9): step 1 keeps its selection here, later steps attend it;
+        # this propose's own, read by nothing else.
+        share = share_selection(self.config.index_share_for_mtp_iteration)
         with writing(state, call):
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
-                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1, hooks=self.hooks)
+                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1, hooks=self.hooks,
+                               share=share)
                 logits = draft_logits(self.weights, out.x)  # (1, V) in S
                 if temp is None:
                     token = greedy_token(logits)  # (1,)
