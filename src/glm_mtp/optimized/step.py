@@ -35,6 +35,13 @@ launch also computes the KPool gate (5 weights); ``cache_rows_write`` stores the
 ``absorbed_query`` and ``sparse_mla`` run without RoPE lanes, and ``experts_gate_up`` clamps the
 SwiGLU at ``swiglu_limit``. There are no RoPE angles to gather.
 
+With index sharing (DESIGN.md §9, ``index_share_for_mtp_iteration``), draft step 1 of a propose
+runs the schedule above and its selection kernel writes the list into the state's kept buffer
+(``state.KeptSelection``; a batch: one line per state); draft steps 2..k are shared steps: the
+input norm's launch leaves out the head weights (weights_proj), 3 computes q_b only (no index
+wq_b), 6-7 are not launched (GLM-5: index_scores, select_rows; glm5_next: pool_scores,
+select_pool_rows; 6a still writes a completed pool's key), and sparse_mla attends the kept list.
+
 ``fused_rows`` serves any number of rows T (a draft step: T = 1; a catch-up: its rows), each
 computed as if alone. It needs a MoE layer without shards (GLM-5's and GLM-5.3-Flash's MTP
 layers); anything else takes the per-primitive path (``glm_mtp.optimized.block.block_rows``).
@@ -107,10 +114,10 @@ class StepKernels:
     cache_rows_write: CacheRowsWrite
     absorbed_query: Callable[[MtpConfig, Tensor, Weight, Tensor, Tensor], tuple[Tensor, Tensor]]
     index_scores: Callable[[MtpConfig, Tensor, Tensor, Tensor, Tensor, Caches, Tensor], Tensor]
-    select_rows: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+    select_rows: Callable[[Tensor, Tensor, int, tuple[Tensor, Tensor] | None], tuple[Tensor, Tensor]]
     pool_keys_write: Callable[[MtpConfig, IndexerWeights, Tensor, Caches, Tensor], None]
     pool_scores: Callable[[MtpConfig, Tensor, Tensor, Caches, Tensor], Tensor]
-    select_pool_rows: Callable[[MtpConfig, Tensor, Tensor], tuple[Tensor, Tensor]]
+    select_pool_rows: Callable[[MtpConfig, Tensor, Tensor, tuple[Tensor, Tensor] | None], tuple[Tensor, Tensor]]
     sparse_mla: Callable[[MtpConfig, Tensor, Tensor, Caches, Tensor, Tensor, Weight], Tensor]
     linear_residual: Callable[[Tensor, Weight, Tensor], Tensor]
     route: Callable[[MtpConfig, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -184,14 +191,23 @@ def step_kernels(triton: bool) -> StepKernels:
 
 
 def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, caches: LayerCache | RowCaches,
-               rope: Rope, ok: Tensor, fused: StepKernels) -> Tensor:
+               rope: Rope, ok: Tensor, fused: StepKernels, kept: tuple[Tensor, Tensor] | None = None,
+               shared: bool = False) -> Tensor:
     """The block (launches 1-13) on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at
     ``slots`` (T,), all on the device; cache rows are written only where ``ok`` (1,) bool is set.
     ``caches``: the paged cache of every row (a ``LayerCache``), or row t's in line t of a
     ``RowCaches`` (a batch of sequences; a capturable caller passes a ``RowCaches`` made once, as
     a lone ``LayerCache`` becomes a one-line address table by a host-to-device copy).
     ``fused``: the step's kernels (``triton_kernels()`` or ``torch_twins()``).
+    ``kept`` and ``shared``: index sharing across a propose's draft steps (DESIGN.md §9), one row
+    per state. Without ``shared``, the selection is written into ``kept`` ((T, K) rows, (T,)
+    counts: ``KeptSelection.lines``) when given: draft step 1. A ``shared`` step runs none of the
+    indexer's query side (no index ``wq_b`` or head weights, no scores, no selection) and attends
+    the rows ``kept`` holds; it writes every cache entry of its rows all the same (latent, index
+    key, KPool gate and the key of a pool it completes).
     Returns the layer output ``pre_norm`` (T, H)."""
+    if shared and kept is None:
+        raise ValueError("kept: a shared draft step attends draft step 1's kept selection, got None")
     cfg, eps = w.config, w.config.rms_norm_eps
     layer = w.layer
     attn, moe = layer.attn, layer.mlp
@@ -200,11 +216,16 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     rc = row_caches(caches)  # one address table for the call's cache kernels
 
     u = fused.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
-    row_weights = [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj]
+    # The index key (wk) is written at every step; the head weights (weights_proj) and the index
+    # query (the indexer's wq_b) are the query side, which a shared step does not run.
+    query_side = not shared
+    row_weights = [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk] + ([ix.weights_proj] if query_side else [])
     if cfg.is_next:  # the KPool gate reads the same normed row
         row_weights.append(ix.kpool_gate)
-    q_a, kv, k_raw, w_raw, *gates = norm_linear_by_format(fused, u, layer.input_layernorm, eps, row_weights)
-    (q, q_idx), _ = fused.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, [attn.q_b_proj, ix.wq_b])
+    q_a, kv, k_raw, *rest = norm_linear_by_format(fused, u, layer.input_layernorm, eps, row_weights)
+    w_raw, gates = (rest[0], rest[1:]) if query_side else (None, rest)
+    latent_weights = [attn.q_b_proj, ix.wq_b] if query_side else [attn.q_b_proj]
+    (q, *q_index), _ = fused.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, latent_weights)
     fused.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
                            rope.sin, rc, ok, gates=gates[0] if gates else None)
 
@@ -213,13 +234,17 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
         no_angles = rope.cos[:1].expand(slots.shape[0], 0)  # (T, 0): a view, nothing gathered
         q_abs, q_pe = fused.absorbed_query(cfg, q, attn.kv_b_proj, no_angles, no_angles)  # (T, nh, Lkv) A, (T, nh, 0)
         fused.pool_keys_write(cfg, ix, slots, rc, ok)
-        scores = fused.pool_scores(cfg, q_idx, w_raw, rc, slots)  # (T, P) A, at the visible pools
-        rows, count = fused.select_pool_rows(cfg, scores, slots)  # (T, Kp * kp + kp - 1), (T,)
+        if query_side:
+            scores = fused.pool_scores(cfg, q_index[0], w_raw, rc, slots)  # (T, P) A, at the visible pools
+            rows, count = fused.select_pool_rows(cfg, scores, slots, kept)  # (T, Kp * kp + kp - 1), (T,)
     else:
         cos, sin = rope.at(slots)  # (T, R/2)
         q_abs, q_pe = fused.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
-        scores = fused.index_scores(cfg, q_idx, w_raw, cos, sin, rc, slots)  # (T, C) A
-        rows, count = fused.select_rows(scores, slots, cfg.index_topk)  # (T, K), (T,)
+        if query_side:
+            scores = fused.index_scores(cfg, q_index[0], w_raw, cos, sin, rc, slots)  # (T, C) A
+            rows, count = fused.select_rows(scores, slots, cfg.index_topk, kept)  # (T, K), (T,)
+    if not query_side:  # a shared step: draft step 1's rows, its own row not among them
+        rows, count = kept
     heads = fused.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
     h = fused.linear_residual(heads, attn.o_proj, u)  # (T, H)
 
