@@ -26,7 +26,7 @@ from torch import Tensor
 from glm_mtp.reference.config import MtpConfig
 
 from .kernels.paged import ADDRESS_COLUMNS, RowCaches, RowTargets
-from .state import OptimizedState
+from .state import KeptSelection, OptimizedState
 
 def bucket(rows: int, max_batch: int) -> int:
     """The captured batch size serving ``rows`` rows: the next power of two, at most ``max_batch``."""
@@ -46,6 +46,8 @@ class BatchBuffers:
         always: (1,) bool, constant true: the gate of catch-up rows, checked on the host.
         cache_table: (max_batch, 3) int64, each row's paged cache (``RowCaches``).
         x_table / seq_table: (max_batch,) int64, each row's state ``x`` and device row count.
+        kept: draft step 1's selection of each row, read by the shared steps (``KeptSelection``,
+            line b the b-th state's: one selection per state).
         outs: per num_drafts k, (max_batch, k + 1) int64: each row's check code, then its drafts.
         pad: the scratch state padding rows read and write.
         graphs / graph_pool: captured programs keyed by ``graphs.GraphKey`` (rows = the bucket), and their pool.
@@ -62,6 +64,7 @@ class BatchBuffers:
     x_table: Tensor
     seq_table: Tensor
     pad: OptimizedState
+    kept: KeptSelection
     device: torch.device
     outs: dict[int, Tensor] = field(default_factory=dict)
     graphs: dict[Any, Any] = field(default_factory=dict)
@@ -82,7 +85,8 @@ class BatchBuffers:
             cache_table=torch.zeros(max_batch, ADDRESS_COLUMNS, **i64),
             x_table=torch.zeros(max_batch, **i64),
             seq_table=torch.zeros(max_batch, **i64),
-            pad=OptimizedState.allocate(cfg, blocks, dtype, device),
+            pad=(pad := OptimizedState.allocate(cfg, blocks, dtype, device)),
+            kept=KeptSelection.allocate(cfg, pad.capacity, max_batch, device),
             device=device,
         )
 

@@ -25,6 +25,7 @@ from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.contract import FeedHidden
 from glm_mtp.reference.layers import draft_probs, greedy_token, sampled_token
 from glm_mtp.reference.numerics import rms_norm
+from glm_mtp.reference.sharing import share_selection
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers, BatchRows, bucket
@@ -98,18 +99,26 @@ class DevicePrograms:
         token = torch.where(tok_ok, st.tok_in, 0)  # a safe row for the lookup when the check fails
         hidden = st.hid_in
         rope = self.rope(st.device)
+        # Index sharing (DESIGN.md §9): draft step 1 keeps its selection in the state's buffer,
+        # steps 2..k attend it (the per-primitive block keeps it in a SharedSelection of this run).
+        sharing = self.config.index_share_for_mtp_iteration
+        kept = st.kept.lines(1) if sharing else None
+        share = share_selection(sharing)
         x = None
         for i in range(k):
             slot = st.pos + i  # (1,)
+            shared = sharing and i > 0
             if self.step is not None and not sampled:
-                pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step)
+                pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step, kept, shared)
                 x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
             else:
                 if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
-                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step)
+                    pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step, kept,
+                                          shared)
                     x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
                 else:
-                    x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.primitives)
+                    x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.primitives,
+                                             share)
                 logits = self.primitives.linear(x, self.weights.lm_head)  # (1, V): the head, in the pinned GEMV
                 if sampled:
                     q[i : i + 1].copy_(draft_probs(logits, st.temp))
@@ -172,8 +181,12 @@ class DevicePrograms:
             self.step.pools_forget(self.config, pos, loaded.caches, bb.ok)
         token = torch.where(tok_ok, tok, 0)
         hidden, x = hid, None
+        # Index sharing (DESIGN.md §9): one kept selection per state, line b of the buffer.
+        sharing = self.config.index_share_for_mtp_iteration
+        kept = bb.kept.lines(n) if sharing else None
         for i in range(k):
-            pre_norm = fused_rows(self.weights, token, hidden, pos + i, loaded.caches, rope, bb.ok, self.step)
+            pre_norm = fused_rows(self.weights, token, hidden, pos + i, loaded.caches, rope, bb.ok, self.step, kept,
+                                  sharing and i > 0)
             x, token = fused_head(self.weights, pre_norm, self.step)  # (n, H), (n,)
             out[:, 1 + i].copy_(token)
             hidden = x if self.feed_hidden == "post_norm" else pre_norm

@@ -19,7 +19,39 @@ from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.contract_guards import Owner
 from glm_mtp.reference.state import DrafterState, LayerCache
 
+from .kernels.kpool import list_width
 from .kernels.paged import RowCaches
+
+
+@dataclass(frozen=True)
+class KeptSelection:
+    """Draft step 1's selection, kept on the device for the shared steps of the same propose
+    (index sharing, DESIGN.md §9): ``rows`` (lines, K) int64 and ``count`` (lines,) int64, line b
+    the list of the propose's b-th row (one line for a state, ``max_batch`` for a batch's
+    buffers), as the fused step's selection kernels write them. Step 1 of every sharing propose
+    overwrites it before a shared step reads it, so no propose reads another's."""
+
+    rows: Tensor
+    count: Tensor
+
+    @classmethod
+    def allocate(cls, cfg: MtpConfig, capacity: int, lines: int, device: torch.device) -> "KeptSelection":
+        """Zeroed buffers as wide as a list over ``capacity`` rows (``selection_width``)."""
+        return cls(torch.zeros(lines, selection_width(cfg, capacity), dtype=torch.int64, device=device),
+                   torch.zeros(lines, dtype=torch.int64, device=device))
+
+    def lines(self, n: int) -> tuple[Tensor, Tensor]:
+        """The first ``n`` lines, ``(rows, count)``: where a propose of ``n`` rows keeps its lists."""
+        return self.rows[:n], self.count[:n]
+
+
+def selection_width(cfg: MtpConfig, capacity: int) -> int:
+    """The width of the fused step's row list over a cache of ``capacity`` rows: GLM-5's
+    ``min(index_topk, capacity)`` (``select_rows_triton``), glm5_next's best pools' rows and a
+    tail (``kpool.list_width`` over the capacity's pools)."""
+    if cfg.is_next:
+        return list_width(cfg, capacity // cfg.index_kpool)
+    return min(cfg.index_topk, capacity)
 
 
 @dataclass
@@ -48,6 +80,7 @@ class OptimizedState(DrafterState):
             finite, bit 1: token in range), ``out[1:k+1]`` the drafts (-1 when the check failed).
         slots: (capacity,) int64, ``arange(capacity)``: context rows take slices of it.
         temp: (1,) in A, a sampled propose's temperature.
+        kept: draft step 1's selection, read by the propose's shared steps (``KeptSelection``).
         sample_bufs: per ``num_drafts`` k of a sampled propose, its static ``(noise, q)``, each
             (k, V) in A: allocated at the first sampled propose of that k (as its graph is captured).
         graphs: captured CUDA graphs by ``graphs.GraphKey``: one per ``num_drafts`` (argmax and
@@ -68,6 +101,7 @@ class OptimizedState(DrafterState):
     out: Tensor | None = None
     slots: Tensor | None = None
     temp: Tensor | None = None
+    kept: KeptSelection | None = None
     sample_bufs: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     graphs: dict[int, Any] = field(default_factory=dict)
     graph_pool: Any = None
@@ -97,6 +131,7 @@ class OptimizedState(DrafterState):
             out=torch.zeros(capacity + 1, dtype=torch.int64, device=device),
             slots=torch.arange(capacity, dtype=torch.int64, device=device),
             temp=torch.ones(1, dtype=acc_dtype(dtype), device=device),
+            kept=KeptSelection.allocate(cfg, capacity, 1, device),
         )
 
     def sample_buffers(self, k: int, vocab_size: int) -> tuple[Tensor, Tensor]:
@@ -114,8 +149,8 @@ class OptimizedState(DrafterState):
         found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
         if self.cache.kpool is not None:
             found += [self.cache.kpool.gates, self.cache.kpool.keys, self.cache.kpool.complete]
-        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots,
-                  self.temp]
+        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots, self.temp]
+        found += [self.kept.rows, self.kept.count] if self.kept is not None else []
         found += [t for pair in self.sample_bufs.values() for t in pair]
         return [t for t in found if t is not None]
 
@@ -130,6 +165,7 @@ class OptimizedState(DrafterState):
         self.x = None  # type: ignore[assignment]
         self.tok_in = self.hid_in = self.pos = self.seq_dev = None
         self.ok = self.always = self.out = self.slots = self.temp = None
+        self.kept = None
         self.sample_bufs = {}
         self.unsettled = None
         self.deferred_error = None

@@ -35,6 +35,13 @@ launch also computes the KPool gate (5 weights); ``cache_rows_write`` stores the
 ``absorbed_query`` and ``sparse_mla`` run without RoPE lanes, and ``experts_gate_up`` clamps the
 SwiGLU at ``swiglu_limit``. There are no RoPE angles to gather.
 
+With index sharing (DESIGN.md §9, ``index_share_for_mtp_iteration``), draft step 1 of a propose
+runs the schedule above and its selection kernel writes the list into the state's kept buffer
+(``state.KeptSelection``; a batch: one line per state); draft steps 2..k are shared steps: the
+input norm's launch leaves out the head weights (weights_proj), 3 computes q_b only (no index
+wq_b), 6-7 are not launched (GLM-5: index_scores, select_rows; glm5_next: pool_scores,
+select_pool_rows; 6a still writes a completed pool's key), and sparse_mla attends the kept list.
+
 ``fused_rows`` serves any number of rows T (a draft step: T = 1; a catch-up: its rows), each
 computed as if alone. It needs a MoE layer without shards (GLM-5's and GLM-5.3-Flash's MTP
 layers); anything else takes the per-primitive path (``glm_mtp.optimized.unfused_block.block_rows``).
@@ -43,17 +50,18 @@ layers); anything else takes the per-primitive path (``glm_mtp.optimized.unfused
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Callable, Protocol, Sequence
 
 from torch import Tensor
 
 from glm_mtp.reference.attention import Rope
+from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.fp8 import BlockScaledWeight, is_block_scaled
 from glm_mtp.reference.state import LayerCache
-from glm_mtp.reference.weights import MoeWeights, MtpWeights
+from glm_mtp.reference.weights import IndexerWeights, MoeWeights, MtpWeights
 
 from . import kernels
-from .kernels.paged import RowCaches, row_caches
+from .kernels.paged import RowCaches, RowTargets, row_caches
 
 
 def fusable(w: MtpWeights) -> bool:
@@ -62,76 +70,144 @@ def fusable(w: MtpWeights) -> bool:
     return isinstance(w.layer.mlp, MoeWeights) and w.shard_spec is None and w.dtype in kernels.KERNEL_DTYPES
 
 
+Caches = LayerCache | RowCaches
+Weight = Tensor | BlockScaledWeight
+
+
+class NormLinear(Protocol):
+    """``norm_linear_triton`` / ``norm_linear_torch``: the RMS norm of ``x`` and the linears over
+    it, ``acc`` for float32 results, ``store_normed`` for the normed rows too."""
+
+    def __call__(self, x: Tensor, norm_weight: Tensor, eps: float, weights: Sequence[Weight], acc: bool = False,
+                 store_normed: bool = False) -> tuple[list[Tensor], Tensor | None]: ...
+
+
+class CacheRowsWrite(Protocol):
+    """``cache_rows_write_triton`` / ``_torch``: the rows' MLA latent and index key (and KPool
+    ``gates``) into their caches at ``slots``, where ``ok`` is set."""
+
+    def __call__(self, cfg: MtpConfig, kv: Tensor, k: Tensor, kv_norm_weight: Tensor, k_norm_weight: Tensor,
+                 k_norm_bias: Tensor, slots: Tensor, cos_table: Tensor, sin_table: Tensor, caches: Caches, ok: Tensor,
+                 gates: Tensor | None = None) -> None: ...
+
+
+class ExpertsGateUp(Protocol):
+    """``experts_gate_up_triton`` / ``_torch``: the chosen and shared experts' SwiGLU hidden,
+    clamped at ``limit`` when set."""
+
+    def __call__(self, m: Tensor, experts: Tensor, experts_gate: Weight, experts_up: Weight,
+                 shared_gate: Weight | None = None, shared_up: Weight | None = None,
+                 limit: float | None = None) -> tuple[Tensor, Tensor | None]: ...
+
+
 @dataclass(frozen=True)
 class StepKernels:
-    """Every fused piece of the step, each the Triton kernel (``triton``) or its torch twin
-    (proven byte-equal to it); made by ``step_kernels``."""
+    """Every fused piece of the step, in schedule order: each field is bound to the Triton kernel
+    (``triton_kernels``) or to its torch twin, proven byte-equal to it (``torch_twins``); the
+    kernels' own signatures are in ``glm_mtp.optimized.kernels``. ``scatter_rows`` is the batched
+    programs' last write, each row into its own state's tensors, and ``pools_forget`` a batched
+    propose's rewind of glm5_next's pools."""
 
     triton: bool
-    block_input: Callable[..., Any]
-    norm_linear: Callable[..., Any]
-    cache_rows_write: Callable[..., Any]
-    absorbed_query: Callable[..., Any]
-    index_scores: Callable[..., Any]
-    select_rows: Callable[..., Any]
-    pool_keys_write: Callable[..., Any]
-    pool_scores: Callable[..., Any]
-    select_pool_rows: Callable[..., Any]
-    sparse_mla: Callable[..., Any]
-    linear_residual: Callable[..., Any]
-    route: Callable[..., Any]
-    experts_gate_up: Callable[..., Any]
-    experts_down_combine: Callable[..., Any]
-    head_partials: Callable[..., Any]
-    argmax_reduce: Callable[..., Any]
-    scatter_rows: Callable[..., Any]
-    pools_forget: Callable[..., Any]
+    block_input: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, Weight], Tensor]
+    norm_linear: NormLinear
+    cache_rows_write: CacheRowsWrite
+    absorbed_query: Callable[[MtpConfig, Tensor, Weight, Tensor, Tensor], tuple[Tensor, Tensor]]
+    index_scores: Callable[[MtpConfig, Tensor, Tensor, Tensor, Tensor, Caches, Tensor], Tensor]
+    select_rows: Callable[[Tensor, Tensor, int, tuple[Tensor, Tensor] | None], tuple[Tensor, Tensor]]
+    pool_keys_write: Callable[[MtpConfig, IndexerWeights, Tensor, Caches, Tensor], None]
+    pool_scores: Callable[[MtpConfig, Tensor, Tensor, Caches, Tensor], Tensor]
+    select_pool_rows: Callable[[MtpConfig, Tensor, Tensor, tuple[Tensor, Tensor] | None], tuple[Tensor, Tensor]]
+    sparse_mla: Callable[[MtpConfig, Tensor, Tensor, Caches, Tensor, Tensor, Weight], Tensor]
+    linear_residual: Callable[[Tensor, Weight, Tensor], Tensor]
+    route: Callable[[MtpConfig, Tensor, Tensor], tuple[Tensor, Tensor]]
+    experts_gate_up: ExpertsGateUp
+    experts_down_combine: Callable[[Tensor, Tensor | None, Tensor, Tensor, Weight, Weight | None, Tensor], Tensor]
+    head_partials: Callable[[Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor, Tensor]]
+    argmax_reduce: Callable[[Tensor, Tensor], Tensor]
+    scatter_rows: Callable[[Tensor, RowTargets, Tensor], None]
+    pools_forget: Callable[[MtpConfig, Tensor, Caches, Tensor], None]
 
 
-def kernel_pairs() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
-    """Every piece of the step, in schedule order: ``name -> (Triton kernel, torch twin)``. Read
-    from ``kernels`` when called, so a drafter built after a test wraps a kernel calls the wrapper."""
-    return {
-        "block_input": (kernels.block_input_triton, kernels.block_input_torch),
-        "norm_linear": (kernels.norm_linear_triton, kernels.norm_linear_torch),
-        "cache_rows_write": (kernels.cache_rows_write_triton, kernels.cache_rows_write_torch),
-        "absorbed_query": (kernels.absorbed_query_triton, kernels.absorbed_query_torch),
-        "index_scores": (kernels.index_scores_triton, kernels.index_scores_torch),
-        "select_rows": (kernels.select_rows_triton, kernels.select_rows_torch),
-        "pool_keys_write": (kernels.pool_keys_write_triton, kernels.pool_keys_write_torch),
-        "pool_scores": (kernels.pool_scores_triton, kernels.pool_scores_torch),
-        "select_pool_rows": (kernels.select_pool_rows_triton, kernels.select_pool_rows_torch),
-        "sparse_mla": (kernels.sparse_mla_triton, kernels.sparse_mla_torch),
-        "linear_residual": (kernels.linear_residual_triton, kernels.linear_residual_torch),
-        "route": (kernels.route_triton, kernels.route_torch),
-        "experts_gate_up": (kernels.experts_gate_up_triton, kernels.experts_gate_up_torch),
-        "experts_down_combine": (kernels.experts_down_combine_triton, kernels.experts_down_combine_torch),
-        "head_partials": (kernels.head_partials_triton, kernels.head_partials_torch),
-        "argmax_reduce": (kernels.argmax_reduce_triton, kernels.argmax_reduce_torch),
-        "scatter_rows": (kernels.scatter_rows_triton, kernels.scatter_rows_torch),
-        "pools_forget": (kernels.pools_forget_triton, kernels.pools_forget_torch),
-    }
-
-
-# The fused pieces, in schedule order (the fields of ``StepKernels``); ``scatter_rows`` is the
-# batched programs' last write, each row into its own state's tensors, and ``pools_forget`` a
-# batched propose's rewind of glm5_next's pools.
+# The fused pieces, in schedule order (the fields of ``StepKernels``).
 PIECES = tuple(f.name for f in fields(StepKernels) if f.name != "triton")
 
 
+def triton_kernels() -> StepKernels:
+    """The step's Triton kernels. Read from ``kernels`` when called, so a drafter built after a
+    test wraps a kernel calls the wrapper."""
+    return StepKernels(
+        triton=True,
+        block_input=kernels.block_input_triton,
+        norm_linear=kernels.norm_linear_triton,
+        cache_rows_write=kernels.cache_rows_write_triton,
+        absorbed_query=kernels.absorbed_query_triton,
+        index_scores=kernels.index_scores_triton,
+        select_rows=kernels.select_rows_triton,
+        pool_keys_write=kernels.pool_keys_write_triton,
+        pool_scores=kernels.pool_scores_triton,
+        select_pool_rows=kernels.select_pool_rows_triton,
+        sparse_mla=kernels.sparse_mla_triton,
+        linear_residual=kernels.linear_residual_triton,
+        route=kernels.route_triton,
+        experts_gate_up=kernels.experts_gate_up_triton,
+        experts_down_combine=kernels.experts_down_combine_triton,
+        head_partials=kernels.head_partials_triton,
+        argmax_reduce=kernels.argmax_reduce_triton,
+        scatter_rows=kernels.scatter_rows_triton,
+        pools_forget=kernels.pools_forget_triton,
+    )
+
+
+def torch_twins() -> StepKernels:
+    """The step's torch twins, each byte-equal to its kernel (tests/optimized/test_kernels_*);
+    read from ``kernels`` when called, like ``triton_kernels``."""
+    return StepKernels(
+        triton=False,
+        block_input=kernels.block_input_torch,
+        norm_linear=kernels.norm_linear_torch,
+        cache_rows_write=kernels.cache_rows_write_torch,
+        absorbed_query=kernels.absorbed_query_torch,
+        index_scores=kernels.index_scores_torch,
+        select_rows=kernels.select_rows_torch,
+        pool_keys_write=kernels.pool_keys_write_torch,
+        pool_scores=kernels.pool_scores_torch,
+        select_pool_rows=kernels.select_pool_rows_torch,
+        sparse_mla=kernels.sparse_mla_torch,
+        linear_residual=kernels.linear_residual_torch,
+        route=kernels.route_torch,
+        experts_gate_up=kernels.experts_gate_up_torch,
+        experts_down_combine=kernels.experts_down_combine_torch,
+        head_partials=kernels.head_partials_torch,
+        argmax_reduce=kernels.argmax_reduce_torch,
+        scatter_rows=kernels.scatter_rows_torch,
+        pools_forget=kernels.pools_forget_torch,
+    )
+
+
 def step_kernels(triton: bool) -> StepKernels:
-    """The step's Triton kernels (``triton``) or their torch twins, from ``kernel_pairs()``."""
-    return StepKernels(triton, **{name: pair[0 if triton else 1] for name, pair in kernel_pairs().items()})
+    """``triton_kernels()`` or ``torch_twins()``."""
+    return triton_kernels() if triton else torch_twins()
 
 
 def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, caches: LayerCache | RowCaches,
-               rope: Rope, ok: Tensor, k: StepKernels) -> Tensor:
+               rope: Rope, ok: Tensor, fused: StepKernels, kept: tuple[Tensor, Tensor] | None = None,
+               shared: bool = False) -> Tensor:
     """The block (launches 1-13) on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at
     ``slots`` (T,), all on the device; cache rows are written only where ``ok`` (1,) bool is set.
     ``caches``: the paged cache of every row (a ``LayerCache``), or row t's in line t of a
     ``RowCaches`` (a batch of sequences; a capturable caller passes a ``RowCaches`` made once, as
     a lone ``LayerCache`` becomes a one-line address table by a host-to-device copy).
+    ``fused``: the step's kernels (``triton_kernels()`` or ``torch_twins()``).
+    ``kept`` and ``shared``: index sharing across a propose's draft steps (DESIGN.md §9), one row
+    per state. Without ``shared``, the selection is written into ``kept`` ((T, K) rows, (T,)
+    counts: ``KeptSelection.lines``) when given: draft step 1. A ``shared`` step runs none of the
+    indexer's query side (no index ``wq_b`` or head weights, no scores, no selection) and attends
+    the rows ``kept`` holds; it writes every cache entry of its rows all the same (latent, index
+    key, KPool gate and the key of a pool it completes).
     Returns the layer output ``pre_norm`` (T, H)."""
+    if shared and kept is None:
+        raise ValueError("kept: a shared draft step attends draft step 1's kept selection, got None")
     cfg, eps = w.config, w.config.rms_norm_eps
     layer = w.layer
     attn, moe = layer.attn, layer.mlp
@@ -139,60 +215,70 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     assert isinstance(moe, MoeWeights)
     rc = row_caches(caches)  # one address table for the call's cache kernels
 
-    u = k.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
-    row_weights = [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk, ix.weights_proj]
+    u = fused.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
+    # The index key (wk) is written at every step; the head weights (weights_proj) and the index
+    # query (the indexer's wq_b) are the query side, which a shared step does not run.
+    query_side = not shared
+    row_weights = [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk] + ([ix.weights_proj] if query_side else [])
     if cfg.is_next:  # the KPool gate reads the same normed row
         row_weights.append(ix.kpool_gate)
-    q_a, kv, k_raw, w_raw, *gates = norm_linear_by_format(k, u, layer.input_layernorm, eps, row_weights)
-    (q, q_idx), _ = k.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, [attn.q_b_proj, ix.wq_b])
-    k.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
-                       rope.sin, rc, ok, gates=gates[0] if gates else None)
+    q_a, kv, k_raw, *rest = norm_linear_by_format(fused, u, layer.input_layernorm, eps, row_weights)
+    w_raw, gates = (rest[0], rest[1:]) if query_side else (None, rest)
+    latent_weights = [attn.q_b_proj, ix.wq_b] if query_side else [attn.q_b_proj]
+    (q, *q_index), _ = fused.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, latent_weights)
+    fused.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
+                           rope.sin, rc, ok, gates=gates[0] if gates else None)
 
     # Attention over the rows the indexer lists: this call's rows are in the cache already.
     if cfg.is_next:  # NoPE: no angles; the KPool indexer lists whole pools and the tail
         no_angles = rope.cos[:1].expand(slots.shape[0], 0)  # (T, 0): a view, nothing gathered
-        q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, no_angles, no_angles)  # (T, nh, Lkv) A, (T, nh, 0)
-        k.pool_keys_write(cfg, ix, slots, rc, ok)
-        scores = k.pool_scores(cfg, q_idx, w_raw, rc, slots)  # (T, P) A, at the visible pools
-        rows, count = k.select_pool_rows(cfg, scores, slots)  # (T, Kp * kp + kp - 1), (T,)
+        q_abs, q_pe = fused.absorbed_query(cfg, q, attn.kv_b_proj, no_angles, no_angles)  # (T, nh, Lkv) A, (T, nh, 0)
+        fused.pool_keys_write(cfg, ix, slots, rc, ok)
+        if query_side:
+            scores = fused.pool_scores(cfg, q_index[0], w_raw, rc, slots)  # (T, P) A, at the visible pools
+            rows, count = fused.select_pool_rows(cfg, scores, slots, kept)  # (T, Kp * kp + kp - 1), (T,)
     else:
         cos, sin = rope.at(slots)  # (T, R/2)
-        q_abs, q_pe = k.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
-        scores = k.index_scores(cfg, q_idx, w_raw, cos, sin, rc, slots)  # (T, C) A
-        rows, count = k.select_rows(scores, slots, cfg.index_topk)  # (T, K), (T,)
-    heads = k.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
-    h = k.linear_residual(heads, attn.o_proj, u)  # (T, H)
+        q_abs, q_pe = fused.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
+        if query_side:
+            scores = fused.index_scores(cfg, q_index[0], w_raw, cos, sin, rc, slots)  # (T, C) A
+            rows, count = fused.select_rows(scores, slots, cfg.index_topk, kept)  # (T, K), (T,)
+    if not query_side:  # a shared step: draft step 1's rows, its own row not among them
+        rows, count = kept
+    heads = fused.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
+    h = fused.linear_residual(heads, attn.o_proj, u)  # (T, H)
 
     # MoE.
-    (logits,), m = k.norm_linear(h, layer.post_attention_layernorm, eps, [moe.router], acc=True, store_normed=True)
-    experts, weights = k.route(cfg, logits, moe.e_score_correction_bias)  # (T, k), (T, k)
+    (logits,), m = fused.norm_linear(h, layer.post_attention_layernorm, eps, [moe.router], acc=True, store_normed=True)
+    experts, weights = fused.route(cfg, logits, moe.e_score_correction_bias)  # (T, k), (T, k)
     shared = moe.shared
-    hidden, shared_hidden = k.experts_gate_up(m, experts, moe.experts_gate, moe.experts_up,
-                                              shared.gate_proj if shared else None, shared.up_proj if shared else None,
-                                              limit=moe.swiglu_limit)  # clamped in glm5_next
-    return k.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
-                                  shared.down_proj if shared else None, h)  # (T, H)
+    hidden, shared_hidden = fused.experts_gate_up(m, experts, moe.experts_gate, moe.experts_up,
+                                                  shared.gate_proj if shared else None,
+                                                  shared.up_proj if shared else None,
+                                                  limit=moe.swiglu_limit)  # clamped in glm5_next
+    return fused.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
+                                      shared.down_proj if shared else None, h)  # (T, H)
 
 
-def norm_linear_by_format(k: StepKernels, x: Tensor, norm_weight: Tensor, eps: float,
+def norm_linear_by_format(fused: StepKernels, x: Tensor, norm_weight: Tensor, eps: float,
                           weights: list[Tensor | BlockScaledWeight]) -> list[Tensor]:
-    """``k.norm_linear`` of ``x`` over ``weights``, one launch per weight format: block-scaled
+    """``fused.norm_linear`` of ``x`` over ``weights``, one launch per weight format: block-scaled
     fp8 weights beside a plain one (the input norm's q_a, kv_a, wk with the indexer's weights_proj,
     which DESIGN.md §8 keeps bf16) take two launches, one for each; else one."""
     fp8 = [is_block_scaled(w) for w in weights]
-    if len(set(fp8)) == 1 or not k.triton:  # the torch twin takes any mix in one call
-        return k.norm_linear(x, norm_weight, eps, weights)[0]
+    if len(set(fp8)) == 1 or not fused.triton:  # the torch twin takes any mix in one call
+        return fused.norm_linear(x, norm_weight, eps, weights)[0]
     outs: list[Tensor] = [x] * len(weights)
     for fmt in (True, False):
         idx = [i for i, f in enumerate(fp8) if f == fmt]
-        for i, y in zip(idx, k.norm_linear(x, norm_weight, eps, [weights[i] for i in idx])[0]):
+        for i, y in zip(idx, fused.norm_linear(x, norm_weight, eps, [weights[i] for i in idx])[0]):
             outs[i] = y
     return outs
 
 
-def fused_head(w: MtpWeights, pre_norm: Tensor, k: StepKernels) -> tuple[Tensor, Tensor]:
+def fused_head(w: MtpWeights, pre_norm: Tensor, fused: StepKernels) -> tuple[Tensor, Tensor]:
     """The shared head on the layer outputs ``pre_norm`` (T, H) (launches 14-15): the post-norm
     rows ``x`` (T, H) and the drafts (T,) int64, the argmax of ``lm_head(x)``, which is never
     materialised whole (each vocabulary slice keeps its own best)."""
-    x, part_val, part_idx = k.head_partials(pre_norm, w.shared_head_norm, w.config.rms_norm_eps, w.lm_head)
-    return x, k.argmax_reduce(part_val, part_idx)
+    x, part_val, part_idx = fused.head_partials(pre_norm, w.shared_head_norm, w.config.rms_norm_eps, w.lm_head)
+    return x, fused.argmax_reduce(part_val, part_idx)

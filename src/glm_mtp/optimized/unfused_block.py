@@ -43,6 +43,7 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import normed_index_keys
 from glm_mtp.reference.moe import expert_swiglu, moe_block
 from glm_mtp.reference.numerics import PINNED, Numerics, swiglu
+from glm_mtp.reference.sharing import SharedSelection
 from glm_mtp.reference.state import LayerCache
 from glm_mtp.reference.state import BLOCK_ROWS
 from glm_mtp.reference.weights import AttentionWeights, IndexerWeights, MoeWeights, MtpWeights
@@ -181,9 +182,11 @@ class PrimitiveKernels:
         return torch.stack(out)  # (T, k, H)
 
     def kpool_hook(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
-                   cache: LayerCache, ops: Numerics, *, ok: Tensor) -> tuple[Tensor, Tensor]:
-        """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool."""
-        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops, fused=self)
+                   cache: LayerCache, ops: Numerics, *, ok: Tensor,
+                   shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool (``shared``: a
+        shared draft step's kept selection, as ``reference.kpool.kpool_rows`` takes it)."""
+        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops, fused=self, shared=shared)
 
     def hooks(self, ok: Tensor) -> BlockHooks:
         """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
@@ -227,26 +230,21 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
     kpc.complete.copy_(kpc.complete & ~(ok & (pools >= n // kpc.kpool)))
 
 
-def gated_kpool_rows(
-    ix: IndexerWeights,
-    cfg: MtpConfig,
-    a: Tensor,
-    q_latent: Tensor,
-    slots: Tensor,
-    cache: LayerCache,
-    ok: Tensor,
-    ops: Numerics = PINNED,
-    fused: PrimitiveKernels | None = None,
-) -> tuple[Tensor, Tensor]:
+def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+                     ok: Tensor, ops: Numerics = PINNED, fused: "PrimitiveKernels | None" = None,
+                     shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
     ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
     as ``select_pool_rows`` masks them (the kernel writes no score there, and its selection reads
 none), and a list's values do not depend on its padded width.
+    ``shared``: a shared draft step's kept selection (DESIGN.md §9): the writes, then ``shared``
+    returned, none of the query side run.
     Returns ``rows`` (T, K), ``count`` (T,)."""
     gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
-    # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
-    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)
+    if shared is not None:
+        return shared
+    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
     keys = cache.kpool.keys
     if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
         scores = pool_scores_triton(cfg, q_raw, w_raw, cache, slots)  # (T, P): written at the visible pools only
@@ -268,11 +266,12 @@ def gathered_expert_outputs(moe: MoeWeights, m: Tensor, experts: Tensor, ops: Nu
 
 
 def block_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-               ok: Tensor, kernels: PrimitiveKernels) -> tuple[Tensor, Tensor]:
+               ok: Tensor, kernels: PrimitiveKernels, share: SharedSelection | None = None) -> tuple[Tensor, Tensor]:
     """``glm_mtp.reference.block.mtp_rows`` on rows pairing ``tokens`` (T,) with ``hiddens``
     (T, H) at ``slots`` (T,), with ``kernels``' pieces; cache writes only where ``ok`` (1,) bool
-    is set. Reads the whole capacity (a static shape; no result depends on it).
+    is set. Reads the whole capacity (a static shape; no result depends on it). ``share``: index
+    sharing within a propose, as ``mtp_rows`` takes it (DESIGN.md §9).
 
     Returns ``(x, pre_norm)``, each (T, H): the post-norm output and the layer output."""
-    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=kernels.hooks(ok))
+    out = mtp_rows(w, tokens, hiddens, slots, cache, rope, hooks=kernels.hooks(ok), share=share)
     return out.x, out.pre_norm

@@ -334,9 +334,23 @@ def index_scores_triton(cfg: MtpConfig, q: Tensor, w: Tensor, cos: Tensor, sin: 
 # ---- selection ------------------------------------------------------------------------------------
 
 
-def select_rows_torch(scores: Tensor, slots: Tensor, topk: int) -> tuple[Tensor, Tensor]:
-    """The twin: ``indexer.select_rows`` itself."""
-    return select_rows(scores, slots, topk)
+def select_rows_torch(scores: Tensor, slots: Tensor, topk: int,
+                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """The twin: ``indexer.select_rows`` itself (copied into ``out`` when given)."""
+    return into(out, *select_rows(scores, slots, topk))
+
+
+def into(out: tuple[Tensor, Tensor] | None, rows: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+    """``(rows, count)``, or copied into ``out`` (the same shapes) and ``out`` returned: the
+    twins' form of the kernels' ``out`` argument."""
+    if out is None:
+        return rows, count
+    if out[0].shape != rows.shape or out[1].shape != count.shape:
+        raise ValueError(f"out: a ({tuple(rows.shape)}, {tuple(count.shape)}) selection, got "
+                         f"({tuple(out[0].shape)}, {tuple(out[1].shape)})")
+    out[0].copy_(rows)
+    out[1].copy_(count)
+    return out
 
 
 def select_rows_launch(scores: Tensor, slots: Tensor, rows: Tensor, count: Tensor, kpool: int = 1,
@@ -368,13 +382,20 @@ def select_rows_launch(scores: Tensor, slots: Tensor, rows: Tensor, count: Tenso
     return Launch(_select_rows_kernel, (T,), args, meta)
 
 
-def select_rows_triton(scores: Tensor, slots: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+def select_rows_triton(scores: Tensor, slots: Tensor, topk: int,
+                       out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The kernel for ``indexer.select_rows``: ``rows`` (T, K) int64 and ``count`` (T,) int64,
-    ``K = min(topk, S)``, byte-equal to it. No host reads: the lengths stay on the device."""
+    ``K = min(topk, S)``, byte-equal to it. No host reads: the lengths stay on the device.
+    ``out``: buffers of those shapes the kernel writes (a selection kept for later steps)."""
     T, S = scores.shape
     K = min(topk, S)
-    rows = torch.empty(T, K, dtype=torch.int64, device=scores.device)
-    count = torch.empty(T, dtype=torch.int64, device=scores.device)
+    if out is not None:
+        rows, count = out
+        if rows.shape != (T, K):
+            raise ValueError(f"select_rows_triton: out's rows must be ({T}, {K}), got {tuple(rows.shape)}")
+    else:
+        rows = torch.empty(T, K, dtype=torch.int64, device=scores.device)
+        count = torch.empty(T, dtype=torch.int64, device=scores.device)
     if T > 0:
         select_rows_launch(scores, slots, rows, count).run()
     return rows, count

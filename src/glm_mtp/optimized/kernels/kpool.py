@@ -50,7 +50,7 @@ from glm_mtp.reference.numerics import next_pow2, up
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache
 from glm_mtp.reference.weights import IndexerWeights
 
-from .indexer import select_rows_launch
+from .indexer import into, select_rows_launch
 from .launch import AuditLaunch, Launch, abstract
 from .paged import ADDRESS_COLUMNS, RowCaches, check_row_caches, row_caches, row_kpool, row_pools
 from .pinned_math import exp_f32, psum_rows
@@ -335,17 +335,24 @@ def select_pool_rows_launch(cfg: MtpConfig, scores: Tensor, slots: Tensor, rows:
     return select_rows_launch(scores, slots, rows, count, kpool=cfg.index_kpool, topk=Kp)
 
 
-def select_pool_rows_torch(cfg: MtpConfig, scores: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-    """The twin: the reference's ``kpool.select_pool_rows`` on the scores ``(T, P)`` of every pool."""
-    return select_pool_rows(scores, slots, cfg)
+def select_pool_rows_torch(cfg: MtpConfig, scores: Tensor, slots: Tensor,
+                           out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """The twin: the reference's ``kpool.select_pool_rows`` on the scores ``(T, P)`` of every pool
+    (copied into ``out`` when given)."""
+    return into(out, *select_pool_rows(scores, slots, cfg))
 
 
-def select_pool_rows_triton(cfg: MtpConfig, scores: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+def select_pool_rows_triton(cfg: MtpConfig, scores: Tensor, slots: Tensor,
+                            out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``select_pool_rows_torch`` in one launch, reading each row's visible pools' scores only;
-    byte-equal to the twin. ``rows`` (T, Kp * kp + kp - 1), ``count`` (T,), both int64."""
+    byte-equal to the twin. ``rows`` (T, Kp * kp + kp - 1), ``count`` (T,), both int64; ``out``:
+    buffers of those shapes the kernel writes (a selection kept for later steps)."""
     T, P = scores.shape
-    rows = torch.empty(T, list_width(cfg, P), dtype=torch.int64, device=scores.device)
-    count = torch.empty(T, dtype=torch.int64, device=scores.device)
+    if out is not None:
+        rows, count = out
+    else:
+        rows = torch.empty(T, list_width(cfg, P), dtype=torch.int64, device=scores.device)
+        count = torch.empty(T, dtype=torch.int64, device=scores.device)
     if T:
         select_pool_rows_launch(cfg, scores, slots, rows, count).run()
     return rows, count
