@@ -198,8 +198,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--batch-sizes and --drafts must be >= 1, --context >= 1, --warmup >= 0")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but CUDA is not available")
-    if a.context + 3 * (max(a.batch_sizes) - 1) + a.drafts + 2 > a.max_seq_len:
+    rows = a.context + 3 * (max(a.batch_sizes) - 1) + a.drafts + 2
+    if rows > a.max_seq_len:
         p.error("--max-seq-len must exceed --context + 3 (max batch - 1) + --drafts + 2 (the longest state's rows)")
+    cap = MtpConfig.preset(a.preset).max_position_embeddings
+    if rows > cap:  # the preset's context caps a drafter's max_seq_len
+        p.error(f"--context {a.context}: the longest state holds {rows} rows, past preset {a.preset}'s context "
+                f"(max_position_embeddings {cap}, which caps --max-seq-len)")
     a.repeats = a.repeats if a.repeats is not None else (30 if a.device.startswith("cuda") else 7)
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
