@@ -63,7 +63,7 @@ def index_topk(model):
 
 
 @pytest.mark.parametrize("overrides, below", [([], True), (["model=shipped", "run.num_prompts=32"], True),
-                                              (["run.num_prompts=16", "run.prompt_tokens=512", "run.max_new_tokens=64"], False)])
+                                              (["run.num_prompts=8", "run.prompt_tokens=512", "run.max_new_tokens=32"], False)])
 def test_the_experiment_slices_sit_below_or_above_index_topk(overrides, below):
     """Below: every row a run writes (prompt + generated + k drafts) is within index_topk, so
     step 1 selects every row; above: every drafted row sees more than index_topk rows."""
