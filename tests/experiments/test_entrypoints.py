@@ -61,7 +61,7 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
 
 def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = config("config", ["experiment=smoke", "mode=teacher_forced", "source=ood", "num_drafts=3", "group=g1"])
+    cfg = config("config", ["model=shipped", "experiment=smoke", "mode=teacher_forced", "source=ood", "num_drafts=3", "group=g1"])
     s = acceptance.run(cfg, str(tmp_path))
     assert s["mode"] == "teacher_forced" and s["source"] == "ood" and s["scored_positions"] == 2 * 16
     assert s["counts"]["steps"] == 32 and s["counts"]["reached"][0] == 32 and len(s["alpha_ci"]) == 3
@@ -113,7 +113,7 @@ def test_train_writes_a_loadable_checkpoint(tmp_path):
     assert corpus["sha256"] in card and "python -m glm_mtp.experiments.train" in card
     assert (tmp_path / "run" / "loss_curve.png").exists() and (out / "tokenizer.json").exists()
     # The acceptance experiment runs on it, prompts from its recorded held-out items.
-    acfg = config("config", ["logger=none", "experiment=smoke", f"model.path={out}"])
+    acfg = config("config", ["model=shipped", "logger=none", "experiment=smoke", f"model.path={out}"])
     s = acceptance.run(acfg, str(tmp_path / "acc"))
     assert s["lossless_greedy"] is True and s["checkpoint"] == str(out)
 
@@ -121,6 +121,6 @@ def test_train_writes_a_loadable_checkpoint(tmp_path):
 def test_shipped_checkpoint_smoke(tmp_path):
     path = shipped_checkpoint()
     assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
-    s = acceptance.run(config("config", ["logger=none", "experiment=smoke"]), str(tmp_path))
+    s = acceptance.run(config("config", ["model=shipped", "logger=none", "experiment=smoke"]), str(tmp_path))
     assert s["lossless_greedy"] is True
     assert s["checkpoint"] == str(path) and s["samples"]

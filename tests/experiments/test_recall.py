@@ -81,7 +81,7 @@ def test_quantiles_and_an_empty_summary():
 
 
 def test_the_shipped_next_model_drafts_past_index_topk(tmp_path):
-    """model=next_shipped: one 100-token prompt (index_topk 64, index_kpool 16), so the shipped
+    """model=next_shipped: one 100-token prompt (index_topk 64, index_kpool 4), so the shipped
     drafter's KPool selection drops rows at every drafted position, and its recall is recorded."""
     cfg = config(["model=next_shipped", "experiment=smoke", "run.num_prompts=1", "run.prompt_tokens=100",
                   "run.max_new_tokens=6",
@@ -89,6 +89,7 @@ def test_the_shipped_next_model_drafts_past_index_topk(tmp_path):
     check_acceptance(cfg)
     s = acceptance.run(cfg, str(tmp_path))
     assert s["checkpoint"].endswith("glm5next-mtp-stdlib") and s["attention"] == "sparse"
+    assert s["index_share"] is True and s["index_share_setting"] is None  # the release's sharing, from its config.json
     r = s["recall"]
     assert r["rows"] > 0 and r["selection_real_share"] == 1.0 and r["mean_attended"] < r["mean_visible"]
     assert 0.0 < r["p10"] <= r["median"] <= r["oracle_median"] <= 1.0

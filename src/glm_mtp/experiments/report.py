@@ -11,9 +11,10 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - greedy runs with ``run.check_lossless=true``: prompts whose speculative output equals
   the target's own greedy decode, and where the others part;
 - paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
-  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are
-  compared with the first of them, the difference's interval from resampling the prompts jointly
-  (``stats.paired_difference``).
+  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
+  difference's interval from resampling the prompts jointly (``stats.paired_difference``): Δα_i,
+  ΔP(acc ≥ i) for i >= 2 (i = 1 is Δα_1) and Δτ. ``--pair index_share`` compares a drafter that
+  shares step 1's selection across draft steps (DESIGN.md §9) with one that does not (``on − off``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from .stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
-EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype": "plain", "attention": "sparse"}
+# index_share: what the drafter did (DESIGN.md §9); summaries written before sharing existed did not share.
+EXTRA_SETTINGS = {"draft": "argmax", "target_numerics": "vendor", "weights_dtype": "plain", "attention": "sparse",
+                  "index_share": False}
 ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "teacher_forced": 1, "heldout": 0, "ood": 1}
 
 
@@ -87,7 +90,8 @@ def load_summaries(root: str) -> list[dict[str, Any]]:
     runs.sort(key=lambda s: (ORDER.get(s["mode"], 9), ORDER.get(s["source"], 9), s["backend"], s["temperature"],
                              s["feed_hidden"] != "post_norm", ORDER.get(s["policy"], 9), s["num_drafts"],
                              s.get("weights_dtype", "plain") != "plain",  # plain weights first: the baseline
-                             s.get("attention", "sparse") != "sparse"))  # the drafter's own selection first
+                             s.get("attention", "sparse") != "sparse",  # the drafter's own selection first
+                             s.get("index_share", False)))  # each step's own selection first: the baseline sharing is compared with
     return runs
 
 
@@ -121,6 +125,7 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
         tokens = s.get("scored_positions") or s["generated_tokens"]
         backend = s["backend"] + (" fp8" if s.get("weights_dtype", "plain") == "fp8" else "")  # block-scaled weights
         backend += " dense" if s.get("attention", "sparse") == "dense" else ""  # every visible row attended (ablation)
+        backend += " shared" if s.get("index_share", False) else ""  # later draft steps reuse step 1's selection
         lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
                      f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
@@ -175,15 +180,11 @@ def recall_table(runs: list[dict[str, Any]]) -> str:
              "|" + "---|" * (7 + K + 4)]
     for s in runs:
         r = s["recall"]
-        per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (
-            K - len(r["per_position"])
-        )
-        lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {s.get('attention', 'sparse')} | {r['rows']} | "
-                     f"{r['median']:.4f} | "
-                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / "
-                                                              f"{r.get('oracle_p10', math.nan):.4f} | "
-                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | "
-                     f"{r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
+        per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (K - len(r["per_position"]))
+        attention = s.get("attention", "sparse") + (", shared" if s.get("index_share", False) else "")
+        lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {attention} | {r['rows']} | {r['median']:.4f} | "
+                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / {r.get('oracle_p10', math.nan):.4f} | "
+                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | {r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
     return "\n".join(lines)
 
 
@@ -207,25 +208,34 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     others = [k for k in SETTINGS if k != pair]  # what the paired runs share
     names = {"temperature": "T", "feed_hidden": "feed", "num_drafts": "k"}
     lines = [f"| {pair}: run − baseline | " + " | ".join(names.get(k, k) for k in others) + " | "
-             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | Δτ |",
-             "|" + "---|" * (1 + len(others) + K + 1)]
+             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | " + " | ".join(f"ΔP(acc ≥ {i + 1})" for i in range(1, K)) + " | Δτ |",
+             "|" + "---|" * (1 + len(others) + K + (K - 1) + 1)]
     for ss in groups.values():
         base = ss[0]
         for s in ss[1:]:
             d = paired_difference(s["counts_per_prompt"], base["counts_per_prompt"])
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
+            cells += [_signed(d["cumulative"], d["cumulative_ci"], i) for i in range(1, K)]  # P(acc ≥ 1) is α_1
             shared = " | ".join(f"{s[k]:g}" if k == "temperature" else _labelled(s, k, pair) for k in others)
-            lines.append(f"| {s.get(pair, EXTRA_SETTINGS.get(pair))} − {base.get(pair, EXTRA_SETTINGS.get(pair))} | "
-                         f"{shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+            lines.append(f"| {_value(s, pair)} − {_value(base, pair)} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _value(s: dict[str, Any], pair: str) -> str:
+    """The paired setting's value in a row's label (index sharing reads ``on`` / ``off``)."""
+    v = s.get(pair, EXTRA_SETTINGS.get(pair))
+    return ("on" if v else "off") if pair == "index_share" else str(v)
 
 
 def _labelled(s: dict[str, Any], key: str, pair: str) -> str:
     """A setting's value for a table cell; the backend cell also names a dense drafter
-    (``attention=dense``) unless attention is what the table varies."""
+    (``attention=dense``) and a sharing one (``index_share``) unless that is what the table varies."""
+    label = str(s[key])
     if key == "backend" and pair != "attention" and s.get("attention", "sparse") == "dense":
-        return f"{s[key]} dense"
-    return str(s[key])
+        label += " dense"
+    if key == "backend" and pair != "index_share" and s.get("index_share", False):
+        label += " shared"
+    return label
 
 
 def lossless_table(runs: list[dict[str, Any]]) -> str:
