@@ -39,11 +39,15 @@ ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "tea
 # The fields of an acceptance run's summary.json that the report reads, with their JSON types: a
 # file without one of them, or with a value of another type, is not a summary this report can read.
 TEXT, NUMBER, COUNT, NUMBERS, OBJECT = "a string", "a number", "an integer >= 1", "a list of numbers", "an object"
-SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": TEXT, "policy": TEXT, "temperature": NUMBER,
-                  "num_drafts": COUNT, "prompts": COUNT, "acceptance_per_position": NUMBERS, "mean_accepted_length": NUMBER}
+SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": TEXT, "policy": TEXT,
+                  "temperature": NUMBER,
+                  "num_drafts": COUNT, "prompts": COUNT, "acceptance_per_position": NUMBERS,
+                  "mean_accepted_length": NUMBER}
 # Read when present and not null (older summaries lack them, a speculative run scores no positions).
-OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT, "attention": TEXT, "generated_tokens": NUMBER,
-                   "scored_positions": NUMBER, "cumulative": NUMBERS, "acceptance_cumulative": NUMBERS, "speedup": OBJECT}
+OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT, "attention": TEXT,
+                   "generated_tokens": NUMBER,
+                   "scored_positions": NUMBER, "cumulative": NUMBERS, "acceptance_cumulative": NUMBERS,
+                   "speedup": OBJECT}
 
 
 def is_json_type(value: Any, kind: str) -> bool:
@@ -60,7 +64,8 @@ def check_summary(path: str, s: dict[str, Any]) -> None:
     the report can read (``SUMMARY_FIELDS``, ``OPTIONAL_FIELDS``)."""
     for name in SUMMARY_FIELDS:
         if name not in s:
-            raise ValueError(f"{path}: not an acceptance run's summary (no {name!r}; written by python -m glm_mtp.experiments.acceptance)")
+            raise ValueError(f"{path}: not an acceptance run's summary (no {name!r}; written by python -m "
+                             "glm_mtp.experiments.acceptance)")
     for name, kind in {**SUMMARY_FIELDS, **OPTIONAL_FIELDS}.items():
         if name in s and not is_json_type(s[name], kind) and not (name in OPTIONAL_FIELDS and s[name] is None):
             raise ValueError(f"{path}: {name} must be {kind}, got {s[name]!r:.60}")
