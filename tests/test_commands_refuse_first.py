@@ -35,8 +35,10 @@ for case in json.loads(sys.stdin.read()):
 print(json.dumps(results))
 """
 
-SUMMARY = {"mode": "speculative", "source": "heldout", "backend": "reference", "feed_hidden": "post_norm", "policy": "first_row_kept",
-           "temperature": 0.0, "num_drafts": 2, "prompts": 2, "acceptance_per_position": [0.5, 0.25], "mean_accepted_length": 1.75,
+SUMMARY = {"mode": "speculative", "source": "heldout", "backend": "reference", "feed_hidden": "post_norm",
+           "policy": "first_row_kept",
+           "temperature": 0.0, "num_drafts": 2, "prompts": 2, "acceptance_per_position": [0.5, 0.25],
+           "mean_accepted_length": 1.75,
            "generated_tokens": 32}
 
 # name -> (module, argv, words the error line must hold, what must not exist afterwards (relative to the case's folder))
@@ -48,20 +50,24 @@ ARGPARSE = {
                                 ["--weights fp8 --dtype float16", "fused step"], []),
     "counters context past the capacity": ("glm_mtp.tools.counters", ["--context", "600", "--max-seq-len", "1024"],
                                            ["--context 600", "max_position_embeddings 512"], []),
-    "counters batched context past the capacity": ("glm_mtp.tools.counters", ["--batch", "4", "--context", "500", "--max-seq-len", "1024"],
+    "counters batched context past the capacity": ("glm_mtp.tools.counters",
+                                                   ["--batch", "4", "--context", "500", "--max-seq-len", "1024"],
                                                    ["--context 500", "513 rows"], []),
     "bench context past a preset's cap": ("glm_mtp.experiments.bench",
-                                          ["--presets", "tiny", "--context", "600", "--max-seq-len", "1024", "--out", "bench-out"],
-                                          ["--context 600", "preset tiny", "max_position_embeddings 512"], ["bench-out"]),
-    "bench_batch context past a preset's cap": ("glm_mtp.experiments.bench_batch",
-                                                ["--preset", "tiny", "--context", "600", "--max-seq-len", "2048", "--out", "bb-out"],
-                                                ["--context 600", "preset tiny", "max_position_embeddings 512"], ["bb-out"]),
-    "report not JSON": ("glm_mtp.experiments.report", ["sweep"], ["summary.json", "not valid JSON"], ["sweep/report.md"]),
-    "report another tool's JSON": ("glm_mtp.experiments.report", ["sweep"], ["summary.json", "not an acceptance run's summary"],
+                                          ["--presets", "tiny", "--context", "600", "--max-seq-len", "1024", "--out",
+                                           "bench-out"],
+                                          ["--context 600", "preset tiny", "max_position_embeddings 512"],
+                                          ["bench-out"]),
+    "report not JSON": ("glm_mtp.experiments.report", ["sweep"], ["summary.json", "not valid JSON"],
+                        ["sweep/report.md"]),
+    "report another tool's JSON": ("glm_mtp.experiments.report", ["sweep"],
+                                   ["summary.json", "not an acceptance run's summary"],
                                    ["sweep/report.md"]),
-    "report a string for a number": ("glm_mtp.experiments.report", ["sweep"], ["summary.json", "num_drafts must be an integer"],
+    "report a string for a number": ("glm_mtp.experiments.report", ["sweep"], ["summary.json", "num_drafts must be an "
+                                                                                               "integer"],
                                      ["sweep/report.md"]),
-    "conformance max-seq-len 1": ("glm_mtp.conformance", ["--max-seq-len", "1", "--json", "report.json"], ["--max-seq-len", ">= 2"],
+    "conformance max-seq-len 1": ("glm_mtp.conformance", ["--max-seq-len", "1", "--json", "report.json"],
+                                  ["--max-seq-len", ">= 2"],
                                   ["report.json"]),
 }
 SUMMARY_FILES = {"report not JSON": "{not json", "report another tool's JSON": json.dumps({"launches_per_draft": 22}),
@@ -82,7 +88,8 @@ PROCESSES = {
         "glm_mtp.experiments.train", ["training=next_stdlib", "tokenizer.vocab_size=4096", "logger=none"],
         ["tokenizer.vocab_size must be 2048", "tokenizer.path=shipped"], ["outputs"]),
     "audit an architecture LLVM does not know": (
-        "glm_mtp.tools.audit", ["--arch", "sm_999", "--presets", "tiny"], ["--arch sm_999", "not a recognized processor"], []),
+        "glm_mtp.tools.audit", ["--arch", "sm_999", "--presets", "tiny"],
+        ["--arch sm_999", "not a recognized processor"], []),
 }
 
 
@@ -104,10 +111,13 @@ def outcomes(tmp_path_factory):
     for name, body in SUMMARY_FILES.items():
         (folders[name] / "sweep" / "0").mkdir(parents=True)
         (folders[name] / "sweep" / "0" / "summary.json").write_text(body)
-    started = {name: subprocess.Popen([sys.executable, "-m", module, *argv], cwd=folders[name], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True, env=child_env(interpret=module != "glm_mtp.tools.audit"))
+    started = {name: subprocess.Popen([sys.executable, "-m", module, *argv], cwd=folders[name],
+                                      stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True,
+                                      env=child_env(interpret=module != "glm_mtp.tools.audit"))
                for name, (module, argv, _, _) in PROCESSES.items()}
-    cases = [{"module": module, "argv": argv, "cwd": str(folders[name])} for name, (module, argv, _, _) in ARGPARSE.items()]
+    cases = [{"module": module, "argv": argv, "cwd": str(folders[name])}
+             for name, (module, argv, _, _) in ARGPARSE.items()]
     driver = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
                             env=child_env(interpret=True), timeout=600)
     assert driver.returncode == 0, driver.stderr

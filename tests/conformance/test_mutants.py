@@ -23,7 +23,8 @@ SHOWS_AT = {
     "block_table_off_by_one": ("export_state", "block_table", "alloc"),  # the blocks a fresh state claims
     "catchup_writes_x": ("export_state", "x", "catchup"),  # only propose may write x
     "last_token_shape_unchecked": ("outcome", None, "propose"),  # a bad last_token is not refused
-    "library_sums": ("export_state", "kv_rows", "propose"),  # another summation order rounds the rows differently (first in a shared propose's rows)
+    # another summation order rounds the rows differently (first in a shared propose's rows)
+    "library_sums": ("export_state", "kv_rows", "propose"),
     "misaligned_catchup": ("return", None, "catchup"),  # a misaligned catch-up must write 0 rows
     "no_rewind_when_ahead": ("drafter_rows", None, "propose"),  # propose must rewind to position
     "pair_shift": ("export_state", "kv_rows", "prefill"),  # the (token, hidden) pairing of every row
@@ -43,7 +44,8 @@ SHOWS_AT = {
     "kpool_stale_key": ("export_state", "pool_keys", "propose"),  # a rewritten pool keeps its old key
     "kpool_tail_dropped": ("return", "drafts", "propose"),  # the row's own pool's rows are not attended
     "kpool_misaligned": ("export_state", "pool_keys", "prefill"),  # pools pooled one row early
-    "kpool_ties_high": ("return", "drafts", "propose"),  # equal pool scores select another pool (step 1's, shared by the rest)
+    # equal pool scores select another pool (step 1's, shared by the rest)
+    "kpool_ties_high": ("return", "drafts", "propose"),
     "kpool_cut_stays_complete": ("export_state", "pool_complete", "verify"),  # a cut pool must be incomplete
     # index sharing (DESIGN.md §9; scenarios drawn with sharing on)
     "share_wrong_row": ("return", "drafts", "propose"),  # step 2 attends row p+1's selection: draft 2 differs

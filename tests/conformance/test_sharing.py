@@ -61,11 +61,13 @@ def _drive(prop, seed=0, rounds=2, k=3, accepted=2):
     cfg = prop.config
     gen = torch.Generator().manual_seed(seed)
     st = prop.alloc_state("cpu")
-    prop.prefill_drafter(torch.randint(1, cfg.vocab_size, (15,), generator=gen), torch.randn(15, cfg.hidden_size, generator=gen), st)
+    prop.prefill_drafter(torch.randint(1, cfg.vocab_size, (15,), generator=gen),
+                         torch.randn(15, cfg.hidden_size, generator=gen), st)
     out = []
     position = 14
     for _ in range(rounds):
-        drafts = prop.propose(int(torch.randint(1, cfg.vocab_size, (1,), generator=gen)), torch.randn(cfg.hidden_size, generator=gen),
+        drafts = prop.propose(int(torch.randint(1, cfg.vocab_size, (1,), generator=gen)),
+                              torch.randn(cfg.hidden_size, generator=gen),
                               position, k, st)
         out.append((drafts, raw_bytes(prop.export_state(st)["x"])))
         prop.after_verify(accepted, st)
@@ -111,5 +113,6 @@ def test_sharing_mutants_are_caught_in_the_other_family_too(name):
 
     r = run(f"mutant:{name}", "reference", scenarios=40, seed=0, preset=OTHER_FAMILY[MUTANTS[name].preset])
     assert not r.ok and r.first_difference.op.startswith("propose")
-    print(f"\n  mutant {name} ({OTHER_FAMILY[MUTANTS[name].preset]}): {r.first_difference.what}[{r.first_difference.tensor}] "
-          f"at step {r.first_difference.step} of scenario {r.first_difference.scenario_index}")
+    print(f"\n  mutant {name} ({OTHER_FAMILY[MUTANTS[name].preset]}): "
+          f"{r.first_difference.what}[{r.first_difference.tensor}] at step {r.first_difference.step} of scenario "
+          f"{r.first_difference.scenario_index}")

@@ -244,7 +244,8 @@ TIMINGS = ("wall_seconds", "draft_seconds", "verify_seconds", "prefill_seconds",
 
 def test_entry_point_batch_size_keeps_the_summary(tmp_path):
     # Five held-out prompts of the shipped GLM-5 model: batches of 4 and 1 against one at a time.
-    common = ["model=shipped", "logger=none", "experiment=smoke", "run.num_prompts=5", "run.max_new_tokens=12", "speedup.costs=glm5"]
+    common = ["model=shipped", "logger=none", "experiment=smoke", "run.num_prompts=5", "run.max_new_tokens=12",
+              "speedup.costs=glm5"]
     one = acceptance.run(config(common), str(tmp_path / "b1"))
     four = acceptance.run(config(common + ["batch_size=4"]), str(tmp_path / "b4"))
     assert one["batch_size"] == 1 and four["batch_size"] == 4

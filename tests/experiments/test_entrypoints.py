@@ -61,7 +61,8 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
 
 def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = config("config", ["model=shipped", "experiment=smoke", "mode=teacher_forced", "source=ood", "num_drafts=3", "group=g1"])
+    cfg = config("config", ["model=shipped", "experiment=smoke", "mode=teacher_forced", "source=ood", "num_drafts=3",
+                            "group=g1"])
     s = acceptance.run(cfg, str(tmp_path))
     assert s["mode"] == "teacher_forced" and s["source"] == "ood" and s["scored_positions"] == 2 * 16
     assert s["counts"]["steps"] == 32 and s["counts"]["reached"][0] == 32 and len(s["alpha_ci"]) == 3

@@ -44,7 +44,8 @@ def test_fp8_on_the_optimized_backend_in_float64_is_refused(tmp_path):
     """tiny_random is float64: the fused step (which reads fp8) does not take it. The settings'
     check says so by setting before any model is built; the drafter's constructor says it too."""
     overrides = COMMON + ["model.weights_dtype=fp8", "backend=optimized"]
-    with pytest.raises(ValueError, match=r"model.weights_dtype=fp8 with backend=optimized needs model.dtype float32 or bfloat16"):
+    with pytest.raises(ValueError,
+                       match=r"model.weights_dtype=fp8 with backend=optimized needs model.dtype float32 or bfloat16"):
         validate.check_acceptance(config(overrides))
     validate.check_acceptance(config(overrides + ["model.dtype=bfloat16"]))
     with pytest.raises(ValueError, match="run in the fused step only"):

@@ -251,11 +251,13 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
     from glm_mtp.experiments.provenance import file_sha256
 
     family, directory, _, _ = tiny
-    common = ["model=hf", f"model.path={directory}", "logger=none", "num_drafts=2", "run.num_prompts=2", "run.max_new_tokens=10",
+    common = ["model=hf", f"model.path={directory}", "logger=none", "num_drafts=2", "run.num_prompts=2",
+              "run.max_new_tokens=10",
               "speedup.repeats=1", "speedup.costs=" + ("glm5" if family == "glm5_next" else "measured")]
     if family == "glm5_next":
         path = tmp_path / "prompts.jsonl"
-        path.write_text(json.dumps({"prompt": "def f(x):"}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]})
+        path.write_text(json.dumps({"prompt": "def f(x):"}) + "\n\n" + json.dumps({"messages": [{"role": "user",
+                                                                                                 "content": "Hi"}]})
                         + "\n" + json.dumps({"prompt": "never read: past run.num_prompts"}) + "\n")
         cfg = config(common + ["source=jsonl", f"prompts.path={path}", "run.check_lossless=true"])
         sha = file_sha256(path)
@@ -271,7 +273,8 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
     s = acceptance.run(cfg, str(tmp_path / "run"))
     assert s["prompts"] == 2 and s["prompts_file_sha256"] == sha and s["prompts_path"] == str(path)
     assert s["target"] == {"implementation": "transformers", "transformers_version": transformers.__version__,
-                           "class": CLASSES[family], "model_type": family, "config_sha256": file_sha256(directory / "config.json"),
+                           "class": CLASSES[family], "model_type": family,
+                           "config_sha256": file_sha256(directory / "config.json"),
                            "device": "cpu", "device_map": {"": "cpu"}, "dtype": "float32", "topk_ties": "lower_index"}
     if family == "glm5_next":
         assert s["lossless"] == {"prompts": 2, "identical": 2, "diverged": []} and s["generated_tokens"] == 20
@@ -292,7 +295,8 @@ def test_bad_model_hf_and_prompt_settings_are_one_line():
         ({"model.path": ".", "target_numerics": "pinned"}, "model=hf verifies with transformers'"),
         ({"model.path": ".", "backend.name": "optimized"}, "backend=optimized drafts on CUDA"),
         ({"model.path": ".", "source": "jsonl"}, "source=jsonl reads prompts.path"),
-        ({"model.path": ".", "source": "jsonl", "prompts.path": "pyproject.toml", "mode": "teacher_forced"}, "it runs mode=speculative"),
+        ({"model.path": ".", "source": "jsonl", "prompts.path": "pyproject.toml", "mode": "teacher_forced"},
+         "it runs mode=speculative"),
         ({"model.path": ".", "source": "text", "prompts.path": "no/such/dir"}, "does not exist"),
     ):
         cfg = copy.deepcopy(base)
@@ -311,9 +315,10 @@ def test_a_bad_jsonl_line_is_named(tmp_path):
             return [ord(c) % 96 for c in text]
 
     good = json.dumps({"prompt": "ok"})
-    for line, rule in (("[1]", "either \"prompt\""), ('{"prompt": ""}', "non-empty text"), ("{oops", "not a JSON object"),
-                       ('{"messages": [{"role": "user"}]}', "non-empty list"), ('{"messages": [{"role": "u", "content": "c"}]}',
-                                                                                 "need a chat template")):
+    for line, rule in (("[1]", "either \"prompt\""), ('{"prompt": ""}', "non-empty text"),
+                       ("{oops", "not a JSON object"),
+                       ('{"messages": [{"role": "user"}]}', "non-empty list"),
+                       ('{"messages": [{"role": "u", "content": "c"}]}', "need a chat template")):
         path = tmp_path / "p.jsonl"
         path.write_text(good + "\n" + line + "\n")
         with pytest.raises(ValueError, match=rule) as e:

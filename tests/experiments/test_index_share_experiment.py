@@ -62,8 +62,11 @@ def index_topk(model):
     return MtpConfig.from_hf_config(shipped_checkpoint(model.get("shipped") or SHIPPED) / "config.json").index_topk
 
 
-@pytest.mark.parametrize("overrides, below", [([], True), (["model=shipped", "run.num_prompts=32"], True),
-                                              (["run.num_prompts=8", "run.prompt_tokens=512", "run.max_new_tokens=32"], False)])
+@pytest.mark.parametrize("overrides, below", [
+    ([], True),
+    (["model=shipped", "run.num_prompts=32"], True),
+    (["run.num_prompts=8", "run.prompt_tokens=512", "run.max_new_tokens=32"], False),
+])
 def test_the_experiment_slices_sit_below_or_above_index_topk(overrides, below):
     """Below: every row a run writes (prompt + generated + k drafts) is within index_topk, so
     step 1 selects every row; above: every drafted row sees more than index_topk rows."""

@@ -1,5 +1,6 @@
 """``model.index_share=null|true|false``: the acceptance experiment drafts with the checkpoint's
-index sharing (DESIGN.md §9) or the override, and records which in summary.json and W&B (``test_entrypoints``'s W&B run checks the record)."""
+index sharing (DESIGN.md §9) or the override, and records which in summary.json and W&B (``test_entrypoints``'s
+W&B run checks the record)."""
 
 import pytest
 from hydra import compose, initialize_config_module

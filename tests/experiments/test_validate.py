@@ -146,7 +146,8 @@ def test_exit_on_bad_config_removes_only_what_hydra_wrote(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["model=shipped", "num_drafts=100000"], r"^num_drafts must fit model.max_seq_len: .* = 100113 exceeds model.max_seq_len=256"),
+    (["model=shipped", "num_drafts=100000"],
+     r"^num_drafts must fit model.max_seq_len: .* = 100113 exceeds model.max_seq_len=256"),
     (["model=shipped", "run.prompt_tokens=250"], r"^num_drafts must fit model.max_seq_len"),
     (["model=tiny_random", "num_drafts=100", "experiment=smoke"], r"^num_drafts must fit model.max_seq_len"),
     (["model.path=/nonexistent/ckpt"], r"^model.path must be a checkpoint directory .*does not exist"),

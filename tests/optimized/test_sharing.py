@@ -23,7 +23,8 @@ assert SHARED_NEXT.index_share_for_mtp_iteration
 @pytest.mark.parametrize("cfg,dtype", [(SHARED_GLM5, torch.bfloat16), (UNSHARED_NEXT, torch.float32)],
                          ids=["glm5-shared-bf16", "glm5next-unshared-fp32"])
 def test_lockstep_scenarios(cfg, dtype):
-    r = run("optimized", "reference", scenarios=2, seed=13, preset=cfg, dtype=dtype, generators=("realistic", "batched"))
+    r = run("optimized", "reference", scenarios=2, seed=13, preset=cfg, dtype=dtype,
+            generators=("realistic", "batched"))
     assert r.ok, r.first_difference
 
 
@@ -57,12 +58,14 @@ def test_interpreted_kernels_and_the_shared_steps_launches(monkeypatch):
     pair = DrafterPair(w, max_seq_len=32, kernels="triton")
     walk(pair, Inputs(w, seed=6))
     assert pair.refused == 0
-    assert launches == {"block_input_triton": 1 + 3 + 4 + 2, "index_scores_triton": 4, "select_rows_triton": 4}, launches
+    assert launches == {"block_input_triton": 1 + 3 + 4 + 2, "index_scores_triton": 4,
+                        "select_rows_triton": 4}, launches
 
 
 @pytest.mark.slow  # ~2 min in the interpreter on this machine
 def test_lockstep_scenarios_interpreted_glm5_shared():
-    r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=2, seed=9, preset=SHARED_GLM5, max_seq_len=24,
+    r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=2, seed=9, preset=SHARED_GLM5,
+            max_seq_len=24,
             dtype=torch.bfloat16, generators=("realistic", "batched"))
     assert r.ok, r.first_difference
 

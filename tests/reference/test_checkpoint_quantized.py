@@ -71,15 +71,17 @@ def test_an_nvfp4_build_with_a_plain_mtp_layer_loads_as_plain_weights(tmp_path, 
 
 
 def test_an_mxfp4_build_with_a_plain_mtp_layer_loads(tmp_path, plain):
-    write(tmp_path, plain, MXFP4, {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 8, 2, 16, dtype=torch.uint8),
-                                   "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(4, 8, 2, dtype=torch.uint8)})
+    write(tmp_path, plain, MXFP4,
+          {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 8, 2, 16, dtype=torch.uint8),
+           "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(4, 8, 2, dtype=torch.uint8)})
     assert weights_equal(MtpWeights.from_pretrained(tmp_path), plain)
 
 
 REFUSED = {
     # NVFP4 beside the weight: packed uint8 under the weight's own name, its scales beside it
     "nvfp4 q_a_proj": (NVFP4, lambda w: (packed(Q_A, w.layer.attn.q_a_proj), ()),
-                       rf"tensor '{Q_A}' is quantized in modelopt NVFP4 \('{P}self_attn.q_a_proj.(input_scale|weight_scale)' beside it\)"),
+                       rf"tensor '{Q_A}' is quantized in modelopt NVFP4 "
+                       rf"\('{P}self_attn.q_a_proj.(input_scale|weight_scale)' beside it\)"),
     "nvfp4 expert, layer excluded in config": (NVFP4, lambda w: (packed(DOWN, w.layer.mlp.experts_down[3]), ()),
                                                rf"tensor '{DOWN}' is quantized in modelopt NVFP4"),
     # packed weight alone (no scale tensor read): its dtype names it
@@ -88,11 +90,16 @@ REFUSED = {
     "nvfp4 head": (NVFP4, lambda w: ({"lm_head.weight": torch.zeros(96, 32, dtype=torch.uint8)}, ()),
                    r"tensor 'lm_head.weight' is torch.uint8 \(96, 32\), quantized in modelopt NVFP4"),
     # MXFP4: the weight replaced by its blocks and scales
-    "mxfp4 expert": (MXFP4, lambda w: ({DOWN.removesuffix(".weight") + ".weight_blocks": torch.zeros(64, 1, 16, dtype=torch.uint8),
-                                        DOWN.removesuffix(".weight") + ".weight_scales": torch.zeros(64, 1, dtype=torch.uint8)}, (DOWN,)),
+    "mxfp4 expert": (MXFP4,
+                     lambda w: ({DOWN.removesuffix(".weight") + ".weight_blocks":
+                                     torch.zeros(64, 1, 16, dtype=torch.uint8),
+                                 DOWN.removesuffix(".weight") + ".weight_scales":
+                                     torch.zeros(64, 1, dtype=torch.uint8)},
+                                (DOWN,)),
                      rf"tensor '{DOWN}' is quantized in mxfp4 \('{DOWN}_blocks' beside it\)"),
     # float8 values under another method's config
-    "float8 under gptq": ({"quant_method": "gptq", "bits": 4}, lambda w: ({Q_A: w.layer.attn.q_a_proj.to(torch.float8_e4m3fn)}, ()),
+    "float8 under gptq": ({"quant_method": "gptq", "bits": 4},
+                          lambda w: ({Q_A: w.layer.attn.q_a_proj.to(torch.float8_e4m3fn)}, ()),
                           rf"tensor '{Q_A}' is torch.float8_e4m3fn \(32, 64\), quantized in gptq"),
 }
 

@@ -17,8 +17,10 @@ FIELDS = ("rope_theta", "routed_scaling_factor", "rms_norm_eps", "swiglu_limit")
 TINY, MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 # float64 values at float32's edges: the least normal and the greatest finite float32, their float64
 # neighbours, and the halfway points that round (to even) onto the edge or past it.
-EDGES = [TINY, np.nextafter(TINY, 0), np.nextafter(TINY, 1), TINY / 2, TINY * (1 - 2**-25), float(np.float32(TINY) - np.float32(2**-149)),
-         MAX, np.nextafter(MAX, math.inf), MAX + 2.0**103, np.nextafter(MAX + 2.0**103, 0), 2.0**128, 1e-300, 1e300, 1e-45, 1e-46,
+EDGES = [TINY, np.nextafter(TINY, 0), np.nextafter(TINY, 1), TINY / 2, TINY * (1 - 2**-25),
+         float(np.float32(TINY) - np.float32(2**-149)),
+         MAX, np.nextafter(MAX, math.inf), MAX + 2.0**103, np.nextafter(MAX + 2.0**103, 0), 2.0**128, 1e-300, 1e300,
+         1e-45, 1e-46,
          5e-324, 0.0, -0.0, -1.0, math.inf, math.nan, 10**400, 1.0, 2.5]
 
 

@@ -53,7 +53,8 @@ def test_a_scale_is_accepted_exactly_when_every_value_is_a_normal_positive_float
     if good:
         fp8.check_scales("file: scale 'x_scale_inv'", s)
     else:
-        with pytest.raises(ValueError, match=r"^file: scale 'x_scale_inv' holds \d+ value\(s\) that are not a normal float32 > 0"):
+        with pytest.raises(ValueError,
+                           match=r"^file: scale 'x_scale_inv' holds \d+ value\(s\) that are not a normal float32 > 0"):
             fp8.check_scales("file: scale 'x_scale_inv'", s)
 
 

@@ -21,7 +21,8 @@ def test_release_config_reads_as_the_preset():
     assert cfg == MtpConfig.preset("glm5next_tiny")
     assert cfg.index_share_for_mtp_iteration and cfg.index_kpool == 4
     text = json.loads((RELEASE / "config.json").read_text())["text_config"]
-    for field in ("mhc", "hc_mult", "linear_attn_config", "layer_types", "indexer_types", "moe_router_dtype", "index_kpool_compress"):
+    for field in ("mhc", "hc_mult", "linear_attn_config", "layer_types", "indexer_types", "moe_router_dtype",
+                  "index_kpool_compress"):
         assert field in text  # the fixture carries the released fields the drafter reads past
 
 

@@ -69,7 +69,8 @@ def test_shared_steps_attend_step_ones_selection(preset, context, sampled, atten
         for _ in range(2):
             attended.clear()
             p = prop.drafter_rows(state)
-            token, hidden = int(torch.randint(1, prop.config.vocab_size, (1,), generator=gen)), torch.randn(prop.config.hidden_size, generator=gen)
+            token = int(torch.randint(1, prop.config.vocab_size, (1,), generator=gen))
+            hidden = torch.randn(prop.config.hidden_size, generator=gen)
             if sampled:
                 noise = torch.empty(k, prop.config.vocab_size, dtype=A).exponential_(generator=gen)
                 prop.propose_sampled(token, hidden, p, k, 1.5, noise, state)
@@ -96,15 +97,18 @@ def test_rows_outside_the_selection_are_never_read(preset, attended):
     for share in (True, False):
         prop = ReferenceProposer(weights(preset, share, seed=5), max_seq_len=64)
         runs = []
+        S: list[int] = []  # step 1's selection, listed by the unperturbed run (the first)
         for perturb in (False, True):
             state, gen = prefilled(prop, n, seed=2)
             p = n - 1
-            token, hidden = int(torch.randint(1, prop.config.vocab_size, (1,), generator=gen)), torch.randn(prop.config.hidden_size, generator=gen)
+            token = int(torch.randint(1, prop.config.vocab_size, (1,), generator=gen))
+            hidden = torch.randn(prop.config.hidden_size, generator=gen)
             if perturb:
                 outside = sorted(set(range(p)) - set(S))
                 assert outside, "the context must be larger than the selection"
                 L = prop.config.kv_lora_rank
-                state.cache.kv_pool.flatten(0, 1)[torch.tensor(outside), :L] = torch.randn(len(outside), L, generator=gen) * 10  # block_table: identity
+                latent = state.cache.kv_pool.flatten(0, 1)  # block_table: identity
+                latent[torch.tensor(outside), :L] = torch.randn(len(outside), L, generator=gen) * 10
             attended.clear()
             drafts = prop.propose(token, hidden, p, k, state)
             if not perturb:
@@ -135,7 +139,8 @@ def test_shared_rows_write_their_cache_entries_as_without_sharing(preset, monkey
         return real(w, tokens, hiddens, *args, **kwargs)
 
     monkeypatch.setattr(proposer_module, "mtp_rows", spy)
-    prop.propose(int(torch.randint(1, prop.config.vocab_size, (1,), generator=gen)), torch.randn(prop.config.hidden_size, generator=gen),
+    prop.propose(int(torch.randint(1, prop.config.vocab_size, (1,), generator=gen)),
+                 torch.randn(prop.config.hidden_size, generator=gen),
                  n - 1, k, shared)
     monkeypatch.setattr(proposer_module, "mtp_rows", real)
     assert len(inputs) == k
@@ -170,7 +175,8 @@ def test_flag_off_is_a_chain_of_one_draft_proposes(preset):
     sa, g1 = prefilled(on, 20, seed=9)
     sb, g2 = prefilled(off, 20, seed=9)
     for position in (19, 20, 21):
-        token, hidden = int(torch.randint(1, w.config.vocab_size, (1,), generator=g1)), torch.randn(w.config.hidden_size, generator=g1)
+        token = int(torch.randint(1, w.config.vocab_size, (1,), generator=g1))
+        hidden = torch.randn(w.config.hidden_size, generator=g1)
         assert on.propose(token, hidden, position, 1, sa) == off.propose(token, hidden, position, 1, sb)
         assert keyed_bytes(on.export_state(sa)) == keyed_bytes(off.export_state(sb))
         on.after_verify(1, sa)

@@ -27,7 +27,7 @@ from torch import nn
 
 tfn = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
 tfd = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig, Glm5NextTextConfig  # noqa: E402
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig  # noqa: E402
 from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig  # noqa: E402
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer  # noqa: E402
@@ -51,7 +51,8 @@ def glm5_text_config() -> GlmMoeDsaConfig:
         n_group=c.n_group, topk_group=c.topk_group, num_experts_per_tok=c.num_experts_per_tok,
         norm_topk_prob=c.norm_topk_prob, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         index_topk=c.index_topk, index_head_dim=c.index_head_dim, index_n_heads=c.index_n_heads,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, first_k_dense_replace=c.first_k_dense_replace,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        first_k_dense_replace=c.first_k_dense_replace,
         pad_token_id=None, indexer_types=["full", "shared"],
     )
     t._attn_implementation = "eager"
@@ -98,7 +99,8 @@ class SharedMtpBlock(nn.Module):
         else:
             pos = torch.arange(L)[None]
             causal = torch.full((L, L), torch.finfo(a.dtype).min).triu(1)[None, None]
-            out = attn(a, position_embeddings=self.rotary(a, pos), attention_mask=causal, position_ids=pos, prev_topk_indices=prev)
+            out = attn(a, position_embeddings=self.rotary(a, pos), attention_mask=causal, position_ids=pos,
+                       prev_topk_indices=prev)
         return out[0], out[2]
 
     def forward(self, tokens: torch.Tensor, hiddens: torch.Tensor, shared: list[int] | None = None):  # type: ignore[no-untyped-def]
@@ -160,13 +162,15 @@ def setup(request, tmp_path_factory):
     randomise(block, torch.Generator().manual_seed(13))
     block.tie(t)
     directory = tmp_path_factory.mktemp(family) / "ck"
-    save_checkpoint(directory, json.loads(json.dumps(config, default=str)), checkpoint_tensors(block, family, t.num_hidden_layers), 40)
+    save_checkpoint(directory, json.loads(json.dumps(config, default=str)),
+                    checkpoint_tensors(block, family, t.num_hidden_layers), 40)
     weights = MtpWeights.from_pretrained(directory)
     assert weights.config == preset and weights.dtype == torch.float32
     return family, block, weights
 
 
-def transformers_propose(block: SharedMtpBlock, rows: list[tuple[int, torch.Tensor]], token: int, hidden: torch.Tensor, k: int):
+def transformers_propose(block: SharedMtpBlock, rows: list[tuple[int, torch.Tensor]], token: int, hidden: torch.Tensor,
+                         k: int):
     """A propose of k drafts after the context ``rows`` ((token, hidden) per row) on transformers'
     modules: step 1 through the full attention, steps 2..k through the shared one over step 1's
     rows. Returns the drafts, each step's ``x`` and each draft row's (token, hidden)."""
@@ -207,7 +211,8 @@ def test_shared_drafts_match_transformers(setup, case, monkeypatch):
     worst = 0.0
     for k, keep in ((k1, accepted), (k2, None)):
         monkeypatch.setattr(torch, "topk", topk_lower_index)
-        monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, dim=-1, largest=True, sorted=True: topk_lower_index(self, k, dim, largest))
+        monkeypatch.setattr(torch.Tensor, "topk",
+                            lambda self, k, dim=-1, largest=True, sorted=True: topk_lower_index(self, k, dim, largest))
         with torch.no_grad():
             want, want_x, written = transformers_propose(block, rows, token, hidden, k)
         monkeypatch.undo()
@@ -223,7 +228,8 @@ def test_shared_drafts_match_transformers(setup, case, monkeypatch):
             break
         rows = rows + written[: keep + 1]  # the first row and the accepted drafts' rows stay
         position += keep + 1
-        token, hidden = int(torch.randint(V, (1,), generator=g)), torch.randn(H, generator=g)  # the bonus, the target's hidden
+        # the bonus, the target's hidden
+        token, hidden = int(torch.randint(V, (1,), generator=g)), torch.randn(H, generator=g)
     WORST[family] = max(WORST.get(family, 0.0), worst)
     print(f"{family} {case}: sharing vs transformers' shared DSA layers, max rel err of x = {worst:.3e}")
 
@@ -237,7 +243,8 @@ def test_flag_off_differs_from_the_shared_layers(setup, monkeypatch):
     tokens, hiddens = torch.randint(V, (15,), generator=g), torch.randn(14, H, generator=g)
     rows = [(int(tokens[r + 1]), hiddens[r]) for r in range(13)]
     monkeypatch.setattr(torch, "topk", topk_lower_index)
-    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, dim=-1, largest=True, sorted=True: topk_lower_index(self, k, dim, largest))
+    monkeypatch.setattr(torch.Tensor, "topk",
+                        lambda self, k, dim=-1, largest=True, sorted=True: topk_lower_index(self, k, dim, largest))
     with torch.no_grad():
         _, want_x, _ = transformers_propose(block, rows, int(tokens[14]), hiddens[13], 2)
     monkeypatch.undo()

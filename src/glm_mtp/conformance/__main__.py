@@ -92,7 +92,8 @@ def scenario_settings_error(args: argparse.Namespace, config: Any) -> str | None
         if g not in ALL_GENERATORS:
             return f"--generators: unknown generator {g!r}; known: {', '.join(ALL_GENERATORS)}"
     if args.max_seq_len < MIN_MAX_SEQ_LEN:
-        return f"--max-seq-len must be >= {MIN_MAX_SEQ_LEN} (the generators' prompts hold 2 or more tokens), got {args.max_seq_len}"
+        return (f"--max-seq-len must be >= {MIN_MAX_SEQ_LEN} (the generators' prompts hold 2 or more tokens), "
+                f"got {args.max_seq_len}")
     limit = max_drafts_limit(config, args.max_seq_len)
     if args.max_drafts > limit:
         return (f"--max-drafts must be <= {limit} (the rows a state has left after a prompt of --max-seq-len "

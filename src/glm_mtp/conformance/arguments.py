@@ -93,7 +93,8 @@ class Draws:
             return self.draw(st.sampled_from([1.0, 2.5, math.nan, math.inf]))
         if k == "tensor":  # on the CPU mostly; on the meta device it holds no value to read
             device = self.draw(st.sampled_from(["cpu", "cpu", *devices()]))
-            return torch.tensor(self.draw(valid), dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])),
+            return torch.tensor(self.draw(valid),
+                                dtype=self.draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])),
                                 device=device)
         if k == "float_tensor":
             return torch.tensor(float(self.draw(valid)))
@@ -266,13 +267,15 @@ class HostileCalls(RuleBasedStateMachine):
         """Run ``fn(prop, states_of_that_backend)`` on both backends and check the outcome."""
         self.calls.append(f"{call}({', '.join(f'{k}={short(v)}' for k, v in args.items())})")
         before = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(self.sides)]
-        outcomes = [Outcome(lambda s=s, p=p: fn(p, [pair[s] for pair in self.states])) for s, p in enumerate(self.sides)]
+        outcomes = [Outcome(lambda s=s, p=p: fn(p, [pair[s] for pair in self.states]))
+                    for s, p in enumerate(self.sides)]
         ref, cand = outcomes
         where = "\n  ".join(self.calls)
         context = f"{call}: reference {ref.describe()}; candidate {cand.describe()}\ncalls:\n  {where}"
         assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
         if ref.error is not None:
-            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
+            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), \
+                f"different refusals: {context}"
             if isinstance(ref.error, (ValueError, TypeError)):
                 names = [*args, "state", "token id", "temperature", "noise", "hidden"]
                 assert any(n in str(ref.error) for n in names), f"a refusal that names no argument: {context}"
@@ -288,7 +291,8 @@ class HostileCalls(RuleBasedStateMachine):
     def states_agree(self) -> None:
         for i, (r, c) in enumerate(self.states):
             assert r.poisoned is None and c.poisoned is None, f"state {i} poisoned: {r.poisoned or c.poisoned}"
-            assert state_bytes(self.sides[0], r) == state_bytes(self.sides[1], c), f"state {i} differs after:\n  " + "\n  ".join(self.calls)
+            assert state_bytes(self.sides[0], r) == state_bytes(self.sides[1], c), \
+                f"state {i} differs after:\n  " + "\n  ".join(self.calls)
 
     def seq_len(self, i: int) -> int:
         return self.sides[0].drafter_rows(self.states[i][0]) if not self.states[i][0].released else 0
@@ -315,7 +319,8 @@ class HostileCalls(RuleBasedStateMachine):
         row_base = d.integer(st.sampled_from([base, base, base, max(base - 1, 0), base + 1, 60, 63]))
         pos_base = d.integer(st.sampled_from([base]))
         tokens, hiddens = d.tokens(n), d.hiddens(n)
-        self.play("catchup_drafter", {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
+        self.play("catchup_drafter",
+                  {"state": i, "tokens": tokens, "hiddens": hiddens, "row_base": row_base, "pos_base": pos_base},
                   lambda p, s: p.catchup_drafter(tokens, hiddens, row_base, pos_base, s[i]), [i])
 
     def propose_args(self, d: Draws, i: int) -> tuple[Any, Any, Any, Any]:
@@ -329,7 +334,8 @@ class HostileCalls(RuleBasedStateMachine):
         i = data.draw(st.integers(0, STATES - 1))
         d = Draws(data, self.cfg, self.dtype)
         token, hidden, position, k = self.propose_args(d, i)
-        self.play("propose", {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
+        self.play("propose",
+                  {"state": i, "last_token": token, "target_hidden": hidden, "position": position, "num_drafts": k},
                   lambda p, s: p.propose(token, hidden, position, k, s[i]), [i])
 
     @rule(data=st.data())
@@ -370,11 +376,15 @@ class HostileCalls(RuleBasedStateMachine):
         else:
             hiddens = d.hiddens(len(picked))
         positions: Any = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [a[2] for a in args]
-        if d.draw(st.integers(0, 3)) == 0 and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 2**63 for p in positions):
-            positions = torch.tensor(positions, dtype=torch.int64, device=d.draw(st.sampled_from(devices())))  # (B,), any device
-        self.play("propose_batch", {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
-                                    "num_drafts": k},
-                  lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]), list(range(STATES)))
+        if d.draw(st.integers(0, 3)) == 0 and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 2**63
+                                                  for p in positions):
+            positions = torch.tensor(positions, dtype=torch.int64,
+                                     device=d.draw(st.sampled_from(devices())))  # (B,), any device
+        self.play("propose_batch",
+                  {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens, "positions": positions,
+                   "num_drafts": k},
+                  lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]),
+                  list(range(STATES)))
 
     @rule(data=st.data())
     def catchup_batch(self, data: Any) -> None:
@@ -382,7 +392,8 @@ class HostileCalls(RuleBasedStateMachine):
         picked = self.batch(d)
         tokens = d.tokens(len(picked))
         hiddens = d.hiddens(len(picked))
-        bases = [self.seq_len(i) for i in picked] if d.draw(st.booleans()) else [d.integer(st.integers(0, 8)) for _ in picked]
+        bases = ([self.seq_len(i) for i in picked] if d.draw(st.booleans())
+                 else [d.integer(st.integers(0, 8)) for _ in picked])
         self.play("catchup_batch", {"states": picked, "tokens": tokens, "hiddens": hiddens, "row_bases": bases},
                   lambda p, s: p.catchup_batch(tokens, hiddens, bases, [s[i] for i in picked]), list(range(STATES)))
 
@@ -411,15 +422,18 @@ class HostileCalls(RuleBasedStateMachine):
         d = Draws(data, self.cfg, self.dtype)
         weights = self.weights.to("meta") if d.draw(st.integers(0, 3)) == 0 else self.weights
         max_seq_len = d.integer(st.sampled_from([1, 16, self.max_seq_len]))
-        outcomes = [Outcome(lambda f=f: (f(weights, max_seq_len).max_seq_len,)) for f in (ReferenceProposer, self.candidate)]
+        outcomes = [Outcome(lambda f=f: (f(weights, max_seq_len).max_seq_len,))
+                    for f in (ReferenceProposer, self.candidate)]
         ref, cand = outcomes
-        context = f"construct(weights on {weights.device}, max_seq_len={short(max_seq_len)}): reference {ref.describe()}; " \
-                  f"candidate {cand.describe()}"
+        context = f"construct(weights on {weights.device}, max_seq_len={short(max_seq_len)}): " \
+                  f"reference {ref.describe()}; candidate {cand.describe()}"
         self.calls.append(context)
         assert (ref.error is None) == (cand.error is None), f"one backend refused, the other did not: {context}"
         if ref.error is not None:
-            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), f"different refusals: {context}"
-            assert "max_seq_len" in str(ref.error) or "weights" in str(ref.error), f"a refusal that names no argument: {context}"
+            assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), \
+                f"different refusals: {context}"
+            assert "max_seq_len" in str(ref.error) or "weights" in str(ref.error), \
+                f"a refusal that names no argument: {context}"
         else:
             assert ref.value == cand.value, f"different results: {context}"
 
@@ -444,8 +458,9 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
         from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
     weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
     sides = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
-    return type("ArgumentMachine", (HostileCalls,), {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
-                                                     "weights": weights, "candidate": staticmethod(candidate)})
+    return type("ArgumentMachine", (HostileCalls,),
+                {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
+                 "weights": weights, "candidate": staticmethod(candidate)})
 
 
 def short(value: Any) -> str:

@@ -65,7 +65,8 @@ class Difference(Finding):
         where = self.where()
         share = "" if self.index_share is None else f", index_share {str(self.index_share).lower()}"
         lines = [
-            f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}{share}), step {self.step}: {self.op}"
+            f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}{share}), step "
+            f"{self.step}: {self.op}"
             + (f"  [spec: {self.expect}]" if self.expect else ""),
             f"  {where}: {self.detail}",
         ]

@@ -118,8 +118,10 @@ def run(
             op = sc.ops[at]
             first = Difference(
                 **asdict(finding), scenario_index=index, scenario_seed=sc.scenario_seed, generator=sc.generator,
-                step=at, op=op.call(), op_args=op.to_dict()["args"], expect=op.expect + (f" ({op.note})" if op.note else ""),
-                replay=replay_command(h, seed, index, generators, max_drafts, scenario_file), index_share=sc.index_share,
+                step=at, op=op.call(), op_args=op.to_dict()["args"],
+                expect=op.expect + (f" ({op.note})" if op.note else ""),
+                replay=replay_command(h, seed, index, generators, max_drafts, scenario_file),
+                index_share=sc.index_share,
             )
             break
     return Report(

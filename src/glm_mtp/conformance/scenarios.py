@@ -74,7 +74,8 @@ def load_scenario(path: str) -> Scenario:
             if index_share is not None and not isinstance(index_share, bool):
                 raise ValueError(f"index_share must be true, false or null, got {index_share!r}")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"scenario file {path}: not a scenario saved by save_scenario ({type(e).__name__}: {e})") from e
+            raise ValueError(f"scenario file {path}: not a scenario saved by save_scenario "
+                             f"({type(e).__name__}: {e})") from e
     return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=ops, index_share=index_share)
 
 
@@ -88,7 +89,8 @@ def max_drafts_limit(config: MtpConfig, max_seq_len: int) -> int:
 def draws_index_share(seed: int, index: int) -> bool:
     """Whether scenario ``index`` of run ``seed`` drafts with index sharing (§9): a fair draw of
     its own, so the ops a generator chooses do not depend on it."""
-    return bool(hashlib.blake2b(f"glm-mtp-conformance:index_share:{seed}:{index}".encode(), digest_size=1).digest()[0] & 1)
+    return bool(hashlib.blake2b(f"glm-mtp-conformance:index_share:{seed}:{index}".encode(),
+                                digest_size=1).digest()[0] & 1)
 
 
 def scenario_seed(seed: int, index: int) -> int:
@@ -125,5 +127,6 @@ def scenario(
     s = scenario_seed(seed, index)
     share = draws_index_share(seed, index)
     model = SpecModel(config, max_seq_len, share)
-    ops = {"realistic": realistic, "adversarial": adversarial, "batched": batched}[gen](RandomChooser(s), model, max_drafts)
+    ops = {"realistic": realistic, "adversarial": adversarial, "batched": batched}[gen](RandomChooser(s), model,
+                                                                                        max_drafts)
     return Scenario(seed, index, gen, s, tuple(ops), share)

@@ -250,11 +250,12 @@ def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -
         return Target(model.target, max_seq_len, numerics=numerics), "cpu"
     from .hf_target import HfTarget
 
-    target = HfTarget(model.hf.model, cfg.num_drafts + 1, max_seq_len, model.mtp.device, cfg.model.get("topk_ties", "lower_index"))
+    target = HfTarget(model.hf.model, cfg.num_drafts + 1, max_seq_len, model.mtp.device,
+                      cfg.model.get("topk_ties", "lower_index"))
     return target, model.mtp.device
 
 
-def target_record(m: "Measurement") -> dict[str, Any]:
+def target_record(m: Measurement) -> dict[str, Any]:
     """What the target was: transformers' model (version, class, config sha256, device map,
     dtype, top-k ties) or the package's own."""
     if m.model.hf is not None:
@@ -304,10 +305,12 @@ def measure(cfg: Any) -> Measurement:
     results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device)
     for w in windows:
         if mode == "teacher_forced":
-            st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature, decoder.gen,
+            st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
+                                decoder.gen,
                                 device=device, draft=draft)
             if len(samples) < 2:
-                samples.append({"prompt": decode(w[: run.prompt_tokens]), "continuation": decode(w[run.prompt_tokens :]),
+                samples.append({"prompt": decode(w[: run.prompt_tokens]),
+                                "continuation": decode(w[run.prompt_tokens :]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
             p, res = next(results)

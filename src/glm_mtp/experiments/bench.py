@@ -409,8 +409,10 @@ def bench_parser() -> argparse.ArgumentParser:
                         "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "
                         "none: --counters with no preset)")
     p.add_argument("--out", default=None, help="default: outputs/bench/<device>-<time>")
-    p.add_argument("--target-costs", action="store_true", help="measure the speedup model's c and v(k) on the toy target (costs.json)")
-    p.add_argument("--checkpoint", default=None, help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
+    p.add_argument("--target-costs", action="store_true",
+                   help="measure the speedup model's c and v(k) on the toy target (costs.json)")
+    p.add_argument("--checkpoint", default=None,
+                   help="--target-costs: the toy target's checkpoint directory (default: the shipped one)")
     return p
 
 
@@ -496,13 +498,15 @@ def check_lengths(p: argparse.ArgumentParser, a: argparse.Namespace, presets: li
         p.error("--max-seq-len must exceed --context + max(--drafts) + 2")
     if a.max_position_embeddings is not None:
         if rows > a.max_position_embeddings:
-            p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps max_seq_len)")
+            p.error("--max-position-embeddings must exceed --context + max(--drafts) + 2 (the drafter's context caps "
+                    "max_seq_len)")
         return
     for name in presets:
         cap = MtpConfig.preset(name).max_position_embeddings
         if rows > cap:
             p.error(f"--context {a.context} + max(--drafts) + 2 = {rows} rows exceed preset {name}'s context "
-                    f"(max_position_embeddings {cap}, which caps max_seq_len); lower --context or pass --max-position-embeddings")
+                    f"(max_position_embeddings {cap}, which caps max_seq_len); lower --context or pass "
+                    "--max-position-embeddings")
 
 
 def check_target_costs(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.device) -> None:

@@ -136,7 +136,8 @@ class HfTarget:
 
     def _forward(self, tokens: list[int], state: HfState) -> TargetOutput:
         if state.length + len(tokens) > self.max_seq_len:
-            raise ValueError(f"tokens: positions up to {state.length + len(tokens)} run past the target's max_seq_len of {self.max_seq_len}")
+            raise ValueError(f"tokens: positions up to {state.length + len(tokens)} run past the target's max_seq_len "
+                             f"of {self.max_seq_len}")
         ids = torch.tensor([list(tokens)], device=self.input_device)
         with torch.no_grad(), pinned_topk(self.topk_ties):
             hidden = self.body(input_ids=ids, cache=state.cache, use_cache=True).last_hidden_state[0]  # (T, H)
@@ -147,7 +148,8 @@ class HfTarget:
     def prefill(self, tokens: list[int], state: HfState) -> TargetOutput:
         """The prompt at positions ``[0, n)``; it is never rolled back (its record is dropped)."""
         if state.length:
-            raise ValueError(f"prefill needs an empty state; this one holds {state.length} positions (alloc_state a new one)")
+            raise ValueError(f"prefill needs an empty state; this one holds {state.length} positions (alloc_state a "
+                             "new one)")
         if len(tokens) < 1:
             raise ValueError("tokens: a prefill needs at least one token")
         out = self._forward(tokens, state)
@@ -158,8 +160,8 @@ class HfTarget:
         """``tokens`` (at most ``max_verify``) at positions ``[length, length + T)``; the previous
         verify, if not rolled back, is settled first (its tokens kept)."""
         if not 1 <= len(tokens) <= self.max_verify:
-            raise ValueError(f"tokens: a verify feeds 1 to max_verify={self.max_verify} tokens (the recorded window, so its "
-                             f"rollback is exact), got {len(tokens)}")
+            raise ValueError(f"tokens: a verify feeds 1 to max_verify={self.max_verify} tokens (the recorded window, "
+                             f"so its rollback is exact), got {len(tokens)}")
         if not state.length:
             raise ValueError("verify needs a prefilled state (prefill the prompt first)")
         if state.pending:
@@ -174,8 +176,8 @@ class HfTarget:
         state is restored exactly); ``length`` equal to the held length settles that verify."""
         start = state.length - state.pending
         if not start <= length <= state.length:
-            raise ValueError(f"length: a rollback reaches only into the last verify (positions [{start}, {state.length}], "
-                             f"the states recorded for an exact rollback), got {length}")
+            raise ValueError(f"length: a rollback reaches only into the last verify (positions [{start}, "
+                             f"{state.length}], the states recorded for an exact rollback), got {length}")
         state.cache.crop(length - state.length)  # a negative count: that many positions removed; 0 settles
         state.length, state.pending = length, 0
 
@@ -218,7 +220,8 @@ class HfTokenizer:
 
 
 def has_tokenizer(directory: str) -> bool:
-    return any(os.path.exists(os.path.join(directory, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return any(os.path.exists(os.path.join(directory, n)) for n in ("tokenizer.json", "tokenizer_config.json",
+                                                                    "tokenizer.model"))
 
 
 def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bool = True) -> HfCheckpoint:
@@ -234,7 +237,8 @@ def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bo
         try:
             import accelerate  # noqa: F401  (device_map='auto' places the layers with it)
         except ImportError:
-            raise ImportError(f"model.device=auto places the layers with accelerate, which is not installed: {EXTRA}") from None
+            raise ImportError("model.device=auto places the layers with accelerate, which is not installed: "
+                              f"{EXTRA}") from None
     config_file = os.path.join(directory, "config.json")
     with open(config_file) as f:
         model_type = json.load(f).get("model_type")
@@ -245,7 +249,8 @@ def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bo
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(directory, dtype=dtype, device_map=None if device == "cpu" else device, local_files_only=True)
+        model = cls.from_pretrained(directory, dtype=dtype, device_map=None if device == "cpu" else device,
+                                    local_files_only=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bar:

@@ -46,7 +46,8 @@ def read_text(path: str) -> str:
 def cut_windows(stream: list[int], num: int, length: int, what: str) -> list[list[int]]:
     """``num`` windows of ``length`` tokens, evenly spaced over ``stream``."""
     if len(stream) < length:
-        raise ValueError(f"the {what} source holds {len(stream)} tokens, fewer than prompt_tokens + max_new_tokens = {length}")
+        raise ValueError(f"the {what} source holds {len(stream)} tokens, fewer than prompt_tokens + max_new_tokens = "
+                         f"{length}")
     stride = (len(stream) - length) // max(1, num)
     return [stream[i * stride : i * stride + length] for i in range(num)]
 
@@ -75,18 +76,21 @@ def jsonl_prompts(path: str, tokenizer: Any, num: int) -> list[list[int]]:
 def prompt_tokens(obj: object, tokenizer: Any, where: str) -> list[int]:
     """One JSONL prompt's tokens: ``prompt`` text or chat ``messages`` (exactly one of them)."""
     if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-        raise ValueError(f"{where}: each line must be a JSON object with either \"prompt\" (text) or \"messages\" (a chat)")
+        raise ValueError(f"{where}: each line must be a JSON object with either \"prompt\" (text) or \"messages\" (a "
+                         "chat)")
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ValueError(f"{where}: \"prompt\" must be non-empty text, got {obj['prompt']!r}")
-        ids = tokenizer.encode_prompt(obj["prompt"]) if hasattr(tokenizer, "encode_prompt") else tokenizer.encode(obj["prompt"])
+        ids = tokenizer.encode_prompt(obj["prompt"]) if hasattr(tokenizer,
+                                                                "encode_prompt") else tokenizer.encode(obj["prompt"])
     else:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                              and isinstance(m.get("content"), str) for m in msgs):
             raise ValueError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": text, \"content\": text}}")
         if not hasattr(tokenizer, "encode_chat"):
-            raise ValueError(f"{where}: \"messages\" need a chat template, which this model's tokenizer has not (use \"prompt\")")
+            raise ValueError(f"{where}: \"messages\" need a chat template, which this model's tokenizer has not (use "
+                             "\"prompt\")")
         ids = tokenizer.encode_chat(msgs)
     if not ids:
         raise ValueError(f"{where}: the prompt tokenizes to no tokens")

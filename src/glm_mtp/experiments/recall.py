@@ -57,7 +57,8 @@ class RecallProbe:
     position: int | None = None  # drafts recorded so far in this propose while one runs, else None
     num_drafts: int = 0  # of the running propose: a batched one drafts its states one after another
 
-    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
+    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
+                 cache: LayerCache,
                  ops: Numerics, shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         # shared: a shared draft step's selection (DESIGN.md §9), passed on: the step's rows are
         # recorded as every step's are, so position i > 1 measures the kept selection's recall.

@@ -11,7 +11,8 @@ Reads every ``summary.json`` under the directory; writes ``report.md`` and ``rep
 - greedy runs with ``run.check_lossless=true``: prompts whose speculative output equals
   the target's own greedy decode, and where the others part;
 - paired differences: for each setting named in ``--pair`` (``policy`` by default; comma-separated
-  for several tables), runs that differ only in that setting and share their prompts (equal ``prompts_sha256``) are compared with the first of them, the
+  for several tables), runs that differ only in that setting and share their prompts (equal
+  ``prompts_sha256``) are compared with the first of them, the
   difference's interval from resampling the prompts jointly (``stats.paired_difference``): Δα_i,
   ΔP(acc ≥ i) for i >= 2 (i = 1 is Δα_1) and Δτ. ``--pair index_share`` compares a drafter that
   shares step 1's selection across draft steps (DESIGN.md §9) with one that does not (``on − off``).
@@ -42,11 +43,15 @@ ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "tea
 # The fields of an acceptance run's summary.json that the report reads, with their JSON types: a
 # file without one of them, or with a value of another type, is not a summary this report can read.
 TEXT, NUMBER, COUNT, NUMBERS, OBJECT = "a string", "a number", "an integer >= 1", "a list of numbers", "an object"
-SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": TEXT, "policy": TEXT, "temperature": NUMBER,
-                  "num_drafts": COUNT, "prompts": COUNT, "acceptance_per_position": NUMBERS, "mean_accepted_length": NUMBER}
+SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": TEXT, "policy": TEXT,
+                  "temperature": NUMBER,
+                  "num_drafts": COUNT, "prompts": COUNT, "acceptance_per_position": NUMBERS,
+                  "mean_accepted_length": NUMBER}
 # Read when present and not null (older summaries lack them, a speculative run scores no positions).
-OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT, "attention": TEXT, "generated_tokens": NUMBER,
-                   "scored_positions": NUMBER, "cumulative": NUMBERS, "acceptance_cumulative": NUMBERS, "speedup": OBJECT}
+OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT, "attention": TEXT,
+                   "generated_tokens": NUMBER,
+                   "scored_positions": NUMBER, "cumulative": NUMBERS, "acceptance_cumulative": NUMBERS,
+                   "speedup": OBJECT}
 
 
 def is_json_type(value: Any, kind: str) -> bool:
@@ -63,7 +68,8 @@ def check_summary(path: str, s: dict[str, Any]) -> None:
     the report can read (``SUMMARY_FIELDS``, ``OPTIONAL_FIELDS``)."""
     for name in SUMMARY_FIELDS:
         if name not in s:
-            raise ValueError(f"{path}: not an acceptance run's summary (no {name!r}; written by python -m glm_mtp.experiments.acceptance)")
+            raise ValueError(f"{path}: not an acceptance run's summary (no {name!r}; written by python -m "
+                             "glm_mtp.experiments.acceptance)")
     for name, kind in {**SUMMARY_FIELDS, **OPTIONAL_FIELDS}.items():
         if name in s and not is_json_type(s[name], kind) and not (name in OPTIONAL_FIELDS and s[name] is None):
             raise ValueError(f"{path}: {name} must be {kind}, got {s[name]!r:.60}")
@@ -91,7 +97,8 @@ def load_summaries(root: str) -> list[dict[str, Any]]:
                              s["feed_hidden"] != "post_norm", ORDER.get(s["policy"], 9), s["num_drafts"],
                              s.get("weights_dtype", "plain") != "plain",  # plain weights first: the baseline
                              s.get("attention", "sparse") != "sparse",  # the drafter's own selection first
-                             s.get("index_share", False)))  # each step's own selection first: the baseline sharing is compared with
+                             # each step's own selection first: the baseline sharing is compared with
+                             s.get("index_share", False)))
     return runs
 
 
@@ -180,11 +187,14 @@ def recall_table(runs: list[dict[str, Any]]) -> str:
              "|" + "---|" * (7 + K + 4)]
     for s in runs:
         r = s["recall"]
-        per = [f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]] + ["—"] * (K - len(r["per_position"]))
+        per = ([f"{p['p10']:.3f}" if p["rows"] else "—" for p in r["per_position"]]
+               + ["—"] * (K - len(r["per_position"])))
         attention = s.get("attention", "sparse") + (", shared" if s.get("index_share", False) else "")
         lines.append(f"| {s['mode']} | {s['source']} | {s['policy']} | {attention} | {r['rows']} | {r['median']:.4f} | "
-                     f"{r['p10']:.4f} | " + " | ".join(per) + f" | {r.get('oracle_median', math.nan):.4f} / {r.get('oracle_p10', math.nan):.4f} | "
-                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | {r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
+                     f"{r['p10']:.4f} | " + " | ".join(per)
+                     + f" | {r.get('oracle_median', math.nan):.4f} / {r.get('oracle_p10', math.nan):.4f} | "
+                     f"{r.get('entropy_median', math.nan):.3f} | {r['selection_real_share']:.0%} | "
+                     f"{r['mean_attended']:.0f} / {r['mean_visible']:.0f} |")
     return "\n".join(lines)
 
 
@@ -208,7 +218,8 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     others = [k for k in SETTINGS if k != pair]  # what the paired runs share
     names = {"temperature": "T", "feed_hidden": "feed", "num_drafts": "k"}
     lines = [f"| {pair}: run − baseline | " + " | ".join(names.get(k, k) for k in others) + " | "
-             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | " + " | ".join(f"ΔP(acc ≥ {i + 1})" for i in range(1, K)) + " | Δτ |",
+             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | "
+             + " | ".join(f"ΔP(acc ≥ {i + 1})" for i in range(1, K)) + " | Δτ |",
              "|" + "---|" * (1 + len(others) + K + (K - 1) + 1)]
     for ss in groups.values():
         base = ss[0]
@@ -217,7 +228,8 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
             cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
             cells += [_signed(d["cumulative"], d["cumulative_ci"], i) for i in range(1, K)]  # P(acc ≥ 1) is α_1
             shared = " | ".join(f"{s[k]:g}" if k == "temperature" else _labelled(s, k, pair) for k in others)
-            lines.append(f"| {_value(s, pair)} − {_value(base, pair)} | {shared} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
+            lines.append(f"| {_value(s, pair)} − {_value(base, pair)} | {shared} | " + " | ".join(cells)
+                         + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

@@ -395,7 +395,8 @@ class SpeculativeDecoder:
 
     # The steps of generate_batch, in the order a round runs them.
 
-    def _batch_inputs(self, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int]) -> list[tuple[list[int], int]]:
+    def _batch_inputs(self, prompts: Sequence[list[int]],
+                      max_new_tokens: int | Sequence[int]) -> list[tuple[list[int], int]]:
         """(prompt, tokens wanted) per prompt, checked: a batched policy and draft, at least one
         prompt of at least one token, a count >= 1 for each."""
         if self.policy != "first_row_kept":
@@ -418,7 +419,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"max_new_tokens must be >= 1, got {n!r} for prompts[{b}]")
         return list(zip(prompts, wants))
 
-    def _prefill_one(self, s: "_Seq", device: torch.device | str) -> None:
+    def _prefill_one(self, s: _Seq, device: torch.device | str) -> None:
         """The target's prefill of the prompt (h_0..h_{n-1}, the first token) and the drafter's
         rows [0, n-1)."""
         clock = time.perf_counter
@@ -434,7 +435,7 @@ class SpeculativeDecoder:
         s.m, s.h_prev = len(s.prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
         s.done = s.generated >= s.want
 
-    def _propose_round(self, live: list["_Seq"], cap: int) -> list[list[int]]:
+    def _propose_round(self, live: list[_Seq], cap: int) -> list[list[int]]:
         """One ``propose_batch`` per ``cap`` live sequences: k drafts each, in order."""
         clock, drafts = time.perf_counter, []
         for i in range(0, len(live), cap):
@@ -447,7 +448,7 @@ class SpeculativeDecoder:
                 s.stats.draft_s += share
         return drafts
 
-    def _verify_one(self, s: "_Seq", d: list[int]) -> tuple["_Seq", int, Tensor, int] | None:
+    def _verify_one(self, s: _Seq, d: list[int]) -> tuple[_Seq, int, Tensor, int] | None:
         """The target verifies ``[t_m, d_1..d_k]``, rolls back past the accepted drafts and the
         drafter keeps its rows; commits. Returns the row a fully accepted sequence owes,
         ``(seq, d_k, h_{m+k-1}, row m+k-1)``, for the round's catch-up (None otherwise)."""
@@ -467,13 +468,14 @@ class SpeculativeDecoder:
         s.m += a + 1
         return owed
 
-    def _catch_up_round(self, owed: list[tuple["_Seq", int, Tensor, int]], cap: int) -> None:
+    def _catch_up_round(self, owed: list[tuple[_Seq, int, Tensor, int]], cap: int) -> None:
         """One ``catchup_batch`` per ``cap`` owed rows; each must write exactly its one row."""
         clock = time.perf_counter
         for i in range(0, len(owed), cap):
             part = owed[i : i + cap]
             t0 = clock()
-            written = self.proposer.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]), [o[3] for o in part],
+            written = self.proposer.catchup_batch([o[1] for o in part], torch.cat([o[2] for o in part]),
+                                                  [o[3] for o in part],
                                                   [o[0].dstate for o in part])
             share = (clock() - t0) / len(part)
             for (s, _, _, row), w in zip(part, written):

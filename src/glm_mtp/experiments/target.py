@@ -243,7 +243,8 @@ class Target:
     def prefill(self, tokens: list[int], state: TargetState) -> TargetOutput:
         """The prompt at positions ``[0, n)`` of an empty state."""
         if state.length:
-            raise ValueError(f"prefill needs an empty state; this one holds {state.length} positions (alloc_state a new one)")
+            raise ValueError(f"prefill needs an empty state; this one holds {state.length} positions (alloc_state a "
+                             "new one)")
         return self.forward(torch.tensor(tokens), state)
 
     def verify(self, tokens: list[int], state: TargetState) -> TargetOutput:

@@ -369,8 +369,8 @@ def prepare_models(cfg: Any) -> Models:
             corpus = build_corpus(cfg.tokenizer.vocab_size, cfg.tokenizer.sample_every, cfg.tokenizer.limit_items)
         mcfg = MtpConfig(**OmegaConf.to_container(cfg.arch), vocab_size=corpus.tokenizer.vocab_size)
     if t.seq_len > mcfg.index_topk and not mcfg.is_next:
-        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer is not "
-                         "trained (the glm5_next family's KPool indexer is)")
+        raise ValueError(f"train.seq_len ({t.seq_len}) must be <= arch.index_topk ({mcfg.index_topk}): GLM-5's indexer "
+                         "is not trained (the glm5_next family's KPool indexer is)")
     if not base:
         target, mtp, params = build_models(mcfg, t.seed)
     return Models(corpus, target, mtp, mcfg, params)
@@ -380,11 +380,13 @@ def make_optimizer(t: Any, params: list[Tensor]) -> torch.optim.Optimizer:
     """AdamW, weight decay on the matrices only."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(0.9, 0.95))
 
 
-def train_step(t: Any, m: Models, opt: torch.optim.Optimizer, batch: Tensor, moe: MoeFn, indexer_weight: float) -> dict[str, float]:
+def train_step(t: Any, m: Models, opt: torch.optim.Optimizer, batch: Tensor, moe: MoeFn,
+               indexer_weight: float) -> dict[str, float]:
     """One optimizer step over ``batch`` (windows, each its own forward): the losses averaged
     over the batch, the gradient norm before clipping."""
     tot_t, tot_m, accs = 0.0, [0.0] * t.mtp_depth, [0.0] * t.mtp_depth
@@ -405,7 +407,8 @@ def train_step(t: Any, m: Models, opt: torch.optim.Optimizer, batch: Tensor, moe
     gnorm = float(torch.nn.utils.clip_grad_norm_(m.params, t.grad_clip))
     opt.step()
     rec = {"grad_norm": gnorm, "target_loss": tot_t,
-           **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)}, **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
+           **{f"mtp{k + 1}_loss": tot_m[k] for k in range(t.mtp_depth)},
+           **{f"mtp{k + 1}_acc": accs[k] for k in range(t.mtp_depth)}}
     if m.config.is_next:
         rec.update(indexer_kl=tot_ix, indexer_recall=tot_recall)
     return rec
@@ -435,10 +438,13 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     t0 = time.perf_counter()
     m = prepare_models(cfg)
     opt = make_optimizer(t, m.params)
-    eval_windows = sample_windows(m.corpus.heldout, t.eval_windows, t.seq_len + 1, torch.Generator().manual_seed(t.seed + 7))
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train", group=cfg.get("group"))
-    print(f"corpus: {m.corpus.train.numel()} train / {m.corpus.heldout.numel()} held-out tokens, vocab {m.corpus.tokenizer.vocab_size}, "
-          f"setup {time.perf_counter() - t0:.0f}s, {sum(p.numel() for p in m.params) / 1e6:.2f}M parameters")
+    eval_windows = sample_windows(m.corpus.heldout, t.eval_windows, t.seq_len + 1,
+                                  torch.Generator().manual_seed(t.seed + 7))
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train",
+                      group=cfg.get("group"))
+    print(f"corpus: {m.corpus.train.numel()} train / {m.corpus.heldout.numel()} held-out tokens, vocab "
+          f"{m.corpus.tokenizer.vocab_size}, setup {time.perf_counter() - t0:.0f}s, "
+          f"{sum(p.numel() for p in m.params) / 1e6:.2f}M parameters")
     history, evals, steps = train_loop(cfg, m, opt, eval_windows, log, t0)
     minutes = (time.perf_counter() - t0) / 60
     recent = history[-t.log_every:]
@@ -491,7 +497,8 @@ def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Te
     return history, evals, step + 1
 
 
-def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dict[str, float]], evals: list[dict[str, float]],
+def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dict[str, float]],
+                  evals: list[dict[str, float]],
                   final: dict[str, float], command: str) -> None:
     """The run's files (loss curve, final.json), its W&B summary and, with ``out``, the checkpoint
     and its model card."""
@@ -500,14 +507,16 @@ def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dic
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
     log.log_image("loss_curve", png)
-    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": m.corpus.split.digest(), "git_commit": git_commit()})
+    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": m.corpus.split.digest(),
+                 "git_commit": git_commit()})
     log.finish()
     with open(os.path.join(run_dir, "final.json"), "w") as f:
         json.dump(final, f, indent=1)
     print(json.dumps(final, indent=1))
     if cfg.out:
         card = model_card(cfg, m.config, m.corpus, final, final["minutes"], final["steps"], command)
-        save_trained_model(cfg.out, m.target, m.mtp, m.corpus, card, {"training_log.json": {"history": history, "evals": evals, "final": final}})
+        save_trained_model(cfg.out, m.target, m.mtp, m.corpus, card,
+                           {"training_log.json": {"history": history, "evals": evals, "final": final}})
         import shutil
 
         shutil.copy(png, os.path.join(cfg.out, "loss_curve.png"))

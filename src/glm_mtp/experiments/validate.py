@@ -146,8 +146,9 @@ def check_drafter_weights(backend: str, dtype: str, weights_format: str) -> None
 
     if DTYPES[dtype] not in KERNEL_DTYPES:
         names = " or ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
-        raise ValueError(f"model.weights_dtype=fp8 with backend=optimized needs model.dtype {names} (the fused step's kernels "
-                         f"read block-scaled weights; a {dtype} drafter runs the per-primitive path, which reads none), got {dtype}")
+        raise ValueError(f"model.weights_dtype=fp8 with backend=optimized needs model.dtype {names} (the fused step's "
+                         f"kernels read block-scaled weights; a {dtype} drafter runs the per-primitive path, which "
+                         f"reads none), got {dtype}")
 
 
 def index_share(mcfg: Any) -> bool | None:
@@ -156,7 +157,8 @@ def index_share(mcfg: Any) -> bool | None:
     §9; ``MtpWeights.with_index_share``)."""
     v = mcfg.get("index_share", None)
     if v is not None and not isinstance(v, bool):
-        raise ValueError(f"model.index_share must be true, false or null (the checkpoint's index_share_for_mtp_iteration); got {v!r}")
+        raise ValueError("model.index_share must be true, false or null (the checkpoint's "
+                         f"index_share_for_mtp_iteration); got {v!r}")
     return v
 
 
@@ -171,8 +173,8 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_choice(cfg, "policy", POLICIES)
     temperature = need_float(cfg, "temperature", 0.0)
     if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
-        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax at the "
-                         "temperature: draft=sampled needs temperature > 0)")
+        raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax "
+                         "at the temperature: draft=sampled needs temperature > 0)")
     numerics = need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
     need_int(cfg, "seed", 0)
@@ -234,10 +236,11 @@ def check_hf_model(cfg: Any, numerics: str) -> None:
         raise ValueError("backend=optimized drafts on CUDA, and model=hf puts the drafter beside the target's head: "
                          "model.device=cpu leaves it on the CPU (use model.device=cuda or auto, or backend=reference)")
     if numerics != "vendor":
-        raise ValueError(f"target_numerics={numerics} sets the package's own target; model=hf verifies with transformers' "
-                         "(leave target_numerics=vendor)")
+        raise ValueError(f"target_numerics={numerics} sets the package's own target; model=hf verifies with "
+                         "transformers' (leave target_numerics=vendor)")
     if _get(cfg, "model").get("path") is None:
-        raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as released)")
+        raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as "
+                         "released)")
 
 
 def check_prompts(cfg: Any) -> None:
@@ -252,12 +255,14 @@ def check_prompts(cfg: Any) -> None:
         raise ValueError(f"source={source} reads prompts.path, which must be a file path; got {path!r}")
     if source == "jsonl":
         if not os.path.isfile(path):
-            raise ValueError(f"prompts.path must be a JSONL file (one prompt a line) for source=jsonl; {path!r} is not a file")
+            raise ValueError(f"prompts.path must be a JSONL file (one prompt a line) for source=jsonl; {path!r} is not "
+                             "a file")
         if _get(cfg, "mode") != "speculative":
-            raise ValueError("source=jsonl holds prompts, not text to score: it runs mode=speculative (use source=text for "
-                             "mode=teacher_forced)")
+            raise ValueError("source=jsonl holds prompts, not text to score: it runs mode=speculative (use source=text "
+                             "for mode=teacher_forced)")
     elif not os.path.exists(path):
-        raise ValueError(f"prompts.path must be a text file or a folder of them for source=text; {path!r} does not exist")
+        raise ValueError(f"prompts.path must be a text file or a folder of them for source=text; {path!r} does not "
+                         "exist")
 
 
 def draft_kind(cfg: Any) -> str:
@@ -279,7 +284,8 @@ def model_config(cfg: Any) -> Any:
             raise ValueError(f"model.preset must be a preset name: {e}") from None
     path = _get(cfg, "model").get("path")
     if path is None and kind == "hf":
-        raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as released)")
+        raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as "
+                         "released)")
     if path is None:
         from .checkpoint import SHIPPED, shipped_checkpoint
 
@@ -340,8 +346,8 @@ def check_train(cfg: Any) -> None:
         need_float(cfg, f"train.{key}", 0.0)
     seq_len, depth = _get(cfg, "train.seq_len"), _get(cfg, "train.mtp_depth")
     if seq_len <= depth:
-        raise ValueError(f"train.seq_len must be > train.mtp_depth ({depth}): MTP depth k trains on seq_len - k rows of each "
-                         f"window, so depth {depth} would have none; got {seq_len}")
+        raise ValueError(f"train.seq_len must be > train.mtp_depth ({depth}): MTP depth k trains on seq_len - k rows "
+                         f"of each window, so depth {depth} would have none; got {seq_len}")
     distill = need_float(cfg, "train.mtp_distill", 0.0)
     if distill > 1:
         raise ValueError(f"train.mtp_distill must be in [0, 1], got {distill}")
@@ -392,8 +398,8 @@ def check_tokenizer_vocab(cfg: Any) -> None:
     size = BpeTokenizer.load(file).vocab_size
     asked = _get(cfg, "tokenizer.vocab_size")
     if asked != size:
-        raise ValueError(f"tokenizer.vocab_size must be {size}, the size of the tokenizer {key}={source} reads (the run trains no "
-                         f"tokenizer of its own, so it cannot honour another size), got {asked}")
+        raise ValueError(f"tokenizer.vocab_size must be {size}, the size of the tokenizer {key}={source} reads (the "
+                         f"run trains no tokenizer of its own, so it cannot honour another size), got {asked}")
 
 
 def trained_model_config(cfg: Any) -> Any:

@@ -109,7 +109,8 @@ class DevicePrograms:
             slot = st.pos + i  # (1,)
             shared = sharing and i > 0
             if self.step is not None and not sampled:
-                pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step, kept, shared)
+                pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step, kept,
+                                      shared)
                 x, token = fused_head(self.weights, pre_norm, self.step)  # (1, H), (1,): the draft, on the device
             else:
                 if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)

@@ -35,7 +35,7 @@ class KeptSelection:
     count: Tensor
 
     @classmethod
-    def allocate(cls, cfg: MtpConfig, capacity: int, lines: int, device: torch.device) -> "KeptSelection":
+    def allocate(cls, cfg: MtpConfig, capacity: int, lines: int, device: torch.device) -> KeptSelection:
         """Zeroed buffers as wide as a list over ``capacity`` rows (``selection_width``)."""
         return cls(torch.zeros(lines, selection_width(cfg, capacity), dtype=torch.int64, device=device),
                    torch.zeros(lines, dtype=torch.int64, device=device))
@@ -149,7 +149,8 @@ class OptimizedState(DrafterState):
         found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
         if self.cache.kpool is not None:
             found += [self.cache.kpool.gates, self.cache.kpool.keys, self.cache.kpool.complete]
-        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots, self.temp]
+        found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots,
+                  self.temp]
         found += [self.kept.rows, self.kept.count] if self.kept is not None else []
         found += [t for pair in self.sample_bufs.values() for t in pair]
         return [t for t in found if t is not None]

@@ -231,7 +231,7 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
 
 
 def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                     ok: Tensor, ops: Numerics = PINNED, fused: "PrimitiveKernels | None" = None,
+                     ok: Tensor, ops: Numerics = PINNED, fused: PrimitiveKernels | None = None,
                      shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
@@ -244,7 +244,8 @@ none), and a list's values do not depend on its padded width.
     gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
     if shared is not None:
         return shared
-    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)  # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
+    # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
+    q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)
     keys = cache.kpool.keys
     if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
         scores = pool_scores_triton(cfg, q_raw, w_raw, cache, slots)  # (T, P): written at the visible pools only

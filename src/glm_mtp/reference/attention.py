@@ -29,7 +29,8 @@ from .indexer import index_keys_from, index_queries, index_scores, select_rows, 
 from .kpool import kpool_rows
 from .layers import apply_rope, rope_table
 from .fp8 import weight_values
-from .numerics import PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum, psum_prefix, up
+from .numerics import (PINNED, Numerics, acc_dtype, dot, linear_acc, list_softmax, next_pow2, plain_weight, psum,
+                       psum_prefix, up)
 from .sharing import SharedSelection
 from .state import LayerCache
 from .weights import AttentionWeights, IndexerWeights, MtpWeights
@@ -246,7 +247,8 @@ def dsa_attention(attn: AttentionWeights, cfg: MtpConfig, a: Tensor, slots: Tens
         rows, count = kpool(attn.indexer, cfg, a, q_latent, slots, cache, ops, shared=kept)  # (1, K), (1,)
     elif kept is None:
         q_idx, w_idx = index_queries(attn.indexer, cfg, a, q_latent, cos, sin, ops)
-        rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)  # (T, K), (T,)
+        # (T, K), (T,)
+        rows, count = select_rows(index_scores(q_idx, w_idx, cache.index_rows(S), ops), slots, cfg.index_topk)
     else:
         rows, count = kept  # (1, K), (1,)
     if share is not None and kept is None:

@@ -34,7 +34,8 @@ EmbedFn = Callable[[MtpWeights, Tensor, Tensor], Tensor]
 
 def decoder_layer(
     layer: DecoderLayerWeights, cfg: MtpConfig, h: Tensor, slots: Tensor, cache: LayerCache, rope: Rope,
-    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED, write_rows: WriteRowsFn = write_cache_rows,
+    moe: MoeFn = moe_block, rows_read: int | None = None, ops: Numerics = PINNED,
+    write_rows: WriteRowsFn = write_cache_rows,
     kpool: KPoolRowsFn = kpool_rows, share: SharedSelection | None = None,
 ) -> Tensor:
     """One decoder layer (GLM-5's, or GLM-5.3-Flash's with ``cfg.family == "glm5_next"``: the
@@ -114,8 +115,8 @@ def mtp_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, cach
     pinned numerics)."""
     ops = hooks.ops
     u = block_input(w, hooks.embed(w, tokens, slots), hiddens, ops)
-    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows, hooks.kpool,
-                        share)
+    out = decoder_layer(w.layer, w.config, u, slots, cache, rope, hooks.moe, rows_read, ops, hooks.write_rows,
+                        hooks.kpool, share)
     return BlockOutput(x=ops.rms_norm(out, w.shared_head_norm, w.config.rms_norm_eps), pre_norm=out)
 
 

@@ -428,8 +428,9 @@ def check_float32_setting(name: str, value: object, where: str = "") -> float:
         raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where}, got {value!r}")
     rounded = float32_value(float(value))  # type: ignore[arg-type]
     if not (math.isfinite(rounded) and rounded >= FLOAT32_TINY):
-        raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where} as float32, the precision the drafter uses it in "
-                         f"(a normal float32, {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}): {value!r} rounds to {rounded!r} there")
+        raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where} as float32, the precision the drafter "
+                         f"uses it in (a normal float32, {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}): {value!r} rounds to "
+                         f"{rounded!r} there")
     return rounded
 
 

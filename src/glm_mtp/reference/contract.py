@@ -133,7 +133,8 @@ NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 def check_int(name: str, value: object, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum`` (a Python int, or a one-element integer tensor that
     holds data: ``check_strided``); ``ValueError`` naming the argument otherwise."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point and value.dtype != torch.bool:
+    if (isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_floating_point
+            and value.dtype != torch.bool):
         check_strided(name, value)
         value = int(value.item())
     if isinstance(value, bool) or not isinstance(value, int):

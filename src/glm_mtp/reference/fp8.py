@@ -309,8 +309,8 @@ def pair_scales(
         s = scales[sname]
         want = scale_shape(tuple(t.shape))
         if s.dtype != torch.float32 or tuple(s.shape) != want:
-            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} is {s.dtype} {tuple(s.shape)}, expected float32 {want} "
-                             f"(ceil(N/128), ceil(K/128)) for weight {name!r} {tuple(t.shape)}")
+            raise ValueError(f"{where.get(sname, file)}: scale {sname!r} is {s.dtype} {tuple(s.shape)}, expected "
+                             f"float32 {want} (ceil(N/128), ceil(K/128)) for weight {name!r} {tuple(t.shape)}")
         check_scales(f"{where.get(sname, file)}: scale {sname!r}", s)
         if check_finite and non_finite_fp8(t):
             raise ValueError(f"{file}: tensor {name!r} holds {non_finite_fp8(t)} NaN value(s) of {t.numel()}; pass "

@@ -210,7 +210,7 @@ def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor
     return pool_scores(q, w, kp.keys[:P], cfg) if ops.pinned else pool_scores_vendor(q, w, kp.keys[:P], cfg)
 
 
-def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                ops: Numerics = PINNED, shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The KPool indexer for new rows ``a`` (T, H) at ``slots`` (T,) whose index rows are
     already in ``cache``: writes their gates and the keys of the pools they complete, then each
@@ -235,7 +235,7 @@ def visible_rows(slots: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(rows < count[:, None], rows, 0), count
 
 
-def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: "LayerCache",
+def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
                    ops: Numerics = PINNED, shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The dense ablation of the KPool indexer (a ``KPoolRowsFn``; the reference drafter only):
     the same gate and pooled-key writes as ``kpool_rows`` (so a state's pool bytes do not depend
@@ -260,11 +260,12 @@ def check_selection(kpool: object, cfg: MtpConfig) -> None:
     calls. ``ValueError`` naming ``kpool`` and the rule otherwise."""
     select = getattr(kpool, "select", kpool)
     if not any(select is piece for piece in SELECTIONS):
-        raise ValueError("kpool must be a KPool selection: kpool.kpool_rows (the indexer), kpool.kpool_all_rows (every visible "
-                         f"row) or a probe running one as its .select; got {kpool!r:.80}")
+        raise ValueError("kpool must be a KPool selection: kpool.kpool_rows (the indexer), kpool.kpool_all_rows (every "
+                         f"visible row) or a probe running one as its .select; got {kpool!r:.80}")
     if not cfg.is_next and kpool is not kpool_rows:
-        raise ValueError(f"kpool={getattr(select, '__name__', select)!r} cannot apply to family {cfg.family!r}: only glm5_next "
-                         "selects rows by KPool pools (GLM-5's lightning indexer selects its own); leave kpool at its default")
+        raise ValueError(f"kpool={getattr(select, '__name__', select)!r} cannot apply to family {cfg.family!r}: only "
+                         "glm5_next selects rows by KPool pools (GLM-5's lightning indexer selects its own); leave "
+                         "kpool at its default")
 
 
 __all__ = [

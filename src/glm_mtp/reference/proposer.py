@@ -248,8 +248,8 @@ class ReferenceProposer:
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             for i in range(num_drafts):
                 slot = torch.tensor([position + i], device=state.device)
-                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1, hooks=self.hooks,
-                               share=share)
+                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1,
+                               hooks=self.hooks, share=share)
                 logits = draft_logits(self.weights, out.x)  # (1, V) in S
                 if temp is None:
                     token = greedy_token(logits)  # (1,)

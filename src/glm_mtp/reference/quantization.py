@@ -83,9 +83,9 @@ def refuse_quantization_tensor(fmt: str, prefix: str, layer_names: set[str], pre
         weight = quantized_weight_of(name)
         if weight is not None:
             raise ValueError(
-                f"tensor {prefix + weight!r} is quantized in {fmt} ({prefix + name!r} beside it): this package reads the "
-                f"MTP layer as plain weights or block-scaled fp8 (DESIGN.md §8), not {fmt}; a build whose MTP layer is "
-                "quantized in that format cannot be drafted from"
+                f"tensor {prefix + weight!r} is quantized in {fmt} ({prefix + name!r} beside it): this package reads "
+                f"the MTP layer as plain weights or block-scaled fp8 (DESIGN.md §8), not {fmt}; a build whose MTP "
+                "layer is quantized in that format cannot be drafted from"
             )
 
 
@@ -96,8 +96,8 @@ def refuse_quantized_dtype(fmt: str, tensors: dict[str, Tensor], where: dict[str
     for name, t in tensors.items():
         if not t.dtype.is_floating_point or t.dtype.itemsize == 1:
             raise ValueError(
-                f"{where[name]}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, quantized in {fmt}: this package reads the "
-                f"MTP layer, embedding and head as plain weights or block-scaled fp8 (DESIGN.md §8), not {fmt}"
+                f"{where[name]}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, quantized in {fmt}: this package reads "
+                f"the MTP layer, embedding and head as plain weights or block-scaled fp8 (DESIGN.md §8), not {fmt}"
             )
 
 

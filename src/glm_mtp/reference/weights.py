@@ -383,7 +383,7 @@ class MtpWeights:
         """Whether any weight is block-scaled fp8 (DESIGN.md §8); S is still ``dtype``."""
         return any(fp8.is_block_scaled(t) for _, t in field_tensors(self))  # a sharded layer too
 
-    def with_index_share(self, share: bool | None) -> "MtpWeights":
+    def with_index_share(self, share: bool | None) -> MtpWeights:
         """These weights drafting with index sharing (DESIGN.md §9) ``share`` on or off: the same
         tensors under a config whose ``index_share_for_mtp_iteration`` is ``share``; None keeps
         the config's (the checkpoint's) value and returns these weights."""
@@ -393,7 +393,7 @@ class MtpWeights:
             raise ValueError(f"index_share must be true, false or null (the checkpoint's), got {share!r}")
         return dataclasses.replace(self, config=self.config.replace(index_share_for_mtp_iteration=share))
 
-    def quantize_fp8(self) -> "MtpWeights":
+    def quantize_fp8(self) -> MtpWeights:
         """A copy with every weight §8 lets be fp8 block-scaled (``fp8.quantize_fp8``: per-block
         amax / 448, nearest e4m3), the rest shared with these weights (S stays ``dtype``). Already
         block-scaled weights are kept."""

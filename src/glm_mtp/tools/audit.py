@@ -135,7 +135,8 @@ def _arch_probe(x_ptr, n, BLOCK: tl.constexpr):
 
 def compile_probe(capability: int) -> None:
     """Compile ``_arch_probe`` for ``sm_<capability>`` (in a child process: ``unknown_arch``)."""
-    compile_launch(Launch(_arch_probe, (1,), (abstract((16,), torch.float32), 16), {"BLOCK": 16, "enable_fp_fusion": False}),
+    compile_launch(Launch(_arch_probe, (1,), (abstract((16,), torch.float32), 16),
+                          {"BLOCK": 16, "enable_fp_fusion": False}),
                    GPUTarget("cuda", capability, 32))
 
 

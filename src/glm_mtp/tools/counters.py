@@ -638,7 +638,8 @@ def counters_parser() -> argparse.ArgumentParser:
                    help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by "
                         "quantize_fp8)")
     p.add_argument("--batch", type=int, default=None,
-                   help="measure one batched draft step (propose_batch) over this many states instead (optimized backend)")
+                   help="measure one batched draft step (propose_batch) over this many states instead (optimized "
+                        "backend)")
     return p
 
 
@@ -686,7 +687,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     weights = checked_weights(p, a)
     if a.batch is not None:
-        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+        result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len,
+                                    seed=a.seed)
         result["preset"] = a.preset
         if a.json:
             print(json.dumps(result))
