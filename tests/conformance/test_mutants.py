@@ -23,15 +23,15 @@ SHOWS_AT = {
     "block_table_off_by_one": ("export_state", "block_table", "alloc"),  # the blocks a fresh state claims
     "catchup_writes_x": ("export_state", "x", "catchup"),  # only propose may write x
     "last_token_shape_unchecked": ("outcome", None, "propose"),  # a bad last_token is not refused
-    "library_sums": ("export_state", "kv_rows", "prefill"),  # another summation order rounds the rows differently
+    "library_sums": ("export_state", "kv_rows", "propose"),  # another summation order rounds the rows differently (first in a shared propose's rows)
     "misaligned_catchup": ("return", None, "catchup"),  # a misaligned catch-up must write 0 rows
     "no_rewind_when_ahead": ("drafter_rows", None, "propose"),  # propose must rewind to position
     "pair_shift": ("export_state", "kv_rows", "prefill"),  # the (token, hidden) pairing of every row
     "pos_base_rope": ("export_state", "kv_rows", "catchup"),  # the RoPE position of a catch-up row
-    "pre_norm_feed": ("export_state", "kv_rows", "propose"),  # draft 2's row is fed the wrong x
+    "pre_norm_feed": ("return", "drafts", "propose"),  # draft 2's row is fed the wrong x: draft 2 differs
     "rewind_before_validate": ("refused call changed the state", None, "propose"),
     "second_verify": ("outcome", None, "verify"),  # a verify with nothing pending is refused
-    "stale_indexer_view": ("export_state", "kv_rows", "propose"),  # rows past seq_len leak into a draft row
+    "stale_indexer_view": ("return", "drafts", "propose"),  # rows past seq_len leak into a draft row's selection
     "topk_ties_high": ("return", "drafts", "propose"),  # the tie breaks change the drafts
     "trim_first_row": ("drafter_rows", None, "verify"),  # after_verify keeps num_accepted + 1 rows
     # batches (generator "batched"): each state as its own call alone
@@ -43,8 +43,13 @@ SHOWS_AT = {
     "kpool_stale_key": ("export_state", "pool_keys", "propose"),  # a rewritten pool keeps its old key
     "kpool_tail_dropped": ("return", "drafts", "propose"),  # the row's own pool's rows are not attended
     "kpool_misaligned": ("export_state", "pool_keys", "prefill"),  # pools pooled one row early
-    "kpool_ties_high": ("export_state", "x", "propose"),  # equal pool scores select another pool
+    "kpool_ties_high": ("return", "drafts", "propose"),  # equal pool scores select another pool (step 1's, shared by the rest)
     "kpool_cut_stays_complete": ("export_state", "pool_complete", "verify"),  # a cut pool must be incomplete
+    # index sharing (DESIGN.md §9; scenarios drawn with sharing on)
+    "share_wrong_row": ("return", "drafts", "propose"),  # step 2 attends row p+1's selection: draft 2 differs
+    "share_left_over": ("return", "drafts", "propose"),  # a later propose's steps attend the earlier S
+    "share_attends_own_row": ("return", "drafts", "propose"),  # step 2 attends its own row too
+    "share_skips_index_writes": ("export_state", "index_rows", "propose"),  # a shared row's index key is not written
 }
 
 
@@ -64,8 +69,9 @@ def test_every_mutant_is_registered_and_names_its_rule():
     """Every ``Mutant`` subclass defined in mutants.py is in ``MUTANTS`` (a mutant left out would
     never be run) with a rule, and every one has a place it must show in ``SHOWS_AT``."""
     import glm_mtp.conformance.mutants as mutants
+    import glm_mtp.conformance.mutants_sharing as mutants_sharing
 
-    defined = {cls for cls in vars(mutants).values()
+    defined = {cls for module in (mutants, mutants_sharing) for cls in vars(module).values()
                if isinstance(cls, type) and issubclass(cls, mutants.Mutant) and "name" in vars(cls)}
     assert defined == set(MUTANTS.values())
     assert all(cls.rule for cls in defined) and set(SHOWS_AT) == set(MUTANTS)
@@ -85,9 +91,10 @@ def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
     h = Harness("mutant:stale_indexer_view", "reference", dtype=torch.bfloat16)
     from glm_mtp.conformance.scenarios import scenario
 
-    ls = h.lockstep()
+    sc = scenario(0, 0, h.config, 64)
+    ls = h.lockstep(sc.index_share)
     beside = {}
-    for step, op in enumerate(scenario(0, 0, h.config, 64).ops):
+    for step, op in enumerate(sc.ops):
         ls.step(op)  # differences are expected; the reference side is what matters here
         for i, v in enumerate(ls.baseline.view()):
             for k, t in v.export.items():

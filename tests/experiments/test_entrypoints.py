@@ -52,6 +52,9 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
     assert run["summary"]["cumulative"] == on_disk["cumulative"] and "cumulative_1" in run["summary"]
     assert "samples/_type" in run["summary"] and run["summary"]["mode"] == "speculative"
     assert len(run["summary"]["prompts_sha256"]) == 64 and "git_commit" in run["summary"] and "group" in run["summary"]
+    # Index sharing (DESIGN.md §9): model.index_share null drafts with the checkpoint's (tiny: off).
+    assert on_disk["index_share"] is False and on_disk["index_share_setting"] is None
+    assert run["summary"]["index_share"] is False and run["config"]["model"]["index_share"] is None
 
 
 def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):

@@ -100,7 +100,8 @@ BAD = {
                                      rf"'{P}.*' is torch.float8_e4m3fn, but config.json has no quantization_config"),
     "block 64": (lambda q: dict(config=set_block([64, 64])), r"weight_block_size must be \[128, 128\].*got \[64, 64\]"),
     "block 1d": (lambda q: dict(config=set_block([128])), r"weight_block_size must be \[128, 128\]"),
-    "method": (lambda q: dict(config=set_method), r"quant_method must be 'fp8'.*'gptq'"),
+    # another method's config: its float8 weights are a format this drafter does not read there
+    "method": (lambda q: dict(config=set_method), rf"tensor '{P}.*' is quantized in gptq \('{P}.*_scale_inv' beside it\)"),
     "missing scale": (lambda q: dict(drop=[Q_A + "_scale_inv"]), rf"float8 tensor '{Q_A}' has no scale '{Q_A}_scale_inv'"),
     "scale shape": (lambda q: {Q_A + "_scale_inv": torch.ones(1, 2)},
                     rf"scale '{Q_A}_scale_inv' is torch.float32 \(1, 2\), expected float32 \(2, 2\)"),

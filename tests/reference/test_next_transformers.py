@@ -47,6 +47,7 @@ def text_config() -> Glm5NextTextConfig:
         swiglu_limit=c.swiglu_limit, index_kpool=c.index_kpool, index_kpool_always_select_tail=True,
         pad_token_id=None, mlp_layer_types=["dense"] * c.first_k_dense_replace + ["sparse"] * (c.num_hidden_layers - c.first_k_dense_replace),
     )
+    t.index_share_for_mtp_iteration = True  # as the release's config.json (and the preset): DESIGN.md §9
     t._attn_implementation = "eager"
     return t
 

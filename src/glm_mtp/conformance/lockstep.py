@@ -277,21 +277,24 @@ class Harness:
         # Two copies of the same bytes: a backend that writes into its weights cannot move the other.
         self.weights = [MtpWeights.random(self.config, seed=self.weights_seed, dtype=self.dtype, device=self.device) for _ in range(2)]
 
-    def lockstep(self) -> Lockstep:
+    def lockstep(self, index_share: bool | None = None) -> Lockstep:
         """Fresh proposers on both sides (nothing carries over from an earlier scenario). The
-        baseline plays a valid batch as single calls on each state alone (``Side.per_state``)."""
+        baseline plays a valid batch as single calls on each state alone (``Side.per_state``).
+        ``index_share``: both sides' weights with index sharing (DESIGN.md §9) on or off
+        (``MtpWeights.with_index_share``; None: as the preset says)."""
+        weights = [w.with_index_share(index_share) for w in self.weights]
         return Lockstep(
-            Side("candidate", self._cand(self.weights[0], self.max_seq_len), self.config, self.dtype, self.device,
-                 foreign=self._foreign(self._cand, 0)),
-            Side("baseline", self._base(self.weights[1], self.max_seq_len), self.config, self.dtype, self.device,
-                 per_state=True, foreign=self._foreign(self._base, 1)),
+            Side("candidate", self._cand(weights[0], self.max_seq_len), self.config, self.dtype, self.device,
+                 foreign=self._foreign(self._cand, weights[0])),
+            Side("baseline", self._base(weights[1], self.max_seq_len), self.config, self.dtype, self.device,
+                 per_state=True, foreign=self._foreign(self._base, weights[1])),
         )
 
-    def _foreign(self, factory: Factory, side: int) -> Callable[[], Any]:
+    def _foreign(self, factory: Factory, weights: MtpWeights) -> Callable[[], Any]:
         """A state of another drafter of the same backend: one on a shallow copy of the side's
         weights (the same tensors, another object, so ``use_state`` refuses it with ValueError)."""
         def make() -> Any:
-            drafter = factory(copy.copy(self.weights[side]), self.max_seq_len)
+            drafter = factory(copy.copy(weights), self.max_seq_len)
             state = drafter.alloc_state(self.device)
             keep.append(drafter)  # the state's owner holds its weights weakly
             return state
@@ -302,7 +305,7 @@ class Harness:
 
 def run_scenario(h: Harness, sc: Scenario) -> tuple[int, Finding | None, int]:
     """Play one scenario in lockstep; ``(steps run, the first finding, failing step index)``."""
-    ls = h.lockstep()
+    ls = h.lockstep(sc.index_share)
     for i, op in enumerate(sc.ops):
         f = ls.step(op)
         if f is not None:

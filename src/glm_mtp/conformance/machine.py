@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 from .backends import Factory
 from .lockstep import Harness
@@ -82,9 +82,14 @@ def lockstep_machine(
 
     def __init__(self: Any) -> None:
         RuleBasedStateMachine.__init__(self)
-        self.lockstep = harness.lockstep()
-        self.model = SpecModel(harness.config, max_seq_len)
         self.ops: list[Op] = []
+
+    def start(self: Any, share: bool) -> None:
+        # Index sharing (DESIGN.md §9) on or off for both sides, drawn per example as the seeded
+        # generators draw it per scenario (shrinks toward off).
+        self.share = share
+        self.lockstep = harness.lockstep(share)
+        self.model = SpecModel(harness.config, max_seq_len, share)
         self.play([self.model.info(), self.model.alloc()])
 
     def play(self: Any, ops: list[Op]) -> None:
@@ -94,7 +99,7 @@ def lockstep_machine(
             if finding is not None:
                 calls = "\n".join(f"  {i:3d}  {o.call()}  [spec: {o.expect}]" for i, o in enumerate(self.ops))
                 # Hypothesis replays the shrunk example last, so the file ends up holding it.
-                save_scenario(path, self.ops, origin="glm_mtp.conformance.machine")
+                save_scenario(path, self.ops, origin="glm_mtp.conformance.machine", index_share=self.share)
                 replay = replay_command(harness, 0, 0, GENERATORS, max_drafts, scenario_file=path)
                 raise AssertionError(
                     f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: {op.call()}\n"
@@ -109,6 +114,6 @@ def lockstep_machine(
         step.__name__ = fn.__name__
         return rule(data=st.data())(step)
 
-    body: dict[str, Any] = {"__init__": __init__, "play": play}
+    body: dict[str, Any] = {"__init__": __init__, "start": initialize(share=st.booleans())(start), "play": play}
     body.update({name: make_rule(fn) for name, (fn, _) in RULES.items()})
     return type("LockstepMachine", (RuleBasedStateMachine,), body)

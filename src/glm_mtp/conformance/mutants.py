@@ -181,8 +181,10 @@ class NoRewindWhenAhead(Mutant):
         # MUTATION: no `state.seq_len = min(state.seq_len, position)`, and rows only ever grow.
         drafts: list[int] = []
         rope = self.rope(state.device)
+        share = _proposer.share_selection(self.config.index_share_for_mtp_iteration)  # DESIGN.md §9, as the reference
         for i in range(num_drafts):
-            out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache, rope)
+            out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache, rope,
+                           share=share)
             token = greedy_token(draft_logits(self.weights, out.x))
             drafts.append(int(token[0]))
             state.x = out.x[0].clone()
@@ -526,4 +528,8 @@ MUTANTS: dict[str, type[Mutant]] = {
     )
 }
 
-__all__ = ["Mutant", "SwappingMutant", "MUTANTS", "swapped"] + [c.__name__ for c in MUTANTS.values()]
+from .mutants_sharing import SHARING_MUTANTS  # noqa: E402  (index sharing's, DESIGN.md §9; they subclass Mutant)
+
+MUTANTS.update(SHARING_MUTANTS)
+
+__all__ = ["Mutant", "SwappingMutant", "MUTANTS", "swapped"] + [c.__name__ for c in MUTANTS.values() if c not in SHARING_MUTANTS.values()]

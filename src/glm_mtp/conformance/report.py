@@ -59,11 +59,13 @@ class Difference(Finding):
     op_args: dict[str, Any] = field(default_factory=dict)
     expect: str = ""
     replay: str = ""
+    index_share: bool | None = None  # the scenario's index sharing (DESIGN.md §9); None: the preset's
 
     def __str__(self) -> str:
         where = self.where()
+        share = "" if self.index_share is None else f", index_share {str(self.index_share).lower()}"
         lines = [
-            f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}), step {self.step}: {self.op}"
+            f"scenario {self.scenario_index} ({self.generator}, scenario seed {self.scenario_seed}{share}), step {self.step}: {self.op}"
             + (f"  [spec: {self.expect}]" if self.expect else ""),
             f"  {where}: {self.detail}",
         ]

@@ -112,7 +112,7 @@ def run(
             first = Difference(
                 **asdict(finding), scenario_index=index, scenario_seed=sc.scenario_seed, generator=sc.generator,
                 step=at, op=op.call(), op_args=op.to_dict()["args"], expect=op.expect + (f" ({op.note})" if op.note else ""),
-                replay=replay_command(h, seed, index, generators, max_drafts, scenario_file),
+                replay=replay_command(h, seed, index, generators, max_drafts, scenario_file), index_share=sc.index_share,
             )
             break
     return Report(
@@ -149,7 +149,7 @@ def record(
     tensors: dict[str, Tensor] = {}
     for index in scenario_indices:
         sc = scenario(seed, index, h.config, max_seq_len)
-        side = h.lockstep().candidate
+        side = h.lockstep(sc.index_share).candidate
         for step, op in enumerate(sc.ops):
             out, _ = side.call(op)
             outcomes.append(f"{index}/{step}: {out.kind} {out.value!r}")

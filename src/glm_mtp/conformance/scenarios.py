@@ -15,6 +15,10 @@ by family in ``single_state.py`` and ``batched.py``:
   different lengths, drafted together by ``propose_batch`` and caught up by ``catchup_batch``,
   with single calls interleaved and batched misuse.
 
+Every scenario also draws whether the drafters share step 1's selection across a propose
+(``index_share``, DESIGN.md §9): both sides draft with their weights' config replaced
+(``MtpWeights.with_index_share``), so either family runs both ways whatever its checkpoint says.
+
 ``scenario(seed, index, ...)`` builds scenario ``index`` of a run seeded ``seed``; it depends on
 nothing else, so ``--seed S --scenario-index I`` replays it exactly.
 """
@@ -47,12 +51,14 @@ class Scenario:
     generator: str
     scenario_seed: int
     ops: tuple[Op, ...]
+    index_share: bool | None = None  # §9 on or off for both sides; None: as the weights' config says
 
 
-def save_scenario(path: str, ops: Sequence[Op], origin: str = "") -> None:
-    """Write ops to a JSON file that ``load_scenario`` (and ``--scenario-file``) reads back."""
+def save_scenario(path: str, ops: Sequence[Op], origin: str = "", index_share: bool | None = None) -> None:
+    """Write ops (and the scenario's index sharing, §9) to a JSON file that ``load_scenario`` (and
+    ``--scenario-file``) reads back."""
     with open(path, "w") as f:
-        json.dump({"origin": origin, "ops": [op.to_dict() for op in ops]}, f, indent=1)
+        json.dump({"origin": origin, "index_share": index_share, "ops": [op.to_dict() for op in ops]}, f, indent=1)
 
 
 def load_scenario(path: str) -> Scenario:
@@ -62,9 +68,12 @@ def load_scenario(path: str) -> Scenario:
         try:
             raw = json.load(f)
             ops = tuple(Op.from_dict(d) for d in raw["ops"])
+            index_share = raw.get("index_share")
+            if index_share is not None and not isinstance(index_share, bool):
+                raise ValueError(f"index_share must be true, false or null, got {index_share!r}")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"scenario file {path}: not a scenario saved by save_scenario ({type(e).__name__}: {e})") from e
-    return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=ops)
+    return Scenario(seed=-1, index=0, generator="file", scenario_seed=-1, ops=ops, index_share=index_share)
 
 
 def max_drafts_limit(config: MtpConfig, max_seq_len: int) -> int:
@@ -72,6 +81,12 @@ def max_drafts_limit(config: MtpConfig, max_seq_len: int) -> int:
     of ``max_seq_len`` tokens (the capacity-edge rules draft from there)."""
     m = SpecModel(config, max_seq_len)
     return m.capacity - (m.max_seq_len - 1)
+
+
+def draws_index_share(seed: int, index: int) -> bool:
+    """Whether scenario ``index`` of run ``seed`` drafts with index sharing (§9): a fair draw of
+    its own, so the ops a generator chooses do not depend on it."""
+    return bool(hashlib.blake2b(f"glm-mtp-conformance:index_share:{seed}:{index}".encode(), digest_size=1).digest()[0] & 1)
 
 
 def scenario_seed(seed: int, index: int) -> int:
@@ -102,6 +117,7 @@ def scenario(
         raise ValueError(f"max_drafts must be an integer in [1, {limit}] (the rows left after a prompt of max_seq_len={max_seq_len} tokens), got {max_drafts!r}")
     gen = generators[index % len(generators)]
     s = scenario_seed(seed, index)
-    model = SpecModel(config, max_seq_len)
+    share = draws_index_share(seed, index)
+    model = SpecModel(config, max_seq_len, share)
     ops = {"realistic": realistic, "adversarial": adversarial, "batched": batched}[gen](RandomChooser(s), model, max_drafts)
-    return Scenario(seed, index, gen, s, tuple(ops))
+    return Scenario(seed, index, gen, s, tuple(ops), share)

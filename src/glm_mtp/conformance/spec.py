@@ -256,6 +256,10 @@ class SeqModel:
     last_drafted: int = 0
     released: bool = False
     drafts: int = 0  # drafts of the latest successful propose, which "dN" tokens may name
+    # Index sharing (DESIGN.md §9): the row whose selection the pending propose's steps 2..k
+    # attend (its first row p), None when no propose is pending, it drafted fewer than 2 rows, or
+    # the drafter does not share. It belongs to that propose alone: verify drops it.
+    shared_from: int | None = None
 
 
 @dataclass
@@ -265,10 +269,13 @@ class SpecModel:
     Args:
         config: the drafter's config (vocabulary, widths, max context).
         max_seq_len: what the proposers are built with (capped at the model's max context).
+        index_share: whether the drafters share step 1's selection across a propose (DESIGN.md
+            §9; the scenario's draw, ``Scenario.index_share``).
     """
 
     config: MtpConfig
     max_seq_len: int
+    index_share: bool = False
     seqs: list[SeqModel] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -336,7 +343,15 @@ class SpecModel:
         if out is not None:
             return Op("propose", i, args, out, rows_after=s.seq_len, note=note)
         self._proposed(s, position, num_drafts)
-        return Op("propose", i, args, "ok", returns=num_drafts, rows_after=s.seq_len, note=note)
+        return Op("propose", i, args, "ok", returns=num_drafts, rows_after=s.seq_len, note=self._shared_note(s, note))
+
+    @staticmethod
+    def _shared_note(s: SeqModel, note: str) -> str:
+        """The op's note, with the rows a valid propose's later steps attend (§9) when it shares."""
+        if s.shared_from is None:
+            return note
+        shared = f"steps 2..{s.last_drafted} attend row {s.shared_from}'s selection"
+        return f"{note}; {shared}" if note else shared
 
     def _propose_refusal(self, s: Any, position: Any, num_drafts: Any, data_valid: bool) -> str | None:
         """A propose's refusal on one state, in the contract's order: lifecycle, ``position``, the
@@ -351,11 +366,12 @@ class SpecModel:
             out = "ValueError"
         return out
 
-    @staticmethod
-    def _proposed(s: Any, position: int, num_drafts: int) -> None:
-        """A valid propose's counters: the rewind, the rows drafted, pending."""
+    def _proposed(self, s: Any, position: int, num_drafts: int) -> None:
+        """A valid propose's counters: the rewind, the rows drafted, pending, and (§9) the row
+        whose selection its later steps share."""
         s.seq_len = position + num_drafts if num_drafts else min(s.seq_len, position)
         s.pending, s.last_drafted, s.drafts = True, num_drafts, num_drafts
+        s.shared_from = position if self.index_share and num_drafts >= 2 else None
 
     def verify(self, i: int, num_accepted: Any, note: str = "") -> Op:
         s = self.seqs[i]
@@ -367,7 +383,7 @@ class SpecModel:
             return Op("verify", i, args, out, rows_after=s.seq_len, note=note)
         keep = min(s.last_drafted, num_accepted + 1)
         s.seq_len -= s.last_drafted - keep
-        s.pending, s.last_drafted = False, 0
+        s.pending, s.last_drafted, s.shared_from = False, 0, None
         return Op("verify", i, args, "ok", rows_after=s.seq_len, note=note)
 
     # ---- batches: many states in one call (reference/contract.py, "batches") ----------------

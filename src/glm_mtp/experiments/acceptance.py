@@ -58,12 +58,13 @@ from .provenance import provenance
 from .recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
-from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, weights_dtype
+from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share, weights_dtype
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one) or ``kind: random``;
     ``weights_dtype: fp8`` quantizes the drafter's §8 matrices (``MtpWeights.quantize_fp8``; the
-    target keeps its weights)."""
+    target keeps its weights); ``index_share: true | false`` overrides the drafter's index sharing
+    (DESIGN.md §9; ``null`` keeps the checkpoint's)."""
     dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "checkpoint":  # path, or the shipped checkpoint model.shipped names (default: the GLM-5 one)
         model = load_checkpoint(mcfg.path or shipped_checkpoint(mcfg.get("shipped") or SHIPPED), dtype)
@@ -73,7 +74,7 @@ def load_model(mcfg: Any) -> LoadedModel:
         raise ValueError(f"model.kind must be 'checkpoint' or 'random', got {mcfg.kind!r}")
     if weights_dtype(mcfg) == "fp8":
         model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
-    return model
+    return dataclasses.replace(model, mtp=model.mtp.with_index_share(index_share(mcfg)))
 
 
 
@@ -337,6 +338,10 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "target_numerics": m.numerics,
         "dtype": cfg.model.dtype,
         "weights_dtype": weights_dtype(cfg.model),  # fp8: the drafter's matrices block-scaled (DESIGN.md §8)
+        # Whether the drafter shared step 1's selection across a propose's steps (DESIGN.md §9):
+        # model.index_share, or the checkpoint's index_share_for_mtp_iteration where that is null.
+        "index_share": m.model.mtp.config.index_share_for_mtp_iteration,
+        "index_share_setting": index_share(cfg.model),
         "speedup": speedup,
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
         **provenance(m.model),

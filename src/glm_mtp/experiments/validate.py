@@ -132,6 +132,16 @@ def weights_dtype(mcfg: Any) -> str:
     return v
 
 
+def index_share(mcfg: Any) -> bool | None:
+    """``model.index_share``: ``null`` (the default, also for configs without the key) drafts with
+    the checkpoint's ``index_share_for_mtp_iteration``; ``true``/``false`` override it (DESIGN.md
+    §9; ``MtpWeights.with_index_share``)."""
+    v = mcfg.get("index_share", None)
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"model.index_share must be true, false or null (the checkpoint's index_share_for_mtp_iteration); got {v!r}")
+    return v
+
+
 def check_acceptance(cfg: Any, model: Any = None) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups). ``model``: the
     ``MtpConfig`` of a checkpoint that does not exist yet (a grid job's, trained first), checked
@@ -154,6 +164,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
     need_choice(cfg, "model.dtype", MODEL_DTYPES)
     weights_dtype(_get(cfg, "model"))  # both backends draft with fp8 weights
+    index_share(_get(cfg, "model"))
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
         need_int(cfg, "model.seed", 0)

@@ -6,8 +6,10 @@ safetensors, index entries plain file names inside the folder, every weight floa
 float32/float64 and, unless the caller casts, all one dtype (the routing bias may also be
 float32), and finite unless ``allow_non_finite``. A checkpoint whose ``config.json`` declares
 ``quantization_config`` fp8 with 128 x 128 blocks may store the weights DESIGN.md §8 lists as
-float8_e4m3fn, each with its ``*_scale_inv`` (rules in ``fp8.pair_scales``). Saving replaces the whole checkpoint or
-nothing (``save_checkpoint``).
+float8_e4m3fn, each with its ``*_scale_inv`` (rules in ``fp8.pair_scales``). One quantized in a format
+this package does not read (modelopt NVFP4, MXFP4, ...) loads when the tensors read are all plain,
+and is refused naming the format and the tensor otherwise (``quantization``). Saving replaces the
+whole checkpoint or nothing (``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from . import fp8
 from .config import MtpConfig, read_hf_json, read_json_object, read_tie_word_embeddings
+from .quantization import read_quantization, refuse_quantization_tensor, refuse_quantized_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -222,9 +225,12 @@ def load_mtp_tensors(
     present = {k[len(prefix):] for k in wmap if k.startswith(prefix)}
     raw_config, config_file = read_hf_json(directory)
     try:
-        quantized = fp8.read_quantization(raw_config, config_file)
+        quant = read_quantization(raw_config, config_file)
+        if quant.unread is not None:  # the target's format: the MTP layer loads only if it is all plain
+            refuse_quantization_tensor(quant.unread, prefix, set(expected), present)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+    quantized = quant.block_scaled_fp8
     # A block-scaled weight's *_scale_inv sits beside it; which weights may have one is checked
     # once the dtypes are known (fp8.pair_scales). Without quantization_config a scale is unexpected.
     scales = {n for n in present if quantized and n.endswith(fp8.SCALE_SUFFIX)}
@@ -258,6 +264,12 @@ def load_mtp_tensors(
                               f"({len(orphans)} such scales)")
     tensors = read_tensors(directory, [prefix + n for n in expected] + outer + [prefix + n for n in sorted(expected_scales)], wmap)
     scale_tensors = {prefix + n: tensors.pop(prefix + n) for n in expected_scales}
+    files = {n: os.path.join(os.fspath(directory), wmap[n]) for n in [*tensors, *scale_tensors]}
+    if quant.unread is not None:
+        try:
+            refuse_quantized_dtype(quant.unread, tensors, files)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     mtp = {n: tensors[prefix + n] for n in expected}
     for name, shape in expected.items():
         check_shape(prefix + name, mtp[name], shape)
@@ -265,7 +277,6 @@ def load_mtp_tensors(
     head = embed if tied else tensors["lm_head.weight"]
     check_shape(embed_name, embed, (cfg.vocab_size, cfg.hidden_size))
     check_shape("lm_head.weight", head, (cfg.vocab_size, cfg.hidden_size))
-    files = {n: os.path.join(os.fspath(directory), wmap[n]) for n in [*tensors, *scale_tensors]}
     try:  # float8 weights with their scales become fp8.BlockScaledWeight; the §8 rules are checked there
         paired = fp8.pair_scales(tensors, scale_tensors, files, quantized, check_finite=not allow_non_finite)
     except ValueError as e:
