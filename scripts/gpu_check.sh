@@ -69,7 +69,8 @@ done
 timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/optimized/test_sharing.py >"$OUT/pytest-sharing.log" 2>&1
 rc=$?
 [ $rc -ne 0 ] && status=1
-echo "index sharing on cuda (pytest -m gpu tests/optimized/test_sharing.py): exit $rc ($(tail -n 1 "$OUT/pytest-sharing.log"))" | tee -a "$summary"
+echo "index sharing on cuda (pytest -m gpu tests/optimized/test_sharing.py): exit $rc" \
+  "($(tail -n 1 "$OUT/pytest-sharing.log"))" | tee -a "$summary"
 
 # Batched drafting on CUDA: propose_batch / catchup_batch against each state alone (graphs per bucket).
 for dtype in bfloat16 float32; do

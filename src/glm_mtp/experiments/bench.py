@@ -72,7 +72,8 @@ COUNTER_PRESETS = ("tiny", "small", "glm5next_tiny", "glm5next_small")
 COUNTER_FIELDS = ("launches_per_draft", "triton_launches_per_draft", "kernel_bytes_per_draft", "floor_bytes_per_draft",
                   "kernel_floor_ratio", "launches_per_propose_overhead", "kernel_bytes_per_propose_overhead",
                   # index sharing (DESIGN.md §9): the counted step is then a shared one, and step 1 is apart
-                  "shared_step", "launches_step_1", "kernel_bytes_step_1", "floor_bytes_step_1", "kernel_floor_ratio_step_1")
+                  "shared_step", "launches_step_1", "kernel_bytes_step_1", "floor_bytes_step_1",
+                  "kernel_floor_ratio_step_1")
 
 
 def backend_factory(name: str) -> Callable[[MtpWeights, int], Any]:
