@@ -2,7 +2,9 @@
 # One script for a GPU machine that has torch, triton, einops, safetensors, hypothesis and pytest
 # but no package registry: first the PTX audit of every Triton kernel (compiled for sm_90 at the
 # tiny, small and glm5 presets; it needs no GPU), then the conformance suite on CUDA (tiny and
-# small, bf16 and fp32; batched at tiny; the glm5_next family at glm5next_tiny, audited at glm5next), the gpu-marked tests, then the benchmarks (one sequence,
+# small, bf16 and fp32; batched at tiny; the glm5_next family at glm5next_tiny, which shares the indexer's
+# selection across draft steps like the release, audited at glm5next; index sharing on CUDA for both
+# families), the gpu-marked tests, then the benchmarks (one sequence,
 # then batches). Everything lands under $OUT (or outputs/gpu_check); a short table is printed last. Budget: about 8 minutes on an H100/H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,14 @@ for dtype in bfloat16 float32; do
   echo "conformance optimized vs reference, cuda glm5next_tiny $dtype, 40 scenarios: exit $rc" | tee -a "$summary"
   tail -n 3 "$log"
 done
+
+# Index sharing across draft steps (DESIGN.md §9) on CUDA: GLM-5 (tiny, sharing on) and glm5next_tiny,
+# step 1 and the shared steps captured in one graph per num_drafts, eager too, then batched scenarios.
+timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/optimized/test_sharing.py >"$OUT/pytest-sharing.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && status=1
+echo "index sharing on cuda (pytest -m gpu tests/optimized/test_sharing.py): exit $rc" \
+  "($(tail -n 1 "$OUT/pytest-sharing.log"))" | tee -a "$summary"
 
 # Batched drafting on CUDA: propose_batch / catchup_batch against each state alone (graphs per bucket).
 for dtype in bfloat16 float32; do

@@ -61,8 +61,9 @@ def test_bench_records_the_draft_step_counters(tmp_path):
 
 def test_glm5_next_is_benched_with_its_counters_and_its_h200_projection(tmp_path):
     """``--presets glm5next_tiny`` counts the family's fused step (a CPU subprocess in the
-    interpreter) and projects glm5next's full-width step from it: the floor at 4,096 rows times the
-    counted ratio at the H200's bandwidth, plus the counted launches."""
+    interpreter) and projects glm5next's full-width draft step 1 and shared step (it shares like the
+    release) from it: each floor at 4,096 rows times its counted ratio at the H200's bandwidth, plus
+    the counted launches."""
     from glm_mtp.tools.floor import GRAPH_LAUNCH_S, H200_BYTES_PER_S, floor_bytes_per_draft
 
     bench.main(["--presets", "glm5next_tiny", "--backends", "optimized", "--drafts", "1", "--repeats", "1", "--warmup",
@@ -71,16 +72,18 @@ def test_glm5_next_is_benched_with_its_counters_and_its_h200_projection(tmp_path
     data = json.loads((tmp_path / "bench.json").read_text())
     (r,) = data["records"]
     assert r["preset"] == "glm5next_tiny" and r["launches_per_draft"] <= 24 and r["kernel_floor_ratio"] <= 1.15
-    (p,) = data["projection"]
-    floor = floor_bytes_per_draft(MtpConfig.preset("glm5next"), torch.bfloat16, 4096)
-    assert (p["preset"], p["counted_at"], p["floor_bytes"], p["launches"]) == (
-        "glm5next",
-        "glm5next_tiny",
-        floor,
-        r["launches_per_draft"],
-    )
-    want_ms = (floor * r["kernel_floor_ratio"] / H200_BYTES_PER_S + r["launches_per_draft"] * GRAPH_LAUNCH_S) * 1e3
-    assert p["step_ms"] == pytest.approx(want_ms, rel=1e-12) and 0.3 < p["step_ms"] < 1.0
+    # glm5next shares the indexer's selection (DESIGN.md §9): draft step 1, then a shared step
+    assert r["shared_step"] and r["launches_step_1"] <= 24 and r["kernel_floor_ratio_step_1"] <= 1.15
+    first, shared = data["projection"]
+    big = MtpConfig.preset("glm5next")
+    for p, step, floor, ratio, launches in (
+            (first, "1", floor_bytes_per_draft(big, torch.bfloat16, 4096), r["kernel_floor_ratio_step_1"], r["launches_step_1"]),
+            (shared, "shared", floor_bytes_per_draft(big, torch.bfloat16, 4096, selected_at=4095), r["kernel_floor_ratio"],
+             r["launches_per_draft"])):
+        assert (p["preset"], p["counted_at"], p["step"], p["floor_bytes"], p["launches"]) == ("glm5next", "glm5next_tiny", step, floor, launches)
+        want_ms = (floor * ratio / H200_BYTES_PER_S + launches * GRAPH_LAUNCH_S) * 1e3
+        assert p["step_ms"] == pytest.approx(want_ms, rel=1e-12) and 0.3 < p["step_ms"] < 1.0
+    assert shared["floor_bytes"] < first["floor_bytes"] and shared["launches"] < first["launches"]
     assert "H200 projection (a model, not a measurement" in (tmp_path / "bench.md").read_text()
 
 

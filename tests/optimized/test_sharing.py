@@ -92,3 +92,18 @@ def test_mutant_stale_kept_selection_is_caught(cfg, select, monkeypatch):
     with pytest.raises(AssertionError, match="optimized|differs"):
         walk(pair, Inputs(w, seed=6))
     assert len(kept_once) == 1 and pair.calls == 3  # the second propose differs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("cfg", [SHARED_GLM5, SHARED_NEXT], ids=["glm5", "glm5next"])
+def test_sharing_on_cuda(cfg, cuda_graphs):
+    """On CUDA: the Triton kernels, the k steps (step 1 and the shared ones) captured once per
+    num_drafts and replayed; then batched scenarios (one kept selection per state, a graph per bucket)."""
+    w = MtpWeights.random(cfg, seed=5, dtype=torch.bfloat16).to("cuda")
+    pair = DrafterPair(w, max_seq_len=32, device="cuda", cuda_graphs=cuda_graphs)
+    walk(pair, Inputs(w, seed=6))
+    assert pair.refused == 0
+    assert any(key.num_drafts > 1 for key in pair.os.graphs) == cuda_graphs
+    r = run("optimized", "reference", scenarios=6, seed=3, device="cuda", preset=cfg, generators=("realistic", "batched"))
+    assert r.ok, r.first_difference

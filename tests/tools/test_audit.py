@@ -311,7 +311,7 @@ def test_broken_kernels_fail_the_audit(tmp_path, triton_cache):
 
 
 # The glm5_next family's own kernels and the cache write that stores its gates, at glm5next's
-# widths (H 4096, index_topk 2048, kpool 16): compiled in the default run (tens of launches).
+# widths (H 4096, index_topk 2048, kpool 4: 512 pools listed): compiled in the default run (tens of launches).
 FAMILY_MODULES = ("glm_mtp.optimized.kernels.kpool", "glm_mtp.optimized.kernels.rope_cache")
 
 

@@ -157,17 +157,22 @@ def test_measure_draft_step_tiny(dtype):
     json.dumps(r)
 
 
-@pytest.mark.parametrize("preset,dtype,fp8", [("tiny", torch.bfloat16, False), ("glm5next_tiny", torch.bfloat16, False),
-                                              ("glm5next_tiny", torch.float32, False),
-                                              ("glm5next_tiny", torch.bfloat16, True)],
-                         ids=["tiny-bf16", "glm5next_tiny-bf16", "glm5next_tiny-fp32", "glm5next_tiny-fp8"])
-def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8):
+@pytest.mark.parametrize("preset,dtype,fp8,share", [
+    ("tiny", torch.bfloat16, False, False), ("tiny", torch.bfloat16, False, True), ("glm5next_tiny", torch.bfloat16, False, True),
+    ("glm5next_tiny", torch.float32, False, True), ("glm5next_tiny", torch.bfloat16, True, True)],
+    ids=["tiny-bf16", "tiny-bf16-shared", "glm5next_tiny-bf16", "glm5next_tiny-fp32", "glm5next_tiny-fp8"])
+def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8, share):
     """At most 24 launches and 1.15x the floor per draft step (with fp8 weights: the fp8 floor,
     1 byte a value plus the scales), and the same launches and bytes at two capacities (a step
     reads what it attends to, never the capacity). glm5_next's counted step (slot 19) completes
     pool 4 (its pooled key is computed) and sees 5 pools, 2 listed. GLM-5's index_scores still
-    stores -inf at every row past the slot: 4 bytes a row of capacity."""
-    w = MtpWeights.random(MtpConfig.preset(preset), seed=0, dtype=dtype)
+    stores -inf at every row past the slot: 4 bytes a row of capacity.
+
+    With index sharing (DESIGN.md §9; glm5next_tiny shares as the release does) the counted step
+    is a shared one: none of the indexer's query side is launched (no scores, no selection, two
+    launches fewer than step 1), against a floor without the query side's weights and keys, and
+    nothing read grows with the capacity; draft step 1, counted apart, meets the same targets."""
+    w = MtpWeights.random(MtpConfig.preset(preset), seed=0, dtype=dtype).with_index_share(share)
     if fp8:
         w = w.quantize_fp8()
         block_scaled = floor_bytes_per_draft(w.config, dtype, 20, block_scaled=True)
@@ -176,12 +181,27 @@ def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8):
     assert small["launches_per_draft"] <= 24 and small["kernel_floor_ratio"] <= 1.15, small
     for key in ("launches_per_draft", "triton_launches_per_draft", "floor_bytes_per_draft"):
         assert small[key] == large[key], key
-    grown = 0 if w.config.is_next else 4 * (256 - 64)
+    grown = 0 if w.config.is_next or share else 4 * (256 - 64)
     assert large["kernel_bytes_per_draft"] - small["kernel_bytes_per_draft"] == grown
+    step = set(small["by_name_step"])
+    query_side = {"triton:_index_scores_kernel", "triton:_pool_scores_kernel", "triton:_select_rows_kernel"}
     if w.config.is_next:  # the family's pieces ran, GLM-5's indexer did not
         names = small["by_name_2"]
         assert {"triton:_pool_keys_kernel", "triton:_pool_scores_kernel", "triton:_select_rows_kernel"} <= set(names)
         assert "triton:_index_scores_kernel" not in names
+        assert "triton:_pool_keys_kernel" in step  # a shared step still writes the pool it completes
+    assert small["shared_step"] == share
+    if not share:
+        assert step >= query_side - {"triton:_pool_scores_kernel"} and "launches_step_1" not in small
+        return
+    assert not step & query_side, step
+    assert small["floor_bytes_per_draft"] == floor_bytes_per_draft(w.config, dtype, 20, fp8, selected_at=19)
+    assert small["floor_bytes_per_draft"] < floor_bytes_per_draft(w.config, dtype, 20, fp8)
+    for r in (small, large):
+        assert r["step_1_unchanged"], r  # a 1-draft propose counts the same with sharing and without
+        assert r["launches_step_1"] <= 24 and r["kernel_floor_ratio_step_1"] <= 1.15, r
+        assert r["launches_per_draft"] == r["launches_step_1"] - 2
+    assert small["floor_bytes_step_1"] == floor_bytes_per_draft(w.config, dtype, 20, fp8)
 
 
 def test_measure_draft_step_reference_counts_torch_ops():
@@ -246,6 +266,10 @@ def test_cli_weights_fp8_counts_a_block_scaled_step(capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cfg = MtpConfig.preset("glm5next_tiny")
     assert r["weights"] == "fp8" and r["visible_rows"] == 10
-    assert r["floor_bytes_per_draft"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True)
-    assert r["floor_bytes_per_draft"] < floor_bytes_per_draft(cfg, torch.bfloat16, 10)
+    # The preset shares (DESIGN.md §9): the counted step is a shared one, step 1 is apart.
+    assert r["index_share"] and r["shared_step"]
+    assert r["floor_bytes_per_draft"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True, selected_at=9)
+    assert r["floor_bytes_step_1"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True)
+    assert r["floor_bytes_step_1"] < floor_bytes_per_draft(cfg, torch.bfloat16, 10) and r["step_1_unchanged"]
     assert r["launches_per_draft"] <= 24 and r["kernel_floor_ratio"] <= 1.15
+    assert r["launches_step_1"] <= 24 and r["kernel_floor_ratio_step_1"] <= 1.15

@@ -52,6 +52,30 @@ def test_floor_counts_pooled_keys_and_selected_pools_in_glm5next():
     assert attended_row_bytes(cfg, 24, 2) == 2 * (6 * D + 8 * row)
     # Before its first pool completes a row reads no pooled key, only its own rows.
     assert attended_row_bytes(cfg, 3, 2) == 2 * (3 * row)
-    # At GLM-5.3-Flash's sizes the scored keys are 1/16 of GLM-5's per-row keys.
+    # At GLM-5.3-Flash's released sizes (kpool 4) the scored keys are 1/4 of GLM-5's per-row keys;
+    # the listed rows stay 512 pools of 4 (2,048) past 2,048 rows.
     big = MtpConfig.preset("glm5next")
-    assert attended_row_bytes(big, 4096 * 16, 2) - attended_row_bytes(big, 4096, 2) == 2 * (4096 * 15 // 16) * 128
+    assert big.index_kpool == 4 and big.kpool_pools_selected == 512
+    assert attended_row_bytes(big, 4096 * 16, 2) - attended_row_bytes(big, 4096, 2) == 2 * (4096 * 15 // 4) * 128
+
+
+def test_a_shared_steps_floor_leaves_out_the_query_side():
+    """A shared draft step (DESIGN.md §9) reads no index query weights (the indexer's wq_b and
+    weights_proj), no index or pooled keys, and the MLA rows of step 1's list only."""
+    import math
+
+    from glm_mtp.reference.weights import mtp_tensor_shapes
+    from glm_mtp.tools.floor import QUERY_SIDE_WEIGHTS, draft_step_bytes, shared_row_bytes
+
+    for preset in ("tiny", "glm5next_tiny"):
+        cfg = MtpConfig.preset(preset)
+        plain, shared = draft_step_bytes(cfg, 20), draft_step_bytes(cfg, 20, selected_at=19)
+        shapes = mtp_tensor_shapes(cfg)
+        assert plain.layer - shared.layer == 2 * sum(math.prod(shapes[n]) for n in QUERY_SIDE_WEIGHTS) > 0
+        assert shared.head == plain.head and shared.cache == shared_row_bytes(cfg, 19)
+        assert draft_step_bytes(cfg, 40, selected_at=19) == shared  # step 1's list, not the step's own rows
+    tiny, nxt = MtpConfig.preset("tiny"), MtpConfig.preset("glm5next_tiny")
+    assert shared_row_bytes(tiny, 19) == 2 * 6 * 24  # index_topk 6 rows of 24 values, no keys
+    # 19 rows visible to step 1: 4 complete pools, 2 listed (8 rows), a tail of 3.
+    assert shared_row_bytes(nxt, 19) == 2 * (8 + 3) * 16
+    assert shared_row_bytes(nxt, 0) == 0

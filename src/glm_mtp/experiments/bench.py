@@ -25,7 +25,9 @@ counted the same way (its torch operators).
 
 From the optimized backend's counts at each family's widest counted preset the bench projects
 that family's full-width draft step on an H200 (``glm5``, ``glm5next``; ``tools.floor.project_step``:
-the floor there times the counted ratio at the HBM bandwidth, plus the launches; a model).
+the floor there times the counted ratio at the HBM bandwidth, plus the launches; a model). A family
+that shares the indexer's selection (DESIGN.md §9: glm5next) gets two rows, draft step 1 and a
+shared step (without the query side's weights and key reads).
 
 Writes ``bench.json`` (one record per measurement, and ``projection``), ``bench.md`` and
 ``bench.png`` into ``--out``.
@@ -70,7 +72,10 @@ BENCH_DTYPES = ("bfloat16", "float16", "float32")
 COUNTER_PRESETS = ("tiny", "small", "glm5next_tiny", "glm5next_small")
 # The counter fields each record gains (None where a preset was not counted).
 COUNTER_FIELDS = ("launches_per_draft", "triton_launches_per_draft", "kernel_bytes_per_draft", "floor_bytes_per_draft",
-                  "kernel_floor_ratio", "launches_per_propose_overhead", "kernel_bytes_per_propose_overhead")
+                  "kernel_floor_ratio", "launches_per_propose_overhead", "kernel_bytes_per_propose_overhead",
+                  # index sharing (DESIGN.md §9): the counted step is then a shared one, and step 1 is apart
+                  "shared_step", "launches_step_1", "kernel_bytes_step_1", "floor_bytes_step_1",
+                  "kernel_floor_ratio_step_1")
 
 
 def backend_factory(name: str) -> Callable[[MtpWeights, int], Any]:
@@ -134,7 +139,7 @@ def draft_step_counters(bc: BenchConfig, preset: str, backend: str) -> dict[str,
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[1:])} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return {k: result[k] for k in COUNTER_FIELDS}
+    return {k: result.get(k) for k in COUNTER_FIELDS}  # the *_step_1 fields: with sharing only
 
 
 def bench_preset(bc: BenchConfig, preset: str, bandwidth: float, progress: Any) -> list[dict[str, Any]]:
@@ -256,22 +261,25 @@ def projections(records: list[dict[str, Any]], dtype: torch.dtype) -> list[dict[
             widest[family] = r
     out = []
     for r in widest.values():
-        p = project_step(r["preset"], r["kernel_floor_ratio"], r["launches_per_draft"], dtype)
-        out.append(dict(preset=p.preset, counted_at=p.counted_at, visible_rows=p.visible_rows,
-                        floor_bytes=p.floor_bytes,
-                        kernel_floor_ratio=p.kernel_floor_ratio, launches=p.launches, step_bytes=p.step_bytes,
-                        step_ms=p.step_ms))
+        steps = [(r["kernel_floor_ratio"], r["launches_per_draft"], False)]
+        if r.get("shared_step"):  # sharing (DESIGN.md §9): step 1 first, then the shared steps
+            steps = [(r["kernel_floor_ratio_step_1"], r["launches_step_1"], False), (*steps[0][:2], True)]
+        for ratio, launches, shared in steps:
+            p = project_step(r["preset"], ratio, launches, dtype, shared=shared)
+            step = "shared" if shared else ("1" if r.get("shared_step") else "every")
+            out.append(dict(preset=p.preset, counted_at=p.counted_at, step=step, visible_rows=p.visible_rows,
+                            floor_bytes=p.floor_bytes, kernel_floor_ratio=p.kernel_floor_ratio, launches=p.launches,
+                            step_bytes=p.step_bytes, step_ms=p.step_ms))
     return out
 
 
 def projection_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"H200 projection (a model, not a measurement: bytes at {H200_BYTES_PER_S / 1e12:.1f} TB/s plus "
-             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller "
-             "preset of the family):",
-             "", "| preset | counted at | visible rows | floor GB | x floor | launches | projected ms/draft |",
-             "|---|---|---|---|---|---|---|"]
+             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller preset of the family):",
+             "", "| preset | counted at | draft step | visible rows | floor GB | x floor | launches | projected ms/draft |",
+             "|---|---|---|---|---|---|---|---|"]
     for p in rows:
-        lines.append(f"| {p['preset']} | {p['counted_at']} | {p['visible_rows']} | {p['floor_bytes'] / 1e9:.3f} | "
+        lines.append(f"| {p['preset']} | {p['counted_at']} | {p['step']} | {p['visible_rows']} | {p['floor_bytes'] / 1e9:.3f} | "
                      f"{p['kernel_floor_ratio']:.2f} | {p['launches']} | {p['step_ms']:.3f} |")
     return "\n".join(lines) + "\n"
 

@@ -251,13 +251,13 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     # MoE.
     (logits,), m = fused.norm_linear(h, layer.post_attention_layernorm, eps, [moe.router], acc=True, store_normed=True)
     experts, weights = fused.route(cfg, logits, moe.e_score_correction_bias)  # (T, k), (T, k)
-    shared = moe.shared
+    expert = moe.shared  # the shared expert
     hidden, shared_hidden = fused.experts_gate_up(m, experts, moe.experts_gate, moe.experts_up,
-                                                  shared.gate_proj if shared else None,
-                                                  shared.up_proj if shared else None,
+                                                  expert.gate_proj if expert else None,
+                                                  expert.up_proj if expert else None,
                                                   limit=moe.swiglu_limit)  # clamped in glm5_next
     return fused.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
-                                      shared.down_proj if shared else None, h)  # (T, H)
+                                      expert.down_proj if expert else None, h)  # (T, H)
 
 
 def norm_linear_by_format(fused: StepKernels, x: Tensor, norm_weight: Tensor, eps: float,

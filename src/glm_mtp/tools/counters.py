@@ -475,8 +475,11 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     Returns a JSON-ready dict: ``launches_per_draft``, ``kernel_bytes_per_draft``,
     ``triton_launches_per_draft``, ``floor_bytes_per_draft`` (at ``context + 2`` visible rows),
     ``kernel_floor_ratio``, ``launches_per_propose_overhead``, ``kernel_bytes_per_propose_overhead``,
-    ``syncs_per_draft``, the per-kernel table of the 2-draft propose (``by_name_2``) and the
-    settings. With ``kernels="triton"`` on CPU it needs ``TRITON_INTERPRET=1`` (set before
+    ``syncs_per_draft``, the per-kernel table of the 2-draft propose (``by_name_2``) and of the
+    step (``by_name_step``) and the settings. With index sharing (DESIGN.md §9) the counted step
+    is a shared one (``shared_step``; its floor leaves out the query side, ``floor.draft_step_bytes``'
+    ``selected_at``) and draft step 1 is reported apart (``launches_step_1``, ``kernel_bytes_step_1``,
+    ``floor_bytes_step_1``, ``kernel_floor_ratio_step_1``, ``step_1_unchanged``: ``first_step``). With ``kernels="triton"`` on CPU it needs ``TRITON_INTERPRET=1`` (set before
     triton is imported): otherwise it raises rather than report no Triton launches.
     """
     from glm_mtp.registry import backend_class
@@ -521,12 +524,16 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     finally:
         prop.free_state(state)
     step_launches, step_bytes = c2.launches - c1.launches, c2.kernel_bytes - c1.kernel_bytes
-    # fp8 weights: 1 byte a value of each block-scaled matrix plus its scales (DESIGN.md §8)
-    floor = floor_bytes_per_draft(weights.config, weights.dtype, held + 2, block_scaled=weights.block_scaled)
+    # fp8 weights: 1 byte a value of each block-scaled matrix plus its scales (DESIGN.md §8);
+    # a shared step: the floor without the query side, over step 1's list (made at held + 1 rows)
+    sharing = cfg.index_share_for_mtp_iteration
+    floor = floor_bytes_per_draft(cfg, weights.dtype, held + 2, block_scaled=weights.block_scaled,
+                                  selected_at=held + 1 if sharing else None)
+    step_1 = first_step(weights, c1, kernels, backend, context, max_seq_len, seed) if sharing else {}
     return dict(
         backend=backend, kernels=kernels if backend == "optimized" else None, preset=cfg_name(weights),
         dtype=str(weights.dtype).removeprefix("torch."), context_rows=held, visible_rows=held + 2,
-        max_seq_len=prop.max_seq_len,
+        max_seq_len=prop.max_seq_len, shared_step=sharing,
         launches_per_draft=step_launches,
         triton_launches_per_draft=c2.triton_launches - c1.triton_launches,
         kernel_bytes_per_draft=step_bytes,
@@ -538,12 +545,40 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
         launches_propose_1=c1.launches, launches_propose_2=c2.launches,
         kernel_bytes_propose_1=c1.kernel_bytes, kernel_bytes_propose_2=c2.kernel_bytes,
         by_name_2=c2.by_name(),
+        by_name_step=step_by_name(c1, c2),
         excluded_2=dict(c2.excluded),
+        **step_1,
     )
 
 
-def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16,
-                       max_seq_len: int = 64,
+def step_by_name(c1: LaunchCounter, c2: LaunchCounter) -> dict[str, dict[str, int]]:
+    """The counted draft step's own table, ``c2.by_name()`` less ``c1.by_name()``: each name the
+    step launches, with its launches and bytes."""
+    one = c1.by_name()
+    out = {}
+    for name, d in c2.by_name().items():
+        launches = d["launches"] - one.get(name, {}).get("launches", 0)
+        if launches:
+            out[name] = dict(launches=launches, bytes=d["bytes"] - one.get(name, {}).get("bytes", 0))
+    return out
+
+
+def first_step(weights: MtpWeights, c1: LaunchCounter, kernels: str, backend: str, context: int, max_seq_len: int,
+               seed: int) -> dict[str, Any]:
+    """Draft step 1 of a sharing propose (DESIGN.md §9), whose marginal step is a shared one: the
+    same weights counted without sharing, where the marginal step runs the indexer as step 1 does
+    (at ``context + 2`` visible rows, like the shared step), and ``step_1_unchanged``: whether a
+    1-draft propose (the overhead and step 1) counts the same launches and bytes with sharing as
+    without. Returns the ``*_step_1`` fields."""
+    plain = measure_draft_step(weights.with_index_share(False), kernels, backend=backend, context=context,
+                               max_seq_len=max_seq_len, seed=seed)
+    return dict(launches_step_1=plain["launches_per_draft"], triton_launches_step_1=plain["triton_launches_per_draft"],
+                kernel_bytes_step_1=plain["kernel_bytes_per_draft"], floor_bytes_step_1=plain["floor_bytes_per_draft"],
+                kernel_floor_ratio_step_1=plain["kernel_floor_ratio"],
+                step_1_unchanged=(c1.launches, c1.kernel_bytes) == (plain["launches_propose_1"], plain["kernel_bytes_propose_1"]))
+
+
+def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16, max_seq_len: int = 64,
                        seed: int = 0) -> dict[str, Any]:
     """Launches and bytes of one batched draft step (``propose_batch``) over ``batch`` states,
     measured as ``measure_draft_step`` measures one state's: counts(k=2) - counts(k=1), after an
@@ -635,8 +670,10 @@ def counters_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (else a short table)")
     p.add_argument("--weights", default="plain", choices=["plain", "fp8"],
-                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by "
-                        "quantize_fp8)")
+                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by quantize_fp8)")
+    p.add_argument("--index-share", default="preset", choices=["preset", "true", "false"],
+                   help="index sharing across draft steps (DESIGN.md §9): the preset's, or on / off; with it on, the "
+                        "counted draft step is a shared one and draft step 1 is reported apart (*_step_1)")
     p.add_argument("--batch", type=int, default=None,
                    help="measure one batched draft step (propose_batch) over this many states instead (optimized "
                         "backend)")
@@ -686,6 +723,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     weights = checked_weights(p, a)
+    weights = weights.with_index_share(None if a.index_share == "preset" else a.index_share == "true")
     if a.batch is not None:
         result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len,
                                     seed=a.seed)
@@ -696,17 +734,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{a.preset} {a.dtype} batch {a.batch}: {result['launches_per_step']} launches/step, "
                   f"{result['kernel_bytes_per_step']} bytes/step ({result['kernel_bytes_per_row']:.0f} per row)")
         return
-    result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len,
-                                seed=a.seed)
-    result["preset"], result["weights"] = a.preset, a.weights
+    result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
+    result["preset"], result["weights"], result["index_share"] = a.preset, a.weights, weights.config.index_share_for_mtp_iteration
     if a.json:
         print(json.dumps(result))
         return
     print(f"{a.preset} {a.dtype} ({a.weights} weights) {a.backend}: {result['launches_per_draft']} launches/draft "
           f"({result['triton_launches_per_draft']} Triton), {result['kernel_bytes_per_draft']} bytes/draft, "
           f"floor {result['floor_bytes_per_draft']} bytes (x{result['kernel_floor_ratio']:.2f}); "
-          f"per propose +{result['launches_per_propose_overhead']} launches, "
-          f"+{result['kernel_bytes_per_propose_overhead']} bytes")
+          f"per propose +{result['launches_per_propose_overhead']} launches, +{result['kernel_bytes_per_propose_overhead']} bytes")
+    if result["shared_step"]:
+        print(f"  (a shared step; draft step 1: {result['launches_step_1']} launches, {result['kernel_bytes_step_1']} bytes, "
+              f"floor {result['floor_bytes_step_1']} bytes (x{result['kernel_floor_ratio_step_1']:.2f}))")
     for name, d in sorted(result["by_name_2"].items(), key=lambda kv: -kv[1]["bytes"])[:25]:
         print(f"  {d['launches']:5d} x {name:60s} {d['bytes']:12d} B")
 

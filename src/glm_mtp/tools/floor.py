@@ -21,6 +21,9 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.weights import mtp_tensor_shapes
 
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+# The indexer's query side (DESIGN.md §9): the index query's wq_b and the head weights. A shared
+# draft step does not run it, so its floor leaves these weights out.
+QUERY_SIDE_WEIGHTS = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.weights_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,8 @@ class StepBytes:
         return self.layer + self.head + self.cache
 
 
-def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2,
-                     block_scaled: bool = False) -> StepBytes:
+def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2, block_scaled: bool = False,
+                     selected_at: int | None = None) -> StepBytes:
     """The floor of one draft step at ``visible_rows`` rows visible to it (its own included),
     with weights of ``storage_bytes`` per value (2: bf16):
 
@@ -57,12 +60,19 @@ def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2,
     - the attended rows, in the cache's dtype (S): ``attended_row_bytes``.
 
     The step's stores (its new cache rows, a hidden, a token) are a few hundred bytes and not
-    part of the floor."""
+    part of the floor.
+
+    ``selected_at``: a shared draft step (DESIGN.md §9) attending the selection draft step 1 made
+    at ``selected_at`` rows visible to it: without the query side's weights
+    (``QUERY_SIDE_WEIGHTS``) and with ``shared_row_bytes`` for the cache (no index or pooled
+    keys are scored; ``visible_rows`` is then not read)."""
     layer = 0
     for name, shape in mtp_tensor_shapes(cfg).items():
         m = _EXPERT.match(name)
         if m and int(m.group(1)) >= cfg.num_experts_per_tok:
             continue  # a step reads num_experts_per_tok experts' weights (counted as experts 0..k-1)
+        if selected_at is not None and name in QUERY_SIDE_WEIGHTS:
+            continue
         numel = math.prod(shape)
         if float32_tensor(cfg, name):
             layer += 4 * numel
@@ -72,6 +82,8 @@ def draft_step_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2,
         else:
             layer += storage_bytes * numel
     head = storage_bytes * (cfg.vocab_size + 1) * cfg.hidden_size
+    if selected_at is not None:
+        return StepBytes(layer, head, shared_row_bytes(cfg, selected_at, storage_bytes))
     return StepBytes(layer, head, attended_row_bytes(cfg, visible_rows, storage_bytes))
 
 
@@ -97,9 +109,25 @@ def attended_row_bytes(cfg: MtpConfig, visible_rows: int, storage_bytes: int = 2
     return storage_bytes * (visible_rows * cfg.index_head_dim + min(cfg.index_topk, visible_rows) * cfg.kv_row_width)
 
 
-def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int, block_scaled: bool = False) -> int:
-    """``draft_step_bytes(...).total`` for weights stored in ``dtype``."""
-    return draft_step_bytes(cfg, visible_rows, torch.empty(0, dtype=dtype).element_size(), block_scaled).total
+def shared_row_bytes(cfg: MtpConfig, selected_at: int, storage_bytes: int = 2) -> int:
+    """The cache bytes a shared draft step (DESIGN.md §9) must read: the MLA rows of draft step
+    1's list, made at ``selected_at`` rows visible to step 1 (``attended_row_bytes``' listed rows
+    at that count); no index key or pooled key (a shared step scores nothing)."""
+    if selected_at <= 0:
+        return 0
+    if cfg.is_next:
+        kp = cfg.index_kpool
+        listed = min(cfg.kpool_pools_selected, selected_at // kp) * kp + selected_at % kp
+    else:
+        listed = min(cfg.index_topk, selected_at)
+    return storage_bytes * listed * cfg.kv_row_width
+
+
+def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int, block_scaled: bool = False,
+                          selected_at: int | None = None) -> int:
+    """``draft_step_bytes(...).total`` for weights stored in ``dtype`` (``selected_at``: a shared
+    step's, as ``draft_step_bytes`` takes it)."""
+    return draft_step_bytes(cfg, visible_rows, torch.empty(0, dtype=dtype).element_size(), block_scaled, selected_at).total
 
 
 # ---- a draft step on an H200, as a model -------------------------------------------------------
@@ -122,6 +150,7 @@ class StepProjection:
         floor_bytes: the floor at ``preset`` (``floor_bytes_per_draft``).
         kernel_floor_ratio / launches: as counted at ``counted_at``; neither grows with the widths
             (the launches are a fixed schedule, and the ratio falls as weights dominate).
+        shared: a shared draft step (DESIGN.md §9), its floor ``selected_at`` the rows before it.
     """
 
     preset: str
@@ -130,6 +159,7 @@ class StepProjection:
     floor_bytes: int
     kernel_floor_ratio: float
     launches: int
+    shared: bool = False
 
     @property
     def step_bytes(self) -> float:
@@ -141,9 +171,11 @@ class StepProjection:
 
 
 def project_step(counted_at: str, kernel_floor_ratio: float, launches: int, dtype: torch.dtype,
-                 visible_rows: int = 4096, block_scaled: bool = False) -> StepProjection:
+                 visible_rows: int = 4096, block_scaled: bool = False, shared: bool = False) -> StepProjection:
     """The draft step of ``counted_at``'s family at its full width (``FULL_PRESET``), from the
-    kernel/floor ratio and launches counted at ``counted_at`` (a model: see ``H200_BYTES_PER_S``)."""
+    kernel/floor ratio and launches counted at ``counted_at`` (a model: see ``H200_BYTES_PER_S``).
+    ``shared``: a shared draft step (DESIGN.md §9), whose step 1 selected at ``visible_rows - 1``."""
     full = FULL_PRESET[MtpConfig.preset(counted_at).family]
-    floor = floor_bytes_per_draft(MtpConfig.preset(full), dtype, visible_rows, block_scaled)
-    return StepProjection(full, counted_at, visible_rows, floor, kernel_floor_ratio, launches)
+    floor = floor_bytes_per_draft(MtpConfig.preset(full), dtype, visible_rows, block_scaled,
+                                  selected_at=visible_rows - 1 if shared else None)
+    return StepProjection(full, counted_at, visible_rows, floor, kernel_floor_ratio, launches, shared)
