@@ -77,10 +77,13 @@ def test_glm5_next_is_benched_with_its_counters_and_its_h200_projection(tmp_path
     first, shared = data["projection"]
     big = MtpConfig.preset("glm5next")
     for p, step, floor, ratio, launches in (
-            (first, "1", floor_bytes_per_draft(big, torch.bfloat16, 4096), r["kernel_floor_ratio_step_1"], r["launches_step_1"]),
-            (shared, "shared", floor_bytes_per_draft(big, torch.bfloat16, 4096, selected_at=4095), r["kernel_floor_ratio"],
+            (first, "1", floor_bytes_per_draft(big, torch.bfloat16, 4096), r["kernel_floor_ratio_step_1"],
+             r["launches_step_1"]),
+            (shared, "shared", floor_bytes_per_draft(big, torch.bfloat16, 4096, selected_at=4095),
+             r["kernel_floor_ratio"],
              r["launches_per_draft"])):
-        assert (p["preset"], p["counted_at"], p["step"], p["floor_bytes"], p["launches"]) == ("glm5next", "glm5next_tiny", step, floor, launches)
+        got = (p["preset"], p["counted_at"], p["step"], p["floor_bytes"], p["launches"])
+        assert got == ("glm5next", "glm5next_tiny", step, floor, launches)
         want_ms = (floor * ratio / H200_BYTES_PER_S + launches * GRAPH_LAUNCH_S) * 1e3
         assert p["step_ms"] == pytest.approx(want_ms, rel=1e-12) and 0.3 < p["step_ms"] < 1.0
     assert shared["floor_bytes"] < first["floor_bytes"] and shared["launches"] < first["launches"]

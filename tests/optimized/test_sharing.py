@@ -105,5 +105,6 @@ def test_sharing_on_cuda(cfg, cuda_graphs):
     walk(pair, Inputs(w, seed=6))
     assert pair.refused == 0
     assert any(key.num_drafts > 1 for key in pair.os.graphs) == cuda_graphs
-    r = run("optimized", "reference", scenarios=6, seed=3, device="cuda", preset=cfg, generators=("realistic", "batched"))
+    r = run("optimized", "reference", scenarios=6, seed=3, device="cuda", preset=cfg,
+            generators=("realistic", "batched"))
     assert r.ok, r.first_difference

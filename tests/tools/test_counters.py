@@ -158,7 +158,8 @@ def test_measure_draft_step_tiny(dtype):
 
 
 @pytest.mark.parametrize("preset,dtype,fp8,share", [
-    ("tiny", torch.bfloat16, False, False), ("tiny", torch.bfloat16, False, True), ("glm5next_tiny", torch.bfloat16, False, True),
+    ("tiny", torch.bfloat16, False, False), ("tiny", torch.bfloat16, False, True),
+    ("glm5next_tiny", torch.bfloat16, False, True),
     ("glm5next_tiny", torch.float32, False, True), ("glm5next_tiny", torch.bfloat16, True, True)],
     ids=["tiny-bf16", "tiny-bf16-shared", "glm5next_tiny-bf16", "glm5next_tiny-fp32", "glm5next_tiny-fp8"])
 def test_the_fused_step_meets_its_targets_at_any_capacity(preset, dtype, fp8, share):
@@ -268,7 +269,8 @@ def test_cli_weights_fp8_counts_a_block_scaled_step(capsys):
     assert r["weights"] == "fp8" and r["visible_rows"] == 10
     # The preset shares (DESIGN.md §9): the counted step is a shared one, step 1 is apart.
     assert r["index_share"] and r["shared_step"]
-    assert r["floor_bytes_per_draft"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True, selected_at=9)
+    assert r["floor_bytes_per_draft"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True,
+                                                               selected_at=9)
     assert r["floor_bytes_step_1"] == floor_bytes_per_draft(cfg, torch.bfloat16, 10, block_scaled=True)
     assert r["floor_bytes_step_1"] < floor_bytes_per_draft(cfg, torch.bfloat16, 10) and r["step_1_unchanged"]
     assert r["launches_per_draft"] <= 24 and r["kernel_floor_ratio"] <= 1.15

@@ -275,12 +275,15 @@ def projections(records: list[dict[str, Any]], dtype: torch.dtype) -> list[dict[
 
 def projection_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"H200 projection (a model, not a measurement: bytes at {H200_BYTES_PER_S / 1e12:.1f} TB/s plus "
-             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller preset of the family):",
-             "", "| preset | counted at | draft step | visible rows | floor GB | x floor | launches | projected ms/draft |",
+             f"{GRAPH_LAUNCH_S * 1e6:.1f} us a launch in a CUDA graph; the ratio and launches counted at a smaller "
+             "preset of the family):",
+             "",
+             "| preset | counted at | draft step | visible rows | floor GB | x floor | launches | projected ms/draft |",
              "|---|---|---|---|---|---|---|---|"]
     for p in rows:
-        lines.append(f"| {p['preset']} | {p['counted_at']} | {p['step']} | {p['visible_rows']} | {p['floor_bytes'] / 1e9:.3f} | "
-                     f"{p['kernel_floor_ratio']:.2f} | {p['launches']} | {p['step_ms']:.3f} |")
+        lines.append(f"| {p['preset']} | {p['counted_at']} | {p['step']} | {p['visible_rows']} | "
+                     f"{p['floor_bytes'] / 1e9:.3f} | {p['kernel_floor_ratio']:.2f} | {p['launches']} | "
+                     f"{p['step_ms']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

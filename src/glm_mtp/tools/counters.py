@@ -479,8 +479,9 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     step (``by_name_step``) and the settings. With index sharing (DESIGN.md §9) the counted step
     is a shared one (``shared_step``; its floor leaves out the query side, ``floor.draft_step_bytes``'
     ``selected_at``) and draft step 1 is reported apart (``launches_step_1``, ``kernel_bytes_step_1``,
-    ``floor_bytes_step_1``, ``kernel_floor_ratio_step_1``, ``step_1_unchanged``: ``first_step``). With ``kernels="triton"`` on CPU it needs ``TRITON_INTERPRET=1`` (set before
-    triton is imported): otherwise it raises rather than report no Triton launches.
+    ``floor_bytes_step_1``, ``kernel_floor_ratio_step_1``, ``step_1_unchanged``: ``first_step``). With
+    ``kernels="triton"`` on CPU it needs ``TRITON_INTERPRET=1`` (set before triton is imported): otherwise it raises
+    rather than report no Triton launches.
     """
     from glm_mtp.registry import backend_class
 
@@ -575,10 +576,12 @@ def first_step(weights: MtpWeights, c1: LaunchCounter, kernels: str, backend: st
     return dict(launches_step_1=plain["launches_per_draft"], triton_launches_step_1=plain["triton_launches_per_draft"],
                 kernel_bytes_step_1=plain["kernel_bytes_per_draft"], floor_bytes_step_1=plain["floor_bytes_per_draft"],
                 kernel_floor_ratio_step_1=plain["kernel_floor_ratio"],
-                step_1_unchanged=(c1.launches, c1.kernel_bytes) == (plain["launches_propose_1"], plain["kernel_bytes_propose_1"]))
+                step_1_unchanged=((c1.launches, c1.kernel_bytes)
+                                  == (plain["launches_propose_1"], plain["kernel_bytes_propose_1"])))
 
 
-def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16, max_seq_len: int = 64,
+def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton", *, context: int = 16,
+                       max_seq_len: int = 64,
                        seed: int = 0) -> dict[str, Any]:
     """Launches and bytes of one batched draft step (``propose_batch``) over ``batch`` states,
     measured as ``measure_draft_step`` measures one state's: counts(k=2) - counts(k=1), after an
@@ -623,6 +626,8 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
 
         # allocated on first use: not a step's cost
         prop.batch_buffers(device).out(1), prop.batch_buffers(device).out(2)
+        propose(1)()  # warm-up: one-off tables and caches (and their host reads) are not a step's cost
+        verify()
         c1 = counted(propose(1))
         verify()
         c2 = counted(propose(2))
@@ -670,7 +675,8 @@ def counters_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (else a short table)")
     p.add_argument("--weights", default="plain", choices=["plain", "fp8"],
-                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by quantize_fp8)")
+                   help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by "
+                        "quantize_fp8)")
     p.add_argument("--index-share", default="preset", choices=["preset", "true", "false"],
                    help="index sharing across draft steps (DESIGN.md §9): the preset's, or on / off; with it on, the "
                         "counted draft step is a shared one and draft step 1 is reported apart (*_step_1)")
@@ -734,18 +740,22 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{a.preset} {a.dtype} batch {a.batch}: {result['launches_per_step']} launches/step, "
                   f"{result['kernel_bytes_per_step']} bytes/step ({result['kernel_bytes_per_row']:.0f} per row)")
         return
-    result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len, seed=a.seed)
-    result["preset"], result["weights"], result["index_share"] = a.preset, a.weights, weights.config.index_share_for_mtp_iteration
+    result = measure_draft_step(weights, a.kernels, backend=a.backend, context=a.context, max_seq_len=a.max_seq_len,
+                                seed=a.seed)
+    result["preset"], result["weights"] = a.preset, a.weights
+    result["index_share"] = weights.config.index_share_for_mtp_iteration
     if a.json:
         print(json.dumps(result))
         return
     print(f"{a.preset} {a.dtype} ({a.weights} weights) {a.backend}: {result['launches_per_draft']} launches/draft "
           f"({result['triton_launches_per_draft']} Triton), {result['kernel_bytes_per_draft']} bytes/draft, "
           f"floor {result['floor_bytes_per_draft']} bytes (x{result['kernel_floor_ratio']:.2f}); "
-          f"per propose +{result['launches_per_propose_overhead']} launches, +{result['kernel_bytes_per_propose_overhead']} bytes")
+          f"per propose +{result['launches_per_propose_overhead']} launches, "
+          f"+{result['kernel_bytes_per_propose_overhead']} bytes")
     if result["shared_step"]:
-        print(f"  (a shared step; draft step 1: {result['launches_step_1']} launches, {result['kernel_bytes_step_1']} bytes, "
-              f"floor {result['floor_bytes_step_1']} bytes (x{result['kernel_floor_ratio_step_1']:.2f}))")
+        print(f"  (a shared step; draft step 1: {result['launches_step_1']} launches, "
+              f"{result['kernel_bytes_step_1']} bytes, floor {result['floor_bytes_step_1']} bytes "
+              f"(x{result['kernel_floor_ratio_step_1']:.2f}))")
     for name, d in sorted(result["by_name_2"].items(), key=lambda kv: -kv[1]["bytes"])[:25]:
         print(f"  {d['launches']:5d} x {name:60s} {d['bytes']:12d} B")
 

@@ -127,7 +127,8 @@ def floor_bytes_per_draft(cfg: MtpConfig, dtype: torch.dtype, visible_rows: int,
                           selected_at: int | None = None) -> int:
     """``draft_step_bytes(...).total`` for weights stored in ``dtype`` (``selected_at``: a shared
     step's, as ``draft_step_bytes`` takes it)."""
-    return draft_step_bytes(cfg, visible_rows, torch.empty(0, dtype=dtype).element_size(), block_scaled, selected_at).total
+    return draft_step_bytes(cfg, visible_rows, torch.empty(0, dtype=dtype).element_size(), block_scaled,
+                            selected_at).total
 
 
 # ---- a draft step on an H200, as a model -------------------------------------------------------
