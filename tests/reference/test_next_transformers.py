@@ -99,11 +99,11 @@ def randomise(block: nn.Module, gen: torch.Generator) -> None:
                 p.copy_(r * p.shape[-1] ** -0.5)
 
 
-def checkpoint_tensors(block: MtpBlock, layer: int) -> dict[str, torch.Tensor]:
-    """The block's tensors under GLM-5.3-Flash's checkpoint names (per-expert tensors)."""
-    p = f"model.language_model.layers.{layer}."
-    out = {"model.language_model.embed_tokens.weight": block.embed_tokens.weight,
-           "lm_head.weight": block.lm_head.weight,
+def checkpoint_tensors(block: nn.Module, layer: int, root: str = "model.language_model.") -> dict[str, torch.Tensor]:
+    """The block's tensors under the checkpoint names (per-expert tensors): GLM-5.3-Flash's
+    ``root`` by default, GLM-5's ``model.``."""
+    p = f"{root}layers.{layer}."
+    out = {root + "embed_tokens.weight": block.embed_tokens.weight, "lm_head.weight": block.lm_head.weight,
            p + "enorm.weight": block.enorm.weight, p + "hnorm.weight": block.hnorm.weight,
            p + "eh_proj.weight": block.eh_proj.weight, p + "shared_head.norm.weight": block.shared_head_norm.weight,
            p + "input_layernorm.weight": block.input_layernorm.weight,

@@ -33,7 +33,9 @@ from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaC
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer  # noqa: E402
 from glm_mtp.reference.checkpoint import save_checkpoint  # noqa: E402
 
-from .test_next_transformers import randomise, text_config as next_text_config, topk_lower_index  # noqa: E402
+from .test_next_transformers import (  # noqa: E402
+    checkpoint_tensors, randomise, text_config as next_text_config, topk_lower_index,
+)
 
 FAMILIES = ["glm5", "glm5_next"]
 WORST: dict[str, float] = {}
@@ -122,28 +124,6 @@ class SharedMtpBlock(nn.Module):
         return self.shared_head_norm(out)[0, -1], (own if shared is None else shared)
 
 
-def checkpoint_tensors(block: SharedMtpBlock, family: str, layer: int) -> dict[str, torch.Tensor]:
-    """The block's tensors under the family's checkpoint names (per-expert tensors)."""
-    root = "model.language_model." if family == "glm5_next" else "model."
-    p = f"{root}layers.{layer}."
-    out = {root + "embed_tokens.weight": block.embed_tokens.weight, "lm_head.weight": block.lm_head.weight,
-           p + "enorm.weight": block.enorm.weight, p + "hnorm.weight": block.hnorm.weight,
-           p + "eh_proj.weight": block.eh_proj.weight, p + "shared_head.norm.weight": block.shared_head_norm.weight,
-           p + "input_layernorm.weight": block.input_layernorm.weight,
-           p + "post_attention_layernorm.weight": block.post_attention_layernorm.weight}
-    out.update({p + "self_attn." + n: t for n, t in block.self_attn.state_dict().items()})
-    moe = block.mlp
-    out[p + "mlp.gate.weight"] = moe.gate.weight
-    out[p + "mlp.gate.e_score_correction_bias"] = moe.gate.e_score_correction_bias
-    I = moe.experts.intermediate_dim
-    for e in range(moe.experts.num_experts):
-        out[p + f"mlp.experts.{e}.gate_proj.weight"] = moe.experts.gate_up_proj[e, :I]
-        out[p + f"mlp.experts.{e}.up_proj.weight"] = moe.experts.gate_up_proj[e, I:]
-        out[p + f"mlp.experts.{e}.down_proj.weight"] = moe.experts.down_proj[e]
-    out.update({p + "mlp.shared_experts." + n: t for n, t in moe.shared_experts.state_dict().items()})
-    return {n: t.detach().clone().contiguous() for n, t in out.items()}
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, tmp_path_factory):
     family = request.param
@@ -162,8 +142,9 @@ def setup(request, tmp_path_factory):
     randomise(block, torch.Generator().manual_seed(13))
     block.tie(t)
     directory = tmp_path_factory.mktemp(family) / "ck"
+    root = "model.language_model." if family == "glm5_next" else "model."
     save_checkpoint(directory, json.loads(json.dumps(config, default=str)),
-                    checkpoint_tensors(block, family, t.num_hidden_layers), 40)
+                    checkpoint_tensors(block, t.num_hidden_layers, root), 40)
     weights = MtpWeights.from_pretrained(directory)
     assert weights.config == preset and weights.dtype == torch.float32
     return family, block, weights
