@@ -145,8 +145,9 @@ def read_offline_run(run_dir: str, wait_s: float = 30.0) -> dict[str, Any]:
     folder given to ``wandb.init(dir=...)``), decoded from its ``.wandb`` file.
 
     W&B's service process writes the file on its own schedule: ``finish()`` has been seen to
-    return while the file held only its header. Until the run's summary is in it, this reads it
-    again, for at most ``wait_s`` seconds."""
+    return while the file held only its header, or only the first of the summary's records (one
+    record per key). Until the run's exit record (written last) is in it, this reads it again, for
+    at most ``wait_s`` seconds."""
     import time
 
     deadline = time.monotonic() + wait_s
@@ -159,7 +160,8 @@ def read_offline_run(run_dir: str, wait_s: float = 30.0) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise
         else:
-            if run["summary"] or time.monotonic() > deadline:
+            finished = run.pop("finished")
+            if finished or time.monotonic() > deadline:
                 return run
         time.sleep(0.2)
 
@@ -176,6 +178,7 @@ def _read_offline_run_once(run_dir: str) -> dict[str, Any]:
     config: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     history: list[dict[str, Any]] = []
+    finished = False
     key = lambda it: it.key or "/".join(it.nested_key)  # noqa: E731
     for raw in _records(files[-1]):
         rec = pb.Record()
@@ -189,4 +192,6 @@ def _read_offline_run_once(run_dir: str) -> dict[str, Any]:
             summary.update({key(it): json.loads(it.value_json) for it in rec.summary.update})
         elif kind == "history":
             history.append({key(it): json.loads(it.value_json) for it in rec.history.item})
-    return {"config": config, "summary": summary, "history": history}
+        elif kind == "exit":
+            finished = True
+    return {"config": config, "summary": summary, "history": history, "finished": finished}
