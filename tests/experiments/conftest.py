@@ -1,5 +1,7 @@
 """Fixtures for the experiment tests: tiny random targets and drafters sharing embedding and head."""
 
+import json
+
 import pytest
 import torch
 
@@ -35,3 +37,28 @@ def _random_prompt(vocab: int, n: int, seed: int) -> list[int]:
 def random_prompt():
     """``random_prompt(vocab, n, seed)``: n random token ids."""
     return _random_prompt
+
+
+def _acceptance_jobs(root, jobs):
+    """Run each acceptance job of ``jobs`` (key -> Hydra overrides) in-process, checked first as the
+    entry point checks it, in its own directory under ``root``; key -> its summary.json."""
+    from hydra import compose, initialize_config_module
+
+    from glm_mtp.experiments import acceptance
+    from glm_mtp.experiments.validate import check_acceptance
+
+    summaries = {}
+    for key, overrides in jobs.items():
+        with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+        check_acceptance(cfg)
+        run_dir = root / "_".join(str(k) for k in key)
+        acceptance.run(cfg, str(run_dir))
+        summaries[key] = json.loads((run_dir / "summary.json").read_text())
+    return summaries
+
+
+@pytest.fixture(scope="session")
+def acceptance_jobs():
+    """``acceptance_jobs(root, {key: overrides})``: a sweep's jobs run in-process, key -> summary."""
+    return _acceptance_jobs

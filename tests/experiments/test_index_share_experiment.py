@@ -2,14 +2,12 @@
 sharing on vs off (DESIGN.md §9), both modes, paired over the same prompts, and the report's
 paired differences; the full experiment's slices sit below / above the models' index_topk."""
 
-import json
 
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, report
+from glm_mtp.experiments import report
 from glm_mtp.experiments.checkpoint import SHIPPED, shipped_checkpoint
-from glm_mtp.experiments.validate import check_acceptance
 from glm_mtp.reference.config import MtpConfig
 
 # Teacher-forced (drafts 2 and 3 scored at every position; a random model's loop rejects draft 1):
@@ -23,17 +21,12 @@ def config(overrides, hydra_cfg=False):
 
 
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory):
+def smoke_runs(tmp_path_factory, acceptance_jobs):
     """``-m experiment=index_share_smoke``'s teacher-forced jobs, run in-process (one directory each)."""
     root = tmp_path_factory.mktemp("index_share_smoke")
-    runs = {}
-    for share, mode in GRID:
-        cfg = config(["experiment=index_share_smoke", f"model.index_share={str(share).lower()}", f"mode={mode}"])
-        check_acceptance(cfg)
-        run_dir = root / f"{share}_{mode}"
-        acceptance.run(cfg, str(run_dir))
-        runs[share, mode] = json.loads((run_dir / "summary.json").read_text())
-    return root, runs
+    jobs = {(share, mode): ["experiment=index_share_smoke", f"model.index_share={str(share).lower()}", f"mode={mode}"]
+            for share, mode in GRID}
+    return root, acceptance_jobs(root, jobs)
 
 
 def test_the_runs_share_or_not_on_the_same_prompts(smoke_runs):

@@ -2,7 +2,6 @@
 KPool selection vs every visible row, both rollback policies, paired over the same prompts, with
 the indexer's recall per drafted row in summary.json."""
 
-import json
 import math
 
 import pytest
@@ -22,17 +21,12 @@ def config(overrides):
 
 
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory):
+def smoke_runs(tmp_path_factory, acceptance_jobs):
     """The four jobs of ``-m experiment=sparse_smoke``, run in-process (one directory each)."""
     root = tmp_path_factory.mktemp("sparse_smoke")
-    runs = {}
-    for attention, policy in GRID:
-        cfg = config(["experiment=sparse_smoke", f"attention={attention}", f"policy={policy}"])
-        check_acceptance(cfg)
-        run_dir = root / f"{attention}_{policy}"
-        acceptance.run(cfg, str(run_dir))
-        runs[attention, policy] = json.loads((run_dir / "summary.json").read_text())
-    return root, runs
+    jobs = {(attention, policy): ["experiment=sparse_smoke", f"attention={attention}", f"policy={policy}"]
+            for attention, policy in GRID}
+    return root, acceptance_jobs(root, jobs)
 
 
 def test_summaries_carry_the_selection_and_its_recall(smoke_runs):
