@@ -415,7 +415,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "index_share_setting": index_share(cfg.model),
         "speedup": speedup,
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
-        **provenance(m.model),
+        **provenance(m.model.path),
         "group": cfg.get("group", None),
         "seed": cfg.seed,
         "samples": m.samples,
