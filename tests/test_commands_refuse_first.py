@@ -69,6 +69,16 @@ ARGPARSE = {
     "conformance max-seq-len 1": ("glm_mtp.conformance", ["--max-seq-len", "1", "--json", "report.json"],
                                   ["--max-seq-len", ">= 2"],
                                   ["report.json"]),
+    "conformance seed past 2^64": ("glm_mtp.conformance", ["--seed", str(2**64), "--json", "report.json"],
+                                   ["--seed", "in [0, 9223372036854775807]"], ["report.json"]),
+    "conformance threads past a C int": ("glm_mtp.conformance", ["--threads", str(2**31), "--json", "report.json"],
+                                         ["--threads", "in [0, 2147483647]"], ["report.json"]),
+    "bench a negative seed": ("glm_mtp.experiments.bench", ["--seed", "-1", "--out", "bench-out"],
+                              ["--seed", "in [0, "], ["bench-out"]),
+    "sharded an unknown preset": ("glm_mtp.conformance.sharded", ["--preset", "huge"], ["--preset", "huge"], []),
+    "sharded a world the experts do not divide": ("glm_mtp.conformance.sharded", ["--world", "3"],
+                                                  ["--world 3", "n_routed_experts=8"], []),
+    "sharded a zero world": ("glm_mtp.conformance.sharded", ["--world", "0"], ["--world", ">= 1"], []),
 }
 SUMMARY_FILES = {"report not JSON": "{not json", "report another tool's JSON": json.dumps({"launches_per_draft": 22}),
                  "report a string for a number": json.dumps({**SUMMARY, "num_drafts": "2"})}

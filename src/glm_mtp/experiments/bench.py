@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm_mtp.ranges import SEED_MAX, ranged_int
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 from glm_mtp.tools.counters import LaunchCounter
@@ -414,7 +415,7 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="default: 7 on cpu, 30 on cuda")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--copy-mib", type=int, default=None, help="default: 256 on cpu, 2048 on cuda")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0)
     p.add_argument("--counters", nargs="*", default=None, metavar="PRESET",
                    help="presets whose draft-step launches and bytes are counted in Triton's CPU interpreter "
                         "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "

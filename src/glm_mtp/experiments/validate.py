@@ -19,6 +19,7 @@ import shutil
 import sys
 from typing import Any, Callable
 
+from glm_mtp.ranges import SEED_MAX, THREADS_MAX, check_int_range
 from glm_mtp.registry import BACKENDS
 
 from .prompts import SOURCES as PROMPT_SOURCES
@@ -47,13 +48,17 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
-def need_int(cfg: Any, key: str, minimum: int) -> int:
-    v = _get(cfg, key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{key} must be an integer >= {minimum}, got {v!r}")
-    if v < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {v}")
-    return v
+def need_int(cfg: Any, key: str, minimum: int, maximum: int | None = None) -> int:
+    """An integer in ``[minimum, maximum]`` (``glm_mtp.ranges``: the range its consumer accepts)."""
+    return check_int_range(key, _get(cfg, key), minimum, maximum)
+
+
+def need_seed(cfg: Any, key: str) -> int:
+    return need_int(cfg, key, 0, SEED_MAX)
+
+
+def need_threads(cfg: Any, key: str) -> int:
+    return need_int(cfg, key, 1, THREADS_MAX)
 
 
 def need_float(cfg: Any, key: str, minimum: float, strict: bool = False) -> float:
@@ -177,8 +182,8 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
                          "at the temperature: draft=sampled needs temperature > 0)")
     numerics = need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
-    need_int(cfg, "seed", 0)
-    need_int(cfg, "threads", 1)
+    need_seed(cfg, "seed")
+    need_threads(cfg, "threads")
     check_batch_size(_get(cfg, "batch_size"), _get(cfg, "mode"), _get(cfg, "policy"), _get(cfg, "draft"))
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
@@ -187,7 +192,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     index_share(_get(cfg, "model"))
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
-        need_int(cfg, "model.seed", 0)
+        need_seed(cfg, "model.seed")
     if kind == "hf":
         check_hf_model(cfg, numerics)
     check_prompts(cfg)
@@ -336,9 +341,11 @@ def check_sampling_temperature(cfg: Any) -> None:
 
 def check_train(cfg: Any) -> None:
     """The training run's settings (conf/train.yaml): the ``train`` and ``tokenizer`` groups."""
-    for key, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("threads", 1), ("seed", 0), ("warmup", 0),
-                         ("mtp_depth", 1), ("log_every", 1), ("eval_every", 1), ("eval_windows", 1)):
+    for key, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("warmup", 0), ("mtp_depth", 1),
+                         ("log_every", 1), ("eval_every", 1), ("eval_windows", 1)):
         need_int(cfg, f"train.{key}", minimum)
+    need_threads(cfg, "train.threads")
+    need_seed(cfg, "train.seed")
     need_float(cfg, "train.max_minutes", 0.0, strict=True)
     need_float(cfg, "train.lr", 0.0, strict=True)
     need_float(cfg, "train.min_lr", 0.0)
