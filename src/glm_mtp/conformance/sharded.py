@@ -222,7 +222,8 @@ def error(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Sharded drafter vs the single-rank reference, one process per rank.")
+    p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance.sharded",
+                                description="Sharded drafter vs the single-rank reference, one process per rank.")
     p.add_argument("--world", type=ranged_int(1), default=2)
     p.add_argument("--backend", default="reference", choices=sorted(BACKENDS))
     p.add_argument("--preset", default="tiny")
