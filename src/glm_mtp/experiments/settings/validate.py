@@ -22,6 +22,7 @@ from typing import Any, Callable
 from glm_mtp.ranges import SEED_MAX, THREADS_MAX, check_int_range
 from glm_mtp.registry import BACKENDS
 
+from .prompts import MIN_PROMPT_TOKENS
 from .prompts import SOURCES as PROMPT_SOURCES
 from ..loop.speculative import DRAFTS, POLICIES
 from ..targets.target import TARGET_NUMERICS
@@ -197,7 +198,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
         check_hf_model(cfg, numerics)
     check_prompts(cfg)
     need_int(cfg, "run.num_prompts", 1)
-    need_int(cfg, "run.prompt_tokens", 1)
+    need_int(cfg, "run.prompt_tokens", MIN_PROMPT_TOKENS)
     need_int(cfg, "run.max_new_tokens", 1)
     need_bool(cfg, "run.check_lossless")
     costs = _get(cfg, "speedup.costs")
@@ -216,6 +217,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     model = model_config(cfg) if model is None else model
     check_attention(cfg.get("attention", "sparse"), _get(cfg, "backend.name"), model)
     check_lengths(cfg, model.max_position_embeddings)
+    check_user_prompts(cfg, min(_get(cfg, "model.max_seq_len"), model.max_position_embeddings))
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
 
@@ -250,12 +252,16 @@ def check_hf_model(cfg: Any, numerics: str) -> None:
 
 def check_prompts(cfg: Any) -> None:
     """source=jsonl / text read ``prompts.path`` (a JSONL file; a text file or a folder); jsonl
-    holds prompts only, so it runs the speculative mode."""
+    holds prompts only, so it runs the speculative mode. Another source reads no file, so a
+    ``prompts.path`` beside it is refused (it would be ignored)."""
     source = _get(cfg, "source")
-    if source not in ("jsonl", "text"):
-        return
     node = cfg.get("prompts") or {}
     path = node.get("path")
+    if source not in ("jsonl", "text"):
+        if path is not None:
+            raise ValueError(f"prompts.path is read by source=jsonl or source=text; source={source} reads no file and "
+                             f"would ignore {path!r} (set source, or leave prompts.path null)")
+        return
     if not isinstance(path, str):
         raise ValueError(f"source={source} reads prompts.path, which must be a file path; got {path!r}")
     if source == "jsonl":
@@ -268,6 +274,31 @@ def check_prompts(cfg: Any) -> None:
     elif not os.path.exists(path):
         raise ValueError(f"prompts.path must be a text file or a folder of them for source=text; {path!r} does not "
                          "exist")
+
+
+def check_user_prompts(cfg: Any, longest: int) -> None:
+    """The user's prompts file (source=jsonl / text), read whole before any model loads, as the
+    run reads it (``prompts.user_prompts``): every line parsed, decoded and tokenized with the
+    checkpoint's tokenizer, each prompt at least ``MIN_PROMPT_TOKENS`` and, with its
+    continuation and one verify, within ``longest`` rows; a text long enough for its windows."""
+    from ..targets.checkpoint import SHIPPED, checkpoint_tokenizer, shipped_checkpoint
+    from .prompts import check_prompt_lengths, user_prompts
+
+    source = _get(cfg, "source")
+    if source not in ("jsonl", "text"):
+        return
+    kind, path = _get(cfg, "model.kind"), _get(cfg, "model").get("path")
+    if kind == "checkpoint" and path is None:
+        path = str(shipped_checkpoint(_get(cfg, "model").get("shipped") or SHIPPED))
+    tokenizer = None if kind == "random" else checkpoint_tokenizer(kind, path)
+    if tokenizer is None:
+        raise ValueError(f"source={source} tokenizes prompts.path with the checkpoint's tokenizer; this model has none "
+                         f"(model.kind={kind}{'' if kind == 'random' else ', no tokenizer files in model.path'})")
+    file = _get(cfg, "prompts.path")
+    _, starts = user_prompts(source, file, tokenizer, _get(cfg, "run.num_prompts"), _get(cfg, "run.prompt_tokens"),
+                             _get(cfg, "run.max_new_tokens"))
+    check_prompt_lengths(starts, _get(cfg, "run.max_new_tokens"), _get(cfg, "num_drafts"), longest,
+                         f"prompts.path: {file}")
 
 
 def draft_kind(cfg: Any) -> str:
@@ -302,11 +333,36 @@ def model_config(cfg: Any) -> Any:
         raise ValueError(f"model.path must be a checkpoint directory or null (the shipped checkpoint), got {path!r}")
     try:
         check_checkpoint_directory("model.path", path)
-        return MtpConfig.from_hf_config(path)
+        config = MtpConfig.from_hf_config(path)
     except (OSError, ValueError) as e:
         message = str(e).removeprefix("model.path: ")
         raise ValueError("model.path must be a checkpoint directory (config.json and safetensors): "
                          f"{message}") from None
+    if kind == "hf":
+        from ..targets.hf_target import check_hf_checkpoint
+
+        check_hf_checkpoint(path)
+    check_checkpoint_loads("model.path", path, _get(cfg, "model.dtype"), package_target=kind == "checkpoint")
+    return config
+
+
+def check_checkpoint_loads(key: str, path: str, dtype: str, package_target: bool) -> None:
+    """A quantized or damaged checkpoint is refused by a command as by the API, before any work:
+    the drafter's tensors read as the run reads them (``MtpWeights.from_pretrained``: names,
+    shapes, dtypes, quantization, finite values) and, for the package's own target
+    (``package_target``), its layers (``TargetWeights.from_pretrained``); the API's message, one
+    line, after ``key``."""
+    from glm_mtp.reference import MtpWeights
+    from glm_mtp.registry import DTYPES
+
+    from ..targets.target import TargetWeights
+
+    try:
+        MtpWeights.from_pretrained(path, dtype=DTYPES[dtype])
+        if package_target:
+            TargetWeights.from_pretrained(path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}: {str(e).strip().splitlines()[0]}") from None
 
 
 def check_lengths(cfg: Any, max_position_embeddings: int) -> None:
@@ -421,7 +477,9 @@ def trained_model_config(cfg: Any) -> Any:
         from ..targets.checkpoint import shipped_checkpoint
 
         base = str(shipped_checkpoint())
-    return MtpConfig.from_hf_config(base)
+    config = MtpConfig.from_hf_config(base)
+    check_checkpoint_loads("train.base", base, "float32", package_target=True)  # the training reads it in float32
+    return config
 
 
 def check_arch(cfg: Any) -> Any:

@@ -71,6 +71,23 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dty
     return LoadedModel(target, mtp, tok, heldout, str(path))
 
 
+def checkpoint_tokenizer(kind: str, path: str) -> Any:
+    """The tokenizer a run of ``model.kind`` reads from checkpoint ``path``, without the model:
+    the package's BPE (``tokenizer.json``) for a checkpoint it trained, transformers' for a
+    released one (kind ``hf``, no ``corpus.json``), ``None`` without one."""
+    ours = os.path.exists(os.path.join(path, "corpus.json"))
+    if kind == "hf" and not ours:
+        from .hf_target import HfTokenizer, has_tokenizer
+
+        if not has_tokenizer(path):
+            return None
+        from transformers import AutoTokenizer
+
+        return HfTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    file = os.path.join(path, "tokenizer.json")
+    return BpeTokenizer.load(file) if os.path.exists(file) else None
+
+
 def load_hf_checkpoint(path: str | os.PathLike[str], device: str, dtype: torch.dtype) -> LoadedModel:
     """A checkpoint in the release layout: transformers' target (``hf_target.load_hf_model``) on
     ``device``, the drafter (``MtpWeights.from_pretrained``) beside the target's head, the
