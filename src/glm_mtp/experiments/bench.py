@@ -537,6 +537,12 @@ def check_target_costs(p: argparse.ArgumentParser, a: argparse.Namespace, device
         p.error(str(e))
     if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
         p.error(f"--checkpoint: {a.checkpoint} holds no config.json (not a checkpoint directory)")
+    from .targets.checkpoint import check_checkpoint_loads
+
+    try:
+        check_checkpoint_loads("--checkpoint", a.checkpoint, "float32", package_target=True)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -342,27 +342,10 @@ def model_config(cfg: Any) -> Any:
         from ..targets.hf_target import check_hf_checkpoint
 
         check_hf_checkpoint(path)
+    from ..targets.checkpoint import check_checkpoint_loads
+
     check_checkpoint_loads("model.path", path, _get(cfg, "model.dtype"), package_target=kind == "checkpoint")
     return config
-
-
-def check_checkpoint_loads(key: str, path: str, dtype: str, package_target: bool) -> None:
-    """A quantized or damaged checkpoint is refused by a command as by the API, before any work:
-    the drafter's tensors read as the run reads them (``MtpWeights.from_pretrained``: names,
-    shapes, dtypes, quantization, finite values) and, for the package's own target
-    (``package_target``), its layers (``TargetWeights.from_pretrained``); the API's message, one
-    line, after ``key``."""
-    from glm_mtp.reference import MtpWeights
-    from glm_mtp.registry import DTYPES
-
-    from ..targets.target import TargetWeights
-
-    try:
-        MtpWeights.from_pretrained(path, dtype=DTYPES[dtype])
-        if package_target:
-            TargetWeights.from_pretrained(path, dtype=DTYPES[dtype])
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{key}: {str(e).strip().splitlines()[0]}") from None
 
 
 def check_lengths(cfg: Any, max_position_embeddings: int) -> None:
@@ -477,6 +460,8 @@ def trained_model_config(cfg: Any) -> Any:
         from ..targets.checkpoint import shipped_checkpoint
 
         base = str(shipped_checkpoint())
+    from ..targets.checkpoint import check_checkpoint_loads
+
     config = MtpConfig.from_hf_config(base)
     check_checkpoint_loads("train.base", base, "float32", package_target=True)  # the training reads it in float32
     return config
