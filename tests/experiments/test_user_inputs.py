@@ -188,3 +188,38 @@ def test_a_failure_after_the_loop_keeps_the_counts_and_is_one_line(monkeypatch, 
     records = read_measured(str(run_dir / MEASURED_FILE))
     assert [(r["reached"], r["accepted"], r["steps"]) for r in records] == measured["counts"]
     assert [r["prompt"] for r in records] == [0, 1, 2]
+
+
+LATE_FAILURE_DRIVER = """
+import sys
+from glm_mtp.experiments import acceptance
+
+def failing_summary(cfg, m):
+    raise KeyError("speedup")
+
+acceptance.summarise = failing_summary
+sys.argv = ["acceptance", *sys.argv[1:]]
+acceptance.main()
+"""
+
+
+def test_a_late_failure_through_the_entry_point_is_one_line_and_exit_1(tmp_path):
+    """The entry point with its summary step forced to fail: exit status 1, the last line of
+    stderr one ``error:`` line naming measured.jsonl, no traceback; the counts are on disk."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+           "HYDRA_FULL_ERROR": "0"}
+    proc = subprocess.run([sys.executable, "-c", LATE_FAILURE_DRIVER, "model=tiny_random", "experiment=smoke",
+                           "logger=none", "speedup.repeats=1", f"hydra.run.dir={run_dir}"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and lines, proc.stderr
+    assert lines[-1].startswith("python -m glm_mtp.experiments.acceptance: error: the summary failed after 2 prompt(s)")
+    assert str(run_dir / MEASURED_FILE) in lines[-1]
+    assert len(read_measured(str(run_dir / MEASURED_FILE))) == 2
