@@ -96,6 +96,17 @@ def test_model_dtype_float64_runs_the_hf_target(dsa, tmp_path):
     assert s["target"]["dtype"] == "float64" and s["prompts"] == 2 and s["generated_tokens"] == 8
 
 
+def test_a_device_the_target_cannot_run_on_is_refused(dsa):
+    import torch
+
+    cfg = config(SMALL + ["model=hf", f"model.path={dsa}", "model.device=cuda"])
+    if torch.cuda.is_available():
+        validate.check_acceptance(cfg)
+    else:
+        with pytest.raises(ValueError, match="^model.device=cuda runs the target on a GPU, but CUDA is not available"):
+            validate.check_acceptance(cfg)
+
+
 # ---- drawn damaged checkpoints ----------------------------------------------------------------
 
 

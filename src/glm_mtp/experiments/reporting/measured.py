@@ -29,19 +29,20 @@ class MeasuredFile:
     """
 
     def __init__(self, run_dir: str | None) -> None:
+        self.run_dir = run_dir
         self.path = None if run_dir is None else os.path.join(run_dir, MEASURED_FILE)
         self.count = 0
-        if self.path is not None:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(self.path, "w"):  # a rerun in the same folder starts the file afresh
-                pass
 
     def append(self, stats: Any, generated: int) -> None:
-        """Prompt ``count``'s counts (a ``SpecStats``) and generated tokens, flushed to disk."""
+        """Prompt ``count``'s counts (a ``SpecStats``) and generated tokens, flushed to disk. The
+        file (and the run folder) is made by the first prompt's record: a run refused before it
+        measures leaves nothing behind; a rerun in the same folder starts the file afresh."""
         if self.path is not None:
             record = {"prompt": self.count, "reached": list(stats.reached), "accepted": list(stats.accepted),
                       "steps": stats.steps, "generated": generated}
-            with open(self.path, "a") as f:
+            if not self.count:
+                os.makedirs(self.run_dir, exist_ok=True)
+            with open(self.path, "a" if self.count else "w") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

@@ -238,6 +238,12 @@ def check_hf_model(cfg: Any, numerics: str) -> None:
         except ImportError:
             raise ValueError("model.device=auto places the layers with accelerate, which is not installed: "
                              "pip install 'glm-mtp[hf]'") from None
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("model.device=cuda runs the target on a GPU, but CUDA is not available here (use "
+                             "model.device=cpu)")
     need_choice(cfg, "model.topk_ties", TOPK_TIES)
     if device == "cpu" and _get(cfg, "backend.name") == "optimized":
         raise ValueError("backend=optimized drafts on CUDA, and model=hf puts the drafter beside the target's head: "
