@@ -173,3 +173,26 @@ def test_a_number_outside_its_consumers_range_is_refused_by_argparse(argv, match
     with pytest.raises(SystemExit) as e:
         main(argv + ["--json", ""])
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_sharded_flags_are_checked_against_the_preset_before_spawning():
+    """Drawn: 40 (--world, --row-parallel-o-proj) pairs per preset: accepted exactly when the
+    world divides the preset's routed experts and, row-parallel, is a power of two."""
+    import argparse
+    import random
+
+    from glm_mtp.conformance.sharded import settings_error
+    from glm_mtp.reference import MtpConfig
+
+    rng = random.Random(5)
+    for preset in ("tiny", "glm5next_tiny", "small"):
+        experts = MtpConfig.preset(preset).n_routed_experts
+        for _ in range(40):
+            world, row = rng.randint(1, 2 * experts), rng.random() < 0.5
+            a = argparse.Namespace(preset=preset, world=world, row_parallel_o_proj=row, device="cpu")
+            ok = experts % world == 0 and not (row and world & (world - 1))
+            why = settings_error(a)
+            assert (why is None) == ok, (preset, world, row, why)
+            assert ok or ("--world" in why or "--row-parallel-o-proj" in why)
+    bad = argparse.Namespace(preset="huge", world=1, row_parallel_o_proj=False, device="cpu")
+    assert settings_error(bad).startswith("--preset: ")

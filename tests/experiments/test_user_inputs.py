@@ -234,3 +234,54 @@ def test_a_late_failure_through_the_entry_point_is_one_line_and_exit_1(tmp_path)
     assert lines[-1].startswith("python -m glm_mtp.experiments.acceptance: error: the summary failed after 2 prompt(s)")
     assert str(run_dir / MEASURED_FILE) in lines[-1]
     assert len(read_measured(str(run_dir / MEASURED_FILE))) == 2
+
+
+# ---- drawn damaged checkpoints of the package's own layout ------------------------------------
+
+
+def damage(file, rng):
+    """One drawn damage of a checkpoint's single tensors file; returns what it did."""
+    import torch
+
+    kind = rng.choice(["truncate", "int dtype", "drop mtp", "drop target", "nan"])
+    if kind == "truncate":
+        size = file.stat().st_size
+        with open(file, "r+b") as f:
+            f.truncate(rng.randint(1, size - 1))
+        return kind
+    tensors = load_file(file)
+    layers = json.loads((file.parent / "config.json").read_text())["num_hidden_layers"]
+    mtp = sorted(n for n in tensors if f".layers.{layers}." in n and tensors[n].dim() == 2)
+    target = sorted(n for n in tensors if ".layers." in n and f".layers.{layers}." not in n)
+    name = rng.choice(target if kind == "drop target" else mtp)
+    if kind == "int dtype":
+        tensors[name] = tensors[name].to(torch.int32)
+    elif kind == "nan":
+        flat = tensors[name].clone().reshape(-1)
+        flat[rng.randrange(flat.numel())] = float("nan")
+        tensors[name] = flat.reshape(tensors[name].shape)
+    else:
+        del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+    return f"{kind} {name}"
+
+
+def test_drawn_damaged_checkpoints_are_refused_as_the_api_refuses_them(tmp_path):
+    """Drawn: 10 copies of the shipped checkpoint, each damaged once (truncated at a random
+    byte, a drafter matrix stored as int32 or holding a NaN, a drafter or target tensor
+    removed): every command's check refuses it in one line after the setting's name."""
+    import shutil
+
+    from glm_mtp.experiments.targets.checkpoint import check_checkpoint_loads, shipped_checkpoint
+
+    rng = random.Random(3)
+    kinds = set()
+    for i in range(10):
+        directory = tmp_path / f"ck{i}"
+        shutil.copytree(shipped_checkpoint(), directory)
+        what = damage(directory / "model.safetensors", rng)
+        kinds.add(what.rsplit(" ", 1)[0] if what != "truncate" else what)
+        with pytest.raises(ValueError) as e:
+            check_checkpoint_loads("model.path", str(directory), "float32", package_target=True)
+        assert str(e.value).startswith("model.path: ") and "\n" not in str(e.value), (what, str(e.value))
+    assert len(kinds) >= 4, kinds  # the draws cover most kinds of damage
