@@ -112,6 +112,8 @@ PROCESSES = {
     "train a truncated base checkpoint": (
         "glm_mtp.experiments.train", ["train.base=sweep/ck", "logger=none"],
         ["train.base:", "not a readable safetensors file"], ["outputs"]),
+    "step_tables an unknown table": ("glm_mtp.tools.step_tables", ["--tables", "fused,bogus"],
+                                     ["--tables", "fused, next, sharing", "'fused,bogus'"], []),
     "audit an architecture LLVM does not know": (
         "glm_mtp.tools.audit", ["--arch", "sm_999", "--presets", "tiny"],
         ["--arch sm_999", "not a recognized processor"], []),
