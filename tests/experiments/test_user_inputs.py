@@ -96,6 +96,15 @@ def test_model_dtype_float64_runs_the_hf_target(dsa, tmp_path):
     assert s["target"]["dtype"] == "float64" and s["prompts"] == 2 and s["generated_tokens"] == 8
 
 
+def test_a_model_type_without_a_transformers_target_is_refused(dsa, tmp_path):
+    """deepseek_v32: a drafter the package reads (MtpConfig takes it), but no target class here."""
+    broken = copy_checkpoint(dsa, tmp_path / "ck")
+    config_file = broken / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": "deepseek_v32"}))
+    with pytest.raises(ValueError, match="^model.path: model_type must be glm5_next or glm_moe_dsa for model=hf"):
+        validate.check_acceptance(config(SMALL + ["model=hf", f"model.path={broken}"]))
+
+
 def test_a_device_the_target_cannot_run_on_is_refused(dsa):
     import torch
 
