@@ -69,6 +69,19 @@ ARGPARSE = {
     "conformance max-seq-len 1": ("glm_mtp.conformance", ["--max-seq-len", "1", "--json", "report.json"],
                                   ["--max-seq-len", ">= 2"],
                                   ["report.json"]),
+    "conformance seed past 2^64": ("glm_mtp.conformance", ["--seed", str(2**64), "--json", "report.json"],
+                                   ["--seed", "in [0, 9223372036854775807]"], ["report.json"]),
+    "conformance threads past a C int": ("glm_mtp.conformance", ["--threads", str(2**31), "--json", "report.json"],
+                                         ["--threads", "in [0, 2147483647]"], ["report.json"]),
+    "bench a negative seed": ("glm_mtp.experiments.bench", ["--seed", "-1", "--out", "bench-out"],
+                              ["--seed", "in [0, "], ["bench-out"]),
+    "bench a quantized checkpoint": ("glm_mtp.experiments.bench",
+                                     ["--target-costs", "--checkpoint", "sweep/ck", "--out", "bench-out"],
+                                     ["--checkpoint:", "quantized in awq"], ["bench-out"]),
+    "sharded an unknown preset": ("glm_mtp.conformance.sharded", ["--preset", "huge"], ["--preset", "huge"], []),
+    "sharded a world the experts do not divide": ("glm_mtp.conformance.sharded", ["--world", "3"],
+                                                  ["--world 3", "n_routed_experts=8"], []),
+    "sharded a zero world": ("glm_mtp.conformance.sharded", ["--world", "0"], ["--world", ">= 1"], []),
 }
 SUMMARY_FILES = {"report not JSON": "{not json", "report another tool's JSON": json.dumps({"launches_per_draft": 22}),
                  "report a string for a number": json.dumps({**SUMMARY, "num_drafts": "2"})}
@@ -87,11 +100,84 @@ PROCESSES = {
     "train a tokenizer size it cannot honour": (
         "glm_mtp.experiments.train", ["training=next_stdlib", "tokenizer.vocab_size=4096", "logger=none"],
         ["tokenizer.vocab_size must be 2048", "tokenizer.path=shipped"], ["outputs"]),
+    "acceptance a quantized checkpoint": (
+        "glm_mtp.experiments.acceptance", ["model.path=sweep/ck", "logger=none"],
+        ["model.path:", "quantized in awq"], ["outputs"]),
+    "acceptance a one-character first prompt": (
+        "glm_mtp.experiments.acceptance", ["source=jsonl", "prompts.path=sweep/p.jsonl", "logger=none"],
+        ["prompts.path:", "prompt 0 holds 1 token(s)"], ["outputs"]),
+    "acceptance model=hf missing a target tensor": (
+        "glm_mtp.experiments.acceptance", ["model=hf", "model.path=sweep/ck", "logger=none"],
+        ["model.path:", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "random values"], ["outputs"]),
+    "train a truncated base checkpoint": (
+        "glm_mtp.experiments.train", ["train.base=sweep/ck", "logger=none"],
+        ["train.base:", "not a readable safetensors file"], ["outputs"]),
     "step_tables an unknown table": ("glm_mtp.tools.step_tables", ["--tables", "fused,bogus"],
                                      ["--tables", "fused, next, sharing", "'fused,bogus'"], []),
     "audit an architecture LLVM does not know": (
         "glm_mtp.tools.audit", ["--arch", "sm_999", "--presets", "tiny"],
         ["--arch sm_999", "not a recognized processor"], []),
+}
+
+
+def shipped_copy(folder):
+    """The shipped GLM-5 checkpoint copied to ``folder/sweep/ck``; returns its tensors' file."""
+    import shutil
+
+    from glm_mtp.experiments.targets.checkpoint import shipped_checkpoint
+
+    shutil.copytree(shipped_checkpoint(), folder / "sweep" / "ck")
+    return folder / "sweep" / "ck" / "model.safetensors"
+
+
+def quantized_checkpoint(folder):
+    """The MTP layer's eh_proj stored as int32 in a checkpoint that declares awq quantization."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = shipped_copy(folder)
+    config = json.loads((file.parent / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (file.parent / "config.json").write_text(json.dumps(config))
+    tensors = load_file(file)
+    name = f"model.layers.{config['num_hidden_layers']}.eh_proj.weight"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def truncated_checkpoint(folder):
+    """The tensors' file cut in half (an interrupted download)."""
+    file = shipped_copy(folder)
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size // 2)
+
+
+def hf_checkpoint_missing_a_tensor(folder):
+    """A tiny release checkpoint with one target tensor gone from its shard and its index."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+    from hf_checkpoints import write_hf_checkpoint
+
+    directory = folder / "sweep" / "ck"
+    write_hf_checkpoint(directory, "glm_moe_dsa")
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    shard = directory / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+# Cases whose inputs are files: made under the case's sweep/ folder before it runs.
+SETUPS = {
+    "acceptance a quantized checkpoint": quantized_checkpoint,
+    "bench a quantized checkpoint": quantized_checkpoint,
+    "train a truncated base checkpoint": truncated_checkpoint,
+    "acceptance model=hf missing a target tensor": hf_checkpoint_missing_a_tensor,
+    "acceptance a one-character first prompt": lambda folder: (folder / "sweep").mkdir() or (
+        folder / "sweep" / "p.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n"),
 }
 
 
@@ -113,6 +199,8 @@ def outcomes(tmp_path_factory):
     for name, body in SUMMARY_FILES.items():
         (folders[name] / "sweep" / "0").mkdir(parents=True)
         (folders[name] / "sweep" / "0" / "summary.json").write_text(body)
+    for name, setup in SETUPS.items():
+        setup(folders[name])
     started = {name: subprocess.Popen([sys.executable, "-m", module, *argv], cwd=folders[name],
                                       stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True,

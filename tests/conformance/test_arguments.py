@@ -58,3 +58,35 @@ def test_the_machine_catches_a_grammar_or_confidence_mutant(mutant):
         run_state_machine_as_test(argument_machine(MUTANTS[mutant]), settings=settings(
             max_examples=40, stateful_step_count=10, derandomize=True, phases=[Phase.generate],
             report_multiple_bugs=False, **SETTINGS))
+
+
+def test_the_machine_catches_a_count_taken_unchecked():
+    """A drafter whose ``prefill_hidden_rows`` takes any value (``min`` with a float, a string):
+    the machine must fail."""
+    from glm_mtp.optimized import OptimizedProposer
+
+    class TakesAnything(OptimizedProposer):
+        def prefill_hidden_rows(self, max_seq_len):
+            return max_seq_len if not isinstance(max_seq_len, int) else min(max_seq_len, self.max_seq_len)
+
+    with pytest.raises(AssertionError, match="one backend refused|different"):
+        run_state_machine_as_test(argument_machine(TakesAnything), settings=settings(
+            max_examples=60, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
+            report_multiple_bugs=False, **SETTINGS))
+
+
+def test_the_machine_catches_batch_buffers_only_its_own_states_have():
+    """A drafter whose batched calls find buffers only where it allocated a state itself: a second
+    drafter's batch on the first one's states fails, and the machine must say so."""
+    from glm_mtp.optimized import OptimizedProposer
+
+    class OwnBuffersOnly(OptimizedProposer):
+        def _batch_on(self, device, call):
+            if call == "alloc_state":
+                return super()._batch_on(device, call)
+            return self._batch[device]  # a KeyError on states another drafter allocated
+
+    with pytest.raises(KeyError):
+        run_state_machine_as_test(argument_machine(OwnBuffersOnly), settings=settings(
+            max_examples=60, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
+            report_multiple_bugs=False, **SETTINGS))

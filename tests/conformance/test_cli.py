@@ -150,7 +150,6 @@ def test_kernels_choice_reaches_the_optimized_backend(kernels, tmp_path):
     (["--device", "tpu"], "--device"),
     (["--scenario-file", "/nonexistent.json"], "--scenario-file /nonexistent.json is not a file"),
     (["--scenarios", "3", "--scenario-index", "5"], "--scenario-index must be < --scenarios (3)"),
-    (["--threads", "-1"], "--threads must be >= 0"),
 ])
 def test_the_cli_checks_every_setting_before_building_weights(argv, match, capsys, monkeypatch):
     import glm_mtp.conformance.runner as runner
@@ -159,3 +158,41 @@ def test_the_cli_checks_every_setting_before_building_weights(argv, match, capsy
     assert main(argv + ["--json", ""]) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--threads", "-1"], "argument --threads: must be in [0, 2147483647], got -1"),
+    (["--seed", str(2**64)], "argument --seed: must be in [0, 9223372036854775807]"),
+    (["--weights-seed", "x"], "argument --weights-seed: must be an integer in [0, "),
+    (["--scenario-index", "-1"], "argument --scenario-index: must be >= 0, got -1"),
+])
+def test_a_number_outside_its_consumers_range_is_refused_by_argparse(argv, match, capsys, monkeypatch):
+    import glm_mtp.conformance.runner as runner
+
+    monkeypatch.setattr(runner, "run", lambda *a, **k: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--json", ""])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_sharded_flags_are_checked_against_the_preset_before_spawning():
+    """Drawn: 40 (--world, --row-parallel-o-proj) pairs per preset: accepted exactly when the
+    world divides the preset's routed experts and, row-parallel, is a power of two."""
+    import argparse
+    import random
+
+    from glm_mtp.conformance.sharded import settings_error
+    from glm_mtp.reference import MtpConfig
+
+    rng = random.Random(5)
+    for preset in ("tiny", "glm5next_tiny", "small"):
+        experts = MtpConfig.preset(preset).n_routed_experts
+        for _ in range(40):
+            world, row = rng.randint(1, 2 * experts), rng.random() < 0.5
+            a = argparse.Namespace(preset=preset, world=world, row_parallel_o_proj=row, device="cpu")
+            ok = experts % world == 0 and not (row and world & (world - 1))
+            why = settings_error(a)
+            assert (why is None) == ok, (preset, world, row, why)
+            assert ok or ("--world" in why or "--row-parallel-o-proj" in why)
+    bad = argparse.Namespace(preset="huge", world=1, row_parallel_o_proj=False, device="cpu")
+    assert settings_error(bad).startswith("--preset: ")

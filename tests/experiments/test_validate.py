@@ -46,6 +46,9 @@ def test_the_shipped_configs_pass():
     ("+backend.name=fast", "backend.name"),
     ("speedup.costs=fast", "speedup.costs"),
     ("speedup.repeats=0", "speedup.repeats"),
+    ("seed=18446744073709551616", "seed"),
+    ("seed=-1", "seed"),
+    ("threads=2147483648", "threads"),
 ])
 def test_a_bad_acceptance_value_names_its_key(override, key):
     if override.startswith("+backend"):
@@ -66,6 +69,8 @@ def test_a_bad_acceptance_value_names_its_key(override, key):
     ("train.mtp_distill=2", "train.mtp_distill"),
     ("tokenizer.vocab_size=0", "tokenizer.vocab_size"),
     ("train.base=/nonexistent", "train.base"),
+    ("train.seed=18446744073709551616", "train.seed"),
+    ("train.threads=2147483648", "train.threads"),
 ])
 def test_a_bad_train_value_names_its_key(override, key):
     with pytest.raises(ValueError, match=f"^{key} must"):

@@ -232,3 +232,50 @@ def test_arguments_torch_cannot_take_are_refused_naming_them(weights, backend):
         prop.catchup_drafter(None, torch.randn(1, H).to(weights.dtype), 5, 5, state)
     assert state_bytes(prop, state) == before
     usable(prop, state, hidden)
+
+
+# ---- drafter API corners: counts and batch buffers ----------------------------------------------
+
+
+@pytest.mark.parametrize("cls", BACKENDS)
+def test_prefill_hidden_rows_takes_a_count_only(weights, cls):
+    """``prefill_hidden_rows(max_seq_len)``: an integer >= 0 (min with the drafter's length);
+    anything else a ``ValueError`` naming ``max_seq_len``: named cases and 40 drawn ones."""
+    prop = cls(weights, max_seq_len=32)
+    rng = torch.Generator().manual_seed(45)
+    for n in [0, 1, 31, 32, 33, 2**70, *torch.randint(0, 10**6, (20,), generator=rng).tolist()]:
+        assert prop.prefill_hidden_rows(n) == min(n, 32)
+    drawn = [-int(v) - 1 for v in torch.randint(0, 2**62, (10,), generator=rng)] + \
+            [float(v) for v in torch.rand(10, generator=rng) * 64]
+    for bad in [-1, 2.5, 2.0, True, None, "3", math.nan, torch.tensor(1.5), *drawn]:
+        with pytest.raises(ValueError, match="^max_seq_len must be"):
+            prop.prefill_hidden_rows(bad)
+
+
+def test_a_max_batch_no_device_can_hold_is_refused_naming_it(weights):
+    """``max_batch`` beyond what the device can allocate (out of memory, or past int64 sizes):
+    ``alloc_state`` refuses naming ``max_batch``, and the drafter keeps no buffers."""
+    rng = torch.Generator().manual_seed(7)
+    drawn = [int(v) for v in torch.randint(10**13, 10**15, (3,), generator=rng)]
+    for max_batch in [2**40, 2**63, 2**70, *drawn]:
+        prop = OptimizedProposer(weights, max_seq_len=32, max_batch=max_batch)
+        with pytest.raises(ValueError, match=f"^alloc_state: max_batch={max_batch}: .*smaller max_batch"):
+            prop.alloc_state("cpu")
+        assert not prop._batch
+
+
+@pytest.mark.parametrize("cls", BACKENDS)
+def test_a_second_drafters_batch_serves_states_the_first_allocated(weights, cls):
+    """States allocated by one drafter, batched by another of the same weights and length: the
+    same drafts as the first drafter's batch (single ``propose`` serves them alike)."""
+    first, second = cls(weights, max_seq_len=32), cls(weights, max_seq_len=32)
+    outs = []
+    for prop in (first, second):
+        states = [first.alloc_state("cpu") for _ in range(2)]
+        gen = torch.Generator().manual_seed(11)
+        for st in states:
+            first.prefill_drafter(torch.randint(0, 96, (6,), generator=gen).tolist(),
+                                  torch.randn(6, weights.config.hidden_size, generator=gen).to(weights.dtype), st)
+        hiddens = torch.randn(2, weights.config.hidden_size, generator=gen).to(weights.dtype)
+        outs.append(prop.propose_batch([3, 4], hiddens, [5, 5], 2, states))
+    assert outs[0] == outs[1]

@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Any
 
+from glm_mtp.ranges import SEED_MAX, THREADS_MAX, ranged_int
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance",
@@ -33,32 +35,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny",
                    help="MtpConfig preset: tiny | small | glm5_shape | glm5, or of the glm5_next family "
                         "glm5next_tiny | glm5next_small | glm5next (default tiny)")
-    p.add_argument("--max-seq-len", type=int, default=64, help="the proposers' max_seq_len (default 64)")
-    p.add_argument("--scenarios", type=int, default=100, help="scenarios to run (default 100)")
-    p.add_argument("--seed", type=int, default=0, help="the run's seed; scenario i depends only on (seed, i)")
-    p.add_argument("--scenario-index", type=int, default=None, help="replay this scenario alone")
+    p.add_argument("--max-seq-len", type=ranged_int(1), default=64, help="the proposers' max_seq_len (default 64)")
+    p.add_argument("--scenarios", type=ranged_int(1), default=100, help="scenarios to run (default 100)")
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0,
+                   help="the run's seed; scenario i depends only on (seed, i)")
+    p.add_argument("--scenario-index", type=ranged_int(0), default=None, help="replay this scenario alone")
     p.add_argument("--scenario-file", default=None,
                    help="replay the scenario saved in this JSON file (the hypothesis machine writes one)")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--weights-seed", type=ranged_int(0, SEED_MAX), default=0,
+                   help="seed of the random weights (default 0)")
     p.add_argument("--generators", default="realistic,adversarial",
                    help="comma-separated generators that take turns: realistic, adversarial, batched (default "
                         "realistic,adversarial)")
-    p.add_argument("--max-drafts", type=int, default=4, help="largest num_drafts of a valid propose (default 4)")
+    p.add_argument("--max-drafts", type=ranged_int(1), default=4,
+                   help="largest num_drafts of a valid propose (default 4)")
     p.add_argument("--grammars", default="auto", choices=("auto", "on", "off"),
                    help="draw grammars and sampled proposes and compare confidences (DESIGN.md §10, §12): auto (when "
                         "both backends take them), on (required), off (default auto)")
     p.add_argument("--json", default="conformance-report.json", help="where to write the JSON report ('' for nowhere)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=ranged_int(0, THREADS_MAX), default=1,
                    help="torch CPU threads (default 1: tiny shapes gain nothing from more, and an oversubscribed "
                         "machine stalls OpenMP; 0 leaves torch's default)")
     p.add_argument("--list-mutants", action="store_true", help="list the mutants and the rule each breaks, then exit")
-    args = p.parse_args(argv)
-    for name in ("scenarios", "max_seq_len", "max_drafts"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.scenario_index is not None and args.scenario_index < 0:
-        p.error("--scenario-index must be >= 0")
-    return args
+    return p.parse_args(argv)
 
 
 DTYPE_NAMES = ("bfloat16", "float32", "float16", "float64")
@@ -70,8 +69,6 @@ def settings_error(args: argparse.Namespace) -> str | None:
         return f"--scenario-index must be < --scenarios ({args.scenarios}), got {args.scenario_index}"
     if args.dtype not in DTYPE_NAMES:
         return f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {args.dtype!r}"
-    if args.threads < 0:
-        return f"--threads must be >= 0 (0: torch's default), got {args.threads}"
     if args.scenario_file is not None and not os.path.isfile(args.scenario_file):
         return f"--scenario-file {args.scenario_file} is not a file"
     if args.device.startswith("cpu"):  # before anything imports triton (main says why)

@@ -1,7 +1,7 @@
 """Hostile arguments as a hypothesis ``RuleBasedStateMachine``: every public call of the drafter
-contract (prefill, catch-up, propose, sampled propose, both batches, after_verify, rewinds,
-export, free) with arguments drawn across types, dtypes, devices, shapes, ranges and special
-floats, played on two backends at once.
+contract (prefill, catch-up, propose, sampled propose, both batches, a second drafter's batches
+on the first one's states, after_verify, rewinds, export, free, the queries) with arguments drawn
+across types, dtypes, devices, shapes, ranges and special floats, played on two backends at once.
 
 ``machine.lockstep_machine`` plays well-formed scenario ops (misuse of the call order, odd
 orders) as data; this machine passes raw Python values and tensors, the way a hostile caller
@@ -87,6 +87,7 @@ class HostileCalls(RuleBasedStateMachine):
     (``sides``: the reference, then the candidate), their weights' config, dtype and length."""
 
     sides: tuple[Any, Any]
+    others: tuple[Any, Any]  # a second drafter of each backend on the same weights and length
     cfg: MtpConfig
     dtype: torch.dtype
     max_seq_len: int
@@ -317,9 +318,35 @@ class HostileCalls(RuleBasedStateMachine):
         self.play("draft_confidence", {"state": i}, lambda p, s: p.draft_confidence(s[i]), [i])
 
     @rule(data=st.data())
+    def second_drafter_batch(self, data: Any) -> None:
+        """``propose_batch`` / ``catchup_batch`` of a second drafter on these weights and this
+        length, on states the first allocated: served as its single calls serve them (or
+        refused alike), never a failure of its own buffers."""
+        d = Draws(data, self.cfg, self.dtype)
+        picked = self.batch(d)
+        other = {id(p): q for p, q in zip(self.sides, self.others)}
+        if d.draw(st.booleans()):
+            tokens = [d.token_id() for _ in picked]
+            hiddens = d.hiddens(len(picked))
+            positions = [self.seq_len(i) for i in picked]
+            k = d.integer(st.sampled_from([1, 2, 3]))
+            self.play("second drafter's propose_batch", {"states": picked, "last_tokens": tokens,
+                                                         "target_hiddens": hiddens, "positions": positions,
+                                                         "num_drafts": k},
+                      lambda p, s: other[id(p)].propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked]),
+                      list(range(STATES)))
+        else:
+            tokens, hiddens = d.tokens(len(picked)), d.hiddens(len(picked))
+            bases = [self.seq_len(i) for i in picked]
+            self.play("second drafter's catchup_batch",
+                      {"states": picked, "tokens": tokens, "hiddens": hiddens, "row_bases": bases},
+                      lambda p, s: other[id(p)].catchup_batch(tokens, hiddens, bases, [s[i] for i in picked]),
+                      list(range(STATES)))
+
+    @rule(data=st.data())
     def queries(self, data: Any) -> None:
         i = data.draw(st.integers(0, STATES - 1))
-        n = data.draw(st.integers(0, 2 * self.max_seq_len))
+        n = Draws(data, self.cfg, self.dtype).integer(st.integers(0, 2 * self.max_seq_len))
         self.play("queries", {"state": i, "max_seq_len": n},
                   lambda p, s: (p.drafter_rows(s[i]), p.last_pair_key(s[i]), p.prefill_hidden_rows(n)), [i])
 
@@ -337,8 +364,9 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
         from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
     weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
     sides = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
+    others = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
     return type("ArgumentMachine", (HostileCalls,),
-                {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
+                {"sides": sides, "others": others, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
                  "weights": weights, "candidate": staticmethod(candidate),
                  "grammars": all(takes_grammars(p) for p in sides)})
 

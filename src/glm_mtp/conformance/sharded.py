@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.bytes import raw_bytes
+from glm_mtp.ranges import SEED_MAX, ranged_int
 from glm_mtp.reference.distributed import launch
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 
@@ -195,25 +196,51 @@ def check_sharded(
         return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
 
 
+def settings_error(a: argparse.Namespace) -> str | None:
+    """Why the flags cannot run (checked before any rank is spawned), or ``None``: a known
+    ``--preset``, a ``--world`` that divides its routed experts (each rank holds an equal block),
+    a power-of-two ``--world`` with ``--row-parallel-o-proj`` (each rank sums an aligned subtree of
+    ``o_proj``'s psum), and ``--device cuda`` with a GPU per rank."""
+    try:
+        cfg = MtpConfig.preset(a.preset)
+    except ValueError as e:
+        return f"--preset: {e}"
+    if cfg.n_routed_experts % a.world:
+        return (f"--world {a.world} must divide the routed experts of --preset {a.preset} "
+                f"(n_routed_experts={cfg.n_routed_experts}): each rank holds an equal block")
+    if a.row_parallel_o_proj and a.world & (a.world - 1):
+        return (f"--row-parallel-o-proj needs a power-of-two --world (each rank sums an aligned subtree of o_proj's "
+                f"psum), got {a.world}")
+    if a.device == "cuda" and torch.cuda.device_count() < a.world:
+        return f"--device cuda runs a rank per GPU: --world {a.world}, but {torch.cuda.device_count()} GPU(s) visible"
+    return None
+
+
+def error(message: str) -> int:
+    print(f"python -m glm_mtp.conformance.sharded: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Sharded drafter vs the single-rank reference, one process per rank.")
-    p.add_argument("--world", type=int, default=2)
+    p = argparse.ArgumentParser(prog="python -m glm_mtp.conformance.sharded",
+                                description="Sharded drafter vs the single-rank reference, one process per rank.")
+    p.add_argument("--world", type=ranged_int(1), default=2)
     p.add_argument("--backend", default="reference", choices=sorted(BACKENDS))
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="float32", choices=SHARDED_DTYPES)
-    p.add_argument("--scenarios", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenarios", type=ranged_int(1), default=6)
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0)
     p.add_argument("--row-parallel-o-proj", action="store_true",
                    help="split o_proj's inputs over the ranks (tree-aligned: bit-exact; a power-of-two world)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args(argv)
-    # Zero ranks or zero scenarios would compare nothing and still print "byte-identical: True".
-    if a.world < 1:
-        p.error(f"--world must be >= 1, got {a.world}")
-    if a.scenarios < 1:
-        p.error(f"--scenarios must be >= 1, got {a.scenarios}")
-    recs = check_sharded(a.world, a.backend, a.preset, a.dtype, a.scenarios, seed=a.seed,
-                         row_parallel_o_proj=a.row_parallel_o_proj, device=a.device)
+    if (why := settings_error(a)) is not None:
+        return error(why)
+    try:
+        recs = check_sharded(a.world, a.backend, a.preset, a.dtype, a.scenarios, seed=a.seed,
+                             row_parallel_o_proj=a.row_parallel_o_proj, device=a.device)
+    except Exception as e:  # a rank that crashed is not a difference: exit 1 must mean one
+        return error(f"the run failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
     for r in recs:
         print(json.dumps(r))
     exact = all(r["byte_mismatch_steps"] == 0 and r["ranks_agree"] for r in recs)

@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -55,8 +56,9 @@ from glm_mtp.registry import parse_dtype
 
 from .targets.checkpoint import (SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model,
                                  shipped_checkpoint)
-from .settings.prompts import (WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text,
-                               text_files)
+from .settings.prompts import (WINDOW_SOURCES, check_prompt_lengths, cut_windows, path_sha256, prompts_path,
+                               read_text, text_files, user_prompts)
+from .reporting.measured import LateFailure, MeasuredFile
 from .targets.provenance import provenance
 from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
@@ -224,26 +226,14 @@ def run_prompts(cfg: Any, model: LoadedModel, source: str) -> tuple[list[list[in
     prompt_tokens + max_new_tokens tokens in both modes, so the two modes see the same prompts
     (paired in the report): teacher forcing scores a window's last max_new_tokens positions, the
     loop starts from its first prompt_tokens and generates its own continuation. ``jsonl`` gives
-    the user's prompts, whole, as both."""
+    the user's prompts, whole, as both (``prompts.user_prompts``, which validation read first)."""
     run, path = cfg.run, prompts_path(cfg)
-    if source == "jsonl":
+    if source in ("jsonl", "text"):
         if model.tokenizer is None:
-            raise ValueError("source=jsonl needs the checkpoint's tokenizer; this model has none")
-        prompts = jsonl_prompts(path, model.tokenizer, run.num_prompts)
-        return prompts, prompts
-    if source == "text" and model.tokenizer is None:
-        raise ValueError("source=text needs the checkpoint's tokenizer; this model has none")
+            raise ValueError(f"source={source} needs the checkpoint's tokenizer; this model has none")
+        return user_prompts(source, path, model.tokenizer, run.num_prompts, run.prompt_tokens, run.max_new_tokens)
     windows = build_prompts(model, run.num_prompts, run.prompt_tokens + run.max_new_tokens, cfg.seed, source, path)
     return windows, [w[: run.prompt_tokens] for w in windows]
-
-
-def check_prompt_lengths(cfg: Any, starts: list[list[int]], max_seq_len: int) -> None:
-    """Every prompt, its max_new_tokens and one verify fit the target and the drafter."""
-    for i, p in enumerate(starts):
-        need = len(p) + cfg.run.max_new_tokens + cfg.num_drafts + 1
-        if need > max_seq_len:
-            raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens + num_drafts + 1 = {need} exceeds "
-                             f"model.max_seq_len={max_seq_len}")
 
 
 def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -> tuple[Any, torch.device | str]:
@@ -266,8 +256,9 @@ def target_record(m: Measurement) -> dict[str, Any]:
     return {"implementation": "glm_mtp.experiments.targets.target.Target", "numerics": m.numerics}
 
 
-def measure(cfg: Any) -> Measurement:
-    """Load the model, build the prompts and run the loop (or teacher forcing) over them."""
+def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
+    """Load the model, build the prompts and run the loop (or teacher forcing) over them;
+    each prompt's counts go to ``measured`` as it finishes."""
     mode, source = cfg.get("mode", "speculative"), cfg.get("source", "heldout")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -282,7 +273,7 @@ def measure(cfg: Any) -> Measurement:
     model = load_model(cfg.model)
     windows, starts = run_prompts(cfg, model, source)
     max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
-    check_prompt_lengths(cfg, starts, max_seq_len)
+    check_prompt_lengths(starts, run.max_new_tokens, cfg.num_drafts, max_seq_len, "prompts")
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
     if model.hf is not None:
         numerics = "transformers"
@@ -307,6 +298,7 @@ def measure(cfg: Any) -> Measurement:
     t0 = time.perf_counter()
     results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device)
     for w in windows:
+        before = generated
         if mode == "teacher_forced":
             st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
                                 decoder.gen,
@@ -331,6 +323,8 @@ def measure(cfg: Any) -> Measurement:
                                 "accepted": st.accepted})
         stats.merge(st)
         per_prompt.append(st)
+        if measured is not None:
+            measured.append(st, generated - before)
     return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt,
                        generated,
                        grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
@@ -493,9 +487,21 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
 
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     """Run the experiment of ``cfg`` (conf/config.yaml): measure, summarise, write its files
-    into ``run_dir``. Returns the summary."""
-    summary = summarise(cfg, measure(cfg))
-    write(cfg, summary, run_dir)
+    into ``run_dir``. Returns the summary. Each prompt's counts are written to ``run_dir`` as it
+    finishes (``reporting.measured``); a failure once one is measured is a ``LateFailure``
+    naming that file."""
+    measured = MeasuredFile(run_dir)
+    try:
+        m = measure(cfg, measured)
+    except Exception as e:
+        if not measured.count:
+            raise
+        raise measured.late_failure(e, "the loop") from e
+    try:
+        summary = summarise(cfg, m)
+        write(cfg, summary, run_dir)
+    except Exception as e:
+        raise measured.late_failure(e, "the summary") from e
     return summary
 
 
@@ -508,7 +514,11 @@ def main() -> None:
         if cfg.get("group") is None and hc.mode is not None and hc.mode.name == "MULTIRUN":
             with open_dict(cfg):  # a sweep's runs share a W&B group: its directory's name
                 cfg.group = os.path.basename(os.path.normpath(hc.sweep.dir))
-        run(cfg, hc.runtime.output_dir)
+        try:
+            run(cfg, hc.runtime.output_dir)
+        except LateFailure as e:  # one line: what was measured is on disk
+            print(f"python -m glm_mtp.experiments.acceptance: error: {e}", file=sys.stderr)
+            sys.exit(1)
 
     hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance, body)
 

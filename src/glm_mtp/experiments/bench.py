@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm_mtp.ranges import SEED_MAX, ranged_int
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 from glm_mtp.tools.counters import LaunchCounter
@@ -414,7 +415,7 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="default: 7 on cpu, 30 on cuda")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--copy-mib", type=int, default=None, help="default: 256 on cpu, 2048 on cuda")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0)
     p.add_argument("--counters", nargs="*", default=None, metavar="PRESET",
                    help="presets whose draft-step launches and bytes are counted in Triton's CPU interpreter "
                         "(a CPU subprocess each; default on cpu: those of tiny small that run, on cuda: none; "
@@ -536,6 +537,12 @@ def check_target_costs(p: argparse.ArgumentParser, a: argparse.Namespace, device
         p.error(str(e))
     if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
         p.error(f"--checkpoint: {a.checkpoint} holds no config.json (not a checkpoint directory)")
+    from .targets.checkpoint import check_checkpoint_loads
+
+    try:
+        check_checkpoint_loads("--checkpoint", a.checkpoint, "float32", package_target=True)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> None:

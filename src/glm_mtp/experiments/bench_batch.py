@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from glm_mtp.optimized import OptimizedProposer
+from glm_mtp.ranges import SEED_MAX, ranged_int
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import parse_dtype
 from glm_mtp.tools.timing import timed
@@ -186,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=None, help="default: 7 on cpu, 30 on cuda")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0)
     p.add_argument("--no-counters", dest="counters", action="store_false", help="skip the interpreter's counts")
     p.add_argument("--out", default=None, help="default: outputs/bench_batch/<device>-<time>")
     a = p.parse_args(argv)

@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--partial", action="store_true",
                     help="report a sweep with failed or missing jobs anyway (they are listed first)")
     args = ap.parse_args(argv)
+    if args.feeds and args.feeds != "shipped":
+        from .targets.checkpoint import check_checkpoint_loads
+
+        try:
+            check_checkpoint_loads("--feeds", args.feeds, "float32", package_target=True)
+        except ValueError as e:
+            ap.error(str(e))
     if args.feeds:
         fa = checkpoint_feeds(args.feeds, args.prompts, args.num_drafts)
         text = (f"{args.feeds}: draft i the same under both "

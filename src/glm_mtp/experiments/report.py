@@ -41,8 +41,12 @@ ORDER = {"first_row_kept": 0, "refeed": 1, "trim_all": 2, "speculative": 0, "tea
 
 
 # The fields of an acceptance run's summary.json that the report reads, with their JSON types: a
-# file without one of them, or with a value of another type, is not a summary this report can read.
+# file without one of them, or with a value of another type or shape, is not a summary this report
+# can read. Every field the report reads is listed here, nested objects' fields too (INNER_FIELDS,
+# ITEM_FIELDS), and checked before the report writes anything (check_summary).
 TEXT, NUMBER, COUNT, NUMBERS, OBJECT = "a string", "a number", "an integer >= 1", "a list of numbers", "an object"
+BOOL, PAIRS, MATRIX, OBJECTS = ("true or false", "a list of [low, high] pairs", "a list of lists of numbers",
+                                "a list of objects")
 SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": TEXT, "policy": TEXT,
                   "temperature": NUMBER,
                   "num_drafts": COUNT, "prompts": COUNT, "acceptance_per_position": NUMBERS,
@@ -51,30 +55,98 @@ SUMMARY_FIELDS = {"mode": TEXT, "source": TEXT, "backend": TEXT, "feed_hidden": 
 OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT, "attention": TEXT,
                    "generated_tokens": NUMBER,
                    "scored_positions": NUMBER, "cumulative": NUMBERS, "acceptance_cumulative": NUMBERS,
-                   "speedup": OBJECT}
+                   "speedup": OBJECT, "index_share": BOOL, "alpha_ci": PAIRS, "cumulative_ci": PAIRS, "tau_ci": NUMBERS,
+                   "prompts_sha256": TEXT, "checkpoint_sha256": TEXT, "dtype": TEXT, "recall": OBJECT,
+                   "counts_per_prompt": OBJECT, "lossless": OBJECT}
+# An object field's own fields, when the object is present and not empty: (required, optional).
+INNER_FIELDS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
+    "speedup": ({"best_k": COUNT, "predicted": NUMBERS, "costs": TEXT, "c": NUMBER},
+                {"predicted_ci": PAIRS, "glm5": OBJECT}),
+    "speedup.glm5": ({"predicted": NUMBERS, "best_k": COUNT}, {}),
+    "recall": ({"rows": NUMBER, "median": NUMBER, "p10": NUMBER, "selection_real_share": NUMBER,
+                "mean_attended": NUMBER, "mean_visible": NUMBER, "per_position": OBJECTS},
+               {"oracle_median": NUMBER, "oracle_p10": NUMBER, "entropy_median": NUMBER}),
+    "counts_per_prompt": ({"reached": MATRIX, "accepted": MATRIX, "steps": NUMBERS}, {}),
+    "lossless": ({"prompts": NUMBER, "identical": NUMBER}, {"diverged": OBJECTS}),
+}
+# The fields of each object of a list of objects.
+ITEM_FIELDS = {"recall.per_position": {"rows": NUMBER, "p10": NUMBER}, "lossless.diverged": {"prompt": NUMBER,
+                                                                                               "token": NUMBER}}
 
 
 def is_json_type(value: Any, kind: str) -> bool:
     """Whether ``value`` (parsed JSON) is of ``kind`` (a number is never a bool; a list of numbers
     may hold null or NaN where a position was never reached)."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    numbers = lambda v: isinstance(v, list) and all(x is None or number(x) for x in v)  # noqa: E731
     return {TEXT: isinstance(value, str), NUMBER: number(value), COUNT: number(value) and value == int(value) >= 1,
-            NUMBERS: isinstance(value, list) and all(v is None or number(v) for v in value),
-            OBJECT: isinstance(value, dict)}[kind]
+            NUMBERS: numbers(value), OBJECT: isinstance(value, dict), BOOL: isinstance(value, bool),
+            PAIRS: isinstance(value, list) and all(numbers(p) and len(p) == 2 for p in value),
+            MATRIX: isinstance(value, list) and all(numbers(r) for r in value),
+            OBJECTS: isinstance(value, list) and all(isinstance(x, dict) for x in value)}[kind]
+
+
+def check_fields(path: str, obj: dict[str, Any], required: dict[str, str], optional: dict[str, str],
+                 prefix: str = "") -> None:
+    """``obj``'s ``required`` fields present and every field of ``required`` / ``optional`` of its
+    type (an optional one may be null); objects and lists of objects checked inside. ``ValueError``
+    naming the file and the dotted field."""
+    for name in required:
+        if name not in obj:
+            raise ValueError(f"{path}: {prefix}{name} is missing")
+    for name, kind in {**required, **optional}.items():
+        value = obj.get(name)
+        if name not in obj or (value is None and name in optional):
+            continue
+        if not is_json_type(value, kind):
+            raise ValueError(f"{path}: {prefix}{name} must be {kind}, got {value!r:.60}")
+        key = prefix + name
+        if key in INNER_FIELDS and value:
+            check_fields(path, value, *INNER_FIELDS[key], prefix=f"{key}.")
+        for i, item in enumerate(value if key in ITEM_FIELDS else []):
+            check_fields(path, item, ITEM_FIELDS[key], {}, prefix=f"{key}[{i}].")
+
+
+def check_shapes(path: str, s: dict[str, Any]) -> None:
+    """The lengths the tables index by: an interval per value, the best k among the predicted
+    speedups, a per-prompt count row per prompt."""
+    for values, cis in (("acceptance_per_position", "alpha_ci"), ("cumulative", "cumulative_ci")):
+        if s.get(cis) and len(s[cis]) < len(s.get(values) or []):
+            raise ValueError(f"{path}: {cis} must hold an interval per entry of {values} ({len(s[values])}), got "
+                             f"{len(s[cis])}")
+    if s.get("tau_ci") is not None and len(s["tau_ci"]) != 2:
+        raise ValueError(f"{path}: tau_ci must be a [low, high] pair, got {s['tau_ci']!r:.60}")
+    sp = s.get("speedup")
+    if sp:
+        if sp["best_k"] > len(sp["predicted"]):
+            raise ValueError(f"{path}: speedup.best_k must be a k of speedup.predicted (1 to {len(sp['predicted'])}), "
+                             f"got {sp['best_k']}")
+        if sp.get("predicted_ci") and len(sp["predicted_ci"]) < len(sp["predicted"]):
+            raise ValueError(f"{path}: speedup.predicted_ci must hold an interval per entry of speedup.predicted")
+        g = sp.get("glm5")
+        if g and g["best_k"] > len(g["predicted"]):
+            raise ValueError(f"{path}: speedup.glm5.best_k must be a k of speedup.glm5.predicted, got {g['best_k']}")
+    counts = s.get("counts_per_prompt")
+    if counts:
+        n = len(counts["steps"])
+        rows = [len(r) for key in ("reached", "accepted") for r in counts[key]]
+        if len(counts["reached"]) != n or len(counts["accepted"]) != n or len(set(rows)) > 1:
+            raise ValueError(f"{path}: counts_per_prompt must hold one reached and one accepted row per prompt "
+                             f"({n} prompts), all of one length")
 
 
 def check_summary(path: str, s: dict[str, Any]) -> None:
     """``ValueError`` naming the file and the field unless ``s`` is an acceptance run's summary
-    the report can read (``SUMMARY_FIELDS``, ``OPTIONAL_FIELDS``)."""
+    the report can read (``SUMMARY_FIELDS``, ``OPTIONAL_FIELDS``, nested ``INNER_FIELDS`` and
+    ``ITEM_FIELDS``, and the lengths ``check_shapes`` states)."""
     for name in SUMMARY_FIELDS:
         if name not in s:
             raise ValueError(f"{path}: not an acceptance run's summary (no {name!r}; written by python -m "
                              "glm_mtp.experiments.acceptance)")
-    for name, kind in {**SUMMARY_FIELDS, **OPTIONAL_FIELDS}.items():
-        if name in s and not is_json_type(s[name], kind) and not (name in OPTIONAL_FIELDS and s[name] is None):
-            raise ValueError(f"{path}: {name} must be {kind}, got {s[name]!r:.60}")
+    check_fields(path, s, SUMMARY_FIELDS, OPTIONAL_FIELDS)
     if "generated_tokens" not in s and "scored_positions" not in s:
         raise ValueError(f"{path}: not an acceptance run's summary (neither 'generated_tokens' nor 'scored_positions')")
+    check_shapes(path, s)
 
 
 def load_summaries(root: str) -> list[dict[str, Any]]:

@@ -109,7 +109,7 @@ class OptimizedProposer:
     # ---- the contract's simple queries ------------------------------------------------------
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
         """How many hidden rows the target must capture at prefill."""
-        return min(max_seq_len, self.max_seq_len)
+        return contract.prefill_hidden_rows(max_seq_len, self.max_seq_len)
 
     def needs_comm(self) -> bool:
         """True when the weights are sharded over ranks (``contract.needs_comm``): every propose
@@ -141,9 +141,8 @@ class OptimizedProposer:
         """A fresh state (``seq_len = 0``) with every buffer a propose will touch."""
         device = contract.state_device(self.weights, device)
         self.rope(device)
-        if self.step is not None and device not in self._batch:  # the batch programs' static buffers, once per device
-            self._batch[device] = BatchBuffers.allocate(self.config, self.blocks, self.weights.dtype, device,
-                                                        self.max_batch)
+        if self.step is not None:
+            self._batch_on(device, "alloc_state")
         return OptimizedState.allocate(self.config, self.blocks, self.weights.dtype, device,
                                        Owner(self.weights, self.capacity))
 
@@ -359,7 +358,7 @@ class OptimizedProposer:
                 return []
             if not fused:
                 return self._propose_each(states, batch.args, k, call)
-            bb = self._batch[states[0].device]
+            bb = self._batch_on(states[0].device, call)
             rows = self.programs.batch_rows(len(states), bb, captured=k > 0)
             with bb.claim(call):
                 with writing_all(states, call):
@@ -388,7 +387,7 @@ class OptimizedProposer:
                     for r, st in zip(rows, owed):
                         self._write_rows(r.token, r.hidden, r.row_base, st)
             else:
-                bb = self._batch[owed[0].device]
+                bb = self._batch_on(owed[0].device, call)
                 n = self.programs.batch_rows(len(owed), bb, captured=True)
                 with bb.claim(call), writing_all(owed, call):
                     loaded = bb.load(owed, torch.cat([r.token for r in rows]), torch.cat([r.hidden for r in rows]),
@@ -404,6 +403,22 @@ class OptimizedProposer:
         device = torch.empty(0, device=device).device
         if device not in self._batch:
             raise ValueError(f"no batch buffers on {device}: allocate a state there first (a fused layer only)")
+        return self._batch[device]
+
+    def _batch_on(self, device: torch.device, call: str) -> BatchBuffers:
+        """The batched programs' static buffers on ``device``, made on first use: by
+        ``alloc_state``, or by a batched call on states another drafter of these weights and this
+        capacity allocated (``use_state`` accepts them, as single calls do). Buffers of
+        ``max_batch`` rows the device cannot hold are refused naming ``max_batch`` (nothing is kept)."""
+        if device not in self._batch:
+            try:
+                self._batch[device] = BatchBuffers.allocate(self.config, self.blocks, self.weights.dtype, device,
+                                                            self.max_batch)
+            except (RuntimeError, TypeError, OverflowError, MemoryError) as e:  # out of memory, or past int64 sizes
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"{call}: max_batch={self.max_batch}: the batched programs' buffers of that many rows "
+                                 f"cannot be allocated on {device} ({why}); construct the drafter with a smaller "
+                                 "max_batch") from None
         return self._batch[device]
 
     def _batch_states(self, call: str, states: object) -> list[DrafterState]:

@@ -10,6 +10,8 @@ import argparse
 
 import torch
 
+from glm_mtp.ranges import SEED_MAX, ranged_int
+
 from . import MtpConfig, MtpWeights, ReferenceProposer
 
 
@@ -18,7 +20,7 @@ def main() -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--num-drafts", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0)
     args = p.parse_args()
 
     cfg = MtpConfig.preset(args.preset)

@@ -161,6 +161,13 @@ NOISE_MESSAGE = "noise must hold positive finite values (Exponential(1) draws)"
 # ---- values ------------------------------------------------------------------------------------
 
 
+def prefill_hidden_rows(max_seq_len: object, capacity: int) -> int:
+    """How many hidden rows the target must capture at prefill for a sequence of up to
+    ``max_seq_len`` positions: ``min(max_seq_len, capacity)``. ``max_seq_len`` is a count (the
+    engine's ``usize``): an integer >= 0, ``ValueError`` naming it otherwise."""
+    return min(check_int("max_seq_len", max_seq_len, 0), capacity)
+
+
 def check_int(name: str, value: object, minimum: int = 0) -> int:
     """``value`` as an int >= ``minimum`` (a Python int, or a one-element integer tensor that
     holds data: ``check_strided``); ``ValueError`` naming the argument otherwise."""

@@ -76,7 +76,7 @@ class ReferenceProposer:
 
     # ---- the contract's simple queries ------------------------------------------------------
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
-        return min(max_seq_len, self.max_seq_len)
+        return contract.prefill_hidden_rows(max_seq_len, self.max_seq_len)
 
     def needs_comm(self) -> bool:
         """True when the weights are sharded over ranks (``MtpWeights.shard``): every propose

@@ -54,6 +54,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from glm_mtp.ranges import SEED_MAX, ranged_int
 from glm_mtp.reference.weights import MtpWeights
 
 from .floor import floor_bytes_per_draft
@@ -672,7 +673,7 @@ def counters_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=16, help="rows held before the proposes")
     p.add_argument("--max-seq-len", type=int, default=64)
     p.add_argument("--max-position-embeddings", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=ranged_int(0, SEED_MAX), default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object (else a short table)")
     p.add_argument("--weights", default="plain", choices=["plain", "fp8"],
                    help="plain (every weight in --dtype) or fp8 (the DESIGN.md §8 matrices block-scaled by "

@@ -39,8 +39,15 @@ def text_files(path: str) -> list[str]:
 
 
 def read_text(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    """A text file's text: UTF-8, else ``ValueError`` naming the file and the first bad byte's
+    offset (a file in another encoding would be tokenized as replacement characters)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts.path: {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") \
+            from None
 
 
 def cut_windows(stream: list[int], num: int, length: int, what: str) -> list[list[int]]:
@@ -56,13 +63,17 @@ def jsonl_prompts(path: str, tokenizer: Any, num: int) -> list[list[int]]:
     """The first ``num`` prompts of a JSONL file, tokenized (fewer when the file holds fewer).
     ``ValueError`` naming the file, the line and the rule for a line that is not a prompt."""
     out: list[list[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             if len(out) == num:
                 break
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -95,6 +106,55 @@ def prompt_tokens(obj: object, tokenizer: Any, where: str) -> list[int]:
     if not ids:
         raise ValueError(f"{where}: the prompt tokenizes to no tokens")
     return list(ids)
+
+
+# The fewest tokens a prompt may hold: the drafter's first propose reads the hidden row before the
+# last token, and the speedup model times its verifies on the first prompt's first tokens (>= 2).
+MIN_PROMPT_TOKENS = 2
+
+
+def user_prompts(source: str, path: str, tokenizer: Any, num: int, prompt_tokens: int,
+                 max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The run's windows and the loop's prompts from the user's file: ``jsonl``: its first
+    ``num`` prompts, whole, as both; ``text``: ``num`` windows of ``prompt_tokens +
+    max_new_tokens`` tokens cut from its texts (joined by blank lines), each prompt a window's
+    first ``prompt_tokens``. ``ValueError`` naming the file (and line) and the rule otherwise.
+
+    Args:
+        source: ``jsonl`` or ``text``.
+        path: ``prompts.path``.
+        tokenizer: the checkpoint's tokenizer (``encode``; ``encode_prompt`` / ``encode_chat``
+            where it has them).
+        num, prompt_tokens, max_new_tokens: ``run.num_prompts``, ``run.prompt_tokens``,
+            ``run.max_new_tokens``.
+    """
+    if source == "jsonl":
+        prompts = jsonl_prompts(path, tokenizer, num)
+        return prompts, prompts
+    stream = tokenizer.encode("\n\n".join(read_text(f) for f in text_files(path)))
+    windows = cut_windows(stream, num, prompt_tokens + max_new_tokens, "text")
+    return windows, [w[:prompt_tokens] for w in windows]
+
+
+def check_prompt_lengths(starts: list[list[int]], max_new_tokens: int, num_drafts: int, max_seq_len: int,
+                         where: str) -> None:
+    """Every prompt holds ``MIN_PROMPT_TOKENS`` or more, and it, its ``max_new_tokens`` and one
+    verify of ``num_drafts + 1`` fit ``max_seq_len`` (the target's and the drafter's rows).
+
+    Args:
+        starts: the loop's prompts (token ids).
+        max_new_tokens, num_drafts: ``run.max_new_tokens``, ``num_drafts``.
+        max_seq_len: ``model.max_seq_len``, capped at the model's context.
+        where: the prompts' file, as a refusal names it.
+    """
+    for i, p in enumerate(starts):
+        if len(p) < MIN_PROMPT_TOKENS:
+            raise ValueError(f"{where}: prompt {i} holds {len(p)} token(s), fewer than {MIN_PROMPT_TOKENS} (too short "
+                             "to measure: the drafter reads the hidden row before the last token)")
+        need = len(p) + max_new_tokens + num_drafts + 1
+        if need > max_seq_len:
+            raise ValueError(f"{where}: prompt {i} ({len(p)} tokens) + max_new_tokens + num_drafts + 1 = {need} "
+                             f"exceeds model.max_seq_len={max_seq_len}")
 
 
 def prompts_path(cfg: Any) -> str | None:

@@ -19,8 +19,10 @@ import shutil
 import sys
 from typing import Any, Callable
 
+from glm_mtp.ranges import SEED_MAX, THREADS_MAX, check_int_range
 from glm_mtp.registry import BACKENDS
 
+from .prompts import MIN_PROMPT_TOKENS
 from .prompts import SOURCES as PROMPT_SOURCES
 from ..loop.speculative import DRAFTS, POLICIES
 from ..targets.target import TARGET_NUMERICS
@@ -47,13 +49,17 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
-def need_int(cfg: Any, key: str, minimum: int) -> int:
-    v = _get(cfg, key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{key} must be an integer >= {minimum}, got {v!r}")
-    if v < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {v}")
-    return v
+def need_int(cfg: Any, key: str, minimum: int, maximum: int | None = None) -> int:
+    """An integer in ``[minimum, maximum]`` (``glm_mtp.ranges``: the range its consumer accepts)."""
+    return check_int_range(key, _get(cfg, key), minimum, maximum)
+
+
+def need_seed(cfg: Any, key: str) -> int:
+    return need_int(cfg, key, 0, SEED_MAX)
+
+
+def need_threads(cfg: Any, key: str) -> int:
+    return need_int(cfg, key, 1, THREADS_MAX)
 
 
 def need_float(cfg: Any, key: str, minimum: float, strict: bool = False) -> float:
@@ -177,8 +183,8 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
                          "at the temperature: draft=sampled needs temperature > 0)")
     numerics = need_choice(cfg, "target_numerics", tuple(TARGET_NUMERICS))
     need_choice(cfg, "feed_hidden", FEED_HIDDEN)
-    need_int(cfg, "seed", 0)
-    need_int(cfg, "threads", 1)
+    need_seed(cfg, "seed")
+    need_threads(cfg, "threads")
     check_batch_size(_get(cfg, "batch_size"), _get(cfg, "mode"), _get(cfg, "policy"), _get(cfg, "draft"))
     need_choice(cfg, "backend.name", tuple(sorted(BACKENDS)))
     kind = need_choice(cfg, "model.kind", MODEL_KINDS)
@@ -187,12 +193,12 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     index_share(_get(cfg, "model"))
     need_int(cfg, "model.max_seq_len", 2)
     if kind == "random":
-        need_int(cfg, "model.seed", 0)
+        need_seed(cfg, "model.seed")
     if kind == "hf":
         check_hf_model(cfg, numerics)
     check_prompts(cfg)
     need_int(cfg, "run.num_prompts", 1)
-    need_int(cfg, "run.prompt_tokens", 1)
+    need_int(cfg, "run.prompt_tokens", MIN_PROMPT_TOKENS)
     need_int(cfg, "run.max_new_tokens", 1)
     need_bool(cfg, "run.check_lossless")
     costs = _get(cfg, "speedup.costs")
@@ -211,6 +217,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     model = model_config(cfg) if model is None else model
     check_attention(cfg.get("attention", "sparse"), _get(cfg, "backend.name"), model)
     check_lengths(cfg, model.max_position_embeddings)
+    check_user_prompts(cfg, min(_get(cfg, "model.max_seq_len"), model.max_position_embeddings))
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
 
@@ -231,6 +238,12 @@ def check_hf_model(cfg: Any, numerics: str) -> None:
         except ImportError:
             raise ValueError("model.device=auto places the layers with accelerate, which is not installed: "
                              "pip install 'glm-mtp[hf]'") from None
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("model.device=cuda runs the target on a GPU, but CUDA is not available here (use "
+                             "model.device=cpu)")
     need_choice(cfg, "model.topk_ties", TOPK_TIES)
     if device == "cpu" and _get(cfg, "backend.name") == "optimized":
         raise ValueError("backend=optimized drafts on CUDA, and model=hf puts the drafter beside the target's head: "
@@ -245,12 +258,16 @@ def check_hf_model(cfg: Any, numerics: str) -> None:
 
 def check_prompts(cfg: Any) -> None:
     """source=jsonl / text read ``prompts.path`` (a JSONL file; a text file or a folder); jsonl
-    holds prompts only, so it runs the speculative mode."""
+    holds prompts only, so it runs the speculative mode. Another source reads no file, so a
+    ``prompts.path`` beside it is refused (it would be ignored)."""
     source = _get(cfg, "source")
-    if source not in ("jsonl", "text"):
-        return
     node = cfg.get("prompts") or {}
     path = node.get("path")
+    if source not in ("jsonl", "text"):
+        if path is not None:
+            raise ValueError(f"prompts.path is read by source=jsonl or source=text; source={source} reads no file and "
+                             f"would ignore {path!r} (set source, or leave prompts.path null)")
+        return
     if not isinstance(path, str):
         raise ValueError(f"source={source} reads prompts.path, which must be a file path; got {path!r}")
     if source == "jsonl":
@@ -263,6 +280,31 @@ def check_prompts(cfg: Any) -> None:
     elif not os.path.exists(path):
         raise ValueError(f"prompts.path must be a text file or a folder of them for source=text; {path!r} does not "
                          "exist")
+
+
+def check_user_prompts(cfg: Any, longest: int) -> None:
+    """The user's prompts file (source=jsonl / text), read whole before any model loads, as the
+    run reads it (``prompts.user_prompts``): every line parsed, decoded and tokenized with the
+    checkpoint's tokenizer, each prompt at least ``MIN_PROMPT_TOKENS`` and, with its
+    continuation and one verify, within ``longest`` rows; a text long enough for its windows."""
+    from ..targets.checkpoint import SHIPPED, checkpoint_tokenizer, shipped_checkpoint
+    from .prompts import check_prompt_lengths, user_prompts
+
+    source = _get(cfg, "source")
+    if source not in ("jsonl", "text"):
+        return
+    kind, path = _get(cfg, "model.kind"), _get(cfg, "model").get("path")
+    if kind == "checkpoint" and path is None:
+        path = str(shipped_checkpoint(_get(cfg, "model").get("shipped") or SHIPPED))
+    tokenizer = None if kind == "random" else checkpoint_tokenizer(kind, path)
+    if tokenizer is None:
+        raise ValueError(f"source={source} tokenizes prompts.path with the checkpoint's tokenizer; this model has none "
+                         f"(model.kind={kind}{'' if kind == 'random' else ', no tokenizer files in model.path'})")
+    file = _get(cfg, "prompts.path")
+    _, starts = user_prompts(source, file, tokenizer, _get(cfg, "run.num_prompts"), _get(cfg, "run.prompt_tokens"),
+                             _get(cfg, "run.max_new_tokens"))
+    check_prompt_lengths(starts, _get(cfg, "run.max_new_tokens"), _get(cfg, "num_drafts"), longest,
+                         f"prompts.path: {file}")
 
 
 def draft_kind(cfg: Any) -> str:
@@ -297,11 +339,19 @@ def model_config(cfg: Any) -> Any:
         raise ValueError(f"model.path must be a checkpoint directory or null (the shipped checkpoint), got {path!r}")
     try:
         check_checkpoint_directory("model.path", path)
-        return MtpConfig.from_hf_config(path)
+        config = MtpConfig.from_hf_config(path)
     except (OSError, ValueError) as e:
         message = str(e).removeprefix("model.path: ")
         raise ValueError("model.path must be a checkpoint directory (config.json and safetensors): "
                          f"{message}") from None
+    if kind == "hf":
+        from ..targets.hf_target import check_hf_checkpoint
+
+        check_hf_checkpoint(path)
+    from ..targets.checkpoint import check_checkpoint_loads
+
+    check_checkpoint_loads("model.path", path, _get(cfg, "model.dtype"), package_target=kind == "checkpoint")
+    return config
 
 
 def check_lengths(cfg: Any, max_position_embeddings: int) -> None:
@@ -336,9 +386,11 @@ def check_sampling_temperature(cfg: Any) -> None:
 
 def check_train(cfg: Any) -> None:
     """The training run's settings (conf/train.yaml): the ``train`` and ``tokenizer`` groups."""
-    for key, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("threads", 1), ("seed", 0), ("warmup", 0),
-                         ("mtp_depth", 1), ("log_every", 1), ("eval_every", 1), ("eval_windows", 1)):
+    for key, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("warmup", 0), ("mtp_depth", 1),
+                         ("log_every", 1), ("eval_every", 1), ("eval_windows", 1)):
         need_int(cfg, f"train.{key}", minimum)
+    need_threads(cfg, "train.threads")
+    need_seed(cfg, "train.seed")
     need_float(cfg, "train.max_minutes", 0.0, strict=True)
     need_float(cfg, "train.lr", 0.0, strict=True)
     need_float(cfg, "train.min_lr", 0.0)
@@ -414,7 +466,11 @@ def trained_model_config(cfg: Any) -> Any:
         from ..targets.checkpoint import shipped_checkpoint
 
         base = str(shipped_checkpoint())
-    return MtpConfig.from_hf_config(base)
+    from ..targets.checkpoint import check_checkpoint_loads
+
+    config = MtpConfig.from_hf_config(base)
+    check_checkpoint_loads("train.base", base, "float32", package_target=True)  # the training reads it in float32
+    return config
 
 
 def check_arch(cfg: Any) -> Any:

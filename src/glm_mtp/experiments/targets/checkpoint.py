@@ -57,6 +57,29 @@ class LoadedModel:
     hf: Any = None
 
 
+def check_checkpoint_loads(key: str, path: str, dtype: str, package_target: bool) -> None:
+    """A quantized or damaged checkpoint is refused by every command that takes one as by the API,
+    before any work: the drafter's tensors read as the run reads them (``MtpWeights.from_pretrained``:
+    names, shapes, dtypes, quantization, finite values) and, for the package's own target
+    (``package_target``), its layers (``TargetWeights.from_pretrained``); the API's message, one
+    line, after ``key``.
+
+    Args:
+        key: the setting or flag that named the checkpoint (``model.path``, ``train.base``, ...).
+        path: the checkpoint directory.
+        dtype: the weight dtype the run reads it in (a name of ``glm_mtp.registry.DTYPES``).
+        package_target: whether the run also reads the package's own target layers.
+    """
+    from glm_mtp.registry import DTYPES
+
+    try:
+        MtpWeights.from_pretrained(path, dtype=DTYPES[dtype])
+        if package_target:
+            TargetWeights.from_pretrained(path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}: {str(e).strip().splitlines()[0]}") from None
+
+
 def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a checkpoint directory (default: the shipped one) in ``dtype``."""
     path = Path(path) if path else shipped_checkpoint()
@@ -69,6 +92,23 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None, dtype: torch.dty
         with open(path / "corpus.json") as f:
             heldout = json.load(f)["heldout"]
     return LoadedModel(target, mtp, tok, heldout, str(path))
+
+
+def checkpoint_tokenizer(kind: str, path: str) -> Any:
+    """The tokenizer a run of ``model.kind`` reads from checkpoint ``path``, without the model:
+    the package's BPE (``tokenizer.json``) for a checkpoint it trained, transformers' for a
+    released one (kind ``hf``, no ``corpus.json``), ``None`` without one."""
+    ours = os.path.exists(os.path.join(path, "corpus.json"))
+    if kind == "hf" and not ours:
+        from .hf_target import HfTokenizer, has_tokenizer
+
+        if not has_tokenizer(path):
+            return None
+        from transformers import AutoTokenizer
+
+        return HfTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    file = os.path.join(path, "tokenizer.json")
+    return BpeTokenizer.load(file) if os.path.exists(file) else None
 
 
 def load_hf_checkpoint(path: str | os.PathLike[str], device: str, dtype: torch.dtype) -> LoadedModel:

@@ -224,6 +224,77 @@ def has_tokenizer(directory: str) -> bool:
                                                                     "tokenizer.model"))
 
 
+def hf_config(directory: str) -> Any:
+    """transformers' config of ``directory`` (local files only); ``ValueError`` in one line when
+    transformers refuses it or has no model class for its ``model_type``."""
+    transformers = require_transformers()
+    with open(os.path.join(directory, "config.json")) as f:
+        target_class(json.load(f).get("model_type"))
+    try:
+        return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # transformers' own refusal of the config, whatever its type
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"model.path: transformers refuses its config.json ({why})") from None
+
+
+def checkpoint_tensor_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint's files hold, by name, read from the safetensors headers (no
+    data); the index and the shards must agree: every tensor the index places is in its file."""
+    from safetensors import safe_open
+
+    from glm_mtp.reference.checkpoint import checkpoint_weight_map
+
+    wmap = checkpoint_weight_map(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[str, list[str]] = {}
+    for name, file in wmap.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        path = os.path.join(directory, file)
+        if not os.path.isfile(path):
+            raise ValueError(f"model.path: {path} is missing (the index places {len(names)} tensors there, "
+                             f"{names[0]!r} first)")
+        try:
+            with safe_open(path, "pt") as f:
+                held = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:  # safetensors' errors name no file
+            raise ValueError(f"model.path: {path} is not a readable safetensors file ({e})") from None
+        absent = [n for n in names if n not in held]
+        if absent:
+            raise ValueError(f"model.path: the index places tensor {absent[0]!r} in {file}, which does not hold it "
+                             f"({len(absent)} such tensors: a truncated or mixed download)")
+        shapes.update({n: held[n] for n in names})
+    return shapes
+
+
+def check_hf_checkpoint(directory: str) -> None:
+    """Every tensor transformers' target of ``directory`` reads is in the checkpoint, in its
+    shape, checked from the config and the files' headers before any weight is read: the target
+    is built on the meta device (no memory) and its state dict named as checkpoints store it
+    (transformers' ``revert_weight_conversion``: per-expert tensors, not fused ones). A missing
+    tensor is refused by name: transformers would fill it with random values and the run would
+    measure a target that is not the checkpoint's. ``ValueError`` in one line."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    config = hf_config(directory)
+    cls = target_class(config.model_type)
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, model.state_dict()).items()}
+    held = checkpoint_tensor_shapes(directory)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if config.get_text_config().tie_word_embeddings \
+        else set()
+    missing = sorted(k for k in expected if k not in held and k not in tied)
+    if missing:
+        raise ValueError(f"model.path: the target's tensor {missing[0]!r} (shape {expected[missing[0]]}) is not in the "
+                         f"checkpoint ({len(missing)} missing: a truncated download?); transformers would fill it with "
+                         "random values")
+    wrong = sorted(k for k in expected if k in held and held[k] != expected[k])
+    if wrong:
+        raise ValueError(f"model.path: the target's tensor {wrong[0]!r} has shape {held[wrong[0]]}, its config.json "
+                         f"needs {expected[wrong[0]]} ({len(wrong)} such tensors)")
+
+
 def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bool = True) -> HfCheckpoint:
     """transformers' target of ``directory`` in ``dtype`` on ``device`` (``cpu``, ``cuda``, or
     ``auto``: accelerate's device map over the visible GPUs), from local files only, and, with
@@ -244,17 +315,27 @@ def load_hf_model(directory: str, device: str, dtype: torch.dtype, tokenizer: bo
         model_type = json.load(f).get("model_type")
     cls = target_class(model_type)
     # Quiet while loading: the MTP layer is reported as unexpected keys, tensor by tensor, and a
-    # progress bar per load would stand among the run's lines.
+    # progress bar per load would stand among the run's lines; the report itself is read below.
     verbosity, bar = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # transformers' grouped-matmul experts take no float64; its eager experts compute the same sums.
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
-        model = cls.from_pretrained(directory, dtype=dtype, device_map=None if device == "cpu" else device,
-                                    local_files_only=True)
+        model, report = cls.from_pretrained(directory, dtype=dtype, device_map=None if device == "cpu" else device,
+                                            local_files_only=True, output_loading_info=True, **experts)
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bar:
             transformers.utils.logging.enable_progress_bar()
+    # transformers' loading report: a target tensor it did not find it initialised at random
+    # (check_hf_checkpoint refuses that before the load; the report is read all the same).
+    for kind in ("missing_keys", "mismatched_keys", "error_msgs"):
+        if report.get(kind):
+            first = sorted(report[kind], key=str)[0]
+            what = kind.replace("_", " ")
+            raise ValueError(f"model.path: transformers' loading report lists {len(report[kind])} {what}, {first!r} "
+                             "first: the target would not be the checkpoint's")
     model.eval()
     hf_tokenizer = None
     if tokenizer and has_tokenizer(directory):
