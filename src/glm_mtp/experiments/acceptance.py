@@ -380,9 +380,11 @@ def measure(cfg: Any) -> Measurement:
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:  # the target's own (constrained, under a grammar) greedy decode
-                matcher = None if grammars is None else grammars.matcher(len(per_prompt))
-                plain = target_decode(target, p, run.max_new_tokens, matcher=matcher,
-                                      vocab_size=model.mtp.config.vocab_size)
+                if grammars is None:
+                    plain = target_decode(target, p, run.max_new_tokens)
+                else:
+                    plain = target_decode(target, p, run.max_new_tokens, matcher=grammars.matcher(len(per_prompt)),
+                                          vocab_size=model.mtp.config.vocab_size)
                 if res.tokens != plain:  # first differing token; the shorter's length when one is the other's prefix
                     at = next((i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y),
                               min(len(res.tokens), len(plain)))
