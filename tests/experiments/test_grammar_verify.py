@@ -9,7 +9,7 @@ import torch
 
 from glm_mtp.experiments.loop.grammar_verify import (allowed_tokens, masked_argmax, masked_greedy_verify,
                                                      matcher_row, verify_masks)
-from glm_mtp.experiments.speculative import POLICIES, SpeculativeDecoder, target_decode
+from glm_mtp.experiments.loop.speculative import POLICIES, SpeculativeDecoder, target_decode
 from glm_mtp.reference import ReferenceProposer
 
 from .token_automaton import TokenAutomaton, pack_bitmask

@@ -2,9 +2,9 @@
 
 xgrammar's ``TokenizerInfo`` is built from the vocabulary the run tokenizes with:
 
-- the package's byte-level BPE (``experiments.bpe.BpeTokenizer``): each id's bytes as they are
+- the package's byte-level BPE (``experiments.training.bpe.BpeTokenizer``): each id's bytes as they are
   (xgrammar's RAW vocabulary), no stop token (the toy has none);
-- transformers' tokenizers (``experiments.hf_target.HfTokenizer``): ``TokenizerInfo.from_huggingface``,
+- transformers' tokenizers (``experiments.targets.hf_target.HfTokenizer``): ``TokenizerInfo.from_huggingface``,
   which reads the vocabulary and its byte encoding; the tokenizer's EOS is the stop token when it
   has one.
 

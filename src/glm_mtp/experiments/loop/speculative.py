@@ -41,7 +41,7 @@ Verification:
 
 Grammars (DESIGN.md §10): ``generate(..., matcher=M)`` constrains the output with a grammar's
 matcher. Each verify is masked per position, position j with the matcher after ``d_1..d_j``
-(``loop.grammar_verify``), so the output is the target's constrained decode; the matcher advances
+(``grammar_verify``), so the output is the target's constrained decode; the matcher advances
 on committed tokens only; the drafter drafts under the matcher (``grammar_drafts='masked'``,
 fewer than k drafts where the grammar stops them) or freely (``'unmasked'``, the ablation: a
 forbidden draft and those after it waste their verify slots and count as ``forbidden``).
@@ -66,8 +66,8 @@ from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
 from glm_mtp.registry import backend_class
 
-from .loop.grammar_verify import (commit_tokens, masked_argmax, masked_greedy_verify, masked_target_probs,
-                                  matcher_row, output_finished, verify_masks)
+from .grammar_verify import (commit_tokens, masked_argmax, masked_greedy_verify, masked_target_probs,
+                             matcher_row, output_finished, verify_masks)
 
 Policy = Literal["first_row_kept", "refeed", "trim_all"]
 POLICIES = ("first_row_kept", "refeed", "trim_all")
