@@ -5,8 +5,8 @@ xgrammar's ``TokenizerInfo`` is built from the vocabulary the run tokenizes with
 - the package's byte-level BPE (``experiments.training.bpe.BpeTokenizer``): each id's bytes as they are
   (xgrammar's RAW vocabulary), no stop token (the toy has none);
 - transformers' tokenizers (``experiments.targets.hf_target.HfTokenizer``): ``TokenizerInfo.from_huggingface``,
-  which reads the vocabulary and its byte encoding; the tokenizer's EOS is the stop token when it
-  has one.
+  which reads the vocabulary and its byte encoding; the tokenizer's EOS is the stop token (without
+  one, xgrammar detects the stop tokens itself).
 
 The bitmask width is the model's ``vocab_size`` (the drafter's; DESIGN.md §10), which may exceed
 the tokenizer's: ids past the tokenizer are never allowed. Matchers never terminate without a
@@ -38,7 +38,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
         if len(hf) > vocab_size:
             raise ValueError(f"the tokenizer holds {len(hf)} tokens, more than the model's vocab_size={vocab_size}")
         eos = getattr(hf, "eos_token_id", None)
-        stops = [] if eos is None else [eos]
+        stops = None if eos is None else [eos]  # None: xgrammar looks for stop tokens itself (it refuses [])
         return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
     vocab = getattr(tokenizer, "vocab", None)
     if not isinstance(vocab, list) or not all(isinstance(v, bytes) for v in vocab):
