@@ -221,6 +221,7 @@ class Measurement:
     attention: str = "sparse"
     recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
     grammars: RunGrammars | None = None  # the prompts' grammars (DESIGN.md §10); None without any
+    outputs_sha256: str | None = None  # of every prompt's generated tokens (speculative mode)
 
 
 @dataclass
@@ -364,6 +365,7 @@ def measure(cfg: Any) -> Measurement:
     check_lossless = bool(run.check_lossless) and mode == "speculative" and cfg.temperature == 0
     divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
     samples = []
+    outputs: list[list[int]] = []  # each prompt's generated tokens
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
     results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device, grammars)
@@ -380,6 +382,7 @@ def measure(cfg: Any) -> Measurement:
             p, res = next(results)
             st = res.stats
             generated += len(res.tokens)
+            outputs.append(res.tokens)
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:  # the target's own (constrained, under a grammar) greedy decode
@@ -400,7 +403,8 @@ def measure(cfg: Any) -> Measurement:
     return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt,
                        generated,
                        grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
-                       None if probe is None else probe.records, grammars)
+                       None if probe is None else probe.records, grammars,
+                       hashlib.sha256(json.dumps(outputs).encode()).hexdigest() if outputs else None)
 
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
@@ -475,6 +479,10 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         # drafted (grammar.drafts); None without one. forbidden_drafts: drafts the grammar forbade
         # (per propose, the first forbidden draft and those after it; 0 with masked drafts).
         "grammar": None if m.grammars is None else m.grammars.record(),
+        "grammar_drafts": None if m.grammars is None else m.grammars.drafts,
+        # sha256 of every prompt's generated tokens: greedy runs with equal digests emitted the same
+        # text (masked and unmasked drafts under one grammar do: the target's verify decides).
+        "outputs_sha256": m.outputs_sha256,
         "forbidden_drafts": stats.forbidden,
         # Drafts verified but not accepted, in all and per verification forward.
         "wasted_verify_slots": stats.wasted,
