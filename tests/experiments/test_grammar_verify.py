@@ -125,14 +125,46 @@ def test_greedy_loop_under_a_grammar_is_the_targets_constrained_decode(tiny64, t
     assert st.wasted == 3 * st.steps - sum(st.accepted)  # every verified draft not accepted
 
 
-def test_a_grammar_that_ends_ends_the_output_as_the_constrained_decode_does(tiny64, target64, random_prompt):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_masked_drafts_are_never_forbidden_and_emit_the_same_tokens(tiny64, target64, random_prompt, policy):
+    """A sparse grammar (about 3 tokens of 96 a state): masked drafts are often the target's
+    choice; the output is the unmasked run's, token for token."""
+    prompt = random_prompt(V, 9, 4)
+    runs = {}
+    for drafts in ("masked", "unmasked"):
+        m = TokenAutomaton(V, seed=7, density=0.03)
+        runs[drafts] = SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 3, policy,
+                                          grammar_drafts=drafts).generate(prompt, 30, matcher=m)
+        out = TokenAutomaton(V, seed=7, density=0.03)
+        assert out.walk(runs[drafts].committed[len(prompt):]) and m.history == out.history
+    masked, unmasked = runs["masked"], runs["unmasked"]
+    assert masked.tokens == unmasked.tokens == target_decode(target64, prompt, 30,
+                                                             matcher=TokenAutomaton(V, seed=7, density=0.03),
+                                                             vocab_size=V)
+    assert masked.stats.forbidden == 0 and unmasked.stats.forbidden > 0
+    assert sum(masked.stats.accepted) > 0
+
+
+def test_masked_sampled_drafts_at_temperature_draw_allowed_tokens_only(tiny64, target64, random_prompt):
+    prompt = random_prompt(V, 9, 5)
+    m = TokenAutomaton(V, seed=8, density=0.1)
+    res = SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 3, temperature=1.0, draft="sampled",
+                             grammar_drafts="masked").generate(prompt, 30, matcher=m)
+    assert TokenAutomaton(V, seed=8, density=0.1).walk(res.committed[len(prompt):])
+    assert res.stats.forbidden == 0 and res.stats.steps > 0
+
+
+@pytest.mark.parametrize("drafts", ["masked", "unmasked"])
+def test_a_grammar_that_ends_ends_the_output_as_the_constrained_decode_does(tiny64, target64, random_prompt, drafts):
+    """A stop token (the matcher terminates) or an empty mask ends the output; masked proposes
+    return fewer than k drafts where the grammar stops them."""
     prompt = random_prompt(V, 9, 2)
     ends = set()
     for seed in range(6):
         kw = dict(seed=seed, density=0.3, terminal=seed % 2 == 0, empty_state=seed % 2 == 1, num_states=3)
         m = TokenAutomaton(V, **kw)
         res = SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 3,
-                                 grammar_drafts="unmasked").generate(prompt, 40, matcher=m)
+                                 grammar_drafts=drafts).generate(prompt, 40, matcher=m)
         assert res.tokens == target_decode(target64, prompt, 40, matcher=TokenAutomaton(V, **kw), vocab_size=V)
         ended = m.is_terminated() or not bool(matcher_row(m, V).any())
         assert ended == (len(res.tokens) < 40), seed

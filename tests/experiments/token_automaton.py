@@ -42,6 +42,9 @@ class TokenAutomaton:
         self.V = vocab_size
         self.allowed = torch.rand(num_states, vocab_size, generator=g) < density  # (S, V)
         self.next = torch.randint(0, num_states, (num_states, vocab_size), generator=g)  # (S, V)
+        for s in range(num_states):  # every state allows a token unless it is made terminal or empty below
+            if not self.allowed[s].any():
+                self.allowed[s, int(torch.randint(0, vocab_size, (), generator=g))] = True
         live = num_states
         if terminal:
             live -= 1

@@ -30,7 +30,7 @@ from glm_mtp.reference.config import read_json_object
 
 from .reporting.sweep_jobs import refuse_incomplete
 from .settings.validate import unwritable_dir
-from .loop.stats import paired_difference
+from .loop.stats import paired_difference, paired_ratio_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
@@ -233,6 +233,44 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def grammar_table(runs: list[dict[str, Any]]) -> str:
+    """Masked − unmasked drafts (``grammar.drafts``, DESIGN.md §10) for runs under one grammar
+    (kind and sha256) on the same prompts and model, equal in every other setting: Δα_i, Δτ and
+    Δ wasted verify slots per verification, with 95% intervals from resampling the prompts jointly;
+    the unmasked run's forbidden drafts per verification, and whether both emitted the same tokens
+    (``outputs_sha256``; greedy runs do, the target's masked verify deciding). Empty when no run
+    has a pair."""
+    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for s in runs:
+        g = s.get("grammar")
+        if not g or "counts_per_prompt" not in s or "wasted" not in s["counts_per_prompt"]:
+            continue
+        sha = g["sha256"] if isinstance(g["sha256"], str) else ",".join(str(x) for x in g["sha256"])
+        key = (tuple(s[k] for k in SETTINGS) + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items())
+               + (g["kind"], sha, s.get("prompts_sha256"), s.get("checkpoint"), s.get("checkpoint_sha256"),
+                  s.get("dtype")))
+        groups.setdefault(key, {})[g["drafts"]] = s
+    pairs = [(d["masked"], d["unmasked"]) for d in groups.values() if {"masked", "unmasked"} <= set(d)]
+    if not pairs:
+        return ""
+    K = max(m["num_drafts"] for m, _ in pairs)
+    lines = ["| model | grammar | prompts | same output | forbidden / verify (unmasked) | "
+             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | Δτ | Δ wasted slots / verify |",
+             "|" + "---|" * (5 + K + 2)]
+    for m, u in pairs:
+        d = paired_difference(m["counts_per_prompt"], u["counts_per_prompt"])
+        w = paired_ratio_difference(m["counts_per_prompt"], u["counts_per_prompt"], "wasted", "steps")
+        g = m["grammar"]
+        name = f"{g['kind']} {g['sha256'][:8]}" if isinstance(g["sha256"], str) else f"{g['kind']} per prompt"
+        same = "yes" if m.get("outputs_sha256") and m.get("outputs_sha256") == u.get("outputs_sha256") else "no"
+        forbidden = u.get("forbidden_drafts", 0) / max(1, u["counts"]["steps"])
+        cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
+        lines.append(f"| {os.path.basename(str(m.get('checkpoint', '?')))} | {name} | {m['prompts']} | {same} | "
+                     f"{forbidden:.2f} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} | "
+                     f"{_signed([w['diff']], [w['ci']], 0)} |")
+    return "\n".join(lines)
+
+
 def _value(s: dict[str, Any], pair: str) -> str:
     """The paired setting's value in a row's label (index sharing reads ``on`` / ``off``)."""
     v = s.get(pair, EXTRA_SETTINGS.get(pair))
@@ -351,6 +389,10 @@ def main(argv: list[str] | None = None) -> str:
         pairs = paired_table(runs, pair)
         if pairs:
             text += f"\n\nPaired differences (same prompts, {pair} varied; 95% intervals over prompts):\n\n{pairs}"
+    grammars = grammar_table(runs)
+    if grammars:
+        text += ("\n\nDrafts under a grammar, masked − unmasked (grammar.drafts; the target's verify masked either "
+                 f"way; same prompts, 95% intervals over prompts):\n\n{grammars}")
     lossless = lossless_table(runs)
     if lossless:
         text += ("\n\nGreedy speculative decoding against the target's own greedy decode (one token per forward), "

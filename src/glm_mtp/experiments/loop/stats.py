@@ -94,3 +94,19 @@ def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = RE
             "cumulative": (pa["cumulative"] - pb["cumulative"]).tolist(),
             "cumulative_ci": _percentiles(ra["cumulative"] - rb["cumulative"]),
             "tau": float(pa["tau"] - pb["tau"]), "tau_ci": _percentiles((ra["tau"] - rb["tau"])[:, None])[0]}
+
+
+def paired_ratio_difference(a: dict[str, Any], b: dict[str, Any], num: str, den: str, replicates: int = REPLICATES,
+                            seed: int = 0) -> dict[str, Any]:
+    """``sum a[num] / sum a[den] - sum b[num] / sum b[den]`` for two runs on the same prompts (one
+    count per prompt under each key, e.g. ``wasted`` verify slots per ``steps``), with the 95%
+    interval from resampling the prompts jointly, as ``paired_difference``. Returns ``diff`` and
+    ``ci``."""
+    na, da, nb, db = (np.asarray(x[k], dtype=np.float64) for x, k in ((a, num), (a, den), (b, num), (b, den)))
+    if not na.shape == da.shape == nb.shape == db.shape or na.ndim != 1 or not na.shape[0]:
+        raise ValueError(f"paired runs must hold one {num} and one {den} per prompt, the same prompts; got "
+                         f"{na.shape}, {da.shape}, {nb.shape}, {db.shape}")
+    idx = _replicate_indices(na.shape[0], replicates, seed)
+    point = _ratio(na.sum(), da.sum()) - _ratio(nb.sum(), db.sum())
+    reps = _ratio(na[idx].sum(-1), da[idx].sum(-1)) - _ratio(nb[idx].sum(-1), db[idx].sum(-1))
+    return {"diff": float(point), "ci": _percentiles(reps[:, None])[0]}
