@@ -138,7 +138,7 @@ def prompt_schema(obj: dict[str, Any], index: int, where: str) -> GrammarSpec | 
     if isinstance(schema, str):
         text = schema
     elif isinstance(schema, (dict, bool)):
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # key order kept: it orders the properties xgrammar emits
     else:
         raise ValueError(f"{where}: \"json_schema\" must be a JSON schema (an object) or its text, got "
                          f"{type(schema).__name__}")
