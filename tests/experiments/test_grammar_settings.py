@@ -122,10 +122,14 @@ def test_the_entry_point_refuses_a_grammar_that_does_not_compile_exit_2_nothing_
     assert "not a valid regex grammar" in p.stderr and not out.exists()
 
 
-def test_a_run_under_a_grammar_records_it_and_counts_forbidden_drafts(tmp_path):
+def test_a_run_under_a_grammar_records_it_and_counts_forbidden_drafts(tmp_path, monkeypatch):
+    """summary.json and the (offline) W&B run record the grammar and the forbidden drafts."""
+    from glm_mtp.experiments.reporting.wandb_log import read_offline_run
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     path = write(tmp_path / "g.regex", TIGHT + "\n")  # the file's final newline ends its line
     cfg = config(["model=shipped", "grammar=regex", f"grammar.path={path}", "grammar.drafts=unmasked",
-                  "experiment=smoke", "logger=none", "speedup.costs=glm5"])
+                  "experiment=smoke", "logger=wandb", "speedup.costs=glm5"])
     check_acceptance(cfg)
     s = acceptance.run(cfg, str(tmp_path / "run"))
     assert s["grammar"] == {"kind": "regex", "sha256": hashlib.sha256(TIGHT.encode()).hexdigest(), "origin": path,
@@ -136,3 +140,6 @@ def test_a_run_under_a_grammar_records_it_and_counts_forbidden_drafts(tmp_path):
     for sample in s["samples"]:
         assert re.fullmatch(r"[a-z_ .()=,\n]*", sample["continuation"])
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["grammar"] == s["grammar"]
+    logged = read_offline_run(str(tmp_path / "run"))["summary"]
+    assert logged["grammar"]["kind"] == "regex" and logged["grammar"]["sha256"] == s["grammar"]["sha256"]
+    assert logged["forbidden_drafts"] == s["forbidden_drafts"]
