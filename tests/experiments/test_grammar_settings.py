@@ -143,3 +143,28 @@ def test_a_run_under_a_grammar_records_it_and_counts_forbidden_drafts(tmp_path, 
     logged = read_offline_run(str(tmp_path / "run"))["summary"]
     assert logged["grammar"]["kind"] == "regex" and logged["grammar"]["sha256"] == s["grammar"]["sha256"]
     assert logged["forbidden_drafts"] == s["forbidden_drafts"]
+
+
+def test_the_report_pairs_masked_and_unmasked_runs_on_the_same_prompts():
+    from glm_mtp.experiments.loop.stats import paired_ratio_difference
+    from glm_mtp.experiments.report import grammar_table
+
+    def run(drafts, reached, accepted, steps, wasted, forbidden, out="abc"):
+        return {"mode": "speculative", "source": "heldout", "backend": "reference", "temperature": 0.0,
+                "feed_hidden": "post_norm", "policy": "first_row_kept", "num_drafts": 2, "prompts": 2,
+                "checkpoint": "/x/glm5-mtp-stdlib", "prompts_sha256": "p", "outputs_sha256": out,
+                "grammar": {"kind": "regex", "sha256": "f" * 64, "origin": "inline", "drafts": drafts},
+                "forbidden_drafts": sum(forbidden), "counts": {"steps": sum(steps)},
+                "counts_per_prompt": {"reached": reached, "accepted": accepted, "steps": steps, "wasted": wasted,
+                                      "forbidden": forbidden}}
+
+    masked = run("masked", [[4, 2], [2, 1]], [[2, 1], [1, 0]], [4, 2], [4, 2], [0, 0])
+    unmasked = run("unmasked", [[6, 1], [3, 0]], [[1, 0], [0, 0]], [6, 3], [11, 6], [5, 2])
+    d = paired_ratio_difference(masked["counts_per_prompt"], unmasked["counts_per_prompt"], "wasted", "steps")
+    assert d["diff"] == pytest.approx(6 / 6 - 17 / 9) and d["ci"][0] <= d["diff"] <= d["ci"][1]
+    table = grammar_table([unmasked, masked]).splitlines()
+    assert len(table) == 3 and "| glm5-mtp-stdlib | regex ffffffff | 2 | yes | 0.78 |" in table[2]
+    assert f"{6 / 6 - 17 / 9:+.3f}" in table[2]
+    assert "| no |" in grammar_table([masked, run("unmasked", [[6, 1], [3, 0]], [[1, 0], [0, 0]], [6, 3], [11, 6],
+                                                  [5, 2], out="xyz")])
+    assert grammar_table([masked]) == ""  # no pair
