@@ -211,7 +211,7 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
         key = (
             tuple(s[k] for k in SETTINGS if k != pair)
             + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items() if k != pair)
-            + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype"))
+            + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype"), grammar_identity(s))
         )
         groups.setdefault(key, []).append(s)
     K = max(s["num_drafts"] for s in runs)
@@ -233,6 +233,17 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def grammar_identity(s: dict[str, Any]) -> tuple[str, str, str] | None:
+    """A run's grammar as (kind, sha256 of its text or texts, drafts), None without one: runs under
+    different grammars, or drafting differently under one, are never paired on another setting
+    (``grammar_table`` pairs the drafts)."""
+    g = s.get("grammar")
+    if not g:
+        return None
+    sha = g["sha256"] if isinstance(g["sha256"], str) else ",".join(str(x) for x in g["sha256"])
+    return g["kind"], sha, g.get("drafts", "masked")
+
+
 def grammar_table(runs: list[dict[str, Any]]) -> str:
     """Masked − unmasked drafts (``grammar.drafts``, DESIGN.md §10) for runs under one grammar
     (kind and sha256) on the same prompts and model, equal in every other setting: Δα_i, Δτ and
@@ -242,14 +253,13 @@ def grammar_table(runs: list[dict[str, Any]]) -> str:
     has a pair."""
     groups: dict[tuple, dict[str, dict[str, Any]]] = {}
     for s in runs:
-        g = s.get("grammar")
-        if not g or "counts_per_prompt" not in s or "wasted" not in s["counts_per_prompt"]:
+        grammar = grammar_identity(s)
+        if grammar is None or "counts_per_prompt" not in s or "wasted" not in s["counts_per_prompt"]:
             continue
-        sha = g["sha256"] if isinstance(g["sha256"], str) else ",".join(str(x) for x in g["sha256"])
         key = (tuple(s[k] for k in SETTINGS) + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items())
-               + (g["kind"], sha, s.get("prompts_sha256"), s.get("checkpoint"), s.get("checkpoint_sha256"),
-                  s.get("dtype")))
-        groups.setdefault(key, {})[g["drafts"]] = s
+               + grammar[:2] + (s.get("prompts_sha256"), s.get("checkpoint"), s.get("checkpoint_sha256"),
+                                s.get("dtype")))
+        groups.setdefault(key, {})[grammar[2]] = s
     pairs = [(d["masked"], d["unmasked"]) for d in groups.values() if {"masked", "unmasked"} <= set(d)]
     if not pairs:
         return ""
