@@ -133,7 +133,10 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
         backend = s["backend"] + (" fp8" if s.get("weights_dtype", "plain") == "fp8" else "")  # block-scaled weights
         backend += " dense" if s.get("attention", "sparse") == "dense" else ""  # every visible row attended (ablation)
         backend += " shared" if s.get("index_share", False) else ""  # later draft steps reuse step 1's selection
-        lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
+        draft = s.get("draft", "argmax")
+        if (grammar := grammar_identity(s)) is not None:  # e.g. "argmax, regex cccfd83d masked"
+            draft += f", {grammar[0]} {grammar[1][:8]} {grammar[2]}"
+        lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {draft} | "
                      f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
                      + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | "
