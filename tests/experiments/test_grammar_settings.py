@@ -68,6 +68,10 @@ def test_transformers_tokenizer_compiles_a_json_schema(tmp_path):
     for t in tok.encode('{"n": 12}'):
         assert m.accept_token(t)
     assert not matcher_row(m, 96).any()  # complete; the char vocabulary has no stop token: nothing more
+    s = compiler.matcher(GrammarSpec("json_schema", '{"type": "string"}', "inline"))
+    assert s.accept_token(tok.encode('"')[0])
+    inside = matcher_row(s, 96)
+    assert inside[tok.encode("a")[0]] and not inside[tok.tokenizer.pad_token_id]  # a special token is never text
 
 
 def write(path, text):
@@ -168,3 +172,14 @@ def test_the_report_pairs_masked_and_unmasked_runs_on_the_same_prompts():
     assert "| no |" in grammar_table([masked, run("unmasked", [[6, 1], [3, 0]], [[1, 0], [0, 0]], [6, 3], [11, 6],
                                                   [5, 2], out="xyz")])
     assert grammar_table([masked]) == ""  # no pair
+
+
+def test_tau_counts_the_verification_that_ends_an_output_without_a_bonus():
+    from glm_mtp.experiments.loop.stats import bootstrap, paired_difference
+
+    counts = {"reached": [[3, 1], [2, 0]], "accepted": [[1, 0], [0, 0]], "steps": [3, 2]}
+    ended = {**counts, "committed": [3, 1]}  # each prompt's last verification committed no bonus
+    assert bootstrap(counts)["tau_ci"][0] > 1.0  # a bonus every step: tau >= 1
+    lo, hi = bootstrap(ended)["tau_ci"]
+    assert lo <= 4 / 5 <= hi and hi < 1.0
+    assert paired_difference(ended, {**counts, "committed": [4, 2]})["tau"] == pytest.approx(4 / 5 - 6 / 5)

@@ -417,7 +417,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
                 if m.check_lossless else None)
     counts_pp = {"reached": [s.reached for s in m.per_prompt], "accepted": [s.accepted for s in m.per_prompt],
                  "steps": [s.steps for s in m.per_prompt], "wasted": [s.wasted for s in m.per_prompt],
-                 "forbidden": [s.forbidden for s in m.per_prompt]}
+                 "forbidden": [s.forbidden for s in m.per_prompt], "committed": [s.committed for s in m.per_prompt]}
     ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
     # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
     # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).

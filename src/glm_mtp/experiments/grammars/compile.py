@@ -6,7 +6,7 @@ xgrammar's ``TokenizerInfo`` is built from the vocabulary the run tokenizes with
   (xgrammar's RAW vocabulary), no stop token (the toy has none);
 - transformers' tokenizers (``experiments.targets.hf_target.HfTokenizer``): ``TokenizerInfo.from_huggingface``,
   which reads the vocabulary and its byte encoding; the tokenizer's EOS is the stop token (without
-  one, xgrammar detects the stop tokens itself).
+  one, xgrammar detects the stop tokens itself); the tokenizer's special tokens are never text.
 
 The bitmask width is the model's ``vocab_size`` (the drafter's; DESIGN.md §10), which may exceed
 the tokenizer's: ids past the tokenizer are never allowed. Matchers never terminate without a
@@ -39,7 +39,8 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
             raise ValueError(f"the tokenizer holds {len(hf)} tokens, more than the model's vocab_size={vocab_size}")
         eos = getattr(hf, "eos_token_id", None)
         stops = None if eos is None else [eos]  # None: xgrammar looks for stop tokens itself (it refuses [])
-        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
+        return without_special_tokens(info, list(getattr(hf, "all_special_ids", [])))
     vocab = getattr(tokenizer, "vocab", None)
     if not isinstance(vocab, list) or not all(isinstance(v, bytes) for v in vocab):
         raise ValueError(f"a grammar needs the model's vocabulary: {type(tokenizer).__name__} gives neither a "
@@ -47,6 +48,22 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
     if len(vocab) > vocab_size:
         raise ValueError(f"the tokenizer holds {len(vocab)} tokens, more than the model's vocab_size={vocab_size}")
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[])
+
+
+def without_special_tokens(info: Any, special_ids: list[int]) -> Any:
+    """``info`` with the tokenizer's special tokens (pad, bos, ...) made special for xgrammar too
+    (an empty decoded string: never text a grammar matches), so no grammar allows them inside its
+    output; the stop tokens stay stop tokens. xgrammar reads a special token whose text it can
+    decode (a WordLevel ``<pad>``, say) as that text otherwise."""
+    vocab = list(info.decoded_vocab)
+    if all(not (0 <= i < len(vocab)) or vocab[i] == b"" for i in special_ids):
+        return info
+    for i in special_ids:
+        if 0 <= i < len(vocab):
+            vocab[i] = b""
+    xgr = require_xgrammar()
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size, stop_token_ids=info.stop_token_ids,
+                             add_prefix_space=info.add_prefix_space)
 
 
 class GrammarCompiler:
