@@ -181,5 +181,5 @@ def test_tau_counts_the_verification_that_ends_an_output_without_a_bonus():
     ended = {**counts, "committed": [3, 1]}  # each prompt's last verification committed no bonus
     assert bootstrap(counts)["tau_ci"][0] >= 1.0  # a bonus every step: tau >= 1
     lo, hi = bootstrap(ended)["tau_ci"]
-    assert lo <= 4 / 5 <= hi and hi < 1.0
+    assert lo <= 4 / 5 <= hi <= 1.0 and lo < 0.9  # 3 / 3 and 1 / 2 per prompt
     assert paired_difference(ended, {**counts, "committed": [4, 2]})["tau"] == pytest.approx(4 / 5 - 6 / 5)
