@@ -343,6 +343,8 @@ class SpeculativeDecoder:
         when given (the bonus None where the grammar allows nothing)."""
         if self.temperature == 0:
             return greedy_verify(logits, drafts) if allowed is None else masked_greedy_verify(logits, drafts, allowed)
+        if allowed is None:
+            return stochastic_verify(logits, drafts, self.temperature, self.gen, q)
         return stochastic_verify(logits, drafts, self.temperature, self.gen, q, allowed)
 
     def _drafter_grammar(self, matcher: Any) -> Any:
