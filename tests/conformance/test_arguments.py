@@ -37,3 +37,24 @@ def test_the_machine_catches_a_backend_that_writes_before_it_refuses():
             max_examples=60, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
             report_multiple_bugs=False,
             **SETTINGS))
+
+
+def test_hostile_grammars_and_confidences_reference_vs_reference():
+    """Where both drafters take grammars (DESIGN.md §10, §12) the machine also passes matchers,
+    lying matchers and non-matchers to propose and propose_sampled and reads draft_confidence."""
+    from glm_mtp.reference import ReferenceProposer
+
+    machine = argument_machine(ReferenceProposer)
+    assert machine.grammars
+    run_state_machine_as_test(machine, settings=settings(max_examples=10, stateful_step_count=12, derandomize=True,
+                                                         **SETTINGS))
+
+
+@pytest.mark.parametrize("mutant", ["grammar_no_rollback", "confidence_margin_unmasked"])
+def test_the_machine_catches_a_grammar_or_confidence_mutant(mutant):
+    from glm_mtp.conformance.mutants import MUTANTS
+
+    with pytest.raises(AssertionError, match="as found|different results"):
+        run_state_machine_as_test(argument_machine(MUTANTS[mutant]), settings=settings(
+            max_examples=40, stateful_step_count=10, derandomize=True, phases=[Phase.generate],
+            report_multiple_bugs=False, **SETTINGS))

@@ -14,6 +14,11 @@ promise about bad input after every step:
 - or both return the same result (drafts, ``q`` and row counts compared by bytes) and hold
   byte-identical states.
 
+Where both drafters take grammars (``contract.takes_grammars``), proposes also get a grammar
+(a matcher, a matcher that refuses an allowed token, or no matcher at all; each backend its own,
+left as found either way) and ``draft_confidence`` is read and compared by bytes (DESIGN.md §10,
+§12).
+
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
     from glm_mtp.conformance.arguments import argument_machine
@@ -26,12 +31,13 @@ from typing import Any, Callable
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from torch import Tensor
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
-from glm_mtp.reference.contract import SampledDrafts
+from glm_mtp.reference.contract import SampledDrafts, takes_grammars
 
+from .grammars import ENDS, FAULTS, Grammar
 from .hostile_values import Draws, devices
 
 # What a refusal may be: arguments (ValueError, TypeError) and the lifecycle (RuntimeError).
@@ -86,6 +92,7 @@ class HostileCalls(RuleBasedStateMachine):
     max_seq_len: int
     weights: MtpWeights
     candidate: Callable[[MtpWeights, int], Any]
+    grammars: bool  # both drafters take grammars and report confidences (DESIGN.md §10, §12)
 
     def __init__(self) -> None:
         super().__init__()
@@ -267,6 +274,48 @@ class HostileCalls(RuleBasedStateMachine):
         else:
             assert ref.value == cand.value, f"different results: {context}"
 
+    @precondition(lambda self: self.grammars)
+    @rule(data=st.data())
+    def propose_under_a_grammar(self, data: Any) -> None:
+        """A propose (greedy or sampled) whose ``grammar`` is a matcher (a walk that ends, one that
+        refuses an allowed token) or no matcher at all; each backend gets its own matcher, which
+        must be left as found whether the call drafts or refuses (§10)."""
+        i = data.draw(st.integers(0, STATES - 1))
+        d = Draws(data, self.cfg, self.dtype)
+        if d.draw(st.integers(0, 3)):  # mostly well-formed otherwise, so the grammar decides the outcome
+            gen = torch.Generator().manual_seed(d.draw(st.integers(0, 2**31 - 1)))
+            token, position, k = d.token_id(), self.seq_len(i), d.draw(st.integers(1, 4))
+            hidden = torch.randn(self.cfg.hidden_size, generator=gen).to(self.dtype)
+        else:
+            token, hidden, position, k = self.propose_args(d, i)
+        kind = d.draw(st.sampled_from(["matcher", "matcher", "matcher", "liar", *FAULTS, "text", "int"]))
+        g = Grammar(d.draw(st.integers(0, 2**31 - 1)), d.draw(st.sampled_from([None, 0, 1, 3])), 0,
+                    d.draw(st.sampled_from(ENDS)), 0 if kind == "liar" else None, kind if kind in FAULTS else None)
+        made: list[Any] = []
+
+        def grammar() -> Any:
+            made.append({"text": "[a-z]+", "int": 3}.get(kind) or g.matcher(self.cfg.vocab_size))
+            return made[-1]
+
+        if d.draw(st.booleans()):
+            temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
+            fn: Callable[[Any, list[Any]], Any] = lambda p, s: p.propose_sampled(  # noqa: E731
+                token, hidden, position, k, temperature, noise, s[i], grammar=grammar())
+        else:
+            fn = lambda p, s: p.propose(token, hidden, position, k, s[i], grammar=grammar())  # noqa: E731
+        self.play("propose", {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
+                              "num_drafts": k, "grammar": f"{kind} {g}"}, fn, [i])
+        assert all(m.as_found() for m in made if hasattr(m, "as_found")), "a matcher was not left as found"
+        if self.live(i) and self.states[i][0].pending:  # the confidences of the propose just made
+            self.play("draft_confidence", {"state": i}, lambda p, s: p.draft_confidence(s[i]), [i])
+
+    @precondition(lambda self: self.grammars)
+    @rule(data=st.data())
+    def draft_confidence(self, data: Any) -> None:
+        """The pending propose's ``(prob, margin)``, by bytes; refused alike when none is pending (§12)."""
+        i = data.draw(st.integers(0, STATES - 1))
+        self.play("draft_confidence", {"state": i}, lambda p, s: p.draft_confidence(s[i]), [i])
+
     @rule(data=st.data())
     def queries(self, data: Any) -> None:
         i = data.draw(st.integers(0, STATES - 1))
@@ -290,7 +339,8 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
     sides = (ReferenceProposer(weights, max_seq_len), candidate(weights, max_seq_len))
     return type("ArgumentMachine", (HostileCalls,),
                 {"sides": sides, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
-                 "weights": weights, "candidate": staticmethod(candidate)})
+                 "weights": weights, "candidate": staticmethod(candidate),
+                 "grammars": all(takes_grammars(p) for p in sides)})
 
 
 def short(value: Any) -> str:
