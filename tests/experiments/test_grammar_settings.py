@@ -1,13 +1,11 @@
 """Grammars in the acceptance experiment (experiments.grammars, conf/grammar/): compiled against
 the package's BPE and transformers' tokenizers, refused in one line before any work when they
-cannot run, and recorded in summary.json (kind, sha256, forbidden drafts)."""
+cannot run (the entry point's exit 2 for one of them: tests/test_commands_refuse_first.py), and
+recorded in summary.json and W&B (kind, sha256, forbidden drafts)."""
 
 import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -114,16 +112,6 @@ def test_masked_drafts_need_a_backend_that_takes_the_grammar(monkeypatch):
         check_acceptance(config(["model=shipped", "grammar=regex", "grammar.pattern=a", "logger=none"]))
     check_acceptance(config(["model=shipped", "grammar=regex", "grammar.pattern=a", "grammar.drafts=unmasked",
                              "logger=none"]))
-
-
-def test_the_entry_point_refuses_a_grammar_that_does_not_compile_exit_2_nothing_written(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.acceptance", "model=shipped", "grammar=regex",
-                        "grammar.pattern='[a-'", "logger=none", f"hydra.run.dir={out}"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "not a valid regex grammar" in p.stderr and not out.exists()
 
 
 def test_a_run_under_a_grammar_records_it_and_counts_forbidden_drafts(tmp_path, monkeypatch):
