@@ -93,7 +93,8 @@ def xgrammar_message(e: Exception) -> str:
 def run_grammar(node: Any) -> GrammarSpec | None:
     """The run's grammar from the ``grammar`` config node (``kind``, ``path``, ``pattern``), read
     and syntax-checked; None for ``kind: none`` (or no node). ``ValueError`` naming the key and
-    the rule otherwise."""
+    the rule otherwise. A regex file's one final newline ends its line and is not part of the
+    pattern (the text hashed is the pattern used)."""
     if node is None:
         return None
     kind, path, pattern = node.get("kind", "none"), node.get("path"), node.get("pattern")
