@@ -396,8 +396,8 @@ class SpeculativeDecoder:
             drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen,
                                      self._drafter_grammar(matcher))
             n = len(drafts)  # k, or fewer where a grammar stopped the propose
+            t1 = clock()  # the verify's masks count as the verify's time
             allowed, legal = (None, n) if matcher is None else verify_masks(matcher, drafts, prop.config.vocab_size)
-            t1 = clock()
             out = tg.verify([tokens[m], *drafts], tstate)  # positions m..m+n
             a, bonus = self._verify(out.logits, drafts, q, allowed)
             tg.rollback(tstate, m + a + 1)
