@@ -91,6 +91,9 @@ PROCESSES = {
     "acceptance fp8 on the optimized drafter in float64": (
         "glm_mtp.experiments.acceptance", ["model=tiny_random", "backend=optimized", "model.weights_dtype=fp8"],
         ["model.weights_dtype=fp8", "model.dtype"], ["outputs"]),
+    "acceptance a grammar that does not compile": (
+        "glm_mtp.experiments.acceptance", ["model=shipped", "grammar=regex", "grammar.pattern='[a-'"],
+        ["grammar.pattern", "not a valid regex grammar"], ["outputs"]),
     "a sweep with a bad later job": (
         "glm_mtp.experiments.acceptance", ["-m", "experiment=sparse_smoke", "model.preset=tiny"],
         ["job 2 of the sweep", "attention=dense"], ["multirun"]),

@@ -14,7 +14,9 @@ bytes against the bandwidth floor). Everything else is in a subpackage by concer
 - ``loop``: the speculative loop of DESIGN.md §4, its statistics, the speedup model
   S(k) = tau(k) / (1 + k c + v(k)), the indexer's recall;
 - ``reporting``: W&B (offline by default) or no logger, sweep bookkeeping;
-- ``settings``: the checks of a run's config before any work, the prompts, the Hydra entry shape.
+- ``settings``: the checks of a run's config before any work, the prompts, the Hydra entry shape;
+- ``grammars``: grammars compiled with xgrammar (the ``grammar`` extra) for constrained output
+  (DESIGN.md §10); the loop's masked verification is ``loop.grammar_verify``.
 
 Results: ``RESULTS.md`` at the repository's top (data in ``results/``). The subpackages import
 ``glm_mtp.reference``, ``glm_mtp.optimized``, ``glm_mtp.tools`` and each other, never an entry

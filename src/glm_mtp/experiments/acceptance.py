@@ -179,14 +179,17 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
 
 
 def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
-                        batch_size: int, device: torch.device | str = "cpu") -> Iterator[tuple[list[int], SpecResult]]:
+                        batch_size: int, device: torch.device | str = "cpu",
+                        grammars: RunGrammars | None = None) -> Iterator[tuple[list[int], SpecResult]]:
     """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
     ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
-    ``batch_size`` prompts (the last batch may be shorter); drafter states on ``device``."""
+    ``batch_size`` prompts (the last batch may be shorter); drafter states on ``device``.
+    ``grammars``: each prompt's output constrained by its grammar, if it has one (batch_size 1)."""
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         if batch_size == 1:
-            yield chunk[0], decoder.generate(chunk[0], max_new_tokens, device)
+            matcher = None if grammars is None else grammars.matcher(i)
+            yield chunk[0], decoder.generate(chunk[0], max_new_tokens, device, matcher=matcher)
         else:
             yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens, device))
 
@@ -219,6 +222,63 @@ class Measurement:
     wall: float
     attention: str = "sparse"
     recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
+    grammars: RunGrammars | None = None  # the prompts' grammars (DESIGN.md §10); None without any
+    outputs_sha256: str | None = None  # of every prompt's generated tokens (speculative mode)
+
+
+@dataclass
+class RunGrammars:
+    """The grammars of a run's prompts (``experiments.grammars``): the run's one grammar
+    (``grammar=KIND``) for every prompt, or each ``source=jsonl`` line's ``json_schema`` (None for
+    lines without one), compiled against the model's vocabulary.
+
+    Args:
+        specs: one ``GrammarSpec`` or None per prompt.
+        run_spec: the run's grammar, None for per-prompt schemas.
+        drafts: ``masked`` | ``unmasked`` (``grammar.drafts``).
+        compiler: a ``grammars.compile.GrammarCompiler`` for the model's tokenizer.
+    """
+
+    specs: list[Any]
+    run_spec: Any
+    drafts: str
+    compiler: Any
+
+    def matcher(self, i: int) -> Any:
+        """A fresh matcher of prompt ``i``'s grammar, or None when it has none."""
+        spec = self.specs[i]
+        return None if spec is None else self.compiler.matcher(spec)
+
+    def record(self) -> dict[str, Any]:
+        """summary.json's ``grammar``: kind, sha256 of the text and origin of the run's grammar,
+        or, for per-prompt schemas, each prompt's sha256 (null where a prompt has none)."""
+        if self.run_spec is not None:
+            return {**self.run_spec.record(), "drafts": self.drafts}
+        return {"kind": "json_schema", "origin": "per_prompt", "drafts": self.drafts,
+                "sha256": [None if s is None else s.sha256 for s in self.specs]}
+
+
+def run_grammars(cfg: Any, model: LoadedModel, num_prompts: int) -> RunGrammars | None:
+    """The run's grammars (``grammar`` group, source=jsonl lines' json_schema), compiled for the
+    model's tokenizer; None when no prompt has one."""
+    from .grammars import jsonl_schemas, run_grammar
+
+    node = cfg.get("grammar")
+    spec = run_grammar(node)
+    specs: list[Any] = [spec] * num_prompts
+    if spec is None and cfg.get("source") == "jsonl":
+        specs = jsonl_schemas(prompts_path(cfg), num_prompts)
+    if all(s is None for s in specs):
+        return None
+    if model.tokenizer is None:
+        raise ValueError("a grammar is compiled against the model's tokenizer; this model has none")
+    from .grammars.compile import GrammarCompiler
+
+    compiler = GrammarCompiler(model.tokenizer, model.mtp.config.vocab_size)
+    for s in specs:
+        if s is not None:
+            compiler.compile(s)  # every grammar compiles before the loop starts
+    return RunGrammars(specs, spec, node.get("drafts", "masked"), compiler)
 
 
 def run_prompts(cfg: Any, model: LoadedModel, source: str) -> tuple[list[list[int]], list[list[int]]]:
@@ -286,7 +346,9 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     else:
         proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
     drafter = proposer if probe is None else ProbedProposer(proposer, probe)
-    decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
+    grammars = run_grammars(cfg, model, len(starts))
+    decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft,
+                                 "masked" if grammars is None else grammars.drafts)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
@@ -294,9 +356,10 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     check_lossless = bool(run.check_lossless) and mode == "speculative" and cfg.temperature == 0
     divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
     samples = []
+    outputs: list[list[int]] = []  # each prompt's generated tokens
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device)
+    results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device, grammars)
     for w in windows:
         before = generated
         if mode == "teacher_forced":
@@ -311,12 +374,18 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
             p, res = next(results)
             st = res.stats
             generated += len(res.tokens)
+            outputs.append(res.tokens)
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
-            if check_lossless:
-                plain = target_decode(target, p, run.max_new_tokens)
-                if res.tokens != plain:
-                    at = next(i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y)
+            if check_lossless:  # the target's own (constrained, under a grammar) greedy decode
+                if grammars is None:
+                    plain = target_decode(target, p, run.max_new_tokens)
+                else:
+                    plain = target_decode(target, p, run.max_new_tokens, matcher=grammars.matcher(len(per_prompt)),
+                                          vocab_size=model.mtp.config.vocab_size)
+                if res.tokens != plain:  # first differing token; the shorter's length when one is the other's prefix
+                    at = next((i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y),
+                              min(len(res.tokens), len(plain)))
                     divergences.append({"prompt": len(per_prompt), "token": at})
             if len(samples) < 2:
                 samples.append({"prompt": decode(p), "continuation": decode(res.tokens), "steps": st.steps,
@@ -328,7 +397,8 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt,
                        generated,
                        grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
-                       None if probe is None else probe.records)
+                       None if probe is None else probe.records, grammars,
+                       hashlib.sha256(json.dumps(outputs).encode()).hexdigest() if outputs else None)
 
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
@@ -341,7 +411,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     lossless = ({"prompts": len(windows), "identical": len(windows) - len(divergences), "diverged": divergences}
                 if m.check_lossless else None)
     counts_pp = {"reached": [s.reached for s in m.per_prompt], "accepted": [s.accepted for s in m.per_prompt],
-                 "steps": [s.steps for s in m.per_prompt]}
+                 "steps": [s.steps for s in m.per_prompt], "wasted": [s.wasted for s in m.per_prompt],
+                 "forbidden": [s.forbidden for s in m.per_prompt], "committed": [s.committed for s in m.per_prompt]}
     ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
     # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
     # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).
@@ -401,6 +472,18 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "draft_share": stats.draft_share,
         "wall_seconds": m.wall,
         "lossless_greedy": None if lossless is None else not divergences,
+        # The output's grammar (DESIGN.md §10): kind, sha256 of its text, origin, how the drafter
+        # drafted (grammar.drafts); None without one. forbidden_drafts: drafts the grammar forbade
+        # (per propose, the first forbidden draft and those after it; 0 with masked drafts).
+        "grammar": None if m.grammars is None else m.grammars.record(),
+        "grammar_drafts": None if m.grammars is None else m.grammars.drafts,
+        # sha256 of every prompt's generated tokens: greedy runs with equal digests emitted the same
+        # text (masked and unmasked drafts under one grammar do: the target's verify decides).
+        "outputs_sha256": m.outputs_sha256,
+        "forbidden_drafts": stats.forbidden,
+        # Drafts verified but not accepted, in all and per verification forward.
+        "wasted_verify_slots": stats.wasted,
+        "wasted_per_verify": stats.wasted / stats.steps if stats.steps else float("nan"),
         "lossless": lossless,
         "draft": m.draft,
         "target_numerics": m.numerics,
@@ -417,6 +500,17 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "seed": cfg.seed,
         "samples": m.samples,
     }
+
+
+def grammar_line(summary: dict[str, Any]) -> str:
+    """The printed line of a run under a grammar: its kind, text's sha256 (first 12 digits; per
+    prompt: how many prompts had one), how the drafter drafted, forbidden drafts, wasted slots."""
+    g = summary["grammar"]
+    sha = g["sha256"]
+    which = (f"sha256 {sha[:12]}" if isinstance(sha, str)
+             else f"per prompt on {sum(x is not None for x in sha)}/{len(sha)} prompts")
+    return (f"grammar: {g['kind']} ({which}), drafts {g['drafts']}: forbidden_drafts {summary['forbidden_drafts']}, "
+            f"wasted verify slots {summary['wasted_verify_slots']} ({summary['wasted_per_verify']:.3f} per verify)")
 
 
 def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
@@ -440,6 +534,9 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
     print(spd.format_line(speedup, f"predicted speedup at this run's costs ({speedup['costs']}):"))
     print(spd.released_line(speedup["released"], speedup["c"]))
+    grammar = summary.get("grammar")
+    if grammar is not None:
+        print(grammar_line(summary))
     recall = summary.get("recall")
     if recall is not None:
         print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 "
@@ -468,6 +565,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
              **{f"speedup/released_S_{i + 1}": x for i, x in enumerate(speedup["released"]["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
              "time/draft_share": summary["draft_share"],
+             "forbidden_drafts": summary["forbidden_drafts"], "wasted_per_verify": summary["wasted_per_verify"],
              **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"],
                                            "recall/mean": recall["mean"],
                                            "recall/oracle_median": recall["oracle_median"],

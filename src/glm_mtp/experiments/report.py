@@ -30,7 +30,7 @@ from glm_mtp.reference.config import read_json_object
 
 from .reporting.sweep_jobs import refuse_incomplete
 from .settings.validate import unwritable_dir
-from .loop.stats import paired_difference
+from .loop.stats import paired_difference, paired_ratio_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
@@ -205,7 +205,10 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
         backend = s["backend"] + (" fp8" if s.get("weights_dtype", "plain") == "fp8" else "")  # block-scaled weights
         backend += " dense" if s.get("attention", "sparse") == "dense" else ""  # every visible row attended (ablation)
         backend += " shared" if s.get("index_share", False) else ""  # later draft steps reuse step 1's selection
-        lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {s.get('draft', 'argmax')} | "
+        draft = s.get("draft", "argmax")
+        if (grammar := grammar_identity(s)) is not None:  # e.g. "argmax, regex cccfd83d masked"
+            draft += f", {grammar[0]} {grammar[1][:8]} {grammar[2]}"
+        lines.append(f"| {s['mode']} | {s['source']} | {backend} | {s['temperature']:g} | {draft} | "
                      f"{s.get('target_numerics', 'vendor')} | {s['feed_hidden']} | {s['policy']} | "
                      f"{s['num_drafts']} | " + " | ".join(cells)
                      + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | "
@@ -283,7 +286,7 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
         key = (
             tuple(s[k] for k in SETTINGS if k != pair)
             + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items() if k != pair)
-            + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype"))
+            + (s.get("prompts_sha256"), s.get("checkpoint_sha256"), s.get("dtype"), grammar_identity(s))
         )
         groups.setdefault(key, []).append(s)
     K = max(s["num_drafts"] for s in runs)
@@ -303,6 +306,54 @@ def paired_table(runs: list[dict[str, Any]], pair: str = "policy") -> str:
             lines.append(f"| {_value(s, pair)} − {_value(base, pair)} | {shared} | " + " | ".join(cells)
                          + f" | {_signed([d['tau']], [d['tau_ci']], 0)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def grammar_identity(s: dict[str, Any]) -> tuple[str, str, str] | None:
+    """A run's grammar as (kind, sha256 of its text or texts, drafts), None without one: runs under
+    different grammars, or drafting differently under one, are never paired on another setting
+    (``grammar_table`` pairs the drafts)."""
+    g = s.get("grammar")
+    if not g:
+        return None
+    sha = g["sha256"] if isinstance(g["sha256"], str) else ",".join(str(x) for x in g["sha256"])
+    return g["kind"], sha, g.get("drafts", "masked")
+
+
+def grammar_table(runs: list[dict[str, Any]]) -> str:
+    """Masked − unmasked drafts (``grammar.drafts``, DESIGN.md §10) for runs under one grammar
+    (kind and sha256) on the same prompts and model, equal in every other setting: Δα_i, Δτ and
+    Δ wasted verify slots per verification, with 95% intervals from resampling the prompts jointly;
+    the unmasked run's forbidden drafts per verification, and whether both emitted the same tokens
+    (``outputs_sha256``; greedy runs do, the target's masked verify deciding). Empty when no run
+    has a pair."""
+    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for s in runs:
+        grammar = grammar_identity(s)
+        if grammar is None or "counts_per_prompt" not in s or "wasted" not in s["counts_per_prompt"]:
+            continue
+        key = (tuple(s[k] for k in SETTINGS) + tuple(s.get(k, v) for k, v in EXTRA_SETTINGS.items())
+               + grammar[:2] + (s.get("prompts_sha256"), s.get("checkpoint"), s.get("checkpoint_sha256"),
+                                s.get("dtype")))
+        groups.setdefault(key, {})[grammar[2]] = s
+    pairs = [(d["masked"], d["unmasked"]) for d in groups.values() if {"masked", "unmasked"} <= set(d)]
+    if not pairs:
+        return ""
+    K = max(m["num_drafts"] for m, _ in pairs)
+    lines = ["| model | grammar | prompts | same output | forbidden / verify (unmasked) | "
+             + " | ".join(f"Δα_{i + 1}" for i in range(K)) + " | Δτ | Δ wasted slots / verify |",
+             "|" + "---|" * (5 + K + 2)]
+    for m, u in pairs:
+        d = paired_difference(m["counts_per_prompt"], u["counts_per_prompt"])
+        w = paired_ratio_difference(m["counts_per_prompt"], u["counts_per_prompt"], "wasted", "steps")
+        g = m["grammar"]
+        name = f"{g['kind']} {g['sha256'][:8]}" if isinstance(g["sha256"], str) else f"{g['kind']} per prompt"
+        same = "yes" if m.get("outputs_sha256") and m.get("outputs_sha256") == u.get("outputs_sha256") else "no"
+        forbidden = u.get("forbidden_drafts", 0) / max(1, u["counts"]["steps"])
+        cells = [_signed(d["alpha"], d["alpha_ci"], i) for i in range(K)]
+        lines.append(f"| {os.path.basename(str(m.get('checkpoint', '?')))} | {name} | {m['prompts']} | {same} | "
+                     f"{forbidden:.2f} | " + " | ".join(cells) + f" | {_signed([d['tau']], [d['tau_ci']], 0)} | "
+                     f"{_signed([w['diff']], [w['ci']], 0)} |")
+    return "\n".join(lines)
 
 
 def _value(s: dict[str, Any], pair: str) -> str:
@@ -423,6 +474,10 @@ def main(argv: list[str] | None = None) -> str:
         pairs = paired_table(runs, pair)
         if pairs:
             text += f"\n\nPaired differences (same prompts, {pair} varied; 95% intervals over prompts):\n\n{pairs}"
+    grammars = grammar_table(runs)
+    if grammars:
+        text += ("\n\nDrafts under a grammar, masked − unmasked (grammar.drafts; the target's verify masked either "
+                 f"way; same prompts, 95% intervals over prompts):\n\n{grammars}")
     lossless = lossless_table(runs)
     if lossless:
         text += ("\n\nGreedy speculative decoding against the target's own greedy decode (one token per forward), "

@@ -87,15 +87,19 @@ class ProbedProposer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._proposer, name)
 
-    def propose(self, last_token: Any, target_hidden: Any, position: int, num_drafts: int, state: Any) -> list[int]:
+    def propose(self, last_token: Any, target_hidden: Any, position: int, num_drafts: int, state: Any,
+                grammar: Any = None) -> list[int]:
+        """``grammar``: a matcher the drafts obey (DESIGN.md §10), passed on; None drafts freely."""
+        under = () if grammar is None else (grammar,)
         return self._recorded(num_drafts, self._proposer.propose, last_token, target_hidden, position, num_drafts,
-                              state)
+                              state, *under)
 
     def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int,
-                      states: Any) -> list[list[int]]:
+                      states: Any, grammars: Any = None) -> list[list[int]]:
         """Recorded too: the reference drafter drafts the batch's states one after another, k rows each."""
+        under = () if grammars is None else (grammars,)
         return self._recorded(num_drafts, self._proposer.propose_batch, last_tokens, target_hiddens, positions,
-                              num_drafts, states)
+                              num_drafts, states, *under)
 
     def _recorded(self, num_drafts: int, call: Any, *args: Any) -> Any:
         self.probe.position, self.probe.num_drafts = 0, num_drafts

@@ -39,6 +39,13 @@ Verification:
     generator and passes in, and returns ``q``; acceptance is ``min(1, p(d) / q(d))`` in full.
     Greedy verification (T = 0) has no ``q``: ``sampled`` needs T > 0.
 
+Grammars (DESIGN.md §10): ``generate(..., matcher=M)`` constrains the output with a grammar's
+matcher. Each verify is masked per position, position j with the matcher after ``d_1..d_j``
+(``grammar_verify``), so the output is the target's constrained decode; the matcher advances
+on committed tokens only; the drafter drafts under the matcher (``grammar_drafts='masked'``,
+fewer than k drafts where the grammar stops them) or freely (``'unmasked'``, the ablation: a
+forbidden draft and those after it waste their verify slots and count as ``forbidden``).
+
 Metrics: ``alpha_i`` = P(draft i accepted | drafts 1..i-1 accepted), per position;
 ``tau`` = tokens committed per verification forward (accepted drafts + the bonus), the mean
 accepted length; and the time spent in the drafter and in the target's verification forwards.
@@ -59,10 +66,14 @@ from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
 from glm_mtp.registry import backend_class
 
+from .grammar_verify import (commit_tokens, masked_argmax, masked_greedy_verify, masked_target_probs,
+                             matcher_row, output_finished, verify_masks)
+
 Policy = Literal["first_row_kept", "refeed", "trim_all"]
 POLICIES = ("first_row_kept", "refeed", "trim_all")
 Draft = Literal["argmax", "sampled"]
 DRAFTS = ("argmax", "sampled")
+GrammarDrafts = Literal["masked", "unmasked"]
 
 
 class TargetModel(Protocol):
@@ -132,14 +143,24 @@ def target_probs(logits: Tensor, temperature: float) -> Tensor:
 
 
 def stochastic_verify(logits: Tensor, drafts: list[int], temperature: float, gen: torch.Generator,
-                      q: Tensor | None = None) -> tuple[int, int]:
+                      q: Tensor | None = None, allowed: Tensor | None = None) -> tuple[int, int | None]:
     """Rejection sampling (see the module docstring): against one-hot drafts when ``q`` is None
     (argmax drafts), else against the drafter's distributions ``q`` (k, V) (sampled drafts):
-    accept draft i with probability ``min(1, p(d) / q(d))``, else draw from ``norm(max(0, p - q))``."""
-    p = target_probs(logits, temperature)  # (k+1, V)
+    accept draft i with probability ``min(1, p(d) / q(d))``, else draw from ``norm(max(0, p - q))``.
+    ``allowed`` (legal+1, V) bool: a grammar's masks (``grammar_verify.verify_masks``); then ``p``
+    is the target's distribution over each position's allowed tokens (a forbidden draft has
+    ``p(d) = 0`` and is always rejected), and a position that allows nothing ends the output
+    there (the token returned is None)."""
+    if allowed is None:
+        p, live = target_probs(logits, temperature), None  # (k+1, V)
+    else:
+        live = allowed.any(dim=-1)  # (legal+1,); a row that allows nothing is never drawn from
+        p = masked_target_probs(logits[: allowed.shape[0]], temperature, allowed | ~live[:, None])
     if q is not None:
         q = q.detach().to(device="cpu", dtype=torch.float64)
     for i, d in enumerate(drafts):
+        if live is not None and not bool(live[i]):
+            return i, None
         u = float(torch.rand((), generator=gen, dtype=torch.float64))
         if q is None:
             if u < float(p[i, d]):
@@ -153,7 +174,9 @@ def stochastic_verify(logits: Tensor, drafts: list[int], temperature: float, gen
             if not float(residual.sum()) > 0:  # p <= q everywhere only when they are equal up to rounding
                 residual = p[i]
         return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=gen))
+    if live is not None and not bool(live[len(drafts)]):
+        return len(drafts), None
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
 def exponential_noise(num_drafts: int, vocab_size: int, gen: torch.Generator, dtype: torch.dtype,
@@ -167,17 +190,29 @@ def exponential_noise(num_drafts: int, vocab_size: int, gen: torch.Generator, dt
 
 def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: Tensor, position: int, k: int,
                  state: object,
-                 temperature: float, gen: torch.Generator) -> tuple[list[int], Tensor | None]:
-    """One propose: argmax drafts (``q`` None) or sampled drafts with their ``q`` (noise from ``gen``)."""
+                 temperature: float, gen: torch.Generator, grammar: Any = None) -> tuple[list[int], Tensor | None]:
+    """One propose: argmax drafts (``q`` None) or sampled drafts with their ``q`` (noise from ``gen``).
+    ``grammar``: a matcher the drafts obey (DESIGN.md §10; fewer than k drafts when it stops them),
+    or None (drafted freely; the propose is called without the argument)."""
+    under = {} if grammar is None else {"grammar": grammar}
     if draft == "argmax":
-        return proposer.propose(last_token, hidden, position, k, state), None
+        return proposer.propose(last_token, hidden, position, k, state, **under), None
     noise = exponential_noise(k, proposer.config.vocab_size, gen, acc_dtype(hidden.dtype), hidden.device)
-    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state)  # type: ignore[attr-defined]
+    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,  # type: ignore[attr-defined]
+                                   **under)
     return out.drafts, out.q
 
 
-def pick(logits: Tensor, temperature: float, gen: torch.Generator) -> int:
-    """The target's own next token: argmax, or a sample at ``temperature``."""
+def pick(logits: Tensor, temperature: float, gen: torch.Generator, allowed: Tensor | None = None) -> int | None:
+    """The target's own next token: argmax, or a sample at ``temperature``; over the ``allowed``
+    (V,) bool tokens only when given (None when it allows nothing)."""
+    if allowed is not None:
+        if temperature == 0:
+            return masked_argmax(logits, allowed)
+        if not bool(allowed.any()):
+            return None
+        return int(torch.multinomial(masked_target_probs(logits[None], temperature, allowed[None])[0], 1,
+                                     generator=gen))
     if temperature == 0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(target_probs(logits, temperature), 1, generator=gen))
@@ -195,6 +230,9 @@ class SpecStats:
         reached: per draft position, how often it was verified with every draft before it accepted.
         accepted: per draft position, how often it was accepted.
         steps: verification forwards; committed: tokens they committed (accepted + bonus).
+        wasted: verify slots wasted, the drafts verified but not accepted.
+        forbidden: drafts a grammar forbade (DESIGN.md §10): per propose, the first draft the
+            matcher does not allow and every draft after it (0 when the drafts are masked).
         draft_s / verify_s / prefill_s: seconds in the drafter, in verification forwards and in
             the prompt's target forward.
     """
@@ -204,6 +242,8 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)
     steps: int = 0
     committed: int = 0
+    wasted: int = 0
+    forbidden: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -212,19 +252,24 @@ class SpecStats:
         self.reached = self.reached or [0] * self.num_drafts
         self.accepted = self.accepted or [0] * self.num_drafts
 
-    def record(self, a: int) -> None:
-        """One verification that accepted ``a`` drafts."""
-        for i in range(min(a + 1, self.num_drafts)):
+    def record(self, a: int, verified: int | None = None, bonus: bool = True, forbidden: int = 0) -> None:
+        """One verification that accepted ``a`` of its ``verified`` drafts (k when None; fewer
+        when a grammar stopped the propose), committing a bonus token unless ``bonus`` is false
+        (the grammar allowed nothing there), ``forbidden`` of the drafts forbidden by the grammar."""
+        n = self.num_drafts if verified is None else verified
+        for i in range(min(a + 1, n)):
             self.reached[i] += 1
         for i in range(a):
             self.accepted[i] += 1
         self.steps += 1
-        self.committed += a + 1
+        self.committed += a + int(bonus)
+        self.wasted += n - a
+        self.forbidden += forbidden
 
     def merge(self, other: SpecStats) -> None:
         self.reached = [x + y for x, y in zip(self.reached, other.reached)]
         self.accepted = [x + y for x, y in zip(self.accepted, other.accepted)]
-        for name in ("steps", "committed", "draft_s", "verify_s", "prefill_s"):
+        for name in ("steps", "committed", "wasted", "forbidden", "draft_s", "verify_s", "prefill_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -271,10 +316,13 @@ class SpeculativeDecoder:
         seed: the sampling generator's seed (rejection sampling and the sampled drafts' noise).
         draft: ``argmax`` (default) or ``sampled`` (drafts drawn from the drafter's ``q`` at
             ``temperature``; needs ``temperature > 0`` and a drafter with ``propose_sampled``).
+        grammar_drafts: with a matcher given to ``generate``, ``masked`` (default: the drafter
+            drafts under it) or ``unmasked`` (drafts drawn freely); the verify is masked either way.
     """
 
     def __init__(self, target: TargetModel, proposer: DraftProposer, num_drafts: int, policy: Policy = "first_row_kept",
-                 temperature: float = 0.0, seed: int = 0, draft: Draft = "argmax") -> None:
+                 temperature: float = 0.0, seed: int = 0, draft: Draft = "argmax",
+                 grammar_drafts: GrammarDrafts = "masked") -> None:
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
             raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
         if policy not in POLICIES:
@@ -282,20 +330,44 @@ class SpeculativeDecoder:
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature!r}")
         check_draft(draft, temperature, proposer)
+        if grammar_drafts not in ("masked", "unmasked"):
+            raise ValueError(f"grammar_drafts must be masked or unmasked, got {grammar_drafts!r}")
         self.target, self.proposer = target, proposer
         self.k, self.policy, self.temperature, self.draft = num_drafts, policy, float(temperature), draft
+        self.grammar_drafts = grammar_drafts
         self.gen = torch.Generator().manual_seed(seed)
 
-    def _verify(self, logits: Tensor, drafts: list[int], q: Tensor | None = None) -> tuple[int, int]:
+    def _verify(self, logits: Tensor, drafts: list[int], q: Tensor | None = None,
+                allowed: Tensor | None = None) -> tuple[int, int | None]:
+        """(drafts accepted, bonus): greedy or by rejection; under a grammar's ``allowed`` masks
+        when given (the bonus None where the grammar allows nothing)."""
         if self.temperature == 0:
-            return greedy_verify(logits, drafts)
-        return stochastic_verify(logits, drafts, self.temperature, self.gen, q)
+            return greedy_verify(logits, drafts) if allowed is None else masked_greedy_verify(logits, drafts, allowed)
+        if allowed is None:
+            return stochastic_verify(logits, drafts, self.temperature, self.gen, q)
+        return stochastic_verify(logits, drafts, self.temperature, self.gen, q, allowed)
+
+    def _drafter_grammar(self, matcher: Any) -> Any:
+        """The matcher the drafter drafts under: the run's with masked drafts, else None."""
+        return matcher if self.grammar_drafts == "masked" else None
+
+    def _first_token(self, logits: Tensor, matcher: Any) -> int | None:
+        """The prefill's token after the prompt, under the matcher's mask when there is one (None:
+        the grammar allows nothing)."""
+        allowed = None if matcher is None else matcher_row(matcher, self.proposer.config.vocab_size)
+        return pick(logits, self.temperature, self.gen, allowed)
 
     def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu",
-                 free_state: bool = True) -> SpecResult:
+                 free_state: bool = True, matcher: Any = None) -> SpecResult:
         """Generate at least ``max_new_tokens`` tokens after ``prompt`` (>= 1 token); returns the
         first ``max_new_tokens`` and the step statistics (and the drafter's state, not freed, when
-        ``free_state`` is false)."""
+        ``free_state`` is false).
+
+        ``matcher``: a grammar's matcher at the start of the output (DESIGN.md §10), or None. The
+        target's verify is masked per position with it (``grammar_verify``), the drafter drafts
+        under it when ``grammar_drafts='masked'``, and it advances on the committed tokens only
+        (it is left after the last one). The output is the target's constrained decode; it ends
+        early, with fewer tokens, where the grammar allows nothing more."""
         if len(prompt) < 1:
             raise ValueError("prompt must hold at least one token")
         if max_new_tokens < 1:
@@ -307,7 +379,11 @@ class SpeculativeDecoder:
         t0 = clock()
         tstate = tg.alloc_state()
         out = tg.prefill(list(prompt), tstate)  # h_0..h_{n-1}
-        tokens = list(prompt) + [pick(out.logits[-1], self.temperature, self.gen)]
+        first = self._first_token(out.logits[-1], matcher)
+        tokens, finished = list(prompt) + ([] if first is None else [first]), first is None
+        if matcher is not None and first is not None:
+            commit_tokens(matcher, [first])
+            finished = output_finished(matcher, first)
         stats.prefill_s += clock() - t0
         t0 = clock()
         dstate = prop.alloc_state(device)
@@ -315,18 +391,21 @@ class SpeculativeDecoder:
         stats.draft_s += clock() - t0
         m, h_prev = len(prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
 
-        while len(tokens) - len(prompt) < max_new_tokens:
+        while not finished and len(tokens) - len(prompt) < max_new_tokens:
             t0 = clock()
-            drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen)
-            t1 = clock()
-            out = tg.verify([tokens[m], *drafts], tstate)  # positions m..m+k
-            a, bonus = self._verify(out.logits, drafts, q)
+            drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen,
+                                     self._drafter_grammar(matcher))
+            n = len(drafts)  # k, or fewer where a grammar stopped the propose
+            t1 = clock()  # the verify's masks count as the verify's time
+            allowed, legal = (None, n) if matcher is None else verify_masks(matcher, drafts, prop.config.vocab_size)
+            out = tg.verify([tokens[m], *drafts], tstate)  # positions m..m+n
+            a, bonus = self._verify(out.logits, drafts, q, allowed)
             tg.rollback(tstate, m + a + 1)
             t2 = clock()
             if self.policy == "first_row_kept":
                 prop.after_verify(a, dstate)
-                if a == k:  # the drafter is one row behind: (d_k, h_{m+k-1}) at row m+k-1
-                    prop.catchup_drafter(drafts[-1:], out.hidden[k - 1 : k], m + k - 1, m + k - 1, dstate)
+                if n and a == n:  # the drafter is one row behind: (d_n, h_{m+n-1}) at row m+n-1
+                    prop.catchup_drafter(drafts[-1:], out.hidden[n - 1 : n], m + n - 1, m + n - 1, dstate)
             elif self.policy == "refeed":
                 prop.after_verify(0, dstate)
                 if a:
@@ -340,8 +419,12 @@ class SpeculativeDecoder:
             t3 = clock()
             stats.draft_s += (t1 - t0) + (t3 - t2)
             stats.verify_s += t2 - t1
-            stats.record(a)
-            tokens += [*drafts[:a], bonus]
+            stats.record(a, n, bonus is not None, n - legal)
+            committed = [*drafts[:a], *([] if bonus is None else [bonus])]
+            if matcher is not None:
+                commit_tokens(matcher, committed)
+                finished = output_finished(matcher, bonus)
+            tokens += committed
             h_prev = out.hidden[a : a + 1]  # h_{m+a}
             m += a + 1
         if free_state:
@@ -516,15 +599,30 @@ class _Seq:
 
 
 def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                  gen: torch.Generator | None = None) -> list[int]:
-    """The target alone, one token per forward: the reference speculative decoding must match."""
+                  gen: torch.Generator | None = None, matcher: Any = None, vocab_size: int | None = None) -> list[int]:
+    """The target alone, one token per forward: the reference speculative decoding must match.
+
+    ``matcher`` (with ``vocab_size``, the bitmask's width): the target's constrained decode, each
+    token picked over the matcher's mask and accepted into it (the matcher is left after the last
+    one); it stops early where the grammar allows nothing more or the matcher terminates."""
     gen = gen or torch.Generator().manual_seed(0)
+    if matcher is not None and vocab_size is None:
+        raise ValueError("target_decode with a matcher needs vocab_size (the width of its bitmask)")
     state = target.alloc_state()
     out = target.prefill(list(prompt), state)
-    tokens = [pick(out.logits[-1], temperature, gen)]
+    tokens: list[int] = []
     while len(tokens) < max_new_tokens:
-        out = target.verify(tokens[-1:], state)
-        tokens.append(pick(out.logits[-1], temperature, gen))
+        if tokens:
+            out = target.verify(tokens[-1:], state)
+        allowed = None if matcher is None else matcher_row(matcher, vocab_size)  # type: ignore[arg-type]
+        token = pick(out.logits[-1], temperature, gen, allowed)
+        if token is None:
+            break
+        tokens.append(token)
+        if matcher is not None:
+            commit_tokens(matcher, [token])
+            if matcher.is_terminated():
+                break
     return tokens
 
 

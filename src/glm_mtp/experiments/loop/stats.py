@@ -17,7 +17,9 @@ Statistics, per draft position i (1-based):
   1..i-1 accepted), what DESIGN.md calls acceptance;
 - cumulative ``P(accepted >= i) = sum accepted[i] / sum steps``, the share of verifications that
   accepted at least i drafts (what vLLM's per-position acceptance reports);
-- ``tau = (steps + sum_i accepted[i]) / steps``, tokens committed per verification.
+- ``tau = (steps + sum_i accepted[i]) / steps``, tokens committed per verification; with
+  ``committed`` per prompt (a run under a grammar: the verification that ends the output commits
+  no bonus token), ``tau = sum committed / sum steps``.
 """
 
 from __future__ import annotations
@@ -46,11 +48,14 @@ def _percentiles(x: np.ndarray) -> list[list[float]]:
     return out
 
 
-def point_stats(reached: np.ndarray, accepted: np.ndarray, steps: np.ndarray) -> dict[str, np.ndarray]:
+def point_stats(reached: np.ndarray, accepted: np.ndarray, steps: np.ndarray,
+                committed: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Statistics of counts summed over the leading axes but the last: ``reached``/``accepted``
-    (..., P, K), ``steps`` (..., P). Returns ``alpha`` and ``cumulative`` (..., K), ``tau`` (...)."""
+    (..., P, K), ``steps`` and ``committed`` (..., P; None: a bonus token every step). Returns
+    ``alpha`` and ``cumulative`` (..., K), ``tau`` (...)."""
     r, a, s = reached.sum(-2), accepted.sum(-2), steps.sum(-1)
-    return {"alpha": _ratio(a, r), "cumulative": _ratio(a, s[..., None]), "tau": _ratio(s + a.sum(-1), s)}
+    c = s + a.sum(-1) if committed is None else committed.sum(-1)
+    return {"alpha": _ratio(a, r), "cumulative": _ratio(a, s[..., None]), "tau": _ratio(c, s)}
 
 
 def _replicate_indices(num_prompts: int, replicates: int, seed: int) -> np.ndarray:
@@ -70,9 +75,21 @@ def bootstrap(counts: dict[str, Any], replicates: int = REPLICATES, seed: int = 
         raise ValueError(f"counts must hold P >= 1 prompts: reached and accepted (P, K), steps (P,); got {r.shape}, "
                          f"{a.shape}, {s.shape}")
     idx = _replicate_indices(r.shape[0], replicates, seed)
-    rep = point_stats(r[idx], a[idx], s[idx])
+    c = _committed(counts, s.shape)
+    rep = point_stats(r[idx], a[idx], s[idx], None if c is None else c[idx])
     return {"alpha_ci": _percentiles(rep["alpha"]), "cumulative_ci": _percentiles(rep["cumulative"]),
             "tau_ci": _percentiles(rep["tau"][:, None])[0]}
+
+
+def _committed(counts: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray | None:
+    """The per-prompt ``committed`` counts when ``counts`` holds them (runs under a grammar record
+    them), else None."""
+    if counts.get("committed") is None:
+        return None
+    c = np.asarray(counts["committed"], dtype=np.float64)
+    if c.shape != shape:
+        raise ValueError(f"counts: committed must hold one count per prompt, {shape}; got {c.shape}")
+    return c
 
 
 def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = REPLICATES,
@@ -87,6 +104,10 @@ def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = RE
         raise ValueError(f"paired runs must share their prompts: {A[2].shape[0]} vs {B[2].shape[0]} prompts")
     K = min(A[0].shape[1], B[0].shape[1])
     A[:2], B[:2] = [x[:, :K] for x in A[:2]], [x[:, :K] for x in B[:2]]
+    ca, cb = _committed(a, A[2].shape), _committed(b, B[2].shape)
+    if ca is not None and cb is not None:  # each run's own tau (a bonus-less last verification counted)
+        A.append(ca)
+        B.append(cb)
     pa, pb = point_stats(*A), point_stats(*B)
     idx = _replicate_indices(A[2].shape[0], replicates, seed)
     ra, rb = point_stats(*(x[idx] for x in A)), point_stats(*(x[idx] for x in B))
@@ -94,3 +115,19 @@ def paired_difference(a: dict[str, Any], b: dict[str, Any], replicates: int = RE
             "cumulative": (pa["cumulative"] - pb["cumulative"]).tolist(),
             "cumulative_ci": _percentiles(ra["cumulative"] - rb["cumulative"]),
             "tau": float(pa["tau"] - pb["tau"]), "tau_ci": _percentiles((ra["tau"] - rb["tau"])[:, None])[0]}
+
+
+def paired_ratio_difference(a: dict[str, Any], b: dict[str, Any], num: str, den: str, replicates: int = REPLICATES,
+                            seed: int = 0) -> dict[str, Any]:
+    """``sum a[num] / sum a[den] - sum b[num] / sum b[den]`` for two runs on the same prompts (one
+    count per prompt under each key, e.g. ``wasted`` verify slots per ``steps``), with the 95%
+    interval from resampling the prompts jointly, as ``paired_difference``. Returns ``diff`` and
+    ``ci``."""
+    na, da, nb, db = (np.asarray(x[k], dtype=np.float64) for x, k in ((a, num), (a, den), (b, num), (b, den)))
+    if not na.shape == da.shape == nb.shape == db.shape or na.ndim != 1 or not na.shape[0]:
+        raise ValueError(f"paired runs must hold one {num} and one {den} per prompt, the same prompts; got "
+                         f"{na.shape}, {da.shape}, {nb.shape}, {db.shape}")
+    idx = _replicate_indices(na.shape[0], replicates, seed)
+    point = _ratio(na.sum(), da.sum()) - _ratio(nb.sum(), db.sum())
+    reps = _ratio(na[idx].sum(-1), da[idx].sum(-1)) - _ratio(nb[idx].sum(-1), db[idx].sum(-1))
+    return {"diff": float(point), "ci": _percentiles(reps[:, None])[0]}

@@ -7,7 +7,8 @@
 - ``jsonl``: the user's prompts (``prompts.path``: one JSON object a line, ``{"prompt": text}``
   or ``{"messages": [{"role": ..., "content": ...}, ...]}``), each tokenized as the model is
   served it: text with the tokenizer's special tokens, messages through its chat template with
-  the generation prompt. Blank lines are skipped.
+  the generation prompt. Blank lines are skipped. A line may also carry ``"json_schema"``: that
+  prompt's output follows the schema (``experiments.grammars``; read there, not here).
 
 Nothing is downloaded: the tokenizer is the checkpoint's own.
 """

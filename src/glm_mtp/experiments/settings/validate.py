@@ -20,7 +20,7 @@ import sys
 from typing import Any, Callable
 
 from glm_mtp.ranges import SEED_MAX, THREADS_MAX, check_int_range
-from glm_mtp.registry import BACKENDS
+from glm_mtp.registry import BACKENDS, backend_class
 
 from .prompts import MIN_PROMPT_TOKENS
 from .prompts import SOURCES as PROMPT_SOURCES
@@ -220,6 +220,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     check_user_prompts(cfg, min(_get(cfg, "model.max_seq_len"), model.max_position_embeddings))
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
+    check_grammar(cfg)
 
 
 def check_hf_model(cfg: Any, numerics: str) -> None:
@@ -305,6 +306,71 @@ def check_user_prompts(cfg: Any, longest: int) -> None:
                              _get(cfg, "run.max_new_tokens"))
     check_prompt_lengths(starts, _get(cfg, "run.max_new_tokens"), _get(cfg, "num_drafts"), longest,
                          f"prompts.path: {file}")
+
+
+def check_grammar(cfg: Any) -> None:
+    """The ``grammar`` group and ``source=jsonl`` lines' ``json_schema`` (experiments.grammars):
+    the grammar read and parsed now (a file that is not there, a schema that is not JSON, a
+    grammar xgrammar's parser refuses), and the settings a grammar cannot run with:
+
+    - ``mode=teacher_forced``: it scores the corpus's own text, which no grammar constrains;
+    - ``batch_size > 1``: the grammar loop runs one prompt at a time;
+    - ``model.kind=random``: a grammar is compiled against the model's tokenizer, which a random
+      model has not;
+    - per-prompt schemas with a run grammar (``grammar=regex`` etc.): two constraints on one
+      prompt (per-prompt schemas run with ``grammar=none``);
+    - masked drafts (``grammar.drafts=masked``) on a backend whose ``propose`` (or, with
+      ``draft=sampled``, ``propose_sampled``) takes no ``grammar``.
+
+    Every temperature and ``draft`` combination the loop runs without a grammar runs with one:
+    greedy verification masks the argmax, rejection sampling draws from the target's distribution
+    over the allowed tokens against argmax or sampled drafts, masked or not (``draft=sampled``
+    still needs ``temperature > 0``, as without a grammar).
+    """
+    node = cfg.get("grammar")
+    if node is None:
+        return
+    from ..grammars import jsonl_schemas, run_grammar
+
+    try:
+        spec = run_grammar(node)
+        schemas = []
+        if _get(cfg, "source") == "jsonl":
+            schemas = [x for x in jsonl_schemas(_get(cfg, "prompts.path"), _get(cfg, "run.num_prompts")) if x]
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    if spec is None and not schemas:
+        return
+    what = f"grammar={spec.kind}" if spec is not None else "a source=jsonl json_schema"
+    if spec is not None and schemas:
+        raise ValueError(f"prompts.path's lines carry json_schema and grammar={spec.kind} would constrain them too: "
+                         "per-prompt schemas run with grammar=none")
+    if _get(cfg, "mode") != "speculative":
+        raise ValueError(f"{what} constrains the speculative loop's output; mode={_get(cfg, 'mode')} scores the "
+                         "corpus's own text, which no grammar constrains (mode=speculative)")
+    if _get(cfg, "batch_size") != 1:
+        raise ValueError(f"{what} runs one prompt at a time: batch_size must be 1, got {_get(cfg, 'batch_size')}")
+    if _get(cfg, "model.kind") == "random":
+        raise ValueError(f"{what} is compiled against the model's tokenizer; model.kind=random has none (use "
+                         "model=shipped, next_shipped or hf)")
+    if node.get("drafts", "masked") == "masked":
+        backend = _get(cfg, "backend.name")
+        method = "propose_sampled" if draft_kind(cfg) == "sampled" else "propose"
+        if not takes_grammar(backend, method):
+            raise ValueError(f"grammar.drafts=masked drafts under the grammar, and backend={backend}'s {method} takes "
+                             "no grammar (grammar.drafts=unmasked, or a backend that does)")
+
+
+def takes_grammar(backend: str, method: str) -> bool:
+    """Whether backend ``backend``'s ``method`` takes a ``grammar`` argument (DESIGN.md §10)."""
+    import inspect
+
+    try:
+        cls = backend_class(backend)
+    except ImportError:
+        return False
+    fn = getattr(cls, method, None)
+    return fn is not None and "grammar" in inspect.signature(fn).parameters
 
 
 def draft_kind(cfg: Any) -> str:
