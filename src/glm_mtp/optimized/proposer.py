@@ -30,6 +30,7 @@ loop, which runs from the static buffers as a captured program too.
 
 from __future__ import annotations
 
+import math
 
 import torch
 from torch import Tensor
@@ -42,10 +43,14 @@ from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
+from .grammar import Matcher, Walk, allows, check_matcher, fill_row, walk_greedy
+from .kernels.confidence import draft_confidence_torch, draft_confidence_triton, mask_words
 from .unfused_block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .kernels import KERNEL_DTYPES
-from .programs import CHECK_OK, HIDDEN_FINITE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens
-from .state import OptimizedState, Unsettled
+from .programs import (
+    CHECK_OK, HIDDEN_FINITE, NOISE_POSITIVE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens,
+)
+from .state import OptimizedState, PendingConfidence, Unsettled
 from .step import StepKernels, fusable, step_kernels
 
 
@@ -215,7 +220,8 @@ class OptimizedProposer:
             raise ValueError(message)
 
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
-                        position: int, num_drafts: int, sample: tuple[object, object] | None = None) -> tuple[int, int]:
+                        position: int, num_drafts: int, sample: tuple[object, object] | None = None,
+                        grammar: object = None) -> tuple[int, int]:
         """The contract's propose checks (``contract.propose_args``), minus the ones that read
         the data (a token tensor's range, the hidden's finiteness, a sampled propose's noise
         values): those run on the device. Fills the static inputs (with ``sample = (temperature,
@@ -231,6 +237,7 @@ class OptimizedProposer:
             except ValueError:
                 contract.check_args_data(args, self.weights)  # the data checks come first (on refusal only: a read)
                 raise
+        check_matcher(call, "grammar", grammar)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
@@ -263,27 +270,47 @@ class OptimizedProposer:
         return self.programs.captures
 
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                state: DrafterState) -> list[int]:
+                state: DrafterState, grammar: Matcher | None = None) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
         the k steps run without a host sync and the drafts come back in one read at the end.
 
+        ``grammar``: a matcher (DESIGN.md §10): the drafts are drafted unmasked and read back once
+        as without one, then the host walks the matcher; a forbidden draft costs one redo program
+        from its step and one more read-back (``optimized.grammar``). The propose may stop early
+        (fewer drafts); the matcher is rolled back to how it was found.
+
         Raises what the reference raises for the same input, leaving the state byte-identical."""
         with self._use(state, "propose") as st:
-            position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts)
+            position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts,
+                                               grammar=grammar)
+            constrained = grammar is not None and k > 0
             with writing(st, "propose"):
+                restore = self._keep_for_restore(st, position, k) if constrained else None
                 self.programs.run_draft(st, k)
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
-            return self._finish_propose(st, values, position, k)
+            if not constrained or values[0] != CHECK_OK:
+                drafts = self._finish_propose(st, values, position, k)
+                self._pending_confidence(st, k, k)
+                return drafts
+            walk = self._walk(st, grammar, values[1:], position, k, restore)
+            return self._finish_walk(st, walk, position, k)
 
     def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts:
+                        temperature: float, noise: Tensor, state: DrafterState,
+                        grammar: Matcher | None = None) -> SampledDrafts:
         """``ReferenceProposer.propose_sampled``, the same bytes: the k steps (each draft's
         ``q`` and its draw included) run on the device without a host sync, the drafts come back
         in the one read at the end and ``q`` (k, V) stays on the device (a copy of the static
-        buffer). The noise's values are checked on the device, like the hidden."""
+        buffer). The noise's values are checked on the device, like the hidden.
+
+        ``grammar``: a matcher (DESIGN.md §10): each step draws from its own ``q`` renormalised
+        over the step's allowed tokens, so the steps run one per program, each read back (draft
+        i's mask needs draft i - 1); ``q`` covers the drafts produced."""
         with self._use(state, "propose_sampled") as st:
             position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
-                                               (temperature, noise))
+                                               (temperature, noise), grammar=grammar)
+            if grammar is not None and k > 0:
+                return self._propose_sampled_masked(st, grammar, position, k)
             with writing(st, "propose_sampled"):
                 self.programs.run_draft(st, k, sampled=True)
                 q = (
@@ -292,7 +319,172 @@ class OptimizedProposer:
                     else noise.new_zeros(0, self.config.vocab_size)
                 )
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
-            return SampledDrafts(self._finish_propose(st, values, position, k, sampled=True), q)
+            drafts = self._finish_propose(st, values, position, k, sampled=True)
+            self._pending_confidence(st, k, k, q=q)
+            return SampledDrafts(drafts, q)
+
+    # ---- grammars (DESIGN.md §10) and confidence (§12) ------------------------------------------
+    def _keep_for_restore(self, st: OptimizedState, position: int, k: int):  # type: ignore[no-untyped-def]
+        """Copies of what a grammar propose's program overwrites that a matcher's refusal must put
+        back (``x``, and the rows ``[position, seq_len)`` it rewrites with their KPool entries),
+        and the function that puts them back (the device row count and the pools a rewrite
+        completed included): the state as found."""
+        st.x_prev.copy_(st.x)
+        held = st.seq_len
+        a, b = position, min(held, position + k)
+        cache = st.cache
+        kv, ix = cache.kv_pool.flatten(0, 1), cache.index_pool.flatten(0, 1)  # (capacity, ·): slot r is row r
+        rows = (kv[a:b].clone(), ix[a:b].clone()) if b > a else None
+        kp = cache.kpool
+        pools = None
+        if kp is not None:
+            p0, p1 = a // kp.kpool, -(-(position + k) // kp.kpool)
+            pools = (kp.gates[a:b].clone(), kp.keys[p0:p1].clone(), kp.complete.clone(), p0, p1)
+
+        def restore() -> None:
+            st.x.copy_(st.x_prev)
+            st.seq_dev.fill_(held)
+            if rows is not None:
+                kv[a:b].copy_(rows[0])
+                ix[a:b].copy_(rows[1])
+            if pools is not None:
+                gates, keys, complete, q0, q1 = pools
+                kp.gates[a:b].copy_(gates)
+                kp.keys[q0:q1].copy_(keys)
+                kp.complete.copy_(complete)
+
+        return restore
+
+    def _describe(self, st: OptimizedState) -> str:
+        return "the state and the matcher are left as they were found"
+
+    def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
+              restore) -> Walk:  # type: ignore[no-untyped-def]
+        """Walk the matcher over the read-back ``drafts``; a forbidden draft redoes its step and
+        the later ones (``programs.draft`` with ``first``) and reads them back. A refusal by the
+        matcher puts the state back as found (``restore``) before the ``ValueError``."""
+        bufs = st.draft_buffers(k, self.config.vocab_size)
+
+        def redo(i: int, masks: Tensor) -> list[int]:
+            with writing(st, "propose"):
+                bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
+                self.programs.run_draft(st, k, first=i, masked=True)
+                return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
+
+        try:
+            return walk_greedy(grammar, drafts, self.config.vocab_size, redo, lambda: self._describe(st))
+        except ValueError:
+            with writing(st, "propose"):
+                restore()
+            raise
+
+    def _finish_walk(self, st: OptimizedState, walk: Walk, position: int, k: int) -> list[int]:
+        """The counters of a grammar propose that kept ``walk.n`` drafts; a propose that stopped
+        early is made exactly one asked for ``walk.n`` drafts: ``x`` the last kept step's (or as
+        found), the device row count, the KPool pools past the rows kept incomplete."""
+        n = walk.n
+        if n < k:
+            with writing(st, "propose"):
+                bufs = st.draft_buffers(k, self.config.vocab_size)
+                st.x.copy_(bufs.xs[n - 1] if n else st.x_prev)
+                st.seq_dev.fill_(position + n)
+                if st.cache.kpool is not None:
+                    st.cache.kpool.forget_from(position + n)
+        st.seq_len, st.pending, st.last_drafted = position + n, True, n
+        self._pending_confidence(st, k, n, masks=walk.masks)
+        return walk.drafts
+
+    def _propose_sampled_masked(self, st: OptimizedState, grammar: Matcher, position: int, k: int) -> SampledDrafts:
+        """``propose_sampled`` under a grammar: before step i the host stops on a terminated
+        matcher or an empty mask, else copies step i's mask to the device and runs the step
+        (``programs.draft``, sampled and masked), reads its draft back and accepts it."""
+        V = self.config.vocab_size
+        bufs = st.draft_buffers(k, V)
+        masks = torch.zeros(k, mask_words(V), dtype=torch.int32)
+        drafts: list[int] = []
+        accepted = 0
+        restore = None
+        try:
+            with writing(st, "propose_sampled"):
+                restore = self._keep_for_restore(st, position, k)
+            for i in range(k):
+                if grammar.is_terminated() or not fill_row(grammar, masks, i, V):
+                    break
+                with writing(st, "propose_sampled"):
+                    bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
+                    self.programs.run_draft(st, k, sampled=True, first=i, last=i + 1, masked=True)
+                    values = read_back(st.out[: i + 2])  # the check code and the drafts so far
+                if i == 0 and values[0] != SAMPLED_CHECK_OK:
+                    raise ValueError(self._refusal(values[0], st.tok_in))  # nothing was written
+                d = values[i + 1]
+                if not allows(masks, i, d) or not grammar.accept_token(d):
+                    with writing(st, "propose_sampled"):
+                        restore()
+                    raise ValueError(f"grammar: the matcher refused token {d} at draft step {i + 1}, which its own "
+                                     f"bitmask allowed (a matcher must accept every token its mask allows); "
+                                     f"{self._describe(st)}")
+                drafts.append(d)
+                accepted += 1
+        finally:
+            if accepted:
+                grammar.rollback(accepted)
+        n = len(drafts)
+        if n == 0:  # no step ran, so the device never checked the data: the host does (a read, this case only)
+            noise = st.sample_buffers(k, V)[0]
+            tok_ok = bool(((st.tok_in >= 0) & (st.tok_in < V)).all())
+            code = (int(bool(torch.isfinite(st.hid_in).all())) * HIDDEN_FINITE + int(tok_ok) * TOKEN_IN_RANGE
+                    + int(bool(((noise > 0) & (noise < math.inf)).all())) * NOISE_POSITIVE)
+            if code != SAMPLED_CHECK_OK:
+                raise ValueError(self._refusal(code, st.tok_in))
+        q = st.sample_buffers(k, V)[1][:n].clone()
+        if n < k:
+            with writing(st, "propose_sampled"):
+                st.x.copy_(bufs.xs[n - 1] if n else st.x_prev)
+                st.seq_dev.fill_(position + n)
+                if st.cache.kpool is not None:
+                    st.cache.kpool.forget_from(position + n)
+        st.seq_len, st.pending, st.last_drafted = position + n, True, n
+        self._pending_confidence(st, k, n, masks=masks[:n], q=q)
+        return SampledDrafts(drafts, q)
+
+    def _pending_confidence(self, st: OptimizedState, k: int, n: int, masks: Tensor | None = None,
+                            q: Tensor | None = None) -> None:
+        """Record what ``draft_confidence`` reads for the propose just made (``n`` of its ``k``
+        steps kept): views of the kept logits and drafts, the host masks, a sampled propose's q."""
+        bufs = st.draft_buffers(k, self.config.vocab_size) if k else None
+        st.confidence = PendingConfidence(bufs.logits[:n] if bufs else None, st.out[1 : n + 1], masks, q)
+
+    def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
+        """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two float32
+        tensors ``(last_drafted,)`` on the state's device, computed on first call from the logits
+        the head kept (one launch, ``kernels.draft_confidence``; no host sync) and valid until
+        the next call that changes the state. ``prob[i]``: the pinned (masked, under a grammar)
+        softmax probability of draft i (a sampled propose: ``q_i[d_i]``); ``margin[i]``: its
+        logit minus the best other allowed logit (``+inf`` when it is the only one allowed).
+        ``RuntimeError`` when no propose is pending."""
+        with self._use(state, "draft_confidence") as st:
+            self._settle(st)
+            check_sound(st, "draft_confidence")
+            if st.released:
+                raise RuntimeError("draft_confidence: the state was freed (free_state)")
+            if not st.pending or st.confidence is None:
+                raise RuntimeError("draft_confidence: no propose is pending (propose first; after_verify ends it)")
+            c = st.confidence
+            if c.result is None:
+                c.result = self._confidence(c, st.device)
+            return c.result
+
+    def _confidence(self, c: PendingConfidence, device: torch.device) -> tuple[Tensor, Tensor]:
+        if c.logits is None or c.logits.shape[0] == 0:
+            empty = torch.zeros(0, dtype=torch.float32, device=device)
+            return empty, empty.clone()
+        masks = c.masks.to(device, non_blocking=True) if c.masks is not None else None
+        triton = self.step.triton if self.step is not None else self.primitives.use_triton(c.logits)
+        confidence = draft_confidence_triton if triton else draft_confidence_torch
+        prob, margin = confidence(c.logits, c.tokens, masks)
+        if c.q is not None:  # a sampled draft's probability is its q at the temperature drawn from
+            prob = c.q.gather(1, c.tokens[:, None])[:, 0].float()
+        return prob, margin
 
     def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int,
                         sampled: bool = False) -> list[int]:
@@ -333,6 +525,7 @@ class OptimizedProposer:
                 self.programs.run_draft(st, k)
             st.seq_len, st.pending, st.last_drafted = position + k, True, k
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
+            self._pending_confidence(st, k, k)
             return st.out[1 : k + 1]
 
     # ---- batches --------------------------------------------------------------------------
