@@ -8,7 +8,8 @@ unmasked argmax that ``A_i`` allows is the masked draft, lowest index in both) a
 Only a forbidden ``d_i`` costs a redo: a program that takes step i's masked argmax from the
 logits the head stored and runs steps i+1.. again, then one more read-back (``walk_greedy``'s
 ``redo``). A sampled draft's ``q`` is renormalised over ``A_i``, so a sampled propose under a
-grammar draws each step from its own masked ``q`` (``masked_draft_probs``), one step per program.
+grammar draws each step from its own masked ``q`` (the reference's ``layers.draft_probs`` and
+``sampled_token`` with the step's allowed tokens), one step per program.
 
 The matcher is any object with xgrammar's ``GrammarMatcher`` methods; this module imports
 nothing of xgrammar.
@@ -17,45 +18,22 @@ nothing of xgrammar.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from glm_mtp.reference import numerics
+from glm_mtp.reference.contract import Matcher
+from glm_mtp.reference.grammar import MatcherRefusedToken
 
-from .kernels.confidence import MASK_BITS, allowed_tokens, mask_words
-
-
-class Matcher(Protocol):
-    """xgrammar's ``GrammarMatcher`` methods a propose calls."""
-
-    def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> Any: ...
-
-    def accept_token(self, token: int) -> bool: ...
-
-    def rollback(self, num_tokens: int) -> Any: ...
-
-    def is_terminated(self) -> bool: ...
-
-
-MATCHER_METHODS = ("fill_next_token_bitmask", "accept_token", "rollback", "is_terminated")
-
-
-def check_matcher(call: str, arg: str, grammar: object) -> None:
-    """``ValueError`` naming ``arg`` unless ``grammar`` is None or has the four matcher methods."""
-    if grammar is None:
-        return
-    missing = [m for m in MATCHER_METHODS if not callable(getattr(grammar, m, None))]
-    if missing:
-        raise ValueError(f"{call}: {arg} must be None or a grammar matcher with {', '.join(MATCHER_METHODS)} "
-                         f"(xgrammar's GrammarMatcher methods); {type(grammar).__name__} lacks {', '.join(missing)}")
+from .kernels.confidence import MASK_BITS, mask_words
 
 
 def fill_row(matcher: Matcher, masks: Tensor, i: int, vocab_size: int) -> bool:
-    """Row ``i`` of the host bitmask ``masks`` (k, ceil(V / 32)) int32: the matcher's allowed
-    tokens, bits at or past ``vocab_size`` cleared (never allowed). Returns whether any token
-    is allowed."""
+    """Row ``i`` of the host bitmask ``masks`` (k, ceil(V / 32)) int32, zeroed first: the
+    matcher's allowed tokens, bits at or past ``vocab_size`` cleared (never allowed). Returns
+    whether any token is allowed (a read of the CPU mask)."""
+    masks[i].zero_()
     matcher.fill_next_token_bitmask(masks, i)
     row = masks[i]
     tail = vocab_size % MASK_BITS
@@ -69,6 +47,15 @@ def allows(masks: Tensor, i: int, token: int) -> bool:
     """Whether row ``i`` of ``masks`` allows ``token`` (bit ``token % 32`` of word ``token // 32``)."""
     word = int(masks[i, token // MASK_BITS])
     return (word >> (token % MASK_BITS)) & 1 == 1
+
+
+def refused(matcher: Matcher, step: int, token: int) -> MatcherRefusedToken:
+    """The refusal of a matcher that rejected draft ``step``'s ``token`` (1-based), which its own
+    mask allowed: ``reference.grammar.GrammarWalk.accept``'s error, word for word."""
+    return MatcherRefusedToken(
+        f"grammar: the matcher ({type(matcher).__name__}) refused draft step {step}'s token {token}, "
+        f"which its own mask allowed at that step: a matcher must accept every token its bitmask allows; the "
+        "state and the matcher are left as found")
 
 
 @dataclass
@@ -86,70 +73,34 @@ class Walk:
 
 
 def walk_greedy(matcher: Matcher, drafts: list[int], vocab_size: int,
-                redo: Callable[[int, Tensor], list[int]], describe: Callable[[], str]) -> Walk:
-    """Walk ``matcher`` over the unmasked ``drafts`` (k of them, read back from the device).
-
-    Before draft i: stop when the matcher is terminated or ``A_i`` is empty (the walk's drafts
-    are then ``d_1 .. d_{i-1}``); a forbidden ``d_i`` calls ``redo(i, masks)`` (0-based ``i``),
-    which returns the drafts ``i ..`` of the redone steps (the masked ``d_i`` first). Every draft
-    kept is accepted by the matcher; a refusal of a draft its own mask allowed is a
-    ``ValueError`` naming the draft step (1-based) and ``describe()``'s words. The matcher is
-    rolled back by every token the walk accepted, on return and on raise."""
+                redo: Callable[[int, Tensor], list[int]]) -> Walk:
+    """Walk ``matcher`` over the unmasked ``drafts`` (k of them, read back from the device), in
+    the reference's order (``reference.grammar.GrammarWalk``): before draft i, accept ``d_{i-1}``
+    (only to find ``A_i``), then stop when the matcher is terminated or ``A_i`` is empty (the
+    walk's drafts are ``d_1 .. d_{i-1}``); a forbidden ``d_i`` calls ``redo(i, masks)`` (0-based
+    ``i``), which returns drafts ``i ..`` of the redone steps (the masked ``d_i`` first). A
+    refusal of a draft its own mask allowed raises ``MatcherRefusedToken`` naming the draft's
+    step. The matcher is rolled back by every token the walk accepted, on return and on raise."""
     k = len(drafts)
     masks = torch.zeros(k, mask_words(vocab_size), dtype=torch.int32)
     drafts = list(drafts)
     accepted = redos = 0
     try:
         for i in range(k):
+            if i:
+                if not matcher.accept_token(drafts[i - 1]):
+                    raise refused(matcher, i, drafts[i - 1])
+                accepted += 1
             if matcher.is_terminated() or not fill_row(matcher, masks, i, vocab_size):
                 drafts = drafts[:i]
                 break
             if not allows(masks, i, drafts[i]):
                 drafts[i:] = redo(i, masks)
                 redos += 1
-            if not matcher.accept_token(drafts[i]):
-                raise ValueError(f"grammar: the matcher refused token {drafts[i]} at draft step {i + 1}, which its own "
-                                 f"bitmask allowed (a matcher must accept every token its mask allows); "
-                                 f"{describe()}")
-            accepted += 1
     finally:
         if accepted:
             matcher.rollback(accepted)
     return Walk(drafts, masks[: len(drafts)], redos)
 
 
-# ---- the device side: a sampled step under its mask (torch ops in the pinned order) -------------
-
-
-def masked_draft_probs(logits: Tensor, temperature: Tensor, allowed: Tensor) -> Tensor:
-    """``q`` (T, V) in A of a sampled step under a grammar: the pinned softmax of ``up(logits) /
-    temperature`` over the full vocabulary with every forbidden term exactly ``+0.0`` and the
-    max over the ``allowed`` (T, V) bool tokens only (DESIGN.md §10; with every token allowed it
-    is ``reference.layers.draft_probs``)."""
-    s = numerics.up(logits) / temperature
-    neg = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
-    m = torch.where(allowed, s, neg).amax(dim=-1, keepdim=True)
-    e = torch.where(allowed, numerics.exp(s - m), torch.zeros((), dtype=s.dtype, device=s.device))
-    return e / numerics.psum(e)[..., None]
-
-
-def masked_token(values: Tensor, allowed: Tensor) -> Tensor:
-    """Each row's lowest-index maximum of ``values`` (T, V) over the ``allowed`` (T, V) tokens
-    only, NaN ranked as ``torch.argmax`` ranks it (the first allowed NaN wins); a forbidden value
-    is never compared. (T,) int64 (a row with none allowed: its first token, never asked for)."""
-    nan = allowed & (values != values)
-    num = allowed & (values == values)
-    m = torch.where(num, values, torch.tensor(float("-inf"), dtype=values.dtype, device=values.device))
-    m = m.amax(dim=-1, keepdim=True)
-    best = torch.where(nan.any(dim=-1, keepdim=True), nan, num & (values == m))
-    return torch.argmax(best.to(torch.int8), dim=-1)
-
-
-def masked_sampled_token(q: Tensor, noise: Tensor, allowed: Tensor) -> Tensor:
-    """A sampled draft under a grammar: the lowest-index argmax of ``q / noise`` over the
-    ``allowed`` tokens only (T,) int64."""
-    return masked_token(q / noise, allowed)
-
-
-__all__ = ["Matcher", "Walk", "allowed_tokens", "allows", "check_matcher", "fill_row", "masked_draft_probs",
-           "masked_sampled_token", "masked_token", "walk_greedy"]
+__all__ = ["Walk", "allows", "fill_row", "refused", "walk_greedy"]

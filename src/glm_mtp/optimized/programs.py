@@ -29,7 +29,6 @@ from glm_mtp.reference.sharing import share_selection
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers, BatchRows, bucket
-from .grammar import masked_draft_probs, masked_sampled_token
 from .kernels.confidence import allowed_tokens, masked_argmax_torch, masked_argmax_triton
 from .unfused_block import PrimitiveKernels, block_rows, gated_forget
 from .graphs import GraphKey, run_program
@@ -167,8 +166,8 @@ class DevicePrograms:
                     bufs.xs[i : i + 1].copy_(x)
                 if sampled and masked:
                     allowed = allowed_tokens(bufs.masks[i : i + 1], V)  # (1, V)
-                    q[i : i + 1].copy_(masked_draft_probs(logits, st.temp, allowed))
-                    token = masked_sampled_token(q[i : i + 1], noise[i : i + 1], allowed)  # (1,)
+                    q[i : i + 1].copy_(draft_probs(logits, st.temp, allowed))  # the masked softmax
+                    token = sampled_token(q[i : i + 1], noise[i : i + 1], allowed)  # (1,), over the allowed only
                 elif sampled:
                     q[i : i + 1].copy_(draft_probs(logits, st.temp))
                     token = sampled_token(q[i : i + 1], noise[i : i + 1])  # (1,) on the device

@@ -37,13 +37,14 @@ from torch import Tensor
 
 from glm_mtp.reference import contract, contract_batch
 from glm_mtp.reference.attention import Rope, rope_for
-from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling_inputs
+from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
+from glm_mtp.reference.grammar import MatcherRefusedToken
 from glm_mtp.reference.contract_guards import Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
-from .grammar import Matcher, Walk, allows, check_matcher, fill_row, walk_greedy
+from .grammar import Walk, fill_row, refused, walk_greedy
 from .kernels.confidence import draft_confidence_torch, draft_confidence_triton, mask_words
 from .unfused_block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .kernels import KERNEL_DTYPES
@@ -228,8 +229,7 @@ class OptimizedProposer:
         noise)``, the temperature and the noise too). Returns ``(position, num_drafts)``."""
         self._check_live(st, call)
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights,
-                                     self.capacity,
-                                     device_checks=True)
+                                     self.capacity, device_checks=True, grammar=grammar)
         if sample is not None:
             try:
                 temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device,
@@ -237,7 +237,6 @@ class OptimizedProposer:
             except ValueError:
                 contract.check_args_data(args, self.weights)  # the data checks come first (on refusal only: a read)
                 raise
-        check_matcher(call, "grammar", grammar)
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
@@ -331,7 +330,7 @@ class OptimizedProposer:
         completed included): the state as found."""
         st.x_prev.copy_(st.x)
         held = st.seq_len
-        a, b = position, min(held, position + k)
+        a, b = position, position + k  # every row the propose may write
         cache = st.cache
         kv, ix = cache.kv_pool.flatten(0, 1), cache.index_pool.flatten(0, 1)  # (capacity, ·): slot r is row r
         rows = (kv[a:b].clone(), ix[a:b].clone()) if b > a else None
@@ -355,9 +354,6 @@ class OptimizedProposer:
 
         return restore
 
-    def _describe(self, st: OptimizedState) -> str:
-        return "the state and the matcher are left as they were found"
-
     def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
               restore) -> Walk:  # type: ignore[no-untyped-def]
         """Walk the matcher over the read-back ``drafts``; a forbidden draft redoes its step and
@@ -372,8 +368,8 @@ class OptimizedProposer:
                 return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
         try:
-            return walk_greedy(grammar, drafts, self.config.vocab_size, redo, lambda: self._describe(st))
-        except ValueError:
+            return walk_greedy(grammar, drafts, self.config.vocab_size, redo)
+        except MatcherRefusedToken:
             with writing(st, "propose"):
                 restore()
             raise
@@ -403,11 +399,16 @@ class OptimizedProposer:
         masks = torch.zeros(k, mask_words(V), dtype=torch.int32)
         drafts: list[int] = []
         accepted = 0
-        restore = None
+        with writing(st, "propose_sampled"):
+            restore = self._keep_for_restore(st, position, k)
         try:
-            with writing(st, "propose_sampled"):
-                restore = self._keep_for_restore(st, position, k)
             for i in range(k):
+                if i:  # d_{i-1}, accepted only to find A_i (the reference's walk)
+                    if not grammar.accept_token(drafts[-1]):
+                        with writing(st, "propose_sampled"):
+                            restore()
+                        raise refused(grammar, i, drafts[-1])
+                    accepted += 1
                 if grammar.is_terminated() or not fill_row(grammar, masks, i, V):
                     break
                 with writing(st, "propose_sampled"):
@@ -416,15 +417,7 @@ class OptimizedProposer:
                     values = read_back(st.out[: i + 2])  # the check code and the drafts so far
                 if i == 0 and values[0] != SAMPLED_CHECK_OK:
                     raise ValueError(self._refusal(values[0], st.tok_in))  # nothing was written
-                d = values[i + 1]
-                if not allows(masks, i, d) or not grammar.accept_token(d):
-                    with writing(st, "propose_sampled"):
-                        restore()
-                    raise ValueError(f"grammar: the matcher refused token {d} at draft step {i + 1}, which its own "
-                                     f"bitmask allowed (a matcher must accept every token its mask allows); "
-                                     f"{self._describe(st)}")
-                drafts.append(d)
-                accepted += 1
+                drafts.append(values[i + 1])
         finally:
             if accepted:
                 grammar.rollback(accepted)
@@ -452,7 +445,7 @@ class OptimizedProposer:
         """Record what ``draft_confidence`` reads for the propose just made (``n`` of its ``k``
         steps kept): views of the kept logits and drafts, the host masks, a sampled propose's q."""
         bufs = st.draft_buffers(k, self.config.vocab_size) if k else None
-        st.confidence = PendingConfidence(bufs.logits[:n] if bufs else None, st.out[1 : n + 1], masks, q)
+        st.confidence_inputs = PendingConfidence(bufs.logits[:n] if bufs else None, st.out[1 : n + 1], masks, q)
 
     def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
         """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two float32
@@ -464,12 +457,11 @@ class OptimizedProposer:
         ``RuntimeError`` when no propose is pending."""
         with self._use(state, "draft_confidence") as st:
             self._settle(st)
-            check_sound(st, "draft_confidence")
-            if st.released:
-                raise RuntimeError("draft_confidence: the state was freed (free_state)")
-            if not st.pending or st.confidence is None:
-                raise RuntimeError("draft_confidence: no propose is pending (propose first; after_verify ends it)")
-            c = st.confidence
+            contract.check_pending(st, "draft_confidence")
+            if st.confidence_inputs is None:
+                raise RuntimeError("draft_confidence: no propose is pending (a propose's confidences are read before "
+                                   "its after_verify)")
+            c = st.confidence_inputs
             if c.result is None:
                 c.result = self._confidence(c, st.device)
             return c.result

@@ -116,7 +116,7 @@ class OptimizedState(DrafterState):
         draft_bufs: per ``num_drafts`` k, the steps' kept logits and rows (``DraftBuffers``),
             allocated at the first propose of that k.
         x_prev: (H,) S, ``x`` as a grammar propose found it (restored when it stops before draft 1).
-        confidence: the pending propose's confidence inputs (``PendingConfidence``), or None.
+        confidence_inputs: the pending propose's confidence inputs (``PendingConfidence``), or None.
         unfused_share: the per-primitive block's index-sharing selection of the last propose (a
             grammar's redo from step i >= 2 attends it, as the propose's later steps did).
         graphs: captured CUDA graphs by ``graphs.GraphKey``: one per ``num_drafts`` (argmax and
@@ -141,7 +141,7 @@ class OptimizedState(DrafterState):
     sample_bufs: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     draft_bufs: dict[int, DraftBuffers] = field(default_factory=dict)
     x_prev: Tensor | None = None
-    confidence: PendingConfidence | None = None
+    confidence_inputs: PendingConfidence | None = None
     unfused_share: Any = None
     graphs: dict[int, Any] = field(default_factory=dict)
     graph_pool: Any = None
@@ -223,7 +223,7 @@ class OptimizedState(DrafterState):
         self.sample_bufs = {}
         self.draft_bufs = {}
         self.x_prev = None
-        self.confidence = None
+        self.confidence_inputs = None
         self.unfused_share = None
         self.unsettled = None
         self.deferred_error = None

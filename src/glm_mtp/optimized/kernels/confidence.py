@@ -203,10 +203,10 @@ def _check(name: str, logits: Tensor, tokens: Tensor | None, mask: Tensor | None
 
 
 def draft_confidence_torch(logits: Tensor, tokens: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The twin: ``(prob, margin)`` (R,) float32 of drafts ``tokens`` (R,) int64 from ``logits``
-    (R, V) S under ``mask`` (R, ceil(V / 32)) int32 or None, as the module docstring defines them,
-    in the reference's primitives."""
-    l = numerics.up(logits).float()  # (R, V)
+    """The twin: ``(prob, margin)`` (R,) in A (float32; float64 for float64 logits) of drafts
+    ``tokens`` (R,) int64 from ``logits`` (R, V) S under ``mask`` (R, ceil(V / 32)) int32 or None,
+    as the module docstring defines them, in the reference's primitives."""
+    l = numerics.up(logits)  # (R, V) in A
     R, V = l.shape
     allowed = allowed_tokens(mask, V) if mask is not None else torch.ones(R, V, dtype=torch.bool, device=l.device)
     neg = torch.tensor(float("-inf"), dtype=l.dtype, device=l.device)
@@ -216,7 +216,7 @@ def draft_confidence_torch(logits: Tensor, tokens: Tensor, mask: Tensor | None =
     prob = numerics.exp(l_d - m) / numerics.psum(e)
     others = allowed & (torch.arange(V, device=l.device)[None, :] != tokens[:, None])
     other = torch.where(others, l, neg).amax(dim=-1)
-    margin = torch.where(others.any(dim=-1), l_d - other, torch.tensor(float("inf"), device=l.device))
+    margin = torch.where(others.any(dim=-1), l_d - other, torch.tensor(float("inf"), dtype=l.dtype, device=l.device))
     return prob, margin
 
 
