@@ -213,7 +213,7 @@ def test_allowed_drafts_run_no_redo_and_forbidden_ones_redo_from_their_step(weig
     2 only (every other token allowed) runs one redo, from step 2 (0-based 1)."""
     ref, opt = _pair(weights, "torch")
     rs, os_ = _ready((ref, opt), inputs)
-    tok, hid, V = inputs.token(), inputs.hiddens(1), ref.config.vocab_size
+    tok, hid = inputs.token(), inputs.hiddens(1)
     plain = opt.propose(tok, hid, 11, 4, os_)
     opt.after_verify(0, os_)
     redos = _redos(monkeypatch)
@@ -250,9 +250,21 @@ def test_allowed_drafts_run_no_redo_and_forbidden_ones_redo_from_their_step(weig
     _same_confidence(ref, rs, opt, os_)
 
 
-def test_batch_with_grammars_matches_the_reference(weights, inputs):
+def test_batch_with_grammars_matches_the_reference(weights, inputs, monkeypatch):
     """``propose_batch`` with one matcher or None per state: each state's drafts, bytes and
-    confidence are those of the reference (itself the loop of single proposes)."""
+    confidence are those of the reference (itself the loop of single proposes); a forbidden
+    draft redoes its state alone, a liar puts every state back."""
+    _check_batch(weights, inputs, monkeypatch)
+
+
+def test_batch_with_grammars_on_the_per_primitive_path(monkeypatch):
+    """float64 weights take the per-primitive block (no fused step): the states one by one."""
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=9, dtype=torch.float64)
+    _check_batch(w, Inputs(w, seed=4), monkeypatch)
+
+
+def _check_batch(weights, inputs, monkeypatch):
+    redos = _redos(monkeypatch)
     ref, opt = _pair(weights, "torch")
     V, B, k = ref.config.vocab_size, 3, 4
     rstates, ostates = [], []
@@ -286,3 +298,4 @@ def test_batch_with_grammars_matches_the_reference(weights, inputs):
                 _same_confidence(ref, rs, opt, os_)
                 ref.after_verify(0, rs)
                 opt.after_verify(0, os_)
+    assert redos, "no state was redone"

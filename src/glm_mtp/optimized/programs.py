@@ -234,10 +234,14 @@ class DevicePrograms:
         # Index sharing (DESIGN.md §9): one kept selection per state, line b of the buffer.
         sharing = self.config.index_share_for_mtp_iteration
         kept = bb.kept.lines(n) if sharing else None
+        steps = bb.step_buffers(k, V) if k else None
         for i in range(k):
             pre_norm = fused_rows(self.weights, token, hidden, pos + i, loaded.caches, rope, bb.ok, self.step, kept,
                                   sharing and i > 0)
-            x, token = fused_head(self.weights, pre_norm, self.step)  # (n, H), (n,)
+            # (n, H), (n,); the head's launch keeps each row's logits and x (confidence, a grammar's redo)
+            x, token = fused_head(self.weights, pre_norm, self.step, steps.xs[:n, i], steps.logits[:n, i])
+            if self.feed_hidden != "post_norm":
+                steps.pre[:n, i].copy_(pre_norm)
             out[:, 1 + i].copy_(token)
             hidden = x if self.feed_hidden == "post_norm" else pre_norm
         if x is not None:

@@ -522,13 +522,20 @@ class OptimizedProposer:
 
     # ---- batches --------------------------------------------------------------------------
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
-                      states: list[DrafterState]) -> list[list[int]]:
+                      states: list[DrafterState], grammars: list[Matcher | None] | None = None) -> list[list[int]]:
         """``ReferenceProposer.propose_batch``, the same bytes per state: the B states' rows run
         through each fused launch together (one read of every weight per draft step for all of
         them), each row on its own state's cache; on CUDA one captured program per (bucket,
         ``num_drafts``) replays. The data checks (token tensors in range, hiddens finite) run on
         the device and gate every write of every state: a bad row refuses the whole batch,
         naming ``states[b]``, with every state byte-identical. One read-back at the end.
+
+        ``grammars``: None, or one matcher or None per state (DESIGN.md §10): the batch drafts
+        unmasked and reads back once as without them, then each state's matcher is walked in
+        index order; a state with a forbidden draft is redone alone from that step (its kept
+        logits and rows handed to its own buffers, ``propose``'s redo program). A matcher that
+        refuses a token its mask allowed puts every state back as found and raises naming
+        ``states[b]``. Each state's confidence is computed with the batch (one launch).
 
         A layer the fused step does not run (``step.fusable``) drafts the states one by one,
         after checking every state's data on the host."""
@@ -538,21 +545,25 @@ class OptimizedProposer:
             fused = self.step is not None
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
                                                       self.weights, self.capacity, self._check_live,
-                                                      device_checks=fused)
+                                                      device_checks=fused, grammars=grammars)
             k = batch.num_drafts
             if not states:
                 return []
             if not fused:
                 return self._propose_each(states, batch.args, k, call)
+            constrained = k > 0 and any(a.grammar is not None for a in batch.args)
             bb = self._batch[states[0].device]
             rows = self.programs.batch_rows(len(states), bb, captured=k > 0)
             with bb.claim(call):
                 with writing_all(states, call):
+                    # a matcher's refusal puts every state back (the batch program wrote them all)
+                    restores = [self._keep_for_restore(st, a.position, k) for st, a in zip(states, batch.args)
+                                ] if constrained else []
                     loaded = bb.load(states, batch_tokens(batch.args, bb.device), target_hiddens,
                                      [a.position for a in batch.args], rows)
                     self.programs.run_draft_batch(bb, loaded, k)
                     values = read_back(bb.out(k)[: len(states)].flatten())  # the one sync: codes and drafts
-                return self._finish_batch(call, bb, states, batch.args, values, k)
+                return self._finish_batch(call, bb, states, batch.args, values, k, restores)
 
     def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
                       states: list[DrafterState]) -> list[int]:
@@ -598,30 +609,132 @@ class OptimizedProposer:
         return states
 
     def _finish_batch(self, call: str, bb: BatchBuffers, states: list[DrafterState], args: list[contract.ProposeArgs],
-                      values: list[int], k: int) -> list[list[int]]:
+                      values: list[int], k: int, restores: list) -> list[list[int]]:  # type: ignore[type-arg]
         """``propose_batch`` after its read-back: the refusal naming the first bad row (nothing
-        was written), or every state's counters and drafts."""
+        was written); else each grammar's walk (``_walk_batch``), every state's counters and
+        drafts, and every state's confidence from the batch's kept logits (one launch)."""
         rows = [values[b * (k + 1) : (b + 1) * (k + 1)] for b in range(len(states))]
         for b, row in enumerate(rows):
             if row[0] != CHECK_OK:
                 raise ValueError(f"{call}: states[{b}]: {self._refusal(row[0], bb.tok_in[b : b + 1])}")
-        for st, a in zip(states, args):
-            st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
-        return [row[1:] for row in rows]
+        drafts = [row[1:] for row in rows]
+        walks = self._walk_batch(call, bb, states, args, drafts, k, restores) if restores else [None] * len(states)
+        V = self.config.vocab_size
+        steps = bb.step_buffers(k, V) if k else None
+        for b, (st, a, walk) in enumerate(zip(states, args, walks)):
+            n = k if walk is None else walk.n
+            if walk is not None:
+                drafts[b] = walk.drafts
+            if n < k:  # stopped early: exactly a propose of n drafts
+                with writing(st, call):
+                    own = st.draft_buffers(k, V).xs if walk.redos else steps.xs[b]
+                    st.x.copy_(own[n - 1] if n else st.x_prev)
+                    st.seq_dev.fill_(a.position + n)
+                    if st.cache.kpool is not None:
+                        st.cache.kpool.forget_from(a.position + n)
+            st.seq_len, st.pending, st.last_drafted = a.position + n, True, n
+        self._batch_confidence(bb, states, walks, k)
+        return drafts
+
+    def _walk_batch(self, call: str, bb: BatchBuffers, states: list[OptimizedState], args: list[contract.ProposeArgs],
+                    drafts: list[list[int]], k: int, restores: list) -> list[Walk | None]:  # type: ignore[type-arg]
+        """Each state's matcher walked over its read-back drafts, in index order. A forbidden draft
+        hands the state's kept logits, rows and step-1 selection from the batch's buffers to its
+        own (once) and runs ``propose``'s redo program on it. A refusal puts every state back."""
+        V = self.config.vocab_size
+        steps = bb.step_buffers(k, V)
+        walks: list[Walk | None] = [None] * len(states)
+        for b, (st, a) in enumerate(zip(states, args)):
+            if a.grammar is None:
+                continue
+            handed = [False]
+
+            def redo(i: int, masks: Tensor, b: int = b, st: OptimizedState = st, a: contract.ProposeArgs = a,
+                     handed: list[bool] = handed) -> list[int]:
+                bufs = st.draft_buffers(k, V)
+                with writing(st, call):
+                    if not handed[0]:  # the state's own buffers take over its batch row
+                        bufs.logits.copy_(steps.logits[b])
+                        bufs.xs.copy_(steps.xs[b])
+                        if self.feed_hidden != "post_norm":
+                            bufs.pre.copy_(steps.pre[b])
+                        st.kept.rows[0].copy_(bb.kept.rows[b])
+                        st.kept.count[0].copy_(bb.kept.count[b])
+                        st.out[1 : k + 1].copy_(bb.out(k)[b, 1:])
+                        st.pos.fill_(a.position)
+                        st.ok.fill_(True)
+                        handed[0] = True
+                    bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
+                    self.programs.run_draft(st, k, first=i, masked=True)
+                    return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
+
+            try:
+                walks[b] = walk_greedy(a.grammar, drafts[b], V, redo)
+            except MatcherRefusedToken as e:
+                with writing_all(states, call):
+                    for restore in restores:
+                        restore()
+                raise MatcherRefusedToken(f"{call}: states[{b}]: {e}") from e
+        return walks
+
+    def _batch_confidence(self, bb: BatchBuffers, states: list[OptimizedState], walks: list[Walk | None],
+                          k: int) -> None:
+        """Every state's confidence, computed now from the batch's kept logits (the next batch
+        overwrites them): one launch over the B x k steps, a step under no grammar with every
+        token allowed (the same bytes as no mask); a redone state's from its own buffers."""
+        V, B = self.config.vocab_size, len(states)
+        if k == 0:
+            for st in states:
+                self._pending_confidence(st, 0, 0)
+            return
+        steps = bb.step_buffers(k, V)
+        masks = None
+        if any(w is not None for w in walks):
+            masks = torch.full((B * k, mask_words(V)), -1, dtype=torch.int32)
+            for b, w in enumerate(walks):
+                if w is not None:
+                    masks[b * k : b * k + w.n] = w.masks
+        confidence = PendingConfidence(steps.logits[:B].reshape(B * k, V), bb.out(k)[:B, 1:].reshape(B * k), masks)
+        prob, margin = self._confidence(confidence, bb.device)
+        for b, (st, w) in enumerate(zip(states, walks)):
+            n = k if w is None else w.n
+            if w is not None and w.redos:  # its drafts came from its own redo
+                self._pending_confidence(st, k, n, masks=w.masks)
+            else:
+                st.confidence_inputs = PendingConfidence(None, None, result=(prob[b * k : b * k + n],
+                                                                             margin[b * k : b * k + n]))
 
     def _propose_each(self, states: list[DrafterState], args: list[contract.ProposeArgs], k: int,
                       call: str) -> list[list[int]]:
         """A batch on the per-primitive path: each state's own program in turn (its data was
-        checked on the host, so no state can refuse midway)."""
+        checked on the host, so no state can refuse on data midway), each state's grammar walked
+        as ``propose`` walks it; a matcher's refusal puts every state back as found."""
+        constrained = k > 0 and any(a.grammar is not None for a in args)
+        counters = [(st.seq_len, st.pending, st.last_drafted) for st in states]
+        restores = []
         drafts = []
-        with writing_all(states, call):
-            for st, a in zip(states, args):
+        for b, (st, a) in enumerate(zip(states, args)):
+            with writing_all(states, call):
                 self._fill_inputs(st, a)
+                restore = self._keep_for_restore(st, a.position, k) if constrained else None
+                restores.append(restore)
                 self.programs.run_draft(st, k)
-                drafts.append(read_back(st.out[: k + 1]))
-        for st, a in zip(states, args):
-            st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
-        return [d[1:] for d in drafts]
+                values = read_back(st.out[: k + 1])
+            if a.grammar is None or k == 0:
+                drafts.append(values[1:])
+                st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
+                self._pending_confidence(st, k, k)
+                continue
+            try:
+                walk = self._walk(st, a.grammar, values[1:], a.position, k, restore)
+            except MatcherRefusedToken as e:
+                with writing_all(states, call):
+                    for earlier, put_back, c in zip(states[:b], restores, counters):
+                        put_back()
+                        earlier.seq_len, earlier.pending, earlier.last_drafted = c
+                raise MatcherRefusedToken(f"{call}: states[{b}]: {e}") from e
+            drafts.append(self._finish_walk(st, walk, a.position, k))
+        return drafts
 
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         """Keep the first ``num_accepted + 1`` rows of the pending propose (at least one) and
