@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,23 +30,28 @@ from glm_mtp.reference.grammar import MatcherRefusedToken
 from .kernels.confidence import MASK_BITS, mask_words
 
 
+def host_masks(rows: int, vocab_size: int) -> Tensor:
+    """A zeroed host bitmask ``(rows, ceil(V / 32))`` int32 over numpy memory: the walk reads
+    and edits it through ``numpy()`` (host work: no torch operator, nothing a GPU would launch)."""
+    return torch.from_numpy(np.zeros((rows, mask_words(vocab_size)), dtype=np.int32))
+
+
 def fill_row(matcher: Matcher, masks: Tensor, i: int, vocab_size: int) -> bool:
-    """Row ``i`` of the host bitmask ``masks`` (k, ceil(V / 32)) int32, zeroed first: the
-    matcher's allowed tokens, bits at or past ``vocab_size`` cleared (never allowed). Returns
-    whether any token is allowed (a read of the CPU mask)."""
-    masks[i].zero_()
+    """Row ``i`` of the host bitmask ``masks`` (``host_masks``), zeroed first: the matcher's
+    allowed tokens, bits at or past ``vocab_size`` cleared (never allowed). Returns whether any
+    token is allowed."""
+    words = masks.numpy()
+    words[i] = 0
     matcher.fill_next_token_bitmask(masks, i)
-    row = masks[i]
     tail = vocab_size % MASK_BITS
     if tail:  # bits past V in the last word
-        keep = torch.tensor((1 << tail) - 1, dtype=torch.int64).to(torch.int32)
-        row[-1] = row[-1] & keep
-    return bool((row != 0).any())
+        words[i, -1] &= np.int32((1 << tail) - 1)
+    return bool(words[i].any())
 
 
 def allows(masks: Tensor, i: int, token: int) -> bool:
     """Whether row ``i`` of ``masks`` allows ``token`` (bit ``token % 32`` of word ``token // 32``)."""
-    word = int(masks[i, token // MASK_BITS])
+    word = int(masks.numpy()[i, token // MASK_BITS])
     return (word >> (token % MASK_BITS)) & 1 == 1
 
 
@@ -82,7 +88,7 @@ def walk_greedy(matcher: Matcher, drafts: list[int], vocab_size: int,
     refusal of a draft its own mask allowed raises ``MatcherRefusedToken`` naming the draft's
     step. The matcher is rolled back by every token the walk accepted, on return and on raise."""
     k = len(drafts)
-    masks = torch.zeros(k, mask_words(vocab_size), dtype=torch.int32)
+    masks = host_masks(k, vocab_size)
     drafts = list(drafts)
     accepted = redos = 0
     try:
@@ -103,4 +109,4 @@ def walk_greedy(matcher: Matcher, drafts: list[int], vocab_size: int,
     return Walk(drafts, masks[: len(drafts)], redos)
 
 
-__all__ = ["Walk", "allows", "fill_row", "refused", "walk_greedy"]
+__all__ = ["Walk", "allows", "fill_row", "host_masks", "refused", "walk_greedy"]

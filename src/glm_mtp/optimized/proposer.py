@@ -44,8 +44,8 @@ from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
-from .grammar import Walk, fill_row, refused, walk_greedy
-from .kernels.confidence import draft_confidence_torch, draft_confidence_triton, mask_words
+from .grammar import Walk, fill_row, host_masks, refused, walk_greedy
+from .kernels.confidence import draft_confidence_torch, draft_confidence_triton
 from .unfused_block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .kernels import KERNEL_DTYPES
 from .programs import (
@@ -396,7 +396,7 @@ class OptimizedProposer:
         (``programs.draft``, sampled and masked), reads its draft back and accepts it."""
         V = self.config.vocab_size
         bufs = st.draft_buffers(k, V)
-        masks = torch.zeros(k, mask_words(V), dtype=torch.int32)
+        masks = host_masks(k, V)
         drafts: list[int] = []
         accepted = 0
         with writing(st, "propose_sampled"):
@@ -690,10 +690,12 @@ class OptimizedProposer:
         steps = bb.step_buffers(k, V)
         masks = None
         if any(w is not None for w in walks):
-            masks = torch.full((B * k, mask_words(V)), -1, dtype=torch.int32)
+            masks = host_masks(B * k, V)
+            words = masks.numpy()
+            words[:] = -1
             for b, w in enumerate(walks):
                 if w is not None:
-                    masks[b * k : b * k + w.n] = w.masks
+                    words[b * k : b * k + w.n] = w.masks.numpy()
         confidence = PendingConfidence(steps.logits[:B].reshape(B * k, V), bb.out(k)[:B, 1:].reshape(B * k), masks)
         prob, margin = self._confidence(confidence, bb.device)
         for b, (st, w) in enumerate(zip(states, walks)):
