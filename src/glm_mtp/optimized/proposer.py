@@ -240,6 +240,8 @@ class OptimizedProposer:
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
+            if args.num_drafts:  # allocated before a program first runs (and is captured) on them
+                st.draft_buffers(args.num_drafts, self.config.vocab_size)
             if sample is not None:
                 st.temp.fill_(temperature)  # already rounded to A by the check: exact
                 if args.num_drafts:
@@ -554,6 +556,8 @@ class OptimizedProposer:
             constrained = k > 0 and any(a.grammar is not None for a in batch.args)
             bb = self._batch[states[0].device]
             rows = self.programs.batch_rows(len(states), bb, captured=k > 0)
+            if k:  # allocated before a program first runs (and is captured) on them
+                bb.step_buffers(k, self.config.vocab_size)
             with bb.claim(call):
                 with writing_all(states, call):
                     # a matcher's refusal puts every state back (the batch program wrote them all)
