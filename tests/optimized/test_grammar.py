@@ -69,7 +69,7 @@ def _rounds(ref, opt, rs, os_, inputs, grammars, k, sampled=False, temperature=0
     for g in grammars:
         tok, hid = inputs.token(), inputs.hiddens(1)
         mr, mo = g.matcher(V), g.matcher(V)
-        noise = torch.empty(k, V).exponential_(generator=inputs.gen) if sampled else None
+        noise = torch.empty(k, V).exponential_(generator=inputs.gen).to(inputs.device) if sampled else None
         out = []
         for prop, st, m in ((ref, rs, mr), (opt, os_, mo)):
             try:
@@ -299,3 +299,28 @@ def _check_batch(weights, inputs, monkeypatch):
                 ref.after_verify(0, rs)
                 opt.after_verify(0, os_)
     assert redos, "no state was redone"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_grammar_proposes_on_cuda(weights, cuda_graphs, monkeypatch):
+    """On CUDA: the grammar's programs (the unmasked k steps, a redo from step i, a sampled step
+    under its mask) are captured under their own keys and replayed; the drafts, q, state bytes
+    and confidences are the reference's on the same device, batches included."""
+    w = weights.to("cuda")
+    inputs = Inputs(w, seed=21)
+    ref = ReferenceProposer(w, 64)
+    opt = OptimizedProposer(w, 64, cuda_graphs=cuda_graphs)
+    tokens, hiddens = inputs.tokens(12), inputs.hiddens(12)
+    rs, os_ = ref.alloc_state("cuda"), opt.alloc_state("cuda")
+    ref.prefill_drafter(tokens, hiddens, rs)
+    opt.prefill_drafter(tokens, hiddens, os_)
+    redos = _redos(monkeypatch)
+    for _ in range(2):  # the second round replays what the first captured
+        _rounds(ref, opt, rs, os_, inputs, GRAMMARS, k=4)
+        _rounds(ref, opt, rs, os_, inputs, GRAMMARS[:4], k=3, sampled=True)
+    assert redos
+    if cuda_graphs:
+        keys = set(os_.graphs)
+        assert any(key.masked and key.program == "draft" for key in keys)
+        assert any(key.masked and key.program == "sampled" for key in keys)
