@@ -263,6 +263,15 @@ def test_batch_with_grammars_on_the_per_primitive_path(monkeypatch):
     _check_batch(w, Inputs(w, seed=4), monkeypatch)
 
 
+@pytest.mark.parametrize("preset,share", [("tiny", True), ("glm5next_tiny", True)])
+def test_batch_with_grammars_and_sharing(preset, share, monkeypatch):
+    """A redone state of a sharing batch attends its own step-1 selection, handed over from the
+    batch's kept lines."""
+    w = MtpWeights.random(MtpConfig.preset(preset).replace(index_share_for_mtp_iteration=share), seed=8,
+                          dtype=torch.bfloat16)
+    _check_batch(w, Inputs(w, seed=6), monkeypatch)
+
+
 def _check_batch(weights, inputs, monkeypatch):
     redos = _redos(monkeypatch)
     ref, opt = _pair(weights, "torch")
