@@ -18,7 +18,7 @@ def test_machine_reference_vs_reference():
                               settings=settings(max_examples=12, stateful_step_count=20, **SETTINGS))
 
 
-@pytest.mark.parametrize("mutant", ["second_verify", "trim_first_row"])
+@pytest.mark.parametrize("mutant", ["second_verify", "trim_first_row", "grammar_no_rollback"])
 def test_machine_catches_a_mutant_and_saves_a_replayable_scenario(mutant, tmp_path, monkeypatch):
     monkeypatch.setenv("GLM_MTP_CONFORMANCE_DIR", str(tmp_path))
     with pytest.raises(AssertionError, match="differ at step") as e:

@@ -23,8 +23,8 @@ SHOWS_AT = {
     "block_table_off_by_one": ("export_state", "block_table", "alloc"),  # the blocks a fresh state claims
     "catchup_writes_x": ("export_state", "x", "catchup"),  # only propose may write x
     "last_token_shape_unchecked": ("outcome", None, "propose"),  # a bad last_token is not refused
-    # another summation order rounds the rows differently (first in a shared propose's rows)
-    "library_sums": ("export_state", "kv_rows", "propose"),
+    # another summation order rounds differently: first in the float32 softmax of a draft's probability (§12)
+    "library_sums": ("confidence", "prob", "propose"),
     "misaligned_catchup": ("return", None, "catchup"),  # a misaligned catch-up must write 0 rows
     "no_rewind_when_ahead": ("drafter_rows", None, "propose"),  # propose must rewind to position
     "pair_shift": ("export_state", "kv_rows", "prefill"),  # the (token, hidden) pairing of every row
@@ -32,7 +32,8 @@ SHOWS_AT = {
     "pre_norm_feed": ("return", "drafts", "propose"),  # draft 2's row is fed the wrong x: draft 2 differs
     "rewind_before_validate": ("refused call changed the state", None, "propose"),
     "second_verify": ("outcome", None, "verify"),  # a verify with nothing pending is refused
-    "stale_indexer_view": ("return", "drafts", "propose"),  # rows past seq_len leak into a draft row's selection
+    # rows past seq_len leak into a draft row's selection: its rows (here under a grammar whose masks keep the drafts)
+    "stale_indexer_view": ("export_state", "kv_rows", "propose"),
     "topk_ties_high": ("return", "drafts", "propose"),  # the tie breaks change the drafts
     "trim_first_row": ("drafter_rows", None, "verify"),  # after_verify keeps num_accepted + 1 rows
     # batches (generator "batched"): each state as its own call alone
@@ -44,14 +45,24 @@ SHOWS_AT = {
     "kpool_stale_key": ("export_state", "pool_keys", "propose"),  # a rewritten pool keeps its old key
     "kpool_tail_dropped": ("return", "drafts", "propose"),  # the row's own pool's rows are not attended
     "kpool_misaligned": ("export_state", "pool_keys", "prefill"),  # pools pooled one row early
-    # equal pool scores select another pool (step 1's, shared by the rest)
-    "kpool_ties_high": ("return", "drafts", "propose"),
+    # equal pool scores select another pool (step 1's, shared by the rest): the rows attend other rows
+    "kpool_ties_high": ("export_state", "kv_rows", "propose"),
     "kpool_cut_stays_complete": ("export_state", "pool_complete", "verify"),  # a cut pool must be incomplete
     # index sharing (DESIGN.md §9; scenarios drawn with sharing on)
     "share_wrong_row": ("return", "drafts", "propose"),  # step 2 attends row p+1's selection: draft 2 differs
     "share_left_over": ("return", "drafts", "propose"),  # a later propose's steps attend the earlier S
     "share_attends_own_row": ("return", "drafts", "propose"),  # step 2 attends its own row too
     "share_skips_index_writes": ("export_state", "index_rows", "propose"),  # a shared row's index key is not written
+    # grammar-constrained drafts (DESIGN.md §10; scenarios drawn with grammars)
+    "grammar_one_mask": ("return", "drafts", "propose"),  # draft 2 masked with A_1: another token
+    # step 1 drafts unmasked: a token its matcher refuses when the walk accepts it (ValueError vs drafts)
+    "grammar_mask_one_step_late": ("outcome", None, "propose"),
+    "grammar_no_rollback": ("matcher", "grammar", "propose"),  # the matcher is left with the drafts accepted
+    "grammar_finite_sentinel": ("confidence", "margin", "propose"),  # one allowed token: a finite margin, not +inf
+    "grammar_terminated_drafts_on": ("return", "drafts", "propose"),  # drafts past the walk's end
+    # draft confidence (§12)
+    "confidence_margin_unmasked": ("confidence", "margin", "propose"),  # the best other logit is a forbidden one
+    "confidence_prob_at_temperature_one": ("confidence", "prob", "propose"),  # a sampled draft's prob at T = 1
 }
 
 
@@ -105,7 +116,7 @@ def test_swapped_functions_never_leak_into_the_reference_beside_a_mutant():
     h = Harness("mutant:stale_indexer_view", "reference", dtype=torch.bfloat16)
     from glm_mtp.conformance.scenarios import scenario
 
-    sc = scenario(0, 0, h.config, 64)
+    sc = scenario(0, 0, h.config, 64, grammars=bool(h.grammars))
     ls = h.lockstep(sc.index_share)
     beside = {}
     for step, op in enumerate(sc.ops):
@@ -130,7 +141,7 @@ BOOKKEEPING = ["trim_first_row", "no_rewind_when_ahead", "second_verify", "misal
                "block_table_off_by_one", "rewind_before_validate"]
 
 
-@pytest.mark.parametrize("name", BOOKKEEPING + ["kpool_cut_stays_complete"])
+@pytest.mark.parametrize("name", BOOKKEEPING + ["kpool_cut_stays_complete", "grammar_terminated_drafts_on"])
 def test_the_spec_model_catches_bookkeeping_mutants_on_its_own(name):
     r = run(f"mutant:{name}", f"mutant:{name}", scenarios=BUDGET, seed=0, preset=MUTANTS[name].preset)
     assert not r.ok and r.first_difference.what in ("contract", "refused call changed the state")

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated generators that take turns: realistic, adversarial, batched (default "
                         "realistic,adversarial)")
     p.add_argument("--max-drafts", type=int, default=4, help="largest num_drafts of a valid propose (default 4)")
+    p.add_argument("--grammars", default="auto", choices=("auto", "on", "off"),
+                   help="draw grammars and sampled proposes and compare confidences (DESIGN.md §10, §12): auto (when "
+                        "both backends take them), on (required), off (default auto)")
     p.add_argument("--json", default="conformance-report.json", help="where to write the JSON report ('' for nowhere)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: tiny shapes gain nothing from more, and an oversubscribed "
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, preset=args.preset, max_seq_len=args.max_seq_len, scenario_index=args.scenario_index,
             generators=[g for g in args.generators.split(",") if g], weights_seed=args.weights_seed,
             max_drafts=args.max_drafts, scenario_file=args.scenario_file,
+            grammars={"auto": None, "on": True, "off": False}[args.grammars],
         )
     except (OSError, ValueError) as e:  # bad names or files, an unavailable device, a backend that does not import
         return error(str(e))

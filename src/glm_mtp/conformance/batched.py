@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .choices import MAX_DRAFTS, Chooser, hidden, random_ids
+from .choices import MAX_DRAFTS, Chooser, grammars_arg, hidden, random_ids
 from .single_state import Loop, loop_round, prompt_length
 from .ops import FOREIGN, Hidden, Op, TokenIds, valid_int
 from .spec import SpecModel
@@ -226,15 +226,17 @@ class _Batched:
         tokens = [self.token[i] for i in states]
         hid = Hidden(ch.seed(), len(states))
         self.misuse("propose_batch", states, tokens, hid, pos, k, [])
-        self.ops.append(self.m.propose_batch(states, _ids(ch, tokens), hid, _ids(ch, pos), k))
+        grammars = grammars_arg(ch, self.m, len(states))  # §10: each state's own, or none
+        self.ops.append(self.m.propose_batch(states, _ids(ch, tokens), hid, _ids(ch, pos), k, grammars=grammars))
         if self.ops[-1].expect != "ok":
             return
+        counts = self.ops[-1].returns  # each state's drafts: fewer where its grammar stopped it
         others = [i for i in live if i not in states]
         if others and ch.chance(0.25):  # a single state's own round while the batch is pending
             self.single_round(ch.choice(others))
         if states and ch.chance(0.2):  # a batch (of either kind) holding a state whose propose is pending
             self.batch_with_pending(states)
-        owed = self.verify_each(states, tokens, k)
+        owed = self.verify_each(states, tokens, counts)
         rows = self.owed_rows(owed)
         if ch.chance(0.3):  # rows that write nothing: a row base that is not the state's drafter_rows
             self.add_misaligned_rows(rows)
@@ -274,13 +276,14 @@ class _Batched:
             self.ops.append(m.propose_batch(s2, _ids(ch, t2), h2, _ids(ch, p2), k2,
                                             note="a pending state in the batch"))
 
-    def verify_each(self, states: list[int], tokens: list[int], k: int) -> list[tuple[int, int | str]]:
-        """Each state's ``after_verify``, in random order, with its own accept count; returns the
-        states that accepted every draft, each with the token of the row it is owed."""
+    def verify_each(self, states: list[int], tokens: list[int], counts: list[int]) -> list[tuple[int, int | str]]:
+        """Each state's ``after_verify``, in random order, with its own accept count (of its
+        ``counts[j]`` drafts); returns the states that accepted every draft, each with the token
+        of the row it is owed."""
         ch, m = self.ch, self.m
         owed: list[tuple[int, int | str]] = []
         for j in _subset(ch, range(len(states)), lo=len(states)):  # each state's verify, in random order
-            i = states[j]
+            i, k = states[j], counts[j]
             a = k if ch.chance(0.35) else ch.int(0, k)
             self.ops.append(m.verify(i, a))
             self.token[i] = ch.int(0, m.vocab - 1)  # the bonus token

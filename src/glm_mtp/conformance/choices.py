@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from typing import Protocol, Sequence, TypeVar
 
-from .ops import Hidden, TokenIds
+from .grammars import ENDS, FAULTS, Grammar
+from .ops import Hidden, Sampling, TokenIds
 from .spec import SpecModel
 
 T = TypeVar("T")
@@ -88,3 +89,37 @@ def hidden(ch: Chooser, rows: int, fault_p: float = 0.0, single: bool = False) -
         if rows == 0 and fault in ("nan", "inf"):
             fault = "rows"  # an empty tensor has no element to poison
     return Hidden(ch.seed(), rows, flat=single and ch.chance(0.5), fault=fault)
+
+
+# A propose's grammar (DESIGN.md §10) and sampling, drawn only when the scenario draws them
+# (``SpecModel.grammars``); otherwise nothing is drawn, so such a scenario's other choices are
+# those of a run without grammars.
+
+
+def grammar_arg(ch: Chooser, m: SpecModel, fault_p: float = 0.0) -> Grammar | None:
+    """A propose's grammar with chance 0.4: a random token automaton, unbounded or ending at a
+    depth within a few drafts (terminated or with an empty mask), started at its root or deeper,
+    now and then a matcher that refuses an allowed token; no matcher at all with chance
+    ``fault_p``."""
+    if not m.grammars or not ch.chance(0.4):
+        return None
+    depth = ch.int(0, 6) if ch.chance(0.6) else None
+    start = ch.int(0, depth if depth is not None else 3) if ch.chance(0.3) else 0
+    end = ch.choice(ENDS)
+    liar = ch.int(0, 3) if ch.chance(0.1) else None
+    fault = ch.choice(FAULTS) if ch.chance(fault_p) else None
+    return Grammar(ch.seed(), depth, start, end, liar, fault)
+
+
+def grammars_arg(ch: Chooser, m: SpecModel, states: int, fault_p: float = 0.0) -> tuple[Grammar | None, ...] | None:
+    """A batch's grammars with chance 0.5: one per state, each a grammar or None."""
+    if not m.grammars or not ch.chance(0.5):
+        return None
+    return tuple(grammar_arg(ch, m, fault_p) if ch.chance(0.7) else None for _ in range(states))
+
+
+def sampling_arg(ch: Chooser, m: SpecModel) -> Sampling | None:
+    """A sampled propose's temperature and noise seed with chance 0.25 (``propose_sampled``)."""
+    if not m.grammars or not ch.chance(0.25):
+        return None
+    return Sampling(ch.seed(), ch.choice((0.5, 1.0, 1.7)))

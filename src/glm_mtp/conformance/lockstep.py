@@ -4,9 +4,11 @@
 
 - the outcome: the value returned (drafts, rows written), or the exception type raised;
 - for a refused call, that it left every state's ``export_state`` byte-identical (both sides);
-- that no call changed the tensors it was given;
+- that no call changed the tensors it was given, and that every grammar's matcher is left as
+  the call found it (DESIGN.md §10);
 - for every state: ``drafter_rows``, ``last_pair_key``, and every tensor of ``export_state``
-  (key set, dtype, shape, device type, bytes);
+  (key set, dtype, shape, device type, bytes), and a pending propose's ``draft_confidence``
+  (§12; when both sides take grammars);
 - the contract: the baseline's (then the candidate's) outcome, return and rows against what the
   spec predicts (``SpecModel``), exported keys, and ``seq_len`` agreeing with ``drafter_rows``.
 
@@ -24,9 +26,11 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference import MtpConfig, MtpWeights
+from glm_mtp.reference.contract import takes_grammars
+from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.registry import parse_dtype
 
-from .backends import Factory, resolve_backend
+from .backends import BackendError, Factory, resolve_backend
 from .compare import EXPORT_KEYS, export_keys, first_mismatch, snapshots_equal
 from .report import Finding
 from .scenarios import Scenario
@@ -34,6 +38,13 @@ from .side import Outcome, Side, StateView, _same_value
 from .ops import Hidden, Op
 
 BATCH_KINDS = ("propose_batch", "catchup_batch")
+
+
+def _same_confidence(a: tuple[Tensor, Tensor] | None, b: tuple[Tensor, Tensor] | None) -> bool:
+    """Both None, or (prob, margin) byte-equal."""
+    if a is None or b is None:
+        return a is b
+    return all(first_mismatch(x, y) is None for x, y in zip(a, b))
 
 
 def _index_parts(index: tuple[int, ...] | None) -> tuple[int | None, int | None]:
@@ -106,6 +117,16 @@ class Lockstep:
         return None
 
     def _inputs_intact(self, side: Side, op: Op, args: dict[str, Any]) -> Finding | None:
+        matchers = [args["grammar"]] if "grammar" in args else list(args.get("grammars") or ())
+        for m in matchers:
+            if m is not None and hasattr(m, "as_found") and not m.as_found():
+                return Finding("matcher", side=side.label, tensor="grammar", candidate=m.where(),
+                               baseline="as the call found it",
+                               detail=f"{side.label} left its grammar's matcher moved: a propose rolls back every "
+                                      "token it accepted (DESIGN.md §10)")
+        return self._tensors_intact(side, op, args)
+
+    def _tensors_intact(self, side: Side, op: Op, args: dict[str, Any]) -> Finding | None:
         fresh = {
             k: side._arg(v, side.drafts[op.state] if 0 <= op.state < len(side.drafts) else [])
             for k, v in op.args.items()
@@ -131,6 +152,11 @@ class Lockstep:
                 c, b = (seen, rule) if label == "candidate" else (rule, seen)
                 return Finding("refused call changed the state", side=label, state=i, candidate=c, baseline=b,
                                detail=f"{label} {out}")
+            if not _same_confidence(x.confidence, y.confidence):
+                seen = "draft_confidence changed"
+                c, b = (seen, rule) if label == "candidate" else (rule, seen)
+                return Finding("refused call changed the state", side=label, state=i, tensor="confidence",
+                               candidate=c, baseline=b, detail=f"{label} {out}")
             if x.export is not None and y.export is not None and not snapshots_equal(x.export, y.export):
                 key = next(
                     k for k in x.export if k not in y.export or first_mismatch(y.export[k], x.export[k]) is not None
@@ -172,6 +198,15 @@ class Lockstep:
                     return Finding("export_state", state=i, tensor=k, row=row, element=el, candidate=m.candidate,
                                    baseline=m.baseline,
                                    detail=m.detail + n)
+            if (x.confidence is None) != (y.confidence is None):
+                return Finding("confidence", state=i, candidate=repr(x.confidence), baseline=repr(y.confidence),
+                               detail="one side reports the pending propose's confidence, the other does not")
+            for k, a, b in zip(("prob", "margin"), x.confidence or (), y.confidence or ()):
+                m = first_mismatch(a, b)
+                if m is not None:
+                    return Finding("confidence", state=i, tensor=k, element=m.index[0] if m.index else None,
+                                   candidate=m.candidate, baseline=m.baseline,
+                                   detail=f"draft_confidence's {k} differ ({m.detail})")
         return None
 
     def _contract(self, label: str, op: Op, out: Outcome, views: list[StateView],
@@ -190,11 +225,18 @@ class Lockstep:
                 if got != op.returns:
                     return bad("info differs from the spec", repr(got), repr(op.returns))
             elif op.kind == "propose":
-                if not isinstance(out.value, list) or len(out.value) != op.returns or not all(
-                    type(t) is int and 0 <= t < self.baseline.config.vocab_size for t in out.value
+                sampled = "sampling" in op.args
+                drafts = getattr(out.value, "drafts", None) if sampled else out.value
+                if not isinstance(drafts, list) or len(drafts) != op.returns or not all(
+                    type(t) is int and 0 <= t < self.baseline.config.vocab_size for t in drafts
                 ):
-                    return bad("propose must return a list of num_drafts token ids", repr(out.value),
-                               f"{op.returns} ids")
+                    return bad("propose must return a list of num_drafts token ids (fewer where its grammar stops it)",
+                               repr(out.value), f"{op.returns} ids")
+                q = getattr(out.value, "q", None)
+                V, A = self.baseline.config.vocab_size, acc_dtype(self.baseline.dtype)
+                if sampled and (not isinstance(q, Tensor) or tuple(q.shape) != (op.returns, V) or q.dtype != A):
+                    return bad("propose_sampled's q is (drafts, V) in A", repr(getattr(q, "shape", q)),
+                               f"({op.returns}, {V}) {A}")
             elif op.kind in ("prefill", "catchup"):
                 if type(out.value) is not int or out.value != op.returns:
                     return bad("rows written differ from the spec", repr(out.value), repr(op.returns))
@@ -235,6 +277,11 @@ class Lockstep:
                 return bad("export_state rows must match drafter_rows",
                            f"seq_len {int(v.export['seq_len'])}, kv_rows {tuple(v.export['kv_rows'].shape)}",
                            f"{v.rows} rows", i)
+            if v.confidence is not None:
+                A, n = acc_dtype(self.baseline.dtype), int(v.export["last_drafted"])
+                if any(t.dtype != A or tuple(t.shape) != (n,) for t in v.confidence):
+                    return bad("draft_confidence is (prob, margin), each (last_drafted,) in A",
+                               str([(t.dtype, tuple(t.shape)) for t in v.confidence]), f"({n},) {A}", i)
             kpool_rule = self.kpool_contract(v)
             if kpool_rule is not None:
                 return bad(*kpool_rule, i)
@@ -290,6 +337,10 @@ class Harness:
         dtype, device: of the weights and every hidden argument.
         max_seq_len: what both proposers are built with.
         weights_seed: seed of ``MtpWeights.random``; each side gets its own copy of the same bytes.
+        grammars: whether the scenarios draw grammars and sampled proposes and the lockstep
+            compares confidences (DESIGN.md §10, §12): None, when both backends take them
+            (``contract.takes_grammars``, read off one drafter of each); True, required
+            (``BackendError`` naming the backend that does not); False, off. Resolved to a bool.
     """
 
     candidate: str | Factory
@@ -299,6 +350,7 @@ class Harness:
     device: torch.device | str = "cpu"
     max_seq_len: int = 64
     weights_seed: int = 0
+    grammars: bool | None = None
 
     def __post_init__(self) -> None:
         self.config = self.preset if isinstance(self.preset, MtpConfig) else MtpConfig.preset(self.preset)
@@ -311,6 +363,12 @@ class Harness:
         # Two copies of the same bytes: a backend that writes into its weights cannot move the other.
         self.weights = [MtpWeights.random(self.config, seed=self.weights_seed, dtype=self.dtype,
                                           device=self.device) for _ in range(2)]
+        lacking = [name for name, factory in ((self.candidate_name, self._cand), (self.baseline_name, self._base))
+                   if not takes_grammars(factory(self.weights[0], self.max_seq_len))]
+        if self.grammars and lacking:
+            raise BackendError(f"grammars: backend {lacking[0]!r} does not take grammars or report confidences (no "
+                               "draft_confidence: contract.ConstrainedProposer); run it with grammars off")
+        self.grammars = not lacking if self.grammars is None else bool(self.grammars)
 
     def lockstep(self, index_share: bool | None = None) -> Lockstep:
         """Fresh proposers on both sides (nothing carries over from an earlier scenario). The
@@ -320,9 +378,9 @@ class Harness:
         weights = [w.with_index_share(index_share) for w in self.weights]
         return Lockstep(
             Side("candidate", self._cand(weights[0], self.max_seq_len), self.config, self.dtype, self.device,
-                 foreign=self._foreign(self._cand, weights[0])),
+                 foreign=self._foreign(self._cand, weights[0]), confidences=bool(self.grammars)),
             Side("baseline", self._base(weights[1], self.max_seq_len), self.config, self.dtype, self.device,
-                 per_state=True, foreign=self._foreign(self._base, weights[1])),
+                 per_state=True, foreign=self._foreign(self._base, weights[1]), confidences=bool(self.grammars)),
         )
 
     def _foreign(self, factory: Factory, weights: MtpWeights) -> Callable[[], Any]:

@@ -69,6 +69,7 @@ def lockstep_machine(
     max_seq_len: int = 64,
     weights_seed: int = 0,
     max_drafts: int = MAX_DRAFTS,
+    grammars: bool | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A machine class that plays hypothesis-chosen rules on ``candidate`` and ``baseline``.
 
@@ -77,8 +78,10 @@ def lockstep_machine(
         preset, dtype, device, max_seq_len, weights_seed: as in ``run``; the weights are built
             once for every example the machine runs.
         max_drafts: the largest ``num_drafts`` of a valid propose.
+        grammars: draw grammars and sampled proposes and compare confidences (DESIGN.md §10,
+            §12; ``Harness.grammars``: None when both backends take them).
     """
-    harness = Harness(candidate, baseline, preset, dtype, device, max_seq_len, weights_seed)
+    harness = Harness(candidate, baseline, preset, dtype, device, max_seq_len, weights_seed, grammars)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{harness.candidate_name}-vs-{harness.baseline_name}")
     path = os.path.join(os.environ.get("GLM_MTP_CONFORMANCE_DIR", tempfile.gettempdir()),
                         f"glm-mtp-machine-{name}.json")
@@ -92,7 +95,7 @@ def lockstep_machine(
         # generators draw it per scenario (shrinks toward off).
         self.share = share
         self.lockstep = harness.lockstep(share)
-        self.model = SpecModel(harness.config, max_seq_len, share)
+        self.model = SpecModel(harness.config, max_seq_len, share, bool(harness.grammars))
         self.play([self.model.info(), self.model.alloc()])
 
     def play(self: Any, ops: list[Op]) -> None:

@@ -4,8 +4,10 @@ A scenario is plain data: a list of ``Op`` (call, state index, arguments) with n
 Hidden rows are described by a seed (``Hidden``) and drawn from N(0, 1) when the call runs, so a
 scenario is the same on every machine and for every backend, and it can be printed or written
 to JSON. Token arguments (``TokenIds``) may name the drafts of the state's latest propose
-(``"d1"``..), which each backend resolves from what it returned. ``spec.SpecModel`` builds the
-ops and stamps each with the outcome the spec predicts.
+(``"d1"``..), which each backend resolves from what it returned. A propose may carry a grammar
+(``grammars.Grammar``, a random token automaton as data; a batch one per state) and a sampling
+(``Sampling``: the temperature and the noise's seed, for ``propose_sampled``). ``spec.SpecModel``
+builds the ops and stamps each with the outcome the spec predicts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
+
+from .grammars import Grammar
 
 
 # Outcomes an op may expect. "noop" = the call returns 0 (or nothing) and changes nothing.
@@ -166,6 +170,23 @@ class TokenIds:
         return f"[{body}]" + ("" if self.form in ("list", "int") else f":{self.form}")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A sampled propose's own arguments as data: ``temperature``, and ``noise`` (k, V) in A of
+    i.i.d. Exponential(1) draws from ``seed`` (positive and finite)."""
+
+    seed: int
+    temperature: float
+
+    def noise(self, num_drafts: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed)
+        e = torch.empty(max(num_drafts, 0), vocab_size, dtype=torch.float64).exponential_(generator=gen)
+        return e.clamp_min(1e-30).to(dtype).to(device)  # (k, V); the clamp keeps a float32 draw above 0
+
+    def __str__(self) -> str:
+        return f"Sampling[T={self.temperature}, seed={self.seed}]"
+
+
 def other_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype != torch.float32 else torch.bfloat16
 
@@ -219,7 +240,12 @@ class Op:
         return f"{self.kind}({', '.join(parts)})"
 
     def to_dict(self) -> dict[str, Any]:
-        args = {k: (asdict(v) if isinstance(v, (Hidden, TokenIds)) else v) for k, v in self.args.items()}
+        def arg(v: Any) -> Any:
+            if isinstance(v, tuple) and any(isinstance(g, Grammar) for g in v):  # a batch's grammars
+                return [arg(g) for g in v]
+            return asdict(v) if isinstance(v, (Hidden, TokenIds, Grammar, Sampling)) else v
+
+        args = {k: arg(v) for k, v in self.args.items()}
         return {"kind": self.kind, "state": self.state, "args": args, "expect": self.expect,
                 "returns": self.returns, "rows_after": self.rows_after, "note": self.note, "call": self.call()}
 
@@ -231,9 +257,15 @@ class Op:
                 return Hidden(**v)
             if isinstance(v, dict) and set(v) == {"ids", "form"}:
                 return TokenIds(tuple(v["ids"]), v["form"])
+            if isinstance(v, dict) and set(v) == {"seed", "depth", "start", "end", "liar", "fault"}:
+                return Grammar(**v)
+            if isinstance(v, dict) and set(v) == {"seed", "temperature"}:
+                return Sampling(**v)
             return v
 
         args = {k: arg(v) for k, v in d["args"].items()}
+        if isinstance(args.get("grammars"), list):
+            args["grammars"] = tuple(arg(g) for g in args["grammars"])
         if "states" in args and isinstance(args["states"], list):
             args["states"] = tuple(args["states"])
         return cls(d["kind"], d["state"], args, d["expect"],

@@ -15,7 +15,9 @@ class Finding:
 
     Args:
         what: ``outcome``, ``return``, ``refused call changed the state``, ``input changed``,
-            ``states``, ``drafter_rows``, ``last_pair_key``, ``export_state`` or ``contract``.
+            ``matcher`` (a grammar's matcher not left as found), ``states``, ``drafter_rows``,
+            ``last_pair_key``, ``export_state``, ``confidence`` (``draft_confidence``'s ``prob``
+            or ``margin``, in ``tensor``) or ``contract``.
         side: whose behaviour is wrong when that is known (``candidate``, ``baseline``), else ``both``.
         state: the state's index in the scenario.
         tensor: the export_state key.
@@ -93,6 +95,8 @@ class Report:
         seconds: wall time.
         by_generator: scenarios per generator.
         outcomes: ops run per call kind and spec outcome, e.g. ``{"propose": {"ok": 812, ...}}``.
+        grammars: the scenarios drew grammars and sampled proposes and confidences were compared
+            (DESIGN.md §10, §12); off when a backend does not take them.
     """
 
     ok: bool
@@ -112,6 +116,7 @@ class Report:
     seconds: float
     by_generator: dict[str, int]
     outcomes: dict[str, dict[str, int]]
+    grammars: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -129,6 +134,7 @@ class Report:
             f"glm-mtp conformance: candidate={self.candidate} baseline={self.baseline} device={self.device} "
             f"dtype={self.dtype} preset={self.preset} max_seq_len={self.max_seq_len} seed={self.seed}"
             + (f" scenario_index={self.scenario_index}" if self.scenario_index is not None else "")
+            + f" grammars={'on' if self.grammars else 'off'}"
         )
         gens = ", ".join(f"{g} {n}" for g, n in self.by_generator.items())
         lines = [head, f"scenarios {self.scenarios_run} ({gens})   steps {self.steps_run}   {self.seconds:.1f} s", ""]

@@ -47,6 +47,7 @@ def replay_command(h: Harness, seed: int, index: int, generators: Sequence[str],
         args += ["--generators", ",".join(generators)]
     if max_drafts != MAX_DRAFTS:
         args += ["--max-drafts", str(max_drafts)]
+    args += ["--grammars", "on" if h.grammars else "off"]
     return " ".join(shlex.quote(a) for a in args)
 
 
@@ -65,6 +66,7 @@ def run(
     weights_seed: int = 0,
     max_drafts: int = MAX_DRAFTS,
     scenario_file: str | None = None,
+    grammars: bool | None = None,
 ) -> Report:
     """Run ``scenarios`` scenarios (or only ``scenario_index``) on both backends in lockstep.
 
@@ -83,6 +85,9 @@ def run(
         max_drafts: the largest ``num_drafts`` a valid propose uses.
         scenario_file: run the scenario saved in this JSON file alone (``save_scenario``; the
             hypothesis machine writes one on a failure); ``seed`` and ``scenarios`` are ignored.
+        grammars: draw grammars and sampled proposes and compare confidences (DESIGN.md §10,
+            §12): None when both backends take them (``contract.takes_grammars``), True to
+            require it, False for off (``Harness.grammars``); the report says which ran.
 
     Returns:
         A ``Report``; ``report.ok`` is False at the first difference, which it describes.
@@ -98,7 +103,7 @@ def run(
         raise ValueError(f"scenarios must be a positive integer, got {scenarios!r}")
     if scenario_index is not None and (not isinstance(scenario_index, int) or scenario_index < 0):
         raise ValueError(f"scenario_index must be a non-negative integer, got {scenario_index!r}")
-    h = Harness(candidate, baseline, preset, parse_dtype(dtype), device, max_seq_len, weights_seed)
+    h = Harness(candidate, baseline, preset, parse_dtype(dtype), device, max_seq_len, weights_seed, grammars)
     indices = [0] if scenario_file else [scenario_index] if scenario_index is not None else range(scenarios)
     steps, ran, first = 0, 0, None
     by_gen: Counter[str] = Counter()
@@ -107,7 +112,7 @@ def run(
         sc = (
             load_scenario(scenario_file)
             if scenario_file
-            else scenario(seed, index, h.config, max_seq_len, generators, max_drafts)
+            else scenario(seed, index, h.config, max_seq_len, generators, max_drafts, bool(h.grammars))
         )
         n, finding, at = run_scenario(h, sc)
         steps, ran = steps + n, ran + 1
@@ -130,6 +135,7 @@ def run(
         preset=preset if isinstance(preset, str) else "<custom>", max_seq_len=max_seq_len, seed=seed,
         weights_seed=weights_seed, generators=generators, scenario_index=scenario_index,
         seconds=time.perf_counter() - t0, by_generator=dict(by_gen), outcomes={k: dict(v) for k, v in outcomes.items()},
+        grammars=bool(h.grammars),
     )
 
 
@@ -157,7 +163,7 @@ def record(
     outcomes: list[str] = []
     tensors: dict[str, Tensor] = {}
     for index in scenario_indices:
-        sc = scenario(seed, index, h.config, max_seq_len)
+        sc = scenario(seed, index, h.config, max_seq_len, grammars=bool(h.grammars))
         side = h.lockstep(sc.index_share).candidate
         for step, op in enumerate(sc.ops):
             out, _ = side.call(op)

@@ -18,6 +18,9 @@ by family in ``single_state.py`` and ``batched.py``:
 Every scenario also draws whether the drafters share step 1's selection across a propose
 (``index_share``, DESIGN.md §9): both sides draft with their weights' config replaced
 (``MtpWeights.with_index_share``), so either family runs both ways whatever its checkpoint says.
+When both backends take grammars (``grammars``), every generator also draws, per propose, a
+grammar (``grammars.Grammar``, §10) and a sampling (``propose_sampled``), and the lockstep compares
+each pending propose's confidences (§12).
 
 ``scenario(seed, index, ...)`` builds scenario ``index`` of a run seeded ``seed``; it depends on
 nothing else, so ``--seed S --scenario-index I`` replays it exactly.
@@ -102,7 +105,7 @@ def scenario_seed(seed: int, index: int) -> int:
 
 def scenario(
     seed: int, index: int, config: MtpConfig, max_seq_len: int,
-    generators: Sequence[str] = GENERATORS, max_drafts: int = MAX_DRAFTS,
+    generators: Sequence[str] = GENERATORS, max_drafts: int = MAX_DRAFTS, grammars: bool = False,
 ) -> Scenario:
     """Build scenario ``index`` of a run seeded ``seed``; generators take turns by index.
 
@@ -113,6 +116,8 @@ def scenario(
         max_seq_len: the proposers' ``max_seq_len``.
         generators: names from ``GENERATORS``; scenario ``index`` uses ``generators[index % len]``.
         max_drafts: the largest ``num_drafts`` a valid propose uses.
+        grammars: draw grammars (DESIGN.md §10) and sampled proposes for the proposes (both
+            backends must take them: ``lockstep.Harness.grammars``).
     """
     for g in generators:
         if g not in ALL_GENERATORS:
@@ -127,7 +132,7 @@ def scenario(
     gen = generators[index % len(generators)]
     s = scenario_seed(seed, index)
     share = draws_index_share(seed, index)
-    model = SpecModel(config, max_seq_len, share)
+    model = SpecModel(config, max_seq_len, share, grammars)
     ops = {"realistic": realistic, "adversarial": adversarial, "batched": batched}[gen](RandomChooser(s), model,
                                                                                         max_drafts)
     return Scenario(seed, index, gen, s, tuple(ops), share)

@@ -1,7 +1,10 @@
 """One side of the lockstep: a proposer, the states a scenario has on it, and how a call ended.
 
-``Side.call(op)`` turns an ``Op``'s arguments (data) into tensors for this side and runs the call;
-``Side.view()`` reads every state back (``drafter_rows``, ``last_pair_key``, ``export_state``).
+``Side.call(op)`` turns an ``Op``'s arguments (data) into tensors for this side and runs the call
+(a grammar into a fresh matcher of this side's own, DESIGN.md §10; a sampling into
+``propose_sampled``'s temperature and noise); ``Side.view()`` reads every state back
+(``drafter_rows``, ``last_pair_key``, ``export_state``, and with ``confidences`` a pending
+propose's ``draft_confidence``, §12).
 
 A batched op (``propose_batch``, ``catchup_batch``) is played one of two ways. A side built with
 ``per_state=True`` (the lockstep's baseline) plays a batch the spec predicts valid as the single
@@ -21,9 +24,11 @@ from torch import Tensor
 
 from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.contract import DraftProposer
+from glm_mtp.reference.numerics import acc_dtype
 
 from .compare import first_mismatch
-from .ops import FOREIGN, Hidden, Op, TokenIds, other_device
+from .grammars import Grammar
+from .ops import FOREIGN, Hidden, Op, Sampling, TokenIds, other_device, valid_int
 
 @dataclass
 class Outcome:
@@ -62,6 +67,7 @@ class StateView:
     pair_key: Any
     export: dict[str, Tensor] | None
     error: str = ""  # a query that raised
+    confidence: tuple[Tensor, Tensor] | None = None  # (prob, margin) of the pending propose (§12)
 
 
 class Side:
@@ -72,14 +78,17 @@ class Side:
         proposer: the drafter.
         config, dtype, device: what its arguments are built for.
         per_state: play a batch the spec predicts valid as single calls on each state alone.
+        confidences: read each pending propose's ``draft_confidence`` in ``view`` (both sides take
+            grammars and report confidences: ``contract.takes_grammars``).
         foreign: builds a state of another drafter (same backend, other weights) for the
             ``FOREIGN`` entries of a batch; built on first use, once.
     """
 
     def __init__(self, label: str, proposer: DraftProposer, config: MtpConfig, dtype: torch.dtype, device: torch.device,
-                 per_state: bool = False, foreign: Callable[[], Any] | None = None) -> None:
+                 per_state: bool = False, foreign: Callable[[], Any] | None = None, confidences: bool = False) -> None:
         self.label, self.proposer, self.config, self.dtype, self.device = label, proposer, config, dtype, device
         self.per_state, self._make_foreign, self._foreign = per_state, foreign, None
+        self.confidences = confidences
         self.states: list[Any] = []
         self.drafts: list[list[int]] = []
 
@@ -114,9 +123,10 @@ class Side:
             # The baseline of a valid batch: each state's own single call, in index order.
             if op.kind == "propose_batch":
                 ids, pos = op.args["last_tokens"].resolve_rows([self.drafts[i] for i in idx]), op.args["positions"].ids
-                h = args["target_hiddens"]
+                h, matchers = args["target_hiddens"], args.get("grammars") or [None] * len(states)
                 value: Any = [
-                    p.propose(ids[b], h[b : b + 1], pos[b], args["num_drafts"], st) for b, st in enumerate(states)
+                    p.propose(ids[b], h[b : b + 1], pos[b], args["num_drafts"], st, **grammar_kw(matchers[b]))
+                    for b, st in enumerate(states)
                 ]
             else:
                 ids, bases, h = (
@@ -128,8 +138,9 @@ class Side:
                     p.catchup_drafter([ids[b]], h[b : b + 1], bases[b], bases[b], st) for b, st in enumerate(states)
                 ]
         elif op.kind == "propose_batch":
+            kw = {"grammars": args["grammars"]} if "grammars" in args else {}
             value = p.propose_batch(args["last_tokens"], args["target_hiddens"], args["positions"], args["num_drafts"],
-                                    states)
+                                    states, **kw)
         else:
             value = p.catchup_batch(args["tokens"], args["hiddens"], args["row_bases"], states)
         if op.kind == "propose_batch" and isinstance(value, list) and len(value) == len(idx):
@@ -143,7 +154,21 @@ class Side:
             return v.materialize(self.config.hidden_size, self.dtype, self.device)
         if isinstance(v, TokenIds):
             return v.materialize(drafts, self.device)
+        if isinstance(v, Grammar):
+            return v.matcher(self.config.vocab_size)
+        if isinstance(v, tuple) and any(isinstance(g, Grammar) for g in v):  # a batch's grammars
+            return [g.matcher(self.config.vocab_size) if g is not None else None for g in v]
         return v
+
+    def _propose(self, args: dict[str, Any], sampling: Sampling | None, st: Any) -> Any:
+        """``propose``, or ``propose_sampled`` with the sampling's temperature and noise (k, V) in A;
+        with the op's grammar (a matcher of this side's) when it has one."""
+        p, k, kw = self.proposer, args["num_drafts"], grammar_kw(args.get("grammar"))
+        if sampling is None:
+            return p.propose(args["last_token"], args["target_hidden"], args["position"], k, st, **kw)
+        noise = sampling.noise(k if valid_int(k) else 0, self.config.vocab_size, acc_dtype(self.dtype), self.device)
+        return p.propose_sampled(args["last_token"], args["target_hidden"], args["position"], k,  # type: ignore[attr-defined]
+                                 sampling.temperature, noise, st, **kw)
 
     def call(self, op: Op) -> tuple[Outcome, dict[str, Any]]:
         """Run ``op``; returns the outcome and the arguments passed (to check they are intact)."""
@@ -175,10 +200,10 @@ class Side:
                 elif op.kind == "catchup":
                     value = p.catchup_drafter(args["tokens"], args["hiddens"], args["row_base"], args["pos_base"], st)
                 elif op.kind == "propose":
-                    value = p.propose(args["last_token"], args["target_hidden"], args["position"], args["num_drafts"],
-                                      st)
-                    if isinstance(value, list):
-                        self.drafts[op.state] = list(value)
+                    value = self._propose(args, op.args.get("sampling"), st)
+                    drafts = getattr(value, "drafts", value)  # a sampled propose's SampledDrafts
+                    if isinstance(drafts, list):
+                        self.drafts[op.state] = list(drafts)
                 elif op.kind == "verify":
                     value = p.after_verify(args["num_accepted"], st)
                 else:
@@ -191,8 +216,18 @@ class Side:
         out = []
         for st in self.states:
             try:
-                out.append(StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st),
-                                     self.proposer.export_state(st)))
+                v = StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st),
+                              self.proposer.export_state(st))
+                if self.confidences and bool(v.export["pending"]):
+                    v.confidence = self.proposer.draft_confidence(st)  # type: ignore[attr-defined]
+                out.append(v)
             except Exception as e:  # noqa: BLE001
                 out.append(StateView(None, None, None, f"{type(e).__name__}: {e}"))
         return out
+
+
+def grammar_kw(matcher: Any) -> dict[str, Any]:
+    """``grammar=`` for a propose whose op has a grammar (a matcher, or the broken object a
+    faulty grammar makes); a call without one passes nothing, so a drafter without grammars
+    plays every other op as it is."""
+    return {"grammar": matcher} if matcher is not None else {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .choices import MAX_DRAFTS, Chooser, hidden, random_ids, single_token, token_list
+from .choices import MAX_DRAFTS, Chooser, grammar_arg, hidden, random_ids, sampling_arg, single_token, token_list
 from .ops import Op, TokenIds, valid_int
 from .spec import SpecModel
 
@@ -55,7 +55,11 @@ def loop_round(ch: Chooser, m: SpecModel, loop: Loop, max_drafts: int) -> list[O
     else:
         k = ch.int(1, min(max_drafts, room))
     ops.append(m.propose(loop.state, TokenIds((loop.token,), ch.choice(TokenIds.SINGLE_FORMS)),
-                         hidden(ch, 1, single=True), p, k))
+                         hidden(ch, 1, single=True), p, k, grammar=grammar_arg(ch, m), sampling=sampling_arg(ch, m)))
+    if ops[-1].expect != "ok":  # its matcher refused an allowed token (§10): nothing changed, the round ends
+        loop.rounds -= 1
+        return ops
+    k = ops[-1].returns  # the drafts returned: fewer where a grammar stopped the propose
     a = ch.int(0, k)
     pos = lambda row: row if ch.chance(0.75) else row + ch.int(1, 64)  # noqa: E731  pos_base is ignored
     if ch.chance(0.15):  # refeed: keep the first row only, then catch up the accepted rows with the target's hiddens
@@ -155,7 +159,8 @@ def rule_propose(ch: Chooser, m: SpecModel, max_drafts: int) -> list[Op]:
         m.capacity - kk, m.capacity - kk + 1,  # capacity edge
         -1, True,
     ))
-    return [m.propose(i, single_token(ch, m, s.drafts, FAULT_P), hidden(ch, 1, FAULT_P, single=True), position, k)]
+    return [m.propose(i, single_token(ch, m, s.drafts, FAULT_P), hidden(ch, 1, FAULT_P, single=True), position, k,
+                      grammar=grammar_arg(ch, m, FAULT_P), sampling=sampling_arg(ch, m))]
 
 
 def rule_verify(ch: Chooser, m: SpecModel, max_drafts: int) -> list[Op]:

@@ -1,5 +1,6 @@
 """The model of the spec: ``SpecModel`` tracks what DESIGN.md §4 says each call does to a state
-(rows, pending, drafted count, freed) and stamps every op (``ops.Op``) with the expected outcome,
+(rows, pending, drafted count, freed; under a grammar, §10, how many drafts its automaton lets a
+propose return, and whether its matcher refuses midway) and stamps every op (``ops.Op``) with the expected outcome,
 so the lockstep checks the baseline against the spec as well as the candidate against the
 baseline. The generators that choose the ops live in ``single_state.py`` and ``batched.py``, a
 run's scenarios in ``scenarios.py``.
@@ -13,7 +14,8 @@ from typing import Any, Sequence
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.state import num_blocks
 
-from .ops import FOREIGN, Hidden, Op, TokenIds, valid_int
+from .grammars import Grammar
+from .ops import FOREIGN, Hidden, Op, Sampling, TokenIds, valid_int
 
 
 @dataclass
@@ -40,11 +42,14 @@ class SpecModel:
         max_seq_len: what the proposers are built with (capped at the model's max context).
         index_share: whether the drafters share step 1's selection across a propose (DESIGN.md
             §9; the scenario's draw, ``Scenario.index_share``).
+        grammars: whether the generators draw grammars (§10) and sampled proposes for the
+            proposes they make (both backends take them: ``contract.takes_grammars``).
     """
 
     config: MtpConfig
     max_seq_len: int
     index_share: bool = False
+    grammars: bool = False
     seqs: list[SeqModel] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -105,15 +110,31 @@ class SpecModel:
         s.seq_len += n
         return Op("catchup", i, args, "ok", returns=n, rows_after=s.seq_len, note=note)
 
-    def propose(self, i: int, token: TokenIds, hidden: Hidden, position: Any, num_drafts: Any, note: str = "") -> Op:
+    def propose(self, i: int, token: TokenIds, hidden: Hidden, position: Any, num_drafts: Any, note: str = "",
+                grammar: Grammar | None = None, sampling: Sampling | None = None) -> Op:
+        """``propose`` (``propose_sampled`` with a ``sampling``), under ``grammar`` when one is
+        given: it returns ``grammar.drafts(num_drafts)`` drafts (§10's stop), or a matcher that
+        refuses midway is a ``ValueError`` that changes nothing."""
         s = self.seqs[i]
         args = {"last_token": token, "target_hidden": hidden, "position": position, "num_drafts": num_drafts}
+        args.update({"grammar": grammar} if grammar is not None else {})
+        args.update({"sampling": sampling} if sampling is not None else {})
         out = self._propose_refusal(s, position, num_drafts,
-                                    token.valid(self.vocab, single=True) and hidden.valid_for(1))
+                                    token.valid(self.vocab, single=True) and hidden.valid_for(1), grammar)
+        if out is None and grammar is not None and grammar.refuses(num_drafts):
+            out, note = "ValueError", self._refusal_note(grammar, num_drafts, note)
         if out is not None:
             return Op("propose", i, args, out, rows_after=s.seq_len, note=note)
-        self._proposed(s, position, num_drafts)
-        return Op("propose", i, args, "ok", returns=num_drafts, rows_after=s.seq_len, note=self._shared_note(s, note))
+        count = grammar.drafts(num_drafts) if grammar is not None else num_drafts
+        self._proposed(s, position, count)
+        return Op("propose", i, args, "ok", returns=count, rows_after=s.seq_len, note=self._shared_note(s, note))
+
+    @staticmethod
+    def _refusal_note(grammar: Grammar, num_drafts: int, note: str) -> str:
+        """The note of a propose whose matcher refuses a token its mask allowed (§10)."""
+        step = (grammar.liar or 0) - grammar.start + 1
+        refusal = f"the matcher refuses draft step {step}'s allowed token: state and matcher as found"
+        return f"{note}; {refusal}" if note else refusal
 
     @staticmethod
     def _shared_note(s: SeqModel, note: str) -> str:
@@ -123,16 +144,19 @@ class SpecModel:
         shared = f"steps 2..{s.last_drafted} attend row {s.shared_from}'s selection"
         return f"{note}; {shared}" if note else shared
 
-    def _propose_refusal(self, s: Any, position: Any, num_drafts: Any, data_valid: bool) -> str | None:
+    def _propose_refusal(self, s: Any, position: Any, num_drafts: Any, data_valid: bool,
+                         grammar: Grammar | None = None) -> str | None:
         """A propose's refusal on one state, in the contract's order: lifecycle, ``position``, the
-        rows held, then the arguments (``data_valid``: its token and hidden), ``num_drafts`` and the
-        capacity; None when it is valid."""
+        rows held, then the arguments (``data_valid``: its token and hidden), ``num_drafts``, the
+        capacity and the grammar (no matcher at all, §10); None when it is valid."""
         out = self._lifecycle(s)
         if out is None and not valid_int(position):
             out = "ValueError"
         if out is None and s.seq_len < position:
             out = "RuntimeError"
         if out is None and (not data_valid or not valid_int(num_drafts) or position + num_drafts > self.capacity):
+            out = "ValueError"
+        if out is None and grammar is not None and not grammar.valid():
             out = "ValueError"
         return out
 
@@ -178,26 +202,35 @@ class SpecModel:
                   rows_after=rows, note=note)
 
     def propose_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, positions: TokenIds,
-                      num_drafts: Any,
-                      note: str = "") -> Op:
+                      num_drafts: Any, note: str = "",
+                      grammars: tuple[Grammar | None, ...] | None = None) -> Op:
         """``propose_batch``: state ``states[b]`` drafts after ``tokens[b]`` from row b of
-        ``hiddens`` at ``positions[b]``; ``positions`` is a ``TokenIds`` of ints (its form:
-        ``list``, or an integer tensor)."""
+        ``hiddens`` at ``positions[b]`` under ``grammars[b]``; ``positions`` is a ``TokenIds`` of
+        ints (its form: ``list``, or an integer tensor). ``grammars``: one per state (checked with
+        the batch's shapes), each state's as its single propose's; a matcher that refuses midway
+        refuses the whole batch, every state as found."""
         args = {"last_tokens": tokens, "target_hiddens": hiddens, "positions": positions, "num_drafts": num_drafts}
+        args.update({"grammars": grammars} if grammars is not None else {})
         out = self._batch_front(states, (len(tokens), len(positions)), hiddens)
-        if out is None and not valid_int(num_drafts):
+        if out is None and (not valid_int(num_drafts) or (grammars is not None and len(grammars) != len(states))):
             out = "ValueError"
+        per_state = grammars if grammars is not None else (None,) * len(states)
         for b, i in enumerate(states):
             if out is not None:
                 break
             tok = tokens.ids[b]
             out = self._propose_refusal(self.seqs[i], positions.ids[b], num_drafts,
-                                        (isinstance(tok, str) or 0 <= tok < self.vocab) and hiddens.row_valid(b))
+                                        (isinstance(tok, str) or 0 <= tok < self.vocab) and hiddens.row_valid(b),
+                                        per_state[b])
+        liar = next((g for g in per_state if g is not None and g.refuses(num_drafts)), None) if out is None else None
+        if liar is not None:
+            out, note = "ValueError", self._refusal_note(liar, num_drafts, note)
         if out is not None:
             return self._batch_op("propose_batch", states, args, out, None, note)
+        counts = [g.drafts(num_drafts) if g is not None else num_drafts for g in per_state]
         for b, i in enumerate(states):
-            self._proposed(self.seqs[i], positions.ids[b], num_drafts)
-        return self._batch_op("propose_batch", states, args, "ok", [num_drafts] * len(states), note)
+            self._proposed(self.seqs[i], positions.ids[b], counts[b])
+        return self._batch_op("propose_batch", states, args, "ok", counts, note)
 
     def catchup_batch(self, states: Sequence[Any], tokens: TokenIds, hiddens: Hidden, row_bases: TokenIds,
                       note: str = "") -> Op:

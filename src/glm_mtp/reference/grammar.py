@@ -53,7 +53,19 @@ def missing_method(matcher: object) -> str | None:
 
 class MatcherRefusedToken(RefusedMidway):
     """A matcher refused a token its own mask allowed (it breaks its contract): raised after the
-    propose put its rows back and before it rolls the matcher back, so both are as found."""
+    propose put its rows back and before it rolls the matcher back, so both are as found. It
+    leaves the drafter as a plain ``ValueError`` (``refusal_as_value_error``)."""
+
+
+@contextmanager
+def refusal_as_value_error() -> Iterator[None]:
+    """A public propose's boundary: a ``MatcherRefusedToken`` leaves it as a plain ``ValueError``,
+    the contract's type for every refused argument (the drafter tells the two apart inside only,
+    to put rows back instead of poisoning)."""
+    try:
+        yield
+    except MatcherRefusedToken as e:
+        raise ValueError(str(e)) from None
 
 
 class GrammarWalk:
@@ -115,4 +127,4 @@ def walking(matcher: object | None, vocab_size: int, device: torch.device) -> It
 
 
 __all__ = ["MATCHER_METHODS", "GrammarWalk", "MatcherRefusedToken", "allowed_tokens", "bitmask_words",
-           "missing_method", "new_bitmask", "walking"]
+           "missing_method", "new_bitmask", "refusal_as_value_error", "walking"]

@@ -27,7 +27,7 @@ from .attention import KPoolRowsFn, Rope, rope_for
 from .block import REFERENCE_HOOKS, BlockHooks, draft_logits, mtp_rows
 from .contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
 from .contract_guards import Owner, use_state, writing, writing_all
-from .grammar import MatcherRefusedToken, walking
+from .grammar import MatcherRefusedToken, refusal_as_value_error, walking
 from .kpool import check_selection, kpool_rows
 from .layers import draft_margin, draft_prob, draft_probs, greedy_token, sampled_token
 from .numerics import acc_dtype, masked_softmax, up
@@ -165,7 +165,7 @@ class ReferenceProposer:
         ``grammar``: a matcher (``contract.Matcher``, DESIGN.md §10) or None. Draft i is then the
         best token its mask allows after ``d_1 .. d_{i-1}``; the propose stops early (fewer
         drafts) when the matcher is terminated or allows nothing, and leaves it as found."""
-        with self.use(state, "propose"):
+        with self.use(state, "propose"), refusal_as_value_error():
             return self._propose(last_token, target_hidden, position, num_drafts, state, grammar=grammar)[0]
 
     def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
@@ -180,7 +180,7 @@ class ReferenceProposer:
         ``propose`` (for the drafts drawn). Returns the drafts and the (k', V) ``q`` of the k'
         drafts drawn (k' < k when a ``grammar`` stops the propose, as in ``propose``; under a
         grammar ``q`` is the masked softmax and the argmax runs over the allowed tokens)."""
-        with self.use(state, "propose_sampled"):
+        with self.use(state, "propose_sampled"), refusal_as_value_error():
             drafts, q = self._propose(last_token, target_hidden, position, num_drafts, state, (temperature, noise),
                                       "propose_sampled", grammar)
             return SampledDrafts(drafts, q)
@@ -215,7 +215,7 @@ class ReferenceProposer:
         a matcher that breaks its contract midway included (every state and matcher as found)."""
         call = "propose_batch"
         states = contract_batch.batch_states(call, states)
-        with contract_batch.guard_all(call, states, self.use):
+        with contract_batch.guard_all(call, states, self.use), refusal_as_value_error():
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
                                                       self.weights, self.capacity, contract.check_live,
                                                       grammars=grammars)

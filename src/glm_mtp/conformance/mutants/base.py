@@ -79,7 +79,15 @@ class SwappingMutant(Mutant):
             state, lambda: super(SwappingMutant, self).catchup_drafter(tokens, hiddens, row_base, pos_base, state)
         )
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):  # type: ignore[no-untyped-def]
         return self._swapped(
-            state, lambda: super(SwappingMutant, self).propose(last_token, target_hidden, position, num_drafts, state)
+            state, lambda: super(SwappingMutant, self).propose(last_token, target_hidden, position, num_drafts, state,
+                                                               grammar=grammar)
+        )
+
+    def propose_sampled(self, last_token, target_hidden, position, num_drafts, temperature, noise, state,  # type: ignore[no-untyped-def]
+                        grammar=None):
+        return self._swapped(
+            state, lambda: super(SwappingMutant, self).propose_sampled(last_token, target_hidden, position, num_drafts,
+                                                                       temperature, noise, state, grammar=grammar)
         )

@@ -14,8 +14,8 @@ class BatchPermuted(Mutant):
     rule = "propose_batch returns states[b]'s drafts at index b (here: the batch's results rotated by one)"
     generators = ("batched",)
 
-    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
-        out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states)
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):  # type: ignore[no-untyped-def]
+        out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states, grammars)
         return out[1:] + out[:1]  # MUTATION: every state drafted right, returned in the wrong order
 
 
@@ -24,7 +24,7 @@ class BatchChecksAsItGoes(Mutant):
     rule = "a batched call checks every state before it drafts any: a refusal leaves every state byte-identical"
     generators = ("batched",)
 
-    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):  # type: ignore[no-untyped-def]
         call = "propose_batch"
         states = _contract_batch.batch_states(call, states)
         B, H = len(states), self.config.hidden_size
@@ -32,11 +32,12 @@ class BatchChecksAsItGoes(Mutant):
         hiddens = _contract_batch.batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
         pos = _contract_batch.batch_ints(call, "positions", positions, B)
         check_int("num_drafts", num_drafts)
+        matchers = _contract_batch.batch_grammars(call, grammars, B)
         # MUTATION: each state checked and drafted in turn (the single call), not all checked first.
         out = []
         for b, st in enumerate(states):
             with _contract_batch.batch_item(call, b):
-                out.append(self.propose(tokens[b], hiddens[b], pos[b], num_drafts, st))
+                out.append(self.propose(tokens[b], hiddens[b], pos[b], num_drafts, st, grammar=matchers[b]))
         return out
 
 
@@ -45,8 +46,8 @@ class BatchXOfState0(Mutant):
     rule = "each state of a batch keeps its own drafter hidden x (here: states[0]'s x written into every state)"
     generators = ("batched",)
 
-    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states):  # type: ignore[no-untyped-def]
-        out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states)
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):  # type: ignore[no-untyped-def]
+        out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states, grammars)
         if num_drafts and len(states) > 1:
             for st in states[1:]:
                 st.x = states[0].x.clone()  # MUTATION

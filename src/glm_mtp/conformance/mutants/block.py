@@ -104,9 +104,9 @@ class StaleIndexerView(SwappingMutant):
     def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
         return self._track(state, super().catchup_drafter(tokens, hiddens, row_base, pos_base, state))
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):  # type: ignore[no-untyped-def]
         before = state.seq_len
-        out = super().propose(last_token, target_hidden, position, num_drafts, state)
+        out = super().propose(last_token, target_hidden, position, num_drafts, state, grammar=grammar)
         state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), before, state.seq_len)  # type: ignore[attr-defined]
         return out
 

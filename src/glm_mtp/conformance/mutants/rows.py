@@ -12,13 +12,12 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference import contract as _contract
-from glm_mtp.reference.block import draft_logits, mtp_rows
-from glm_mtp.reference.layers import greedy_token
-from glm_mtp.reference.sharing import share_selection
+from glm_mtp.reference import proposer as _proposer
+from glm_mtp.reference.block import mtp_rows
 from glm_mtp.reference.contract import check_int
 from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
 
-from .base import Mutant, SwappingMutant
+from .base import Mutant, SwappingMutant, swapped
 
 
 class TrimFirstRow(Mutant):
@@ -43,36 +42,12 @@ class NoRewindWhenAhead(Mutant):
     name = "no_rewind_when_ahead"
     rule = "propose first rewinds a drafter that is ahead of position to position"
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
-        _contract.check_live(state, "propose")
-        position = check_int("position", position)
-        if state.seq_len < position:
-            raise RuntimeError(f"propose: the drafter holds {state.seq_len} rows, behind position {position}")
-        one = [last_token] if not isinstance(last_token, Tensor) else last_token.reshape(1)
-        token = _contract.token_ids("last_token", one, self.config.vocab_size, state.device)
-        hidden = (
-            target_hidden.reshape(1, -1)
-            if isinstance(target_hidden, Tensor) and target_hidden.dim() == 1
-            else target_hidden
-        )
-        _contract.check_hiddens("target_hidden", hidden, 1, self.weights, state.device)
-        num_drafts = check_int("num_drafts", num_drafts)
-        _contract.check_capacity("propose", position + num_drafts, self.capacity)
-        # MUTATION: no `state.seq_len = min(state.seq_len, position)`, and rows only ever grow.
-        drafts: list[int] = []
-        rope = self.rope(state.device)
-        share = share_selection(self.config.index_share_for_mtp_iteration)  # DESIGN.md §9, as the reference
-        for i in range(num_drafts):
-            out = mtp_rows(self.weights, token, hidden, torch.tensor([position + i], device=state.device), state.cache,
-                           rope, share=share)
-            token = greedy_token(draft_logits(self.weights, out.x))
-            drafts.append(int(token[0]))
-            state.x = out.x[0].clone()
-            hidden = out.x
-            state.seq_len = max(state.seq_len, position + i + 1)
-        state.pending = True
-        state.last_drafted = num_drafts
-        return drafts
+    def _draft(self, args, state, call, sample=None):  # type: ignore[no-untyped-def]
+        before = state.seq_len
+        with swapped(_proposer, "rewind_rows", lambda st, n: None):  # MUTATION: no rewind to position ...
+            out = super()._draft(args, state, call, sample)
+        state.seq_len = max(before, state.seq_len)  # MUTATION: ... and rows only ever grow
+        return out
 
 
 def _reshape_any_token(last_token):  # type: ignore[no-untyped-def]
@@ -135,11 +110,11 @@ class RewindBeforeValidate(Mutant):
     name = "rewind_before_validate"
     rule = "a refused call leaves the state byte-identical (propose validates before it rewinds)"
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state):  # type: ignore[no-untyped-def]
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):  # type: ignore[no-untyped-def]
         _contract.check_live(state, "propose")
         if isinstance(position, int) and not isinstance(position, bool) and 0 <= position <= state.seq_len:
             state.seq_len = position  # MUTATION: rewinds before the arguments are checked
-        return super().propose(last_token, target_hidden, position, num_drafts, state)
+        return super().propose(last_token, target_hidden, position, num_drafts, state, grammar=grammar)
 
 
 class CatchupWritesX(Mutant):
