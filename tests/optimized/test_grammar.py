@@ -15,7 +15,6 @@ from glm_mtp.conformance.grammars import Grammar
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.bytes import keyed_bytes, same_bytes
-from glm_mtp.reference.grammar import MatcherRefusedToken
 
 from .conftest import Inputs
 
@@ -84,7 +83,7 @@ def _rounds(ref, opt, rs, os_, inputs, grammars, k, sampled=False, temperature=0
         assert mr.as_found() and mo.as_found(), g
         _same_state(ref, rs, opt, os_)
         if kr == "raised":
-            assert type(vr) is type(vo) and isinstance(vo, MatcherRefusedToken), (vr, vo)
+            assert type(vr) is type(vo) is ValueError and "refused draft step" in str(vo), (vr, vo)
             assert str(vr) == str(vo)
             continue
         if sampled:

@@ -38,7 +38,7 @@ from torch import Tensor
 from glm_mtp.reference import contract, contract_batch
 from glm_mtp.reference.attention import Rope, rope_for
 from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
-from glm_mtp.reference.grammar import MatcherRefusedToken
+from glm_mtp.reference.grammar import MatcherRefusedToken, refusal_as_value_error
 from glm_mtp.reference.contract_guards import Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
@@ -281,7 +281,7 @@ class OptimizedProposer:
         (fewer drafts); the matcher is rolled back to how it was found.
 
         Raises what the reference raises for the same input, leaving the state byte-identical."""
-        with self._use(state, "propose") as st:
+        with self._use(state, "propose") as st, refusal_as_value_error():
             position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts,
                                                grammar=grammar)
             constrained = grammar is not None and k > 0
@@ -307,7 +307,7 @@ class OptimizedProposer:
         ``grammar``: a matcher (DESIGN.md §10): each step draws from its own ``q`` renormalised
         over the step's allowed tokens, so the steps run one per program, each read back (draft
         i's mask needs draft i - 1); ``q`` covers the drafts produced."""
-        with self._use(state, "propose_sampled") as st:
+        with self._use(state, "propose_sampled") as st, refusal_as_value_error():
             position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
                                                (temperature, noise), grammar=grammar)
             if grammar is not None and k > 0:
@@ -543,7 +543,7 @@ class OptimizedProposer:
         after checking every state's data on the host."""
         call = "propose_batch"
         states = self._batch_states(call, states)
-        with contract_batch.guard_all(call, states, self._use):
+        with contract_batch.guard_all(call, states, self._use), refusal_as_value_error():
             fused = self.step is not None
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
                                                       self.weights, self.capacity, self._check_live,
