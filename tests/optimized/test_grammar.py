@@ -109,12 +109,12 @@ def test_grammar_proposes_match_the_reference(weights, inputs, monkeypatch):
     assert redos, "no grammar forbade an unmasked draft: the redo path was not exercised"
 
 
-def test_grammar_proposes_with_triton_kernels(inputs, weights, monkeypatch):
+def test_grammar_proposes_with_triton_kernels(monkeypatch):
     """The interpreted Triton kernels (the head storing its logits, the masked argmax of a redo,
     the confidence kernel): a grammar whose first mask forbids the unmasked draft, and one that
-    stops; fp32 in the default run (bf16 too in the slow one)."""
-    if weights.dtype != torch.float32:
-        pytest.skip("bf16 runs in test_grammar_proposes_with_triton_kernels_slow")
+    stops; bf16 in the default run (both dtypes and every grammar in the slow one)."""
+    weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=7, dtype=torch.bfloat16)
+    inputs = Inputs(weights, seed=13)
     ref, opt = _pair(weights, "triton")
     rs, os_ = _ready((ref, opt), inputs)
     redos = _redos(monkeypatch)

@@ -277,7 +277,7 @@ def test_cli_weights_fp8_counts_a_block_scaled_step(capsys):
     assert r["launches_step_1"] <= 24 and r["kernel_floor_ratio_step_1"] <= 1.15
 
 
-@pytest.mark.parametrize("preset", ["tiny", "glm5next_tiny"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("glm5next_tiny", marks=pytest.mark.slow)])
 def test_grammar_counts_one_read_back_when_drafts_are_allowed(preset):
     """``measure_grammar_propose`` (the Triton kernels, interpreted): an allowing grammar reads
     back once and launches what no grammar launches plus its fixed host-side keep (``x`` and the
