@@ -96,8 +96,8 @@ def write(path, text):
 ])
 def test_a_grammar_that_cannot_run_is_one_line_before_any_work(tmp_path, case, overrides, message):
     files = {"schema": write(tmp_path / "s.json", "{not json"),
-             "jsonl": write(tmp_path / "p.jsonl", json.dumps({"prompt": "x", "json_schema": {"type": "string"}})),
-             "bad_jsonl": write(tmp_path / "q.jsonl", json.dumps({"prompt": "x", "json_schema": "{nope"}))}
+             "jsonl": write(tmp_path / "p.jsonl", json.dumps({"prompt": "import os\nprint(os.sep)\n", "json_schema": {"type": "string"}})),
+             "bad_jsonl": write(tmp_path / "q.jsonl", json.dumps({"prompt": "import os\nprint(os.sep)\n", "json_schema": "{nope"}))}
     cfg = config([o.format(**files) for o in overrides] + ["logger=none"])
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         check_acceptance(cfg)

@@ -208,6 +208,26 @@ def _check_head(out, nw, lm_head, nan_ok=False):
 
 
 @DTYPES
+@pytest.mark.parametrize("T,V,H", [(1, 203, 96), (3, 45, 200)])
+def test_head_stores_logits_and_x_where_told(T, V, H, dtype):
+    """``logits_out`` gets the S logits ``linear(x, lm_head)`` and ``x_out`` the normed rows, from
+    the same launch, kernel and twin alike; the partials are those of the launch without them."""
+    out, nw, lm_head = _head_inputs(T, V, H, dtype, seed=7 * T + V)
+    want_x = numerics.rms_norm(out, nw, EPS)
+    want_logits = numerics.linear(want_x, lm_head)
+    _, pv, pi = head_partials_triton(out, nw, EPS, lm_head)
+    for head in (head_partials_triton, head_partials_torch):
+        x_out = torch.full((T, H), float("nan"), dtype=dtype)
+        logits_out = torch.full((T, V), float("nan"), dtype=dtype)
+        x, got_pv, got_pi = head(out, nw, EPS, lm_head, x_out, logits_out)
+        assert x.data_ptr() == x_out.data_ptr() and _equal(x_out, want_x)
+        assert _equal(logits_out, want_logits)
+        assert _equal(got_pv, pv) and _equal(got_pi, pi)
+    with pytest.raises(ValueError, match="logits_out"):
+        head_partials_triton(out, nw, EPS, lm_head, None, torch.empty(T, V + 1, dtype=dtype))
+
+
+@DTYPES
 @pytest.mark.parametrize("T,V,H", [(1, 50, 96), (3, 203, 96), (3, 45, 200), (1, 70, 6144)])
 def test_head_bytes(T, V, H, dtype):
     """Partials per vocabulary slice (the last one short) and the reduced draft tokens."""

@@ -124,6 +124,35 @@ def test_propose_sampled_syncs_only_at_the_read_back(weights, inputs, read_backs
     assert seen == [0] and c.syncs == [], c.syncs
 
 
+@pytest.mark.parametrize("ban", [None, 0, 1], ids=["allowing", "forbid_1", "forbid_2"])
+def test_grammar_propose_reads_back_once_when_its_drafts_are_allowed(weights, inputs, read_backs, ban):
+    """A grammar that allows every unmasked draft: the same one read-back as without one and no
+    other sync; one that forbids the unmasked draft 1 or 2: one more read-back (the redo from
+    that step), still no other sync. The drafts are the reference's."""
+    from glm_mtp.tools.counters import BanMatcher
+
+    seen, holder = read_backs
+    k = 3
+    opt, ref = OptimizedProposer(weights, 64), ReferenceProposer(weights, 64)
+    so, sr = _ready([opt, ref], inputs)
+    tok, hidden = inputs.token(), inputs.hiddens(1)
+    plain = opt.propose(tok, hidden, 11, k, so)
+    opt.after_verify(0, so)
+    seen.clear()
+    banned = {} if ban is None else {ban: plain[ban]}
+    want = ref.propose(tok, hidden, 11, k, sr, grammar=BanMatcher(banned))
+    with SyncCounter() as c:
+        holder.append(c)
+        got = opt.propose(tok, hidden, 11, k, so, grammar=BanMatcher(banned))
+    assert got == want and (got == plain) == (ban is None)
+    assert c.syncs == [], c.syncs
+    assert seen == ([0] if ban is None else [0, 0]), seen
+    with SyncCounter() as c:  # the confidence stays on the device
+        holder[0] = c
+        prob, margin = opt.draft_confidence(so)
+    assert c.syncs == [] and len(seen) == (1 if ban is None else 2)
+
+
 def test_the_counter_sees_syncs(weights, inputs):
     """The counter is not blind: an explicit item() and the reference's checks are counted."""
     with SyncCounter() as c:

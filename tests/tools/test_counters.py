@@ -275,3 +275,25 @@ def test_cli_weights_fp8_counts_a_block_scaled_step(capsys):
     assert r["floor_bytes_step_1"] < floor_bytes_per_draft(cfg, torch.bfloat16, 10) and r["step_1_unchanged"]
     assert r["launches_per_draft"] <= 24 and r["kernel_floor_ratio"] <= 1.15
     assert r["launches_step_1"] <= 24 and r["kernel_floor_ratio_step_1"] <= 1.15
+
+
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("glm5next_tiny", marks=pytest.mark.slow)])
+def test_grammar_counts_one_read_back_when_drafts_are_allowed(preset):
+    """``measure_grammar_propose`` (the Triton kernels, interpreted): an allowing grammar reads
+    back once and launches what no grammar launches plus its fixed host-side keep (``x`` and the
+    rows a refusal would put back); one forbidding draft 1 or 2 reads back twice and adds one
+    redo program (fewer steps when the forbidden draft is later); ``draft_confidence`` is one
+    Triton launch with no read-back, and the head's logits store adds V values per step."""
+    w = MtpWeights.random(MtpConfig.preset(preset), seed=0, dtype=torch.bfloat16)
+    r = counters.measure_grammar_propose(w, "triton", num_drafts=3, context=8, max_seq_len=32)
+    none, allowing, f1, f2 = r["none"], r["allowing"], r["forbid_1"], r["forbid_2"]
+    assert none["read_backs"] == allowing["read_backs"] == 1
+    assert f1["read_backs"] == f2["read_backs"] == 2
+    assert none["counter_syncs"] == allowing["counter_syncs"]
+    assert allowing["drafts"] == none["drafts"] == r["unmasked_drafts"]
+    assert f1["drafts"][0] != none["drafts"][0] and f2["drafts"][:2] != none["drafts"][:2]
+    assert f2["drafts"][0] == none["drafts"][0]
+    assert 0 < allowing["launches"] - none["launches"] <= 8
+    assert none["launches"] < f2["launches"] < f1["launches"]
+    for c in (r["confidence"], r["confidence_masked"]):
+        assert c["launches"] == c["triton_launches"] == 1 and c["read_backs"] == 0

@@ -49,6 +49,8 @@ class BatchBuffers:
         kept: draft step 1's selection of each row, read by the shared steps (``KeptSelection``,
             line b the b-th state's: one selection per state).
         outs: per num_drafts k, (max_batch, k + 1) int64: each row's check code, then its drafts.
+        steps: per num_drafts k, each row's kept step logits and rows (``BatchSteps``): what a
+            state's confidence and a grammar's redo read (DESIGN.md §10, §12).
         pad: the scratch state padding rows read and write.
         graphs / graph_pool: captured programs keyed by ``graphs.GraphKey`` (rows = the bucket), and their pool.
         device: where it all lives.
@@ -67,6 +69,7 @@ class BatchBuffers:
     kept: KeptSelection
     device: torch.device
     outs: dict[int, Tensor] = field(default_factory=dict)
+    steps: dict[int, BatchSteps] = field(default_factory=dict)
     graphs: dict[Any, Any] = field(default_factory=dict)
     graph_pool: Any = None
     user: int | None = None
@@ -95,6 +98,16 @@ class BatchBuffers:
         if k not in self.outs:
             self.outs[k] = torch.zeros(self.max_batch, k + 1, dtype=torch.int64, device=self.device)
         return self.outs[k]
+
+    def step_buffers(self, k: int, vocab_size: int) -> BatchSteps:
+        """The ``BatchSteps`` of a k-draft program, allocated on first use."""
+        if k not in self.steps:
+            H, dt = self.hid_in.shape[1], self.hid_in.dtype
+            self.steps[k] = BatchSteps(
+                logits=torch.zeros(self.max_batch, k, vocab_size, dtype=dt, device=self.device),
+                xs=torch.zeros(self.max_batch, k, H, dtype=dt, device=self.device),
+                pre=torch.zeros(self.max_batch, k, H, dtype=dt, device=self.device))
+        return self.steps[k]
 
     def load(self, states: Sequence[OptimizedState], tokens: Tensor, hiddens: Tensor, positions: Sequence[int],
              rows: int) -> BatchRows:
@@ -129,6 +142,17 @@ class BatchBuffers:
 
 
 _CLAIM = threading.Lock()
+
+
+@dataclass(frozen=True)
+class BatchSteps:
+    """What a batch's k draft steps keep per row: ``logits`` (max_batch, k, V) S, row b's step i
+    logits (stored by the head's launch); ``xs`` / ``pre`` (max_batch, k, H) S, its post-norm rows
+    and layer outputs (``pre`` only when ``pre_norm`` is fed to the next step)."""
+
+    logits: Tensor
+    xs: Tensor
+    pre: Tensor
 
 
 @dataclass(frozen=True)

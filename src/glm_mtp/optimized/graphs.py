@@ -22,16 +22,23 @@ Program = Literal["draft", "sampled", "catchup"]
 class GraphKey:
     """Which captured program a graph is: ``program`` (``draft`` the k argmax draft steps,
     ``sampled`` the k sampled ones, ``catchup`` one context row per state), its ``num_drafts``
-    (0 for a catch-up) and the ``rows`` it runs (1 for one state; a batch's bucket)."""
+    (0 for a catch-up), the ``rows`` it runs (1 for one state; a batch's bucket), and for a
+    grammar's programs (DESIGN.md §10) the steps ``first`` .. ``last - 1`` it runs (a redo from a
+    forbidden step, or a sampled step drawn under its mask) and whether it reads the masks."""
 
     program: Program
     num_drafts: int = 0
     rows: int = 1
+    first: int = 0
+    last: int | None = None
+    masked: bool = False
 
     @classmethod
-    def draft(cls, num_drafts: int, *, sampled: bool = False, rows: int = 1) -> GraphKey:
-        """The k-draft propose's key (argmax, or ``sampled``)."""
-        return cls("sampled" if sampled else "draft", num_drafts, rows)
+    def draft(cls, num_drafts: int, *, sampled: bool = False, rows: int = 1, first: int = 0, last: int | None = None,
+              masked: bool = False) -> GraphKey:
+        """The k-draft propose's key (argmax, or ``sampled``; steps ``first`` .. ``last - 1``)."""
+        return cls("sampled" if sampled else "draft", num_drafts, rows, first,
+                   None if last is None or last == num_drafts else last, masked)
 
     @classmethod
     def catchup(cls, rows: int = 1) -> GraphKey:

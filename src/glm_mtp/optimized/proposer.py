@@ -30,22 +30,28 @@ loop, which runs from the static buffers as a captured program too.
 
 from __future__ import annotations
 
+import math
 
 import torch
 from torch import Tensor
 
 from glm_mtp.reference import contract, contract_batch
 from glm_mtp.reference.attention import Rope, rope_for
-from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling_inputs
+from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
+from glm_mtp.reference.grammar import MatcherRefusedToken, refusal_as_value_error
 from glm_mtp.reference.contract_guards import Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
+from .grammar import Walk, fill_row, host_masks, refused, walk_greedy
+from .kernels.confidence import draft_confidence_torch, draft_confidence_triton
 from .unfused_block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .kernels import KERNEL_DTYPES
-from .programs import CHECK_OK, HIDDEN_FINITE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens
-from .state import OptimizedState, Unsettled
+from .programs import (
+    CHECK_OK, HIDDEN_FINITE, NOISE_POSITIVE, SAMPLED_CHECK_OK, TOKEN_IN_RANGE, DevicePrograms, batch_tokens,
+)
+from .state import OptimizedState, PendingConfidence, Unsettled
 from .step import StepKernels, fusable, step_kernels
 
 
@@ -214,15 +220,15 @@ class OptimizedProposer:
             raise ValueError(message)
 
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
-                        position: int, num_drafts: int, sample: tuple[object, object] | None = None) -> tuple[int, int]:
+                        position: int, num_drafts: int, sample: tuple[object, object] | None = None,
+                        grammar: object = None) -> tuple[int, int]:
         """The contract's propose checks (``contract.propose_args``), minus the ones that read
         the data (a token tensor's range, the hidden's finiteness, a sampled propose's noise
         values): those run on the device. Fills the static inputs (with ``sample = (temperature,
         noise)``, the temperature and the noise too). Returns ``(position, num_drafts)``."""
         self._check_live(st, call)
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights,
-                                     self.capacity,
-                                     device_checks=True)
+                                     self.capacity, device_checks=True, grammar=grammar)
         if sample is not None:
             try:
                 temperature, noise = sampling_inputs(*sample, args.num_drafts, self.weights, st.device,
@@ -233,6 +239,8 @@ class OptimizedProposer:
         # Static inputs: copies and fills enqueue on the device, nothing comes back.
         with writing(st, call):
             self._fill_inputs(st, args)
+            if args.num_drafts:  # allocated before a program first runs (and is captured) on them
+                st.draft_buffers(args.num_drafts, self.config.vocab_size)
             if sample is not None:
                 st.temp.fill_(temperature)  # already rounded to A by the check: exact
                 if args.num_drafts:
@@ -262,27 +270,47 @@ class OptimizedProposer:
         return self.programs.captures
 
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                state: DrafterState) -> list[int]:
+                state: DrafterState, grammar: Matcher | None = None) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token`` (see ``ReferenceProposer.propose``);
         the k steps run without a host sync and the drafts come back in one read at the end.
 
+        ``grammar``: a matcher (DESIGN.md §10): the drafts are drafted unmasked and read back once
+        as without one, then the host walks the matcher; a forbidden draft costs one redo program
+        from its step and one more read-back (``optimized.grammar``). The propose may stop early
+        (fewer drafts); the matcher is rolled back to how it was found.
+
         Raises what the reference raises for the same input, leaving the state byte-identical."""
-        with self._use(state, "propose") as st:
-            position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts)
+        with self._use(state, "propose") as st, refusal_as_value_error():
+            position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts,
+                                               grammar=grammar)
+            constrained = grammar is not None and k > 0
             with writing(st, "propose"):
+                restore = self._keep_for_restore(st, position, k) if constrained else None
                 self.programs.run_draft(st, k)
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
-            return self._finish_propose(st, values, position, k)
+            if not constrained or values[0] != CHECK_OK:
+                drafts = self._finish_propose(st, values, position, k)
+                self._pending_confidence(st, k, k)
+                return drafts
+            walk = self._walk(st, grammar, values[1:], position, k, restore)
+            return self._finish_walk(st, walk, position, k)
 
     def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts:
+                        temperature: float, noise: Tensor, state: DrafterState,
+                        grammar: Matcher | None = None) -> SampledDrafts:
         """``ReferenceProposer.propose_sampled``, the same bytes: the k steps (each draft's
         ``q`` and its draw included) run on the device without a host sync, the drafts come back
         in the one read at the end and ``q`` (k, V) stays on the device (a copy of the static
-        buffer). The noise's values are checked on the device, like the hidden."""
-        with self._use(state, "propose_sampled") as st:
+        buffer). The noise's values are checked on the device, like the hidden.
+
+        ``grammar``: a matcher (DESIGN.md §10): each step draws from its own ``q`` renormalised
+        over the step's allowed tokens, so the steps run one per program, each read back (draft
+        i's mask needs draft i - 1); ``q`` covers the drafts produced."""
+        with self._use(state, "propose_sampled") as st, refusal_as_value_error():
             position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
-                                               (temperature, noise))
+                                               (temperature, noise), grammar=grammar)
+            if grammar is not None and k > 0:
+                return self._propose_sampled_masked(st, grammar, position, k)
             with writing(st, "propose_sampled"):
                 self.programs.run_draft(st, k, sampled=True)
                 q = (
@@ -291,7 +319,165 @@ class OptimizedProposer:
                     else noise.new_zeros(0, self.config.vocab_size)
                 )
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
-            return SampledDrafts(self._finish_propose(st, values, position, k, sampled=True), q)
+            drafts = self._finish_propose(st, values, position, k, sampled=True)
+            self._pending_confidence(st, k, k, q=q)
+            return SampledDrafts(drafts, q)
+
+    # ---- grammars (DESIGN.md §10) and confidence (§12) ------------------------------------------
+    def _keep_for_restore(self, st: OptimizedState, position: int, k: int):  # type: ignore[no-untyped-def]
+        """Copies of what a grammar propose's program overwrites that a matcher's refusal must put
+        back (``x``, and the rows ``[position, seq_len)`` it rewrites with their KPool entries),
+        and the function that puts them back (the device row count and the pools a rewrite
+        completed included): the state as found."""
+        st.x_prev.copy_(st.x)
+        held = st.seq_len
+        a, b = position, position + k  # every row the propose may write
+        cache = st.cache
+        kv, ix = cache.kv_pool.flatten(0, 1), cache.index_pool.flatten(0, 1)  # (capacity, ·): slot r is row r
+        rows = (kv[a:b].clone(), ix[a:b].clone()) if b > a else None
+        kp = cache.kpool
+        pools = None
+        if kp is not None:
+            p0, p1 = a // kp.kpool, -(-(position + k) // kp.kpool)
+            pools = (kp.gates[a:b].clone(), kp.keys[p0:p1].clone(), kp.complete.clone(), p0, p1)
+
+        def restore() -> None:
+            st.x.copy_(st.x_prev)
+            st.seq_dev.fill_(held)
+            if rows is not None:
+                kv[a:b].copy_(rows[0])
+                ix[a:b].copy_(rows[1])
+            if pools is not None:
+                gates, keys, complete, q0, q1 = pools
+                kp.gates[a:b].copy_(gates)
+                kp.keys[q0:q1].copy_(keys)
+                kp.complete.copy_(complete)
+
+        return restore
+
+    def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
+              restore) -> Walk:  # type: ignore[no-untyped-def]
+        """Walk the matcher over the read-back ``drafts``; a forbidden draft redoes its step and
+        the later ones (``programs.draft`` with ``first``) and reads them back. A refusal by the
+        matcher puts the state back as found (``restore``) before the ``ValueError``."""
+        bufs = st.draft_buffers(k, self.config.vocab_size)
+
+        def redo(i: int, masks: Tensor) -> list[int]:
+            with writing(st, "propose"):
+                bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
+                self.programs.run_draft(st, k, first=i, masked=True)
+                return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
+
+        try:
+            return walk_greedy(grammar, drafts, self.config.vocab_size, redo)
+        except MatcherRefusedToken:
+            with writing(st, "propose"):
+                restore()
+            raise
+
+    def _finish_walk(self, st: OptimizedState, walk: Walk, position: int, k: int) -> list[int]:
+        """The counters of a grammar propose that kept ``walk.n`` drafts; a propose that stopped
+        early is made exactly one asked for ``walk.n`` drafts: ``x`` the last kept step's (or as
+        found), the device row count, the KPool pools past the rows kept incomplete."""
+        n = walk.n
+        if n < k:
+            with writing(st, "propose"):
+                bufs = st.draft_buffers(k, self.config.vocab_size)
+                st.x.copy_(bufs.xs[n - 1] if n else st.x_prev)
+                st.seq_dev.fill_(position + n)
+                if st.cache.kpool is not None:
+                    st.cache.kpool.forget_from(position + n)
+        st.seq_len, st.pending, st.last_drafted = position + n, True, n
+        self._pending_confidence(st, k, n, masks=walk.masks)
+        return walk.drafts
+
+    def _propose_sampled_masked(self, st: OptimizedState, grammar: Matcher, position: int, k: int) -> SampledDrafts:
+        """``propose_sampled`` under a grammar: before step i the host stops on a terminated
+        matcher or an empty mask, else copies step i's mask to the device and runs the step
+        (``programs.draft``, sampled and masked), reads its draft back and accepts it."""
+        V = self.config.vocab_size
+        bufs = st.draft_buffers(k, V)
+        masks = host_masks(k, V)
+        drafts: list[int] = []
+        accepted = 0
+        with writing(st, "propose_sampled"):
+            restore = self._keep_for_restore(st, position, k)
+        try:
+            for i in range(k):
+                if i:  # d_{i-1}, accepted only to find A_i (the reference's walk)
+                    if not grammar.accept_token(drafts[-1]):
+                        with writing(st, "propose_sampled"):
+                            restore()
+                        raise refused(grammar, i, drafts[-1])
+                    accepted += 1
+                if grammar.is_terminated() or not fill_row(grammar, masks, i, V):
+                    break
+                with writing(st, "propose_sampled"):
+                    bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
+                    self.programs.run_draft(st, k, sampled=True, first=i, last=i + 1, masked=True)
+                    values = read_back(st.out[: i + 2])  # the check code and the drafts so far
+                if i == 0 and values[0] != SAMPLED_CHECK_OK:
+                    raise ValueError(self._refusal(values[0], st.tok_in))  # nothing was written
+                drafts.append(values[i + 1])
+        finally:
+            if accepted:
+                grammar.rollback(accepted)
+        n = len(drafts)
+        if n == 0:  # no step ran, so the device never checked the data: the host does (a read, this case only)
+            noise = st.sample_buffers(k, V)[0]
+            tok_ok = bool(((st.tok_in >= 0) & (st.tok_in < V)).all())
+            code = (int(bool(torch.isfinite(st.hid_in).all())) * HIDDEN_FINITE + int(tok_ok) * TOKEN_IN_RANGE
+                    + int(bool(((noise > 0) & (noise < math.inf)).all())) * NOISE_POSITIVE)
+            if code != SAMPLED_CHECK_OK:
+                raise ValueError(self._refusal(code, st.tok_in))
+        q = st.sample_buffers(k, V)[1][:n].clone()
+        if n < k:
+            with writing(st, "propose_sampled"):
+                st.x.copy_(bufs.xs[n - 1] if n else st.x_prev)
+                st.seq_dev.fill_(position + n)
+                if st.cache.kpool is not None:
+                    st.cache.kpool.forget_from(position + n)
+        st.seq_len, st.pending, st.last_drafted = position + n, True, n
+        self._pending_confidence(st, k, n, masks=masks[:n], q=q)
+        return SampledDrafts(drafts, q)
+
+    def _pending_confidence(self, st: OptimizedState, k: int, n: int, masks: Tensor | None = None,
+                            q: Tensor | None = None) -> None:
+        """Record what ``draft_confidence`` reads for the propose just made (``n`` of its ``k``
+        steps kept): views of the kept logits and drafts, the host masks, a sampled propose's q."""
+        bufs = st.draft_buffers(k, self.config.vocab_size) if k else None
+        st.confidence_inputs = PendingConfidence(bufs.logits[:n] if bufs else None, st.out[1 : n + 1], masks, q)
+
+    def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
+        """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two float32
+        tensors ``(last_drafted,)`` on the state's device, computed on first call from the logits
+        the head kept (one launch, ``kernels.draft_confidence``; no host sync) and valid until
+        the next call that changes the state. ``prob[i]``: the pinned (masked, under a grammar)
+        softmax probability of draft i (a sampled propose: ``q_i[d_i]``); ``margin[i]``: its
+        logit minus the best other allowed logit (``+inf`` when it is the only one allowed).
+        ``RuntimeError`` when no propose is pending."""
+        with self._use(state, "draft_confidence") as st:
+            self._settle(st)
+            contract.check_pending(st, "draft_confidence")
+            if st.confidence_inputs is None:
+                raise RuntimeError("draft_confidence: no propose is pending (a propose's confidences are read before "
+                                   "its after_verify)")
+            c = st.confidence_inputs
+            if c.result is None:
+                c.result = self._confidence(c, st.device)
+            return c.result
+
+    def _confidence(self, c: PendingConfidence, device: torch.device) -> tuple[Tensor, Tensor]:
+        if c.logits is None or c.logits.shape[0] == 0:
+            empty = torch.zeros(0, dtype=torch.float32, device=device)
+            return empty, empty.clone()
+        masks = c.masks.to(device, non_blocking=True) if c.masks is not None else None
+        triton = self.step.triton if self.step is not None else self.primitives.use_triton(c.logits)
+        confidence = draft_confidence_triton if triton else draft_confidence_torch
+        prob, margin = confidence(c.logits, c.tokens, masks)
+        if c.q is not None:  # a sampled draft's probability is its q at the temperature drawn from
+            prob = c.q.gather(1, c.tokens[:, None])[:, 0].float()
+        return prob, margin
 
     def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int,
                         sampled: bool = False) -> list[int]:
@@ -332,11 +518,12 @@ class OptimizedProposer:
                 self.programs.run_draft(st, k)
             st.seq_len, st.pending, st.last_drafted = position + k, True, k
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
+            self._pending_confidence(st, k, k)
             return st.out[1 : k + 1]
 
     # ---- batches --------------------------------------------------------------------------
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
-                      states: list[DrafterState]) -> list[list[int]]:
+                      states: list[DrafterState], grammars: list[Matcher | None] | None = None) -> list[list[int]]:
         """``ReferenceProposer.propose_batch``, the same bytes per state: the B states' rows run
         through each fused launch together (one read of every weight per draft step for all of
         them), each row on its own state's cache; on CUDA one captured program per (bucket,
@@ -344,29 +531,42 @@ class OptimizedProposer:
         the device and gate every write of every state: a bad row refuses the whole batch,
         naming ``states[b]``, with every state byte-identical. One read-back at the end.
 
+        ``grammars``: None, or one matcher or None per state (DESIGN.md §10): the batch drafts
+        unmasked and reads back once as without them, then each state's matcher is walked in
+        index order; a state with a forbidden draft is redone alone from that step (its kept
+        logits and rows handed to its own buffers, ``propose``'s redo program). A matcher that
+        refuses a token its mask allowed puts every state back as found and raises naming
+        ``states[b]``. Each state's confidence is computed with the batch (one launch).
+
         A layer the fused step does not run (``step.fusable``) drafts the states one by one,
         after checking every state's data on the host."""
         call = "propose_batch"
         states = self._batch_states(call, states)
-        with contract_batch.guard_all(call, states, self._use):
+        with contract_batch.guard_all(call, states, self._use), refusal_as_value_error():
             fused = self.step is not None
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
                                                       self.weights, self.capacity, self._check_live,
-                                                      device_checks=fused)
+                                                      device_checks=fused, grammars=grammars)
             k = batch.num_drafts
             if not states:
                 return []
             if not fused:
                 return self._propose_each(states, batch.args, k, call)
+            constrained = k > 0 and any(a.grammar is not None for a in batch.args)
             bb = self._batch_on(states[0].device, call)
             rows = self.programs.batch_rows(len(states), bb, captured=k > 0)
+            if k:  # allocated before a program first runs (and is captured) on them
+                bb.step_buffers(k, self.config.vocab_size)
             with bb.claim(call):
                 with writing_all(states, call):
+                    # a matcher's refusal puts every state back (the batch program wrote them all)
+                    restores = [self._keep_for_restore(st, a.position, k) for st, a in zip(states, batch.args)
+                                ] if constrained else []
                     loaded = bb.load(states, batch_tokens(batch.args, bb.device), target_hiddens,
                                      [a.position for a in batch.args], rows)
                     self.programs.run_draft_batch(bb, loaded, k)
                     values = read_back(bb.out(k)[: len(states)].flatten())  # the one sync: codes and drafts
-                return self._finish_batch(call, bb, states, batch.args, values, k)
+                return self._finish_batch(call, bb, states, batch.args, values, k, restores)
 
     def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
                       states: list[DrafterState]) -> list[int]:
@@ -428,30 +628,134 @@ class OptimizedProposer:
         return states
 
     def _finish_batch(self, call: str, bb: BatchBuffers, states: list[DrafterState], args: list[contract.ProposeArgs],
-                      values: list[int], k: int) -> list[list[int]]:
+                      values: list[int], k: int, restores: list) -> list[list[int]]:  # type: ignore[type-arg]
         """``propose_batch`` after its read-back: the refusal naming the first bad row (nothing
-        was written), or every state's counters and drafts."""
+        was written); else each grammar's walk (``_walk_batch``), every state's counters and
+        drafts, and every state's confidence from the batch's kept logits (one launch)."""
         rows = [values[b * (k + 1) : (b + 1) * (k + 1)] for b in range(len(states))]
         for b, row in enumerate(rows):
             if row[0] != CHECK_OK:
                 raise ValueError(f"{call}: states[{b}]: {self._refusal(row[0], bb.tok_in[b : b + 1])}")
-        for st, a in zip(states, args):
-            st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
-        return [row[1:] for row in rows]
+        drafts = [row[1:] for row in rows]
+        walks = self._walk_batch(call, bb, states, args, drafts, k, restores) if restores else [None] * len(states)
+        V = self.config.vocab_size
+        steps = bb.step_buffers(k, V) if k else None
+        for b, (st, a, walk) in enumerate(zip(states, args, walks)):
+            n = k if walk is None else walk.n
+            if walk is not None:
+                drafts[b] = walk.drafts
+            if n < k:  # stopped early: exactly a propose of n drafts
+                with writing(st, call):
+                    own = st.draft_buffers(k, V).xs if walk.redos else steps.xs[b]
+                    st.x.copy_(own[n - 1] if n else st.x_prev)
+                    st.seq_dev.fill_(a.position + n)
+                    if st.cache.kpool is not None:
+                        st.cache.kpool.forget_from(a.position + n)
+            st.seq_len, st.pending, st.last_drafted = a.position + n, True, n
+        self._batch_confidence(bb, states, walks, k)
+        return drafts
+
+    def _walk_batch(self, call: str, bb: BatchBuffers, states: list[OptimizedState], args: list[contract.ProposeArgs],
+                    drafts: list[list[int]], k: int, restores: list) -> list[Walk | None]:  # type: ignore[type-arg]
+        """Each state's matcher walked over its read-back drafts, in index order. A forbidden draft
+        hands the state's kept logits, rows and step-1 selection from the batch's buffers to its
+        own (once) and runs ``propose``'s redo program on it. A refusal puts every state back."""
+        V = self.config.vocab_size
+        steps = bb.step_buffers(k, V)
+        walks: list[Walk | None] = [None] * len(states)
+        for b, (st, a) in enumerate(zip(states, args)):
+            if a.grammar is None:
+                continue
+            handed = [False]
+
+            def redo(i: int, masks: Tensor, b: int = b, st: OptimizedState = st, a: contract.ProposeArgs = a,
+                     handed: list[bool] = handed) -> list[int]:
+                bufs = st.draft_buffers(k, V)
+                with writing(st, call):
+                    if not handed[0]:  # the state's own buffers take over its batch row
+                        bufs.logits.copy_(steps.logits[b])
+                        bufs.xs.copy_(steps.xs[b])
+                        if self.feed_hidden != "post_norm":
+                            bufs.pre.copy_(steps.pre[b])
+                        st.kept.rows[0].copy_(bb.kept.rows[b])
+                        st.kept.count[0].copy_(bb.kept.count[b])
+                        st.out[1 : k + 1].copy_(bb.out(k)[b, 1:])
+                        st.pos.fill_(a.position)
+                        st.ok.fill_(True)
+                        handed[0] = True
+                    bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
+                    self.programs.run_draft(st, k, first=i, masked=True)
+                    return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
+
+            try:
+                walks[b] = walk_greedy(a.grammar, drafts[b], V, redo)
+            except MatcherRefusedToken as e:
+                with writing_all(states, call):
+                    for restore in restores:
+                        restore()
+                raise MatcherRefusedToken(f"{call}: states[{b}]: {e}") from e
+        return walks
+
+    def _batch_confidence(self, bb: BatchBuffers, states: list[OptimizedState], walks: list[Walk | None],
+                          k: int) -> None:
+        """Every state's confidence, computed now from the batch's kept logits (the next batch
+        overwrites them): one launch over the B x k steps, a step under no grammar with every
+        token allowed (the same bytes as no mask); a redone state's from its own buffers."""
+        V, B = self.config.vocab_size, len(states)
+        if k == 0:
+            for st in states:
+                self._pending_confidence(st, 0, 0)
+            return
+        steps = bb.step_buffers(k, V)
+        masks = None
+        if any(w is not None for w in walks):
+            masks = host_masks(B * k, V)
+            words = masks.numpy()
+            words[:] = -1
+            for b, w in enumerate(walks):
+                if w is not None:
+                    words[b * k : b * k + w.n] = w.masks.numpy()
+        confidence = PendingConfidence(steps.logits[:B].reshape(B * k, V), bb.out(k)[:B, 1:].reshape(B * k), masks)
+        prob, margin = self._confidence(confidence, bb.device)
+        for b, (st, w) in enumerate(zip(states, walks)):
+            n = k if w is None else w.n
+            if w is not None and w.redos:  # its drafts came from its own redo
+                self._pending_confidence(st, k, n, masks=w.masks)
+            else:
+                st.confidence_inputs = PendingConfidence(None, None, result=(prob[b * k : b * k + n],
+                                                                             margin[b * k : b * k + n]))
 
     def _propose_each(self, states: list[DrafterState], args: list[contract.ProposeArgs], k: int,
                       call: str) -> list[list[int]]:
         """A batch on the per-primitive path: each state's own program in turn (its data was
-        checked on the host, so no state can refuse midway)."""
+        checked on the host, so no state can refuse on data midway), each state's grammar walked
+        as ``propose`` walks it; a matcher's refusal puts every state back as found."""
+        constrained = k > 0 and any(a.grammar is not None for a in args)
+        counters = [(st.seq_len, st.pending, st.last_drafted) for st in states]
+        restores = []
         drafts = []
-        with writing_all(states, call):
-            for st, a in zip(states, args):
+        for b, (st, a) in enumerate(zip(states, args)):
+            with writing_all(states, call):
                 self._fill_inputs(st, a)
+                restore = self._keep_for_restore(st, a.position, k) if constrained else None
+                restores.append(restore)
                 self.programs.run_draft(st, k)
-                drafts.append(read_back(st.out[: k + 1]))
-        for st, a in zip(states, args):
-            st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
-        return [d[1:] for d in drafts]
+                values = read_back(st.out[: k + 1])
+            if a.grammar is None or k == 0:
+                drafts.append(values[1:])
+                st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
+                self._pending_confidence(st, k, k)
+                continue
+            try:
+                walk = self._walk(st, a.grammar, values[1:], a.position, k, restore)
+            except MatcherRefusedToken as e:
+                with writing_all(states, call):
+                    for earlier, put_back, c in zip(states[:b], restores, counters):
+                        put_back()
+                        earlier.seq_len, earlier.pending, earlier.last_drafted = c
+                raise MatcherRefusedToken(f"{call}: states[{b}]: {e}") from e
+            drafts.append(self._finish_walk(st, walk, a.position, k))
+        return drafts
 
     def after_verify(self, num_accepted: int, state: DrafterState) -> None:
         """Keep the first ``num_accepted + 1`` rows of the pending propose (at least one) and

@@ -54,6 +54,36 @@ def selection_width(cfg: MtpConfig, capacity: int) -> int:
     return min(cfg.index_topk, capacity)
 
 
+@dataclass(frozen=True)
+class DraftBuffers:
+    """What a k-draft propose keeps of each draft step, for the step's confidence (DESIGN.md §12)
+    and a grammar's redo from a forbidden step (§10): ``logits`` (k, V) S, the head's logits of
+    step i in row i (stored by the head's own launch); ``xs`` (k, H) S, the post-norm rows;
+    ``pre`` (k, H) S, the layer outputs (kept only when ``pre_norm`` is fed to the next step);
+    ``masks`` (k, ceil(V / 32)) int32, a grammar's bitmask rows on the device (a redone step's
+    row is copied in before the redo runs)."""
+
+    logits: Tensor
+    xs: Tensor
+    pre: Tensor
+    masks: Tensor
+
+
+@dataclass
+class PendingConfidence:
+    """The inputs of the pending propose's confidence (DESIGN.md §12), and the result once
+    computed: ``logits`` (n, V) S, each draft's step logits; ``tokens`` (n,) int64 on the device,
+    the drafts; ``masks`` (n, ceil(V / 32)) int32 on the host, the grammar's bitmask rows, or None;
+    ``q`` (n, V), a sampled propose's draft distributions (``prob`` is read from them), or None;
+    ``result``: ``(prob, margin)`` once computed (or given: a batch computes every state's at once)."""
+
+    logits: Tensor | None
+    tokens: Tensor | None
+    masks: Tensor | None = None
+    q: Tensor | None = None
+    result: tuple[Tensor, Tensor] | None = None
+
+
 @dataclass
 class Unsettled:
     """A ``propose_device`` whose device-side input check the host has not read yet: the counters
@@ -83,6 +113,12 @@ class OptimizedState(DrafterState):
         kept: draft step 1's selection, read by the propose's shared steps (``KeptSelection``).
         sample_bufs: per ``num_drafts`` k of a sampled propose, its static ``(noise, q)``, each
             (k, V) in A: allocated at the first sampled propose of that k (as its graph is captured).
+        draft_bufs: per ``num_drafts`` k, the steps' kept logits and rows (``DraftBuffers``),
+            allocated at the first propose of that k.
+        x_prev: (H,) S, ``x`` as a grammar propose found it (restored when it stops before draft 1).
+        confidence_inputs: the pending propose's confidence inputs (``PendingConfidence``), or None.
+        unfused_share: the per-primitive block's index-sharing selection of the last propose (a
+            grammar's redo from step i >= 2 attends it, as the propose's later steps did).
         graphs: captured CUDA graphs by ``graphs.GraphKey``: one per ``num_drafts`` (argmax and
             sampled apart) and one for the one-row catch-up.
         graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
@@ -103,6 +139,10 @@ class OptimizedState(DrafterState):
     temp: Tensor | None = None
     kept: KeptSelection | None = None
     sample_bufs: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    draft_bufs: dict[int, DraftBuffers] = field(default_factory=dict)
+    x_prev: Tensor | None = None
+    confidence_inputs: PendingConfidence | None = None
+    unfused_share: Any = None
     graphs: dict[int, Any] = field(default_factory=dict)
     graph_pool: Any = None
     unsettled: Unsettled | None = None
@@ -132,6 +172,7 @@ class OptimizedState(DrafterState):
             slots=torch.arange(capacity, dtype=torch.int64, device=device),
             temp=torch.ones(1, dtype=acc_dtype(dtype), device=device),
             kept=KeptSelection.allocate(cfg, capacity, 1, device),
+            x_prev=torch.zeros(cfg.hidden_size, dtype=dtype, device=device),
         )
 
     def sample_buffers(self, k: int, vocab_size: int) -> tuple[Tensor, Tensor]:
@@ -141,6 +182,16 @@ class OptimizedState(DrafterState):
             self.sample_bufs[k] = (torch.ones(k, vocab_size, dtype=A, device=self.device),
                                    torch.zeros(k, vocab_size, dtype=A, device=self.device))
         return self.sample_bufs[k]
+
+    def draft_buffers(self, k: int, vocab_size: int) -> DraftBuffers:
+        """The static ``DraftBuffers`` of a ``k``-draft propose, allocated on first use."""
+        if k not in self.draft_bufs:
+            H, dt, dev = self.x.shape[0], self.x.dtype, self.device
+            self.draft_bufs[k] = DraftBuffers(
+                logits=torch.zeros(k, vocab_size, dtype=dt, device=dev), xs=torch.zeros(k, H, dtype=dt, device=dev),
+                pre=torch.zeros(k, H, dtype=dt, device=dev),
+                masks=torch.zeros(k, -(-vocab_size // 32), dtype=torch.int32, device=dev))
+        return self.draft_bufs[k]
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the state holds (empty once freed)."""
@@ -153,6 +204,8 @@ class OptimizedState(DrafterState):
                   self.temp]
         found += [self.kept.rows, self.kept.count] if self.kept is not None else []
         found += [t for pair in self.sample_bufs.values() for t in pair]
+        found += [t for b in self.draft_bufs.values() for t in (b.logits, b.xs, b.pre, b.masks)]
+        found += [self.x_prev] if self.x_prev is not None else []
         return [t for t in found if t is not None]
 
     def release(self) -> None:
@@ -168,6 +221,10 @@ class OptimizedState(DrafterState):
         self.ok = self.always = self.out = self.slots = self.temp = None
         self.kept = None
         self.sample_bufs = {}
+        self.draft_bufs = {}
+        self.x_prev = None
+        self.confidence_inputs = None
+        self.unfused_share = None
         self.unsettled = None
         self.deferred_error = None
         self.released = True

@@ -19,6 +19,7 @@ cut into the launches a GPU runs for one draft step::
     12  experts_gate_up     the chosen experts' and the shared expert's gate/up + SwiGLU
     13  experts_down_combine   their down projections, the weighted combine, the MoE residual -> out
     14  head_partials       shared_head norm; lm_head over the vocabulary in slices, each's argmax -> x
+                            (and the S logits stored: a step's confidence and a grammar's redo read them)
     15  argmax_reduce       the draft token, on the device
 
 plus the RoPE angles' two gathers. Each weight is read once per step; the attention reads the
@@ -123,7 +124,8 @@ class StepKernels:
     route: Callable[[MtpConfig, Tensor, Tensor], tuple[Tensor, Tensor]]
     experts_gate_up: ExpertsGateUp
     experts_down_combine: Callable[[Tensor, Tensor | None, Tensor, Tensor, Weight, Weight | None, Tensor], Tensor]
-    head_partials: Callable[[Tensor, Tensor, float, Tensor], tuple[Tensor, Tensor, Tensor]]
+    head_partials: Callable[[Tensor, Tensor, float, Tensor, Tensor | None, Tensor | None],
+                            tuple[Tensor, Tensor, Tensor]]
     argmax_reduce: Callable[[Tensor, Tensor], Tensor]
     scatter_rows: Callable[[Tensor, RowTargets, Tensor], None]
     pools_forget: Callable[[MtpConfig, Tensor, Caches, Tensor], None]
@@ -276,9 +278,13 @@ def norm_linear_by_format(fused: StepKernels, x: Tensor, norm_weight: Tensor, ep
     return outs
 
 
-def fused_head(w: MtpWeights, pre_norm: Tensor, fused: StepKernels) -> tuple[Tensor, Tensor]:
+def fused_head(w: MtpWeights, pre_norm: Tensor, fused: StepKernels, x_out: Tensor | None = None,
+               logits_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The shared head on the layer outputs ``pre_norm`` (T, H) (launches 14-15): the post-norm
-    rows ``x`` (T, H) and the drafts (T,) int64, the argmax of ``lm_head(x)``, which is never
-    materialised whole (each vocabulary slice keeps its own best)."""
-    x, part_val, part_idx = fused.head_partials(pre_norm, w.shared_head_norm, w.config.rms_norm_eps, w.lm_head)
+    rows ``x`` (T, H) and the drafts (T,) int64, the argmax of ``lm_head(x)``, which each
+    vocabulary slice reduces to its own best. ``x_out`` (T, H): where ``x`` is stored;
+    ``logits_out`` (T, V) S: where the head's launch also stores the logits (what the step's
+    confidence and a grammar's redo read, DESIGN.md §10, §12); no launch is added for either."""
+    x, part_val, part_idx = fused.head_partials(pre_norm, w.shared_head_norm, w.config.rms_norm_eps, w.lm_head,
+                                                x_out, logits_out)
     return x, fused.argmax_reduce(part_val, part_idx)

@@ -517,8 +517,9 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
                 prop.propose(token, hidden, held, k, state)
             return go
 
-        propose(1)()  # warm-up: one-off tables and caches are not a draft step's cost
-        prop.after_verify(0, state)
+        for k in (1, 2):  # warm-up: one-off tables, caches and static buffers are not a draft step's cost
+            propose(k)()
+            prop.after_verify(0, state)
         c1 = counted(propose(1))
         prop.after_verify(0, state)
         c2 = counted(propose(2))
@@ -627,8 +628,9 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
 
         # allocated on first use: not a step's cost
         prop.batch_buffers(device).out(1), prop.batch_buffers(device).out(2)
-        propose(1)()  # warm-up: one-off tables and caches (and their host reads) are not a step's cost
-        verify()
+        for k in (1, 2):  # warm-up: one-off tables, caches, static buffers (and host reads) are not a step cost
+            propose(k)()
+            verify()
         c1 = counted(propose(1))
         verify()
         c2 = counted(propose(2))
@@ -646,6 +648,100 @@ def measure_batch_step(weights: MtpWeights, batch: int, kernels: str = "triton",
         launches_per_propose_overhead=2 * c1.launches - c2.launches,
         by_name_2=c2.by_name(),
     )
+
+
+class BanMatcher:
+    """A matcher (DESIGN.md §10) that allows every token except ``banned[i]`` at draft i (0-based
+    depth), never terminates, and fills its bitmask through numpy (host work, not a torch
+    operator: what is counted is the drafter's). The counters' allowing (nothing banned) and
+    forbidding (the unmasked draft 1 or 2 banned) grammars."""
+
+    def __init__(self, banned: dict[int, int] | None = None) -> None:
+        self.banned = dict(banned or {})
+        self.depth = 0
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> None:
+        words = bitmask.numpy()
+        words[index] = -1
+        t = self.banned.get(self.depth)
+        if t is not None:
+            words[index, t // 32] &= np.int32(~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF)
+
+    def accept_token(self, token: int) -> bool:
+        self.depth += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.depth -= num_tokens
+
+
+def measure_grammar_propose(weights: MtpWeights, kernels: str = "triton", *, num_drafts: int = 3, context: int = 16,
+                            max_seq_len: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Launches, host syncs and bytes of one optimized ``propose`` of ``num_drafts`` drafts
+    (DESIGN.md §10, §12), per case, at the same inputs after an uncounted warm-up: ``none`` (no
+    grammar), ``allowing`` (a grammar that allows every unmasked draft), ``forbid_1`` /
+    ``forbid_2`` (one that forbids exactly the unmasked draft 1 / 2: a redo from that step), and
+    ``confidence`` (``draft_confidence`` after a propose without a grammar, counted alone) and
+    ``confidence_masked`` (after the ``forbid_2`` propose). ``read_backs``: the proposer's
+    device-to-host reads (its ``read_back``; on a CPU tensor ``tolist`` runs no operator, so the
+    counter cannot see them); ``counter_syncs``: ``LaunchCounter.syncs``, the host scalar reads of
+    any tensor (with the Triton kernels: ``route_launch``'s float() of a CPU scalar, one per
+    step, a host tensor on a GPU too). Returns a JSON-ready dict with the drafts of each case."""
+    from glm_mtp.optimized import proposer as opt_proposer
+    from glm_mtp.registry import backend_class
+
+    device = weights.device
+    if kernels == "triton" and device.type == "cpu" and not interpreting():
+        raise RuntimeError("measure_grammar_propose: kernels='triton' on CPU needs TRITON_INTERPRET=1 set before "
+                           "triton is imported (run python -m glm_mtp.tools.counters)")
+    prop = backend_class("optimized")(weights, max_seq_len, kernels=kernels)
+    prefiller = backend_class("optimized")(weights, max_seq_len, kernels="torch")
+    cfg = weights.config
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    prompt = torch.randint(cfg.vocab_size, (context + 1,), generator=gen, device=device)
+    hiddens = torch.randn(context + 1, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
+    token, hidden = int(prompt[-1]), hiddens[-1]
+    state = prop.alloc_state(device)
+    reads: list[int] = []
+    real = opt_proposer.read_back
+
+    def spy(t: Tensor) -> list[int]:
+        reads.append(t.numel())
+        return real(t)
+
+    out: dict[str, Any] = {}
+    try:
+        prefiller.prefill_drafter(prompt, hiddens, state)
+        held = prop.drafter_rows(state)
+        plain = prop.propose(token, hidden, held, num_drafts, state)  # warm-up
+        prop.after_verify(0, state)
+        cases = {"none": None, "allowing": BanMatcher(), "forbid_1": BanMatcher({0: plain[0]}),
+                 "forbid_2": BanMatcher({1: plain[1]})}
+        opt_proposer.read_back = spy
+        for name, grammar in cases.items():
+            reads.clear()
+            with LaunchCounter() as c:
+                drafts = prop.propose(token, hidden, held, num_drafts, state, grammar=grammar)
+            out[name] = dict(launches=c.launches, triton_launches=c.triton_launches, kernel_bytes=c.kernel_bytes,
+                             read_backs=len(reads), counter_syncs=c.syncs, drafts=drafts)
+            if name in ("none", "forbid_2"):
+                reads.clear()
+                with LaunchCounter() as c:
+                    prop.draft_confidence(state)
+                out["confidence" if name == "none" else "confidence_masked"] = dict(
+                    launches=c.launches, triton_launches=c.triton_launches, kernel_bytes=c.kernel_bytes,
+                    read_backs=len(reads), counter_syncs=c.syncs, by_name=c.by_name())
+            prop.after_verify(0, state)
+    finally:
+        opt_proposer.read_back = real
+        prop.free_state(state)
+    V = cfg.vocab_size
+    return dict(kernels=kernels, preset=cfg_name(weights), dtype=str(weights.dtype).removeprefix("torch."),
+                num_drafts=num_drafts, context_rows=held, unmasked_drafts=plain, vocab_size=V,
+                logits_bytes_per_step=V * weights.dtype.itemsize, **out)
 
 
 def cfg_name(weights: MtpWeights) -> str | None:
@@ -681,6 +777,9 @@ def counters_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-share", default="preset", choices=["preset", "true", "false"],
                    help="index sharing across draft steps (DESIGN.md §9): the preset's, or on / off; with it on, the "
                         "counted draft step is a shared one and draft step 1 is reported apart (*_step_1)")
+    p.add_argument("--grammar", action="store_true",
+                   help="count one propose with no grammar, an allowing one and ones forbidding draft 1 or 2 "
+                        "(DESIGN.md §10), and draft_confidence (§12): launches, syncs, bytes per propose")
     p.add_argument("--batch", type=int, default=None,
                    help="measure one batched draft step (propose_batch) over this many states instead (optimized "
                         "backend)")
@@ -731,6 +830,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     weights = checked_weights(p, a)
     weights = weights.with_index_share(None if a.index_share == "preset" else a.index_share == "true")
+    if a.grammar:
+        result = measure_grammar_propose(weights, a.kernels, context=a.context, max_seq_len=a.max_seq_len,
+                                         seed=a.seed)
+        if a.json:
+            print(json.dumps(result))
+            return
+        print(f"{a.preset} {a.dtype} optimized propose of {result['num_drafts']} drafts ({a.kernels}):")
+        for name in ("none", "allowing", "forbid_1", "forbid_2", "confidence", "confidence_masked"):
+            d = result[name]
+            print(f"  {name:18s} {d['launches']:5d} launches ({d['triton_launches']} Triton) "
+                  f"{d['read_backs']:2d} read-backs {d['counter_syncs']:2d} host scalar reads "
+                  f"{d['kernel_bytes']:10d} bytes")
+        return
     if a.batch is not None:
         result = measure_batch_step(weights, a.batch, a.kernels, context=a.context, max_seq_len=a.max_seq_len,
                                     seed=a.seed)

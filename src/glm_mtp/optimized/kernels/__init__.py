@@ -11,7 +11,12 @@ CUDA and, by default, the twin on CPU (the interpreter is slow).
 checks the PTX for the instructions DESIGN.md §5 forbids.
 """
 
-from . import embed, fused_linear, indexer, kpool, linear, linear_fp8, mla, moe, paged, pinned_math, rope_cache
+from . import (
+    confidence, embed, fused_linear, indexer, kpool, linear, linear_fp8, mla, moe, paged, pinned_math, rope_cache,
+)
+from .confidence import (
+    draft_confidence_torch, draft_confidence_triton, masked_argmax_torch, masked_argmax_triton,
+)
 from .embed import embed_rows_torch, embed_rows_triton
 from .fused_linear import (
     argmax_reduce_torch, argmax_reduce_triton, block_input_torch, block_input_triton, head_partials_torch,
@@ -41,10 +46,12 @@ from .rope_cache import (
 # kernel module joins this tuple (tests/tools/test_audit.py audits every entry). The drafter
 # launches them all except ``linear_fp8``'s stand-alone GEMV (its e4m3 decoder and block
 # helpers run inside the fused step's fp8 variants; the GEMV is their pattern, tested alone).
-AUDITED = (embed, rope_cache, linear, linear_fp8, fused_linear, mla, indexer, pinned_math, moe, paged, kpool)
+AUDITED = (embed, rope_cache, linear, linear_fp8, fused_linear, mla, indexer, pinned_math, moe, paged, kpool,
+           confidence)
 
 # Each kernel with its twin, by module (the imports above), then the plumbing.
 __all__ = [
+    "draft_confidence_torch", "draft_confidence_triton", "masked_argmax_torch", "masked_argmax_triton",
     "embed_rows_torch", "embed_rows_triton",
     "argmax_reduce_torch", "argmax_reduce_triton", "block_input_torch", "block_input_triton", "head_partials_torch",
     "head_partials_triton", "linear_residual_torch", "linear_residual_triton", "norm_linear_torch",

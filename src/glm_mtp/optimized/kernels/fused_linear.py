@@ -152,8 +152,9 @@ def _fused_linear_kernel(
     normed_ptr,  # (T, K) the normed input, S (STORE_NORMED)
     pv_ptr,  # (T, P) float32 partial argmax values (EPI_ARGMAX)
     pi_ptr,  # (T, P) int64 partial argmax indices (EPI_ARGMAX)
+    lg_ptr,  # (T, N) the S-rounded logits (EPI_ARGMAX with STORE_LOGITS)
     T, K, H, V,
-    stride_x, stride_e, stride_res, stride_normed, stride_p,
+    stride_x, stride_e, stride_res, stride_normed, stride_p, stride_lg,
     n0, n1, n2, n3, n4,
     sw0, sw1, sw2, sw3, sw4,
     sc0, sc1, sc2, sc3, sc4,
@@ -164,7 +165,7 @@ def _fused_linear_kernel(
     NCHUNK: tl.constexpr, LEVELS_C: tl.constexpr,
     BLOCK_R: tl.constexpr, LEVELS_R: tl.constexpr, NCHUNK_R: tl.constexpr, LEVELS_CR: tl.constexpr,
     PRO: tl.constexpr, NW: tl.constexpr, EPI: tl.constexpr, OUT_ACC: tl.constexpr, STORE_NORMED: tl.constexpr,
-    S_BF16: tl.constexpr, S_F16: tl.constexpr, NAN_BITS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, S_BF16: tl.constexpr, S_F16: tl.constexpr, NAN_BITS: tl.constexpr,
     FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -267,6 +268,9 @@ def _fused_linear_kernel(
         tl.store(o_ptr + t64[:, None] * stride_o + n[None, :], to_storage(z, S_BF16, S_F16, NAN_BITS), mask=out_in)
     else:
         logits = _round_s(y, S_BF16, S_F16, NAN_BITS)
+        if STORE_LOGITS:  # the step's logits, kept for its confidence and a grammar's redo (S, exact)
+            tl.store(lg_ptr + t64[:, None] * stride_lg + n[None, :], to_storage(y, S_BF16, S_F16, NAN_BITS),
+                     mask=out_in)
         idx = tl.broadcast_to(n.to(tl.int64)[None, :], (BLOCK_T, BLOCK_N))
         best, best_idx = argmax_reduce(logits, idx, tl.broadcast_to(n_in[None, :], (BLOCK_T, BLOCK_N)))
         tl.store(pv_ptr + t64 * stride_p + pid, best, mask=t_in)
@@ -319,7 +323,8 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
                   s_dtype: torch.dtype, cuda: bool, eps: float = 0.0, norm_weight: Tensor | None = None,
                   emb: Tensor | None = None, tokens: Tensor | None = None, slots: Tensor | None = None,
                   hnorm: Tensor | None = None, residual: Tensor | None = None, normed: Tensor | None = None,
-                  part_val: Tensor | None = None, part_idx: Tensor | None = None, out_acc: bool = False) -> Launch:
+                  part_val: Tensor | None = None, part_idx: Tensor | None = None, logits: Tensor | None = None,
+                  out_acc: bool = False) -> Launch:
     """The one place the kernel's grid, arguments and constexprs are computed. Block-scaled
     ``weights`` (all of them, ``BlockScaledWeight``) read their e4m3 bytes and scales in 128-lane
     chunks, one per scale block (``FP8``)."""
@@ -355,16 +360,17 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
         slots if slots is not None else dummy, norm_weight if norm_weight is not None else dummy,
         hnorm if hnorm is not None else dummy, *ws, *cs, *os_, residual if residual is not None else dummy,
         normed if normed is not None else dummy, part_val if part_val is not None else dummy,
-        part_idx if part_idx is not None else dummy,
+        part_idx if part_idx is not None else dummy, logits if logits is not None else dummy,
         T, K, H, emb.shape[0] if emb is not None else 1,
         x.stride(0), emb.stride(0) if emb is not None else 0, residual.stride(0) if residual is not None else 0,
         normed.stride(0) if normed is not None else 0, part_val.stride(0) if part_val is not None else 0,
+        logits.stride(0) if logits is not None else 0,
         *ns, *sws, *scs, *sos, *bstarts, _eps32(eps),
     )
     meta = dict(
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, LEVELS_K=block_k.bit_length() - 1,
         NCHUNK=nchunk, LEVELS_C=nchunk.bit_length() - 1, **_pow2_meta(H),
-        PRO=pro, NW=nw, EPI=epi, OUT_ACC=out_acc, STORE_NORMED=normed is not None,
+        PRO=pro, NW=nw, EPI=epi, OUT_ACC=out_acc, STORE_NORMED=normed is not None, STORE_LOGITS=logits is not None,
         **_storage_flags(s_dtype, cuda), FP8=fp8, SCALE_ROWS=FP8_BLOCK[0], enable_fp_fusion=False,
     )
     grid = (sum(blocks), triton.cdiv(T, block_t))
@@ -406,12 +412,14 @@ def head_slices(T: int, V: int, H: int) -> tuple[int, int]:
 
 
 def head_partials_launch(out: Tensor, norm_weight: Tensor, eps: float, lm_head: Tensor, x: Tensor, part_val: Tensor,
-                         part_idx: Tensor, cuda: bool | None = None) -> Launch:
+                         part_idx: Tensor, logits: Tensor | None = None, cuda: bool | None = None) -> Launch:
     """``head_partials``' launch: ``out`` (T, H), ``norm_weight`` (H,), ``lm_head`` (V, H); the
-    normed rows into ``x`` (T, H), each slice's best into ``part_val``/``part_idx`` (T, P)."""
+    normed rows into ``x`` (T, H), each slice's best into ``part_val``/``part_idx`` (T, P), and the
+    S logits into ``logits`` (T, V, contiguous last dim) when given."""
     cuda = x.is_cuda if cuda is None else cuda
     return _fused_launch(out, [lm_head], [x], pro=PRO_NORM, epi=EPI_ARGMAX, K=out.shape[1], s_dtype=out.dtype,
-                         cuda=cuda, eps=eps, norm_weight=norm_weight, normed=x, part_val=part_val, part_idx=part_idx)
+                         cuda=cuda, eps=eps, norm_weight=norm_weight, normed=x, part_val=part_val, part_idx=part_idx,
+                         logits=logits)
 
 
 def argmax_reduce_launch(part_val: Tensor, part_idx: Tensor, tokens: Tensor) -> Launch:
@@ -563,14 +571,21 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor) -> Tenso
     return out
 
 
-def head_partials_torch(out: Tensor, norm_weight: Tensor, eps: float, lm_head: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def head_partials_torch(out: Tensor, norm_weight: Tensor, eps: float, lm_head: Tensor, x_out: Tensor | None = None,
+                        logits_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The twin: ``x = rms_norm(out, norm_weight, eps)``, ``logits = linear(x, lm_head)`` (S) and,
     for each of the kernel's vocabulary slices (``head_slices``), ``greedy_token`` over the slice
-    and the logit there in float32: (x (T, H), part_val (T, P) float32, part_idx (T, P) int64)."""
+    and the logit there in float32: (x (T, H), part_val (T, P) float32, part_idx (T, P) int64).
+    ``x_out`` (T, H): where x is written (returned as x); ``logits_out`` (T, V) S: the logits."""
     T, H = out.shape
     V = lm_head.shape[0]
     x = numerics.rms_norm(out, norm_weight, eps)
-    logits = numerics.up(numerics.linear(x, lm_head)).float()  # (T, V)
+    if x_out is not None:
+        x = x_out.copy_(x)
+    s_logits = numerics.linear(x, lm_head)  # (T, V) S
+    if logits_out is not None:
+        logits_out.copy_(s_logits)
+    logits = numerics.up(s_logits).float()  # (T, V)
     P, width = head_slices(T, V, H)
     padded = torch.full((T, P * width), float("-inf"), dtype=torch.float32, device=out.device)
     padded[:, :V] = logits  # -inf past V never wins: a slice's valid lanes come first (ties: lower)
@@ -580,11 +595,13 @@ def head_partials_torch(out: Tensor, norm_weight: Tensor, eps: float, lm_head: T
     return x, part_val, part_idx
 
 
-def head_partials_triton(out: Tensor, norm_weight: Tensor, eps: float,
-                         lm_head: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def head_partials_triton(out: Tensor, norm_weight: Tensor, eps: float, lm_head: Tensor, x_out: Tensor | None = None,
+                         logits_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The kernel: ``out`` (T, H), ``norm_weight`` (H,), ``lm_head`` (V, H) -> (x (T, H) S,
     part_val (T, P) float32, part_idx (T, P) int64), byte-equal to ``head_partials_torch``
-    (NaN payloads aside). The logits are never written."""
+    (NaN payloads aside). ``x_out`` (T, H) of out's dtype: where x is stored (else a new
+    tensor); ``logits_out`` (T, V) of out's dtype with a contiguous last dim: where the S logits
+    are stored, by the same launch (else they are never written)."""
     name = "head_partials_triton"
     _matrix(name, "out", out)
     T, H = out.shape
@@ -595,11 +612,16 @@ def head_partials_triton(out: Tensor, norm_weight: Tensor, eps: float,
     if V == 0 or H == 0:
         raise ValueError(f"{name}: an empty vocabulary or width ({V}, {H})")
     P, _ = head_slices(T, V, H)
-    x = torch.empty(T, H, dtype=out.dtype, device=out.device)
+    for arg, t, cols in (("x_out", x_out, H), ("logits_out", logits_out, V)):
+        if t is not None and (t.shape != (T, cols) or t.dtype != out.dtype or t.device != out.device
+                              or (cols > 1 and t.stride(1) != 1)):
+            raise ValueError(f"{name}: {arg} must be ({T}, {cols}) {out.dtype} on {out.device} with a contiguous "
+                             f"last dim, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    x = torch.empty(T, H, dtype=out.dtype, device=out.device) if x_out is None else x_out
     part_val = torch.empty(T, P, dtype=torch.float32, device=out.device)
     part_idx = torch.empty(T, P, dtype=torch.int64, device=out.device)
     if T > 0:
-        head_partials_launch(out, norm_weight, eps, lm_head, x, part_val, part_idx).run()
+        head_partials_launch(out, norm_weight, eps, lm_head, x, part_val, part_idx, logits_out).run()
     return x, part_val, part_idx
 
 
@@ -659,7 +681,7 @@ def audit_launches(cfg: MtpConfig, dtype: torch.dtype) -> list[AuditLaunch]:
         P, _ = head_slices(T, V, H)
         launches.append(AuditLaunch("head_partials", variant, head_partials_launch(
             a(T, H), a(H), cfg.rms_norm_eps, a(V, H), a(T, H), a(T, P, dt=torch.float32), a(T, P, dt=torch.int64),
-            cuda=True)))
+            a(T, V), cuda=True)))  # the drafter stores the step's logits (confidence, grammar redo)
         launches.append(AuditLaunch("argmax_reduce", variant, argmax_reduce_launch(
             a(T, P, dt=torch.float32), a(T, P, dt=torch.int64), a(T, dt=torch.int64))))
 
