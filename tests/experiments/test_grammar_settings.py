@@ -95,9 +95,10 @@ def write(path, text):
     ("jsonl schema not JSON", ["source=jsonl", "prompts.path={bad_jsonl}"], ':1: "json_schema": a json_schema must'),
 ])
 def test_a_grammar_that_cannot_run_is_one_line_before_any_work(tmp_path, case, overrides, message):
+    prompt = "import os\nprint(os.sep)\n"  # long enough to measure: the prompt rules pass, the grammar's decide
     files = {"schema": write(tmp_path / "s.json", "{not json"),
-             "jsonl": write(tmp_path / "p.jsonl", json.dumps({"prompt": "import os\nprint(os.sep)\n", "json_schema": {"type": "string"}})),
-             "bad_jsonl": write(tmp_path / "q.jsonl", json.dumps({"prompt": "import os\nprint(os.sep)\n", "json_schema": "{nope"}))}
+             "jsonl": write(tmp_path / "p.jsonl", json.dumps({"prompt": prompt, "json_schema": {"type": "string"}})),
+             "bad_jsonl": write(tmp_path / "q.jsonl", json.dumps({"prompt": prompt, "json_schema": "{nope"}))}
     cfg = config([o.format(**files) for o in overrides] + ["logger=none"])
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         check_acceptance(cfg)

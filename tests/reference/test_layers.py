@@ -96,3 +96,22 @@ def test_argmax_ties_go_to_the_lower_id(dtype):
     big = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
     big[:, 10] = big[:, 900] = big.max() + 1
     assert greedy_token(big).tolist() == [10, 10, 10]
+
+
+def test_a_forbidden_logit_is_never_compared_even_where_every_allowed_one_is_minus_inf():
+    """DESIGN.md §10: the masked argmax ranks the allowed tokens alone. With every allowed logit
+    -inf, a forbidden token (finite or -inf, below the allowed ids) must still never win."""
+    from glm_mtp.reference.layers import sampled_token
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 40, generator=gen).to(torch.bfloat16)  # (T, V)
+    allowed = torch.zeros(40, dtype=torch.bool)
+    allowed[[17, 29]] = True
+    logits[:, 17] = -math.inf
+    logits[:, 29] = -math.inf
+    logits[1, :] = -math.inf  # every entry -inf: the lowest allowed id wins, not token 0
+    assert greedy_token(logits, allowed).tolist() == [17, 17, 17]
+    q = torch.rand(3, 40, generator=gen)
+    q[:, [17, 29]] = 0.0  # allowed probabilities that underflowed: still ranked alone
+    noise = torch.rand(3, 40, generator=gen) + 0.5
+    assert sampled_token(q, noise, allowed).tolist() == [17, 17, 17]

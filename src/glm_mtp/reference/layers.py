@@ -54,16 +54,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     return y.to(x.dtype)
 
 
-def restricted(x: Tensor, allowed: Tensor | None) -> Tensor:
-    """``x`` (T, V) with every forbidden token's entry ``-inf``, so no maximum ever lands on it
-    (DESIGN.md §10: a forbidden entry is never compared); ``allowed`` (V,) bool or None (every token)."""
-    return x if allowed is None else torch.where(allowed, x, -math.inf)
+def restricted_argmax(x: Tensor, allowed: Tensor | None) -> Tensor:
+    """The lowest-index maximum (T,) of ``x`` (T, V) over the allowed tokens only: the allowed
+    columns are gathered in ascending id and ranked alone, so a forbidden entry is never compared
+    (DESIGN.md §10), even where every allowed entry is ``-inf``. ``allowed`` (V,) bool with at
+    least one token, or None (every token)."""
+    if allowed is None:
+        return torch.argmax(x, dim=-1)
+    ids = allowed.nonzero().squeeze(1)  # (n,) ascending token ids
+    return ids[torch.argmax(x[:, ids], dim=-1)]
 
 
 def greedy_token(logits: Tensor, allowed: Tensor | None = None) -> Tensor:
     """Argmax over the allowed tokens (T,) of ``logits`` (T, V); ties go to the lower token id
     (torch.argmax returns the first). ``allowed`` (V,) bool, None for every token."""
-    return torch.argmax(restricted(logits, allowed), dim=-1)
+    return restricted_argmax(logits, allowed)
 
 
 def draft_probs(logits: Tensor, temperature: Tensor, allowed: Tensor | None = None) -> Tensor:
@@ -82,7 +87,7 @@ def sampled_token(q: Tensor, noise: Tensor, allowed: Tensor | None = None) -> Te
     Exponential(1) this is a draw from ``q`` (the exponential race: ``noise_v / q_v`` is
     Exponential(q_v), and the smallest wins with probability ``q_v``), and the caller's noise
     fixes it on every backend and device."""
-    return torch.argmax(restricted(q / noise, allowed), dim=-1)
+    return restricted_argmax(q / noise, allowed)
 
 
 def draft_prob(probs: Tensor, token: Tensor) -> Tensor:
