@@ -56,7 +56,7 @@ def test_the_machine_catches_a_grammar_or_confidence_mutant(mutant):
 
     with pytest.raises(AssertionError, match="as found|different results"):
         run_state_machine_as_test(argument_machine(MUTANTS[mutant]), settings=settings(
-            max_examples=40, stateful_step_count=10, derandomize=True, phases=[Phase.generate],
+            max_examples=80, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
             report_multiple_bugs=False, **SETTINGS))
 
 
