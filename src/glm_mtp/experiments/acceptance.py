@@ -8,6 +8,7 @@ out-of-distribution text, with counts and bootstrap intervals over prompts.
     python -m glm_mtp.experiments.acceptance temperature=1 draft=sampled       # drafts sampled from q
     python -m glm_mtp.experiments.acceptance model.dtype=bfloat16 target_numerics=pinned run.check_lossless=true
     python -m glm_mtp.experiments.acceptance batch_size=4                      # 4 prompts per propose_batch
+    python -m glm_mtp.experiments.acceptance num_drafts=5 stop.rule=prob stop.threshold=0.6   # trim each round
 
 Modes: ``speculative`` (default) runs the speculative loop from each prompt, so after the prompt
 the contexts are the target's own output; ``teacher_forced`` scores one speculative step at
@@ -26,6 +27,11 @@ temperature, verified by full rejection sampling; needs ``temperature > 0``). ``
 ``run.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
 alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
 diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
+
+``stop.rule`` / ``stop.threshold`` (``loop/stop_rules.py``): each round verifies only the drafts
+1..s on which the rule holds (from the drafter's ``draft_confidence``); ``summary.json`` records the
+rule, the verify width per step (``verify_width``: mean and histogram) and the speedup at that
+varying width (``speedup.at_width``).
 
 ``batch_size`` (default 1): the loop runs that many prompts together
 (``SpeculativeDecoder.generate_batch``: one ``propose_batch`` per round for every live prompt);
@@ -57,9 +63,16 @@ from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoin
 from .prompts import WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text, text_files
 from .provenance import provenance
 from .recall import ProbedProposer, RecallProbe, recall_summary, selection
+from .loop.stop_rules import StopRule
 from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .target import Target
 from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share, weights_dtype
+
+def stop_rule(cfg: Any) -> StopRule:
+    """The run's stop rule (``stop.rule`` / ``stop.threshold``; none without a ``stop`` node)."""
+    node = cfg.get("stop") or {}
+    return StopRule(node.get("rule", "none"), node.get("threshold"))
+
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one), ``kind:
@@ -292,7 +305,8 @@ def measure(cfg: Any) -> Measurement:
     else:
         proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
     drafter = proposer if probe is None else ProbedProposer(proposer, probe)
-    decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft)
+    stop = stop_rule(cfg)
+    decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft, stop)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
@@ -307,7 +321,7 @@ def measure(cfg: Any) -> Measurement:
         if mode == "teacher_forced":
             st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
                                 decoder.gen,
-                                device=device, draft=draft)
+                                device=device, draft=draft, stop=stop)
             if len(samples) < 2:
                 samples.append({"prompt": decode(w[: run.prompt_tokens]),
                                 "continuation": decode(w[run.prompt_tokens :]),
@@ -343,7 +357,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     lossless = ({"prompts": len(windows), "identical": len(windows) - len(divergences), "diverged": divergences}
                 if m.check_lossless else None)
     counts_pp = {"reached": [s.reached for s in m.per_prompt], "accepted": [s.accepted for s in m.per_prompt],
-                 "steps": [s.steps for s in m.per_prompt]}
+                 "steps": [s.steps for s in m.per_prompt], "widths": [s.widths for s in m.per_prompt],
+                 "committed": [s.committed for s in m.per_prompt]}
     ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
     # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
     # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).
@@ -356,6 +371,9 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
     # these taus at GLM-5's costs
     speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}
+    # S at this run's verify width per step (a stop rule trims it; without one it is S(num_drafts))
+    speedup["at_width"] = spd.width_speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed)
+    speedup["glm5"]["at_width"] = spd.width_speedup_summary(counts_pp, glm5["c"], glm5["v"], seed=cfg.seed)
     return {
         "mode": m.mode,
         "source": m.source,
@@ -370,6 +388,9 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "bootstrap": {"unit": "prompt", "replicates": acc_stats.REPLICATES, "seed": cfg.seed,
                       "interval": "percentile 95%"},
         "num_drafts": cfg.num_drafts,
+        "stop": stop_rule(cfg).record(),  # the stop rule and its threshold (loop/stop_rules.py)
+        # drafts verified per step: mean, and the histogram over widths 0..num_drafts
+        "verify_width": {"mean": stats.mean_width, "histogram": stats.widths},
         "policy": cfg.policy,
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
@@ -439,6 +460,10 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
         print("diverged (prompt, first differing "
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
     print(spd.format_line(speedup))
+    width, stop, at = summary["verify_width"], summary["stop"], speedup["at_width"]
+    print(f"stop.rule={stop['rule']}" + ("" if stop["threshold"] is None else f" threshold={stop['threshold']:g}")
+          + f": {width['mean']:.2f} of {k} drafts verified per step (histogram over 0..{k}: {width['histogram']}); "
+          f"S at that width = {at['predicted']:.2f} [{at['predicted_ci'][0]:.2f}, {at['predicted_ci'][1]:.2f}]")
     recall = summary.get("recall")
     if recall is not None:
         print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 "
@@ -463,6 +488,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     log.log({"tau": summary["mean_accepted_length"], **{f"alpha_{i + 1}": a for i, a in enumerate(alpha)},
              **{f"cumulative_{i + 1}": a for i, a in enumerate(cumulative)},
              "speedup/best_k": speedup["best_k"],
+             "verify_width/mean": summary["verify_width"]["mean"], "speedup/at_width": speedup["at_width"]["predicted"],
              **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
              "time/draft_share": summary["draft_share"],
@@ -476,6 +502,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
                                               for i, p in enumerate(recall["per_position"])},
                                            **{f"recall/median_{i + 1}": p["median"]
                                               for i, p in enumerate(recall["per_position"])}})})
+    log.log_histogram("verify_width/histogram", summary["verify_width"]["histogram"])
     log.log_samples(summary["samples"])
     log.log_image("acceptance_plot", png)
     log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))

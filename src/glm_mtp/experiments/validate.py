@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from glm_mtp.registry import BACKENDS
 
+from .loop.stop_rules import check_stop_rule
 from .prompts import SOURCES as PROMPT_SOURCES
 from .speculative import DRAFTS, POLICIES
 from .target import TARGET_NUMERICS
@@ -195,6 +196,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_int(cfg, "run.prompt_tokens", 1)
     need_int(cfg, "run.max_new_tokens", 1)
     need_bool(cfg, "run.check_lossless")
+    check_stop(cfg)
     costs = _get(cfg, "speedup.costs")
     if not isinstance(costs, str) or (costs not in ("measured", "glm5") and not os.path.isfile(costs)):
         raise ValueError(f"speedup.costs must be measured, glm5 or the path of a costs.json, got {costs!r}")
@@ -213,6 +215,16 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     check_lengths(cfg, model.max_position_embeddings)
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
+
+
+def check_stop(cfg: Any) -> None:
+    """``stop.rule`` and ``stop.threshold`` (``loop/stop_rules.py``): a known rule, and a finite
+    number for a rule that trims (null for none). A config without a ``stop`` node verifies every
+    draft."""
+    node = cfg.get("stop")
+    if node is None:
+        return
+    check_stop_rule(node.get("rule", "none"), node.get("threshold"))
 
 
 def check_hf_model(cfg: Any, numerics: str) -> None:
