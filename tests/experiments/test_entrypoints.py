@@ -11,10 +11,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 from glm_mtp.reference import MtpWeights
-from glm_mtp.experiments import acceptance, provenance, report, train
-from glm_mtp.experiments.checkpoint import shipped_checkpoint
-from glm_mtp.experiments.target import TargetWeights
-from glm_mtp.experiments.wandb_log import read_offline_run
+from glm_mtp.experiments import acceptance, report, train
+from glm_mtp.experiments.targets import provenance
+from glm_mtp.experiments.targets.checkpoint import shipped_checkpoint
+from glm_mtp.experiments.targets.target import TargetWeights
+from glm_mtp.experiments.reporting.wandb_log import read_offline_run
 
 
 def config(name, overrides):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from glm_mtp.experiments import bench, speedup
-from glm_mtp.experiments.speculative import make_proposer
+from glm_mtp.experiments import bench
+from glm_mtp.experiments.loop import speedup
+from glm_mtp.experiments.loop.speculative import make_proposer
 from glm_mtp.reference.config import MtpConfig
 
 
@@ -77,7 +78,7 @@ def test_glm5_costs_from_bytes():
 def test_measured_costs_follow_the_clock(tiny64):
     """With a clock that advances one tick per reading, every timed call lasts one tick: a draft
     step is 1/k of a propose, a verify of any length equals a step (v = 0), so c = 1/k."""
-    from glm_mtp.experiments.target import Target
+    from glm_mtp.experiments.targets.target import Target
 
     ticks = itertools.count()
     target = Target(tiny64.target, 64)

@@ -6,13 +6,13 @@ import math
 import numpy as np
 import pytest
 
-from glm_mtp.experiments import speedup as spd
+from glm_mtp.experiments.loop import speedup as spd
 from glm_mtp.experiments.loop.calibration import (
     MARGIN_EDGES, PROB_EDGES, bin_index, calibration, depth_correlation, spearman,
 )
 from glm_mtp.experiments.loop.oracle import oracle_per_prompt, oracle_widths
 from glm_mtp.experiments.loop.stop_rules import RoundRecord, StopRule, check_stop_rule, verify_width
-from glm_mtp.experiments.speculative import SpecStats
+from glm_mtp.experiments.loop.speculative import SpecStats
 
 PROB = [0.9, 0.6, 0.8, 0.3, 0.95]
 MARGIN = [3.0, 0.4, math.inf, 1.2, 0.0]

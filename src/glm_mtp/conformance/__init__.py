@@ -20,7 +20,7 @@ from .backends import BackendError, resolve_backend
 from .compare import EXPORT_KEYS, first_mismatch, snapshots_equal
 from .lockstep import Harness, Lockstep, run_scenario
 from .mutants import MUTANTS
-from .mutants_base import Mutant
+from .mutants.base import Mutant
 from .report import Difference, Finding, Report
 from .runner import record, run
 from .scenarios import GENERATORS, MAX_DRAFTS, Scenario, load_scenario, save_scenario, scenario

@@ -55,18 +55,21 @@ from typing import Any, Iterator
 
 import torch
 
-from . import speedup as spd
-from . import stats as acc_stats
+from .loop import speedup as spd
+from .loop import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
-from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model, shipped_checkpoint
-from .prompts import WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text, text_files
-from .provenance import provenance
-from .recall import ProbedProposer, RecallProbe, recall_summary, selection
+from .targets.checkpoint import (SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model,
+                                 shipped_checkpoint)
+from .settings.prompts import (WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text,
+                               text_files)
+from .targets.provenance import provenance
+from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .loop.stop_rules import StopRule
-from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
-from .target import Target
-from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share, weights_dtype
+from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
+from .targets.target import Target
+from .settings.validate import (MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share,
+                                weights_dtype)
 
 def stop_rule(cfg: Any) -> StopRule:
     """The run's stop rule (``stop.rule`` / ``stop.threshold``; none without a ``stop`` node)."""
@@ -99,7 +102,7 @@ def load_model(mcfg: Any) -> LoadedModel:
 def source_texts(model: LoadedModel, source: str, path: str | None = None) -> list[str]:
     """The texts of a window source: the checkpoint's held-out items, the OOD packages' files, or
     the plain text files at ``path`` (source=text)."""
-    from .corpus import ood_items, read_item
+    from .training.corpus import ood_items, read_item
 
     if source == "text":
         if path is None:
@@ -261,7 +264,7 @@ def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -
     the drafter's states live on (beside the target's hidden rows)."""
     if model.hf is None:
         return Target(model.target, max_seq_len, numerics=numerics), "cpu"
-    from .hf_target import HfTarget
+    from .targets.hf_target import HfTarget
 
     target = HfTarget(model.hf.model, cfg.num_drafts + 1, max_seq_len, model.mtp.device,
                       cfg.model.get("topk_ties", "lower_index"))
@@ -273,7 +276,7 @@ def target_record(m: Measurement) -> dict[str, Any]:
     dtype, top-k ties) or the package's own."""
     if m.model.hf is not None:
         return {**m.model.hf.info, "topk_ties": m.target.topk_ties}
-    return {"implementation": "glm_mtp.experiments.target.Target", "numerics": m.numerics}
+    return {"implementation": "glm_mtp.experiments.targets.target.Target", "numerics": m.numerics}
 
 
 def measure(cfg: Any) -> Measurement:
@@ -445,7 +448,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     ``run_dir``; log it all to the configured logger (W&B offline, or none)."""
     from omegaconf import OmegaConf
 
-    from .wandb_log import make_logger
+    from .reporting.wandb_log import make_logger
 
     mode, source, k = summary["mode"], summary["source"], cfg.num_drafts
     counts, speedup, lossless = summary["counts"], summary["speedup"], summary["lossless"]
@@ -519,7 +522,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from .entry import hydra_main
+    from .settings.entry import hydra_main
 
     def body(cfg: Any, hc: Any) -> None:
         from omegaconf import open_dict

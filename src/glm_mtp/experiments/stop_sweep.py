@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from . import speedup as spd
+from .loop import speedup as spd
 from .acceptance import check_prompt_lengths, load_model, make_target, run_prompts, speculative_results
 from .loop.calibration import MARGIN_EDGES, PROB_EDGES, calibration, depth_correlation
 from .loop.oracle import oracle_per_prompt
 from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
-from .speculative import SpecStats, SpeculativeDecoder, make_proposer, teacher_forced
+from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, teacher_forced
 
 SWEPT_RULES = tuple(r for r in STOP_RULES if r != "none")
 
@@ -47,7 +47,7 @@ def check_sweep(cfg: Any) -> None:
     """The acceptance settings (``validate.check_acceptance``), ``stop.rule=none`` (the sweep
     sets each run's rule), ``sweep.fixed_k`` a bool and ``sweep.thresholds`` a mapping from rules
     to non-empty lists of finite numbers."""
-    from .validate import check_acceptance, need_bool
+    from .settings.validate import check_acceptance, need_bool
 
     check_acceptance(cfg)
     stop = cfg.get("stop") or {}
@@ -270,7 +270,7 @@ def write(cfg: Any, record: dict[str, Any], run_dir: str) -> None:
     """Print the tables; write sweep.json, sweep.md and the two plots; log them."""
     from omegaconf import OmegaConf
 
-    from .wandb_log import make_logger
+    from .reporting.wandb_log import make_logger
 
     table, cal = format_table(record), format_calibration(record)
     print(table)
@@ -302,7 +302,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from .entry import hydra_main
+    from .settings.entry import hydra_main
 
     hydra_main("stop_sweep", "python -m glm_mtp.experiments.stop_sweep", check_sweep,
                lambda cfg, hc: run(cfg, hc.runtime.output_dir))

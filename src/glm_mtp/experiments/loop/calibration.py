@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import stats as acc_stats
+from . import stats as acc_stats
 from .stop_rules import RoundRecord
 
 PROB_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

@@ -65,7 +65,7 @@ from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
 from glm_mtp.registry import backend_class
 
-from .loop.stop_rules import NO_STOP, RoundRecord, StopRule, round_width
+from .stop_rules import NO_STOP, RoundRecord, StopRule, round_width
 
 Policy = Literal["first_row_kept", "refeed", "trim_all"]
 POLICIES = ("first_row_kept", "refeed", "trim_all")

@@ -212,7 +212,7 @@ def split_report(train: list[str], heldout: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """``python -m glm_mtp.experiments.corpus [corpus.json ...]``: the overlap of this split and
+    """``python -m glm_mtp.experiments.training.corpus [corpus.json ...]``: the overlap of this split and
     of any recorded split (a checkpoint's ``corpus.json``), one line each."""
     import argparse
     import json
