@@ -362,7 +362,7 @@ class SpeculativeDecoder:
         while len(tokens) - len(prompt) < max_new_tokens:
             t0 = clock()
             drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen)
-            width, prob, margin = round_width(self.stop, prop, dstate, k, self.record_rounds)
+            width, prob, margin = round_width(self.stop, prop, dstate, len(drafts), self.record_rounds)
             t1 = clock()
             out = tg.verify([tokens[m], *drafts[:width]], tstate)  # positions m..m+width
             a, bonus = self._verify(out.logits, drafts[:width], None if q is None else q[:width])
@@ -499,7 +499,7 @@ class SpeculativeDecoder:
         row a fully accepted sequence owes, ``(seq, d_k, h_{m+k-1}, row m+k-1)``, for the round's
         catch-up (None otherwise)."""
         clock, k = time.perf_counter, self.k
-        width, prob, margin = round_width(self.stop, self.proposer, s.dstate, k, self.record_rounds)
+        width, prob, margin = round_width(self.stop, self.proposer, s.dstate, len(d), self.record_rounds)
         t1 = clock()
         out = self.target.verify([s.tokens[s.m], *d[:width]], s.tstate)  # positions m..m+width
         a, bonus = self._verify(out.logits, d[:width])
@@ -622,7 +622,7 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     for m in range(prompt_len, len(text)):
         t0 = clock()
         drafts, q = draft_tokens(proposer, draft, text[m], h_prev, m - 1, k, dstate, temperature, gen)
-        width, prob, margin = round_width(stop, proposer, dstate, k, record_rounds)
+        width, prob, margin = round_width(stop, proposer, dstate, len(drafts), record_rounds)
         drafts, q = drafts[:width], None if q is None else q[:width]
         t1 = clock()
         out = target.verify([text[m], *drafts], tstate)  # positions m..m+width
