@@ -26,6 +26,7 @@ table), ``calibration.png`` and ``sweep.png`` into the run directory and logs th
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -74,6 +75,7 @@ class Runner:
 
     def __init__(self, cfg: Any) -> None:
         torch.set_num_threads(cfg.threads)
+        logging.getLogger("glm_mtp").setLevel(logging.WARNING)  # the drafter logs every prefill at INFO
         self.cfg = cfg
         self.model = load_model(cfg.model)
         self.windows, self.starts = run_prompts(cfg, self.model, cfg.source)
@@ -104,9 +106,13 @@ def per_prompt(stats: list[SpecStats]) -> dict[str, Any]:
 
 def entry(name: str, rule: str, threshold: float | None, k: int, pp: dict[str, Any], costs: dict[str, Any],
           seed: int) -> dict[str, Any]:
-    """One row of the sweep: its rule, threshold, k and the speedup summary at its widths."""
+    """One row of the sweep: its rule, threshold, k and the speedup summary at its widths, at the
+    run's costs and with a flat verify (``flat_verify``: v = 0, a verify of any width as cheap as
+    a decode step, the memory-bound dense regime in which trimming can only lose tokens)."""
     sp = spd.width_speedup_summary(pp, costs["c"], costs["v"][:k], seed=seed)
-    return {"name": name, "rule": rule, "threshold": threshold, "num_drafts": k, **sp, "counts": pp}
+    flat = spd.width_speedup_summary(pp, costs["c"], [0.0] * k, seed=seed)
+    return {"name": name, "rule": rule, "threshold": threshold, "num_drafts": k, **sp,
+            "flat_verify": {"predicted": flat["predicted"], "predicted_ci": flat["predicted_ci"]}, "counts": pp}
 
 
 def oracle_condition(costs: dict[str, Any], best: float) -> dict[str, Any]:
@@ -167,12 +173,14 @@ def fmt(x: float, ci: list[float], digits: int = 2) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The sweep as a Markdown table: one row per entry, S's best row marked."""
     best = max(record["rows"], key=lambda r: r["predicted"])
-    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") |",
-             "|---|---|---|---|"]
+    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S (v = 0) |",
+             "|---|---|---|---|---|"]
     for r in record["rows"]:
         mark = " **best**" if r is best else ""
+        flat = r["flat_verify"]
         lines.append(f"| {r['name']}{mark} | {fmt(r['mean_width'], r['mean_width_ci'])} | {fmt(r['tau'], r['tau_ci'])} "
-                     f"| {fmt(r['predicted'], r['predicted_ci'], 3)} |")
+                     f"| {fmt(r['predicted'], r['predicted_ci'], 3)} "
+                     f"| {fmt(flat['predicted'], flat['predicted_ci'], 3)} |")
     return "\n".join(lines)
 
 
