@@ -11,7 +11,8 @@ from glm_mtp.conformance import Harness, load_scenario, save_scenario, scenario
 from glm_mtp.conformance.mutants import MUTANTS
 from glm_mtp.conformance.mutants import sharing as mutants_sharing
 from glm_mtp.conformance.scenarios import draws_index_share
-from glm_mtp.conformance.spec import Hidden, SpecModel, TokenIds
+from glm_mtp.conformance.ops import Hidden, TokenIds
+from glm_mtp.conformance.spec import SpecModel
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.bytes import keyed_bytes, raw_bytes
 

@@ -28,6 +28,8 @@ ALLOWED = {
     "view.dtype", "permute.default", "unsqueeze.default", "expand.default", "empty.memory_format",
     "zeros_like.default", "ones_like.default", "full_like.default", "full.default", "zeros.default", "fill_.Scalar",
     "minimum.default", "maximum.default", "alias.default",  # the clamped SwiGLU (glm5_next); a view
+    "scalar_tensor.default",  # the -inf / +0.0 of a grammar's masked argmax and softmax (a constant)
+    "gt.Scalar", "lt.Scalar",  # a sampled propose's check of its noise (comparisons)
 }
 # Library reductions and transcendental kernels (DESIGN.md §5 keeps them out), named for a clear message.
 FORBIDDEN = {"mm.default", "addmm.default", "bmm.default", "matmul.default", "dot.default", "mv.default",
@@ -72,6 +74,37 @@ def drafter_ops(backend, dtype, preset="tiny"):
 def test_the_drafter_path_uses_only_allowed_operations(backend, dtype):
     ops = drafter_ops(backend, dtype)
     assert ops["add.Tensor"] > 100 and ops["mul.Tensor"] > 50  # the sums really run here
+    assert not set(ops) & FORBIDDEN, sorted(set(ops) & FORBIDDEN)
+    assert set(ops) <= ALLOWED, f"not an allowed operation: {sorted(set(ops) - ALLOWED)}"
+
+
+def constrained_ops(dtype, preset):
+    """The reference's path under a grammar (DESIGN.md §10), greedy and sampled, with each
+    draft's confidence read (§12)."""
+    from glm_mtp.conformance.grammars import Grammar
+
+    cfg = MtpConfig.preset(preset)
+    prop = ReferenceProposer(MtpWeights.random(cfg, seed=0, dtype=dtype), 64)
+    state = prop.alloc_state("cpu")
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (12,), generator=g)
+    hiddens = torch.randn(12, cfg.hidden_size, generator=g).to(dtype)
+    noise = torch.empty(3, cfg.vocab_size).exponential_(generator=g)
+    with FloatOps() as mode:
+        prop.prefill_drafter(tokens, hiddens, state)
+        prop.propose(5, hiddens[-1], 11, 3, state, grammar=Grammar(1).matcher(cfg.vocab_size))
+        prop.draft_confidence(state)
+        prop.after_verify(1, state)
+        prop.propose_sampled(7, hiddens[-2], 12, 3, 0.7, noise, state, grammar=Grammar(5).matcher(cfg.vocab_size))
+        prop.draft_confidence(state)
+    return mode.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("preset", ["tiny", "glm5next_tiny"])
+def test_the_grammar_and_confidence_path_uses_only_allowed_operations(dtype, preset):
+    ops = constrained_ops(dtype, preset)
+    assert ops["where.self"] > 0 and ops["gather.default"] > 0  # the masked path and the confidences ran
     assert not set(ops) & FORBIDDEN, sorted(set(ops) & FORBIDDEN)
     assert set(ops) <= ALLOWED, f"not an allowed operation: {sorted(set(ops) - ALLOWED)}"
 

@@ -24,7 +24,8 @@ from .mutants.base import Mutant
 from .report import Difference, Finding, Report
 from .runner import record, run
 from .scenarios import GENERATORS, MAX_DRAFTS, Scenario, load_scenario, save_scenario, scenario
-from .spec import Hidden, Op, SpecModel, TokenIds
+from .ops import Hidden, Op, TokenIds
+from .spec import SpecModel
 
 __all__ = [
     "run", "record", "Report", "Difference", "Finding", "BackendError", "resolve_backend", "Harness", "Lockstep",

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .bytes import hidden_fingerprint, same_bytes
 from .contract_guards import check_sound, writing
+from .grammar import MATCHER_METHODS, missing_method
 from .numerics import acc_dtype
 from .state import DrafterState, Sizes, rewind_rows
 from .weights import MtpWeights
@@ -42,6 +43,18 @@ WriteRows = Callable[[Tensor, Tensor, int, DrafterState], None]
 
 
 # ---- the protocol and its results ------------------------------------------------------------
+
+
+class Matcher(Protocol):
+    """A grammar's matcher (DESIGN.md §10): xgrammar's ``GrammarMatcher`` methods, so an xgrammar
+    matcher passes as it is. ``bitmask`` is a CPU int32 tensor ``(rows, ceil(V / 32))``, bit
+    ``j % 32`` of word ``j // 32`` set = token j allowed; ``fill_next_token_bitmask`` writes row
+    ``index``."""
+
+    def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> object: ...
+    def accept_token(self, token: int) -> bool: ...
+    def rollback(self, num_tokens: int) -> object: ...
+    def is_terminated(self) -> bool: ...
 
 
 @runtime_checkable
@@ -61,10 +74,11 @@ class DraftProposer(Protocol):
     def catchup_drafter(self, tokens: Tokens, hiddens: Tensor, row_base: int, pos_base: int,
                         state: DrafterState) -> int: ...
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                state: DrafterState) -> list[int]: ...
+                state: DrafterState, grammar: Matcher | None = None) -> list[int]: ...
     def after_verify(self, num_accepted: int, state: DrafterState) -> None: ...
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
-                      states: list[DrafterState]) -> list[list[int]]: ...
+                      states: list[DrafterState],
+                      grammars: Sequence[Matcher | None] | None = None) -> list[list[int]]: ...
     def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
                       states: list[DrafterState]) -> list[int]: ...
     def export_state(self, state: DrafterState) -> dict[str, Tensor]: ...
@@ -76,9 +90,10 @@ class SampledDrafts:
     when their drafts are and their ``q`` have the same shape, dtype and bytes (-0.0 != 0.0).
 
     Args:
-        drafts: the k drafted token ids, ``drafts[i] = argmax(q[i] / noise[i])``.
-        q: (k, V) in A, ``q[i] = softmax(up(logits_i) / temperature)`` (``layers.draft_probs``),
-            on the state's device.
+        drafts: the k' drafted token ids, ``drafts[i] = argmax(q[i] / noise[i])`` over the
+            allowed tokens (k' < k when a grammar stopped the propose, DESIGN.md §10).
+        q: (k', V) in A, ``q[i] = softmax(up(logits_i) / temperature)`` (``layers.draft_probs``;
+            the masked softmax under a grammar), on the state's device.
     """
 
     drafts: list[int]
@@ -95,7 +110,23 @@ class SamplingProposer(DraftProposer, Protocol):
     """A ``DraftProposer`` that can also draft by sampling (both backends of this package)."""
 
     def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts: ...
+                        temperature: float, noise: Tensor, state: DrafterState,
+                        grammar: Matcher | None = None) -> SampledDrafts: ...
+
+
+@runtime_checkable
+class ConstrainedProposer(SamplingProposer, Protocol):
+    """A ``SamplingProposer`` whose proposes take a grammar's matcher (DESIGN.md §10) and report
+    each draft's confidence (§12): ``draft_confidence(state)`` is ``(prob, margin)``, each
+    ``(last_drafted,)`` in A on the state's device, for the pending propose."""
+
+    def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]: ...
+
+
+def takes_grammars(proposer: object) -> bool:
+    """Whether ``proposer`` drafts under grammars and reports confidences (a ``ConstrainedProposer``:
+    it has ``draft_confidence``, with ``propose_sampled``, ``propose_batch`` and the rest)."""
+    return isinstance(proposer, ConstrainedProposer)
 
 
 def check_noise_shape(noise: object, num_drafts: int, vocab_size: int, dtype: torch.dtype,
@@ -158,6 +189,19 @@ def check_token_dtype(name: str, tokens: Tensor) -> None:
     """A token tensor must hold integers (not floats, complex numbers or booleans)."""
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+
+
+def check_grammar(name: str, grammar: object) -> object:
+    """A propose's grammar (DESIGN.md §10): None, or a matcher with the four methods of
+    ``Matcher`` (``MATCHER_METHODS``), each callable; else ``ValueError`` naming the argument
+    and the method it lacks. Returns it."""
+    if grammar is None:
+        return None
+    missing = missing_method(grammar)
+    if missing is not None:
+        raise ValueError(f"{name} must be None or a grammar matcher with the methods {', '.join(MATCHER_METHODS)} "
+                         f"(xgrammar's GrammarMatcher); a {type(grammar).__name__} has no callable {missing}")
+    return grammar
 
 
 def check_strided(name: str, t: Tensor) -> None:
@@ -330,6 +374,14 @@ def check_live(state: DrafterState, call: str) -> None:
         raise RuntimeError(f"{call}: a propose of {state.last_drafted} drafts is pending; call after_verify first")
 
 
+def check_pending(state: DrafterState, call: str) -> None:
+    """The lifecycle checks of a read of the pending propose (``draft_confidence``): a sound
+    state with a propose pending; ``RuntimeError`` naming the call otherwise."""
+    check_sound(state, call)
+    if not state.pending:
+        raise RuntimeError(f"{call}: no propose is pending (a propose's confidences are read before its after_verify)")
+
+
 # ---- the calls, after their owner and lifecycle checks ------------------------------------------
 
 
@@ -381,12 +433,15 @@ class ProposeArgs:
     token: int | Tensor
     hidden: Tensor
     num_drafts: int
+    grammar: Matcher | None = None
 
 
 def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, position: object, num_drafts: object,
-                 state: DrafterState, weights: MtpWeights, capacity: int, device_checks: bool = False) -> ProposeArgs:
+                 state: DrafterState, weights: MtpWeights, capacity: int, device_checks: bool = False,
+                 grammar: object = None, grammar_name: str = "grammar") -> ProposeArgs:
     """A propose's argument checks, in the contract's order, after its lifecycle checks:
-    ``position``, the rows held, ``last_token``, ``target_hidden``, ``num_drafts``, the capacity.
+    ``position``, the rows held, ``last_token``, ``target_hidden``, ``num_drafts``, the capacity,
+    the ``grammar`` (``check_grammar``, named ``grammar_name``: ``grammars[b]`` in a batch).
 
     ``device_checks``: leave the two checks that read the data (a token tensor's range, the
     hidden's finiteness) to the caller, which runs them on the device. When a later check
@@ -395,11 +450,19 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
     ``FINGERPRINT_ENV`` is 1 (a debugging aid; it syncs)."""
     if device_checks:
         try:
-            return _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, True)
+            args = _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, True)
         except (TypeError, ValueError, RuntimeError):
             _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
             raise
-    return _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
+    else:
+        args = _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
+    try:
+        args.grammar = check_grammar(grammar_name, grammar)  # type: ignore[assignment]
+    except ValueError:
+        if device_checks:
+            check_args_data(args, weights)  # the data checks left to the device come first in the contract's order
+        raise
+    return args
 
 
 def _propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, position: object, num_drafts: object,

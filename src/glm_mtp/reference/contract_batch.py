@@ -84,6 +84,28 @@ def batch_hiddens(call: str, name: str, hiddens: object, B: int, H: int) -> list
     return [hiddens[b : b + 1] for b in range(B)]
 
 
+def batch_grammars(call: str, grammars: object, B: int) -> list[object]:
+    """``propose_batch``'s ``grammars`` (DESIGN.md §10), one per state: None (no state has a
+    grammar), or a list or tuple of B entries, each a matcher or None (each checked with its
+    state, ``contract.check_grammar``); one matcher serves one state, so a matcher given twice is
+    a ``ValueError`` naming both indices."""
+    if grammars is None:
+        return [None] * B
+    if not isinstance(grammars, (list, tuple)):
+        raise ValueError(f"{call}: grammars must be None or a list of {B} matchers or None, one per state, got "
+                         f"{type(grammars).__name__}")
+    if len(grammars) != B:
+        raise ValueError(f"{call}: grammars has {len(grammars)} entries for {B} states")
+    seen: dict[int, int] = {}
+    for b, g in enumerate(grammars):
+        if g is None:
+            continue
+        if id(g) in seen:
+            raise ValueError(f"{call}: grammars[{b}] is grammars[{seen[id(g)]}]; a matcher serves one state")
+        seen[id(g)] = b
+    return list(grammars)
+
+
 @contextmanager
 def guard_all(call: str, states: Sequence[DrafterState], use: Callable[[DrafterState, str], Any]) -> Iterator[None]:
     """Rule 0 for every state of a batch, held for the whole call: ``use(state, call)`` is the
@@ -107,21 +129,24 @@ class BatchPropose:
 def batch_propose_args(call: str, last_tokens: object, target_hiddens: object, positions: object, num_drafts: object,
                        states: list[DrafterState], weights: MtpWeights, capacity: int,
                        check_live_state: Callable[[DrafterState, str], None],
-                       device_checks: bool = False) -> BatchPropose:
-    """Every check of ``propose_batch`` after the guards: the batch's own shapes, then each
-    state's lifecycle (``check_live_state``) and propose checks (``propose_args``), in index order."""
+                       device_checks: bool = False, grammars: object = None) -> BatchPropose:
+    """Every check of ``propose_batch`` after the guards: the batch's own shapes (``last_tokens``,
+    ``target_hiddens``, ``positions``, ``num_drafts``, ``grammars``: ``batch_grammars``), then
+    each state's lifecycle (``check_live_state``) and propose checks (``propose_args``, its
+    grammar as ``grammars[b]``), in index order."""
     B, H = len(states), weights.config.hidden_size
     tokens = batch_values(call, "last_tokens", last_tokens, B)
     hiddens = batch_hiddens(call, "target_hiddens", target_hiddens, B, H)
     pos = batch_ints(call, "positions", positions, B)
     num_drafts = check_int("num_drafts", num_drafts)
+    matchers = batch_grammars(call, grammars, B)
     args: list[ProposeArgs] = []
     for b, st in enumerate(states):
         try:
             with batch_item(call, b):
                 check_live_state(st, call)
                 args.append(propose_args(call, tokens[b], hiddens[b], pos[b], num_drafts, st, weights, capacity,
-                                         device_checks))
+                                         device_checks, matchers[b], f"grammars[{b}]"))
         except (TypeError, ValueError, RuntimeError):
             if device_checks:  # an earlier state's data refuses first (index order): read it now, on refusal only
                 check_data(call, args, weights)

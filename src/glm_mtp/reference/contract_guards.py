@@ -87,6 +87,11 @@ def check_sound(state: DrafterState, call: str) -> None:
                            "a new one")
 
 
+class RefusedMidway(ValueError):
+    """A refusal found after the call began writing (a matcher that breaks its contract, DESIGN.md
+    §10), raised once the call has put every byte it wrote back: it does not poison the state."""
+
+
 @contextmanager
 def writing(state: DrafterState, call: str) -> Iterator[None]:
     """The part of a call that changes the state, after every check passed.
@@ -102,10 +107,12 @@ def writing(state: DrafterState, call: str) -> Iterator[None]:
 @contextmanager
 def writing_all(states: Sequence[DrafterState], call: str) -> Iterator[None]:
     """``writing`` for a batch: a failure midway poisons every state of it (any of them may hold
-    half-written rows)."""
+    half-written rows). A ``RefusedMidway`` passes through: its call restored the states first."""
     try:
         with torch.no_grad():
             yield
+    except RefusedMidway:
+        raise
     except BaseException as e:
         for state in states:
             state.poisoned = f"{call} failed midway ({type(e).__name__}: {e})"

@@ -1,5 +1,6 @@
 """The small building blocks with no reduction in them: the RoPE table and rotation, the draft
-argmax and the sampled draft, the tie-pinned top-k, the clamped SwiGLU of GLM-5.3-Flash (its
+argmax and the sampled draft (over a grammar's allowed tokens, DESIGN.md §10), each draft's
+probability and margin (§12), the tie-pinned top-k, the clamped SwiGLU of GLM-5.3-Flash (its
 GEMMs are ``numerics.linear``). (Norms, GEMMs and the SwiGLU MLP are the pinned primitives of
 ``numerics``.)
 
@@ -9,10 +10,12 @@ RoPE computes in A (float32, or float64 for float64 inputs): ``y1 = x1 cos - x2 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from .numerics import acc_dtype, linear, silu, softmax, up
+from .numerics import acc_dtype, linear, masked_softmax, silu, up
 
 
 # ------------------------------------------------------------------------------------------------
@@ -51,26 +54,53 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     return y.to(x.dtype)
 
 
-def greedy_token(logits: Tensor) -> Tensor:
-    """Argmax over the vocabulary; ties go to the lower token id (torch.argmax returns the first)."""
-    return torch.argmax(logits, dim=-1)
+def restricted(x: Tensor, allowed: Tensor | None) -> Tensor:
+    """``x`` (T, V) with every forbidden token's entry ``-inf``, so no maximum ever lands on it
+    (DESIGN.md §10: a forbidden entry is never compared); ``allowed`` (V,) bool or None (every token)."""
+    return x if allowed is None else torch.where(allowed, x, -math.inf)
 
 
-def draft_probs(logits: Tensor, temperature: Tensor) -> Tensor:
-    """The draft distribution ``q = softmax(up(logits) / temperature)`` (T, V) in A, from the
-    head's logits (T, V) in S: one correctly rounded division per logit, then the pinned
-    ``numerics.softmax``. ``temperature`` is a tensor in A on the logits' device (the run's
-    temperature rounded to A once): a division by a host scalar may run on CUDA as a
-    multiplication by its reciprocal, which rounds differently."""
-    return softmax(up(logits) / temperature)
+def greedy_token(logits: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """Argmax over the allowed tokens (T,) of ``logits`` (T, V); ties go to the lower token id
+    (torch.argmax returns the first). ``allowed`` (V,) bool, None for every token."""
+    return torch.argmax(restricted(logits, allowed), dim=-1)
 
 
-def sampled_token(q: Tensor, noise: Tensor) -> Tensor:
-    """The sampled draft ``argmax(q / noise)`` (T,) for ``q`` (T, V) and positive noise (T, V)
-    in A; ties go to the lower token id. With ``noise`` i.i.d. Exponential(1) this is a draw from
-    ``q`` (the exponential race: ``noise_v / q_v`` is Exponential(q_v), and the smallest wins
-    with probability ``q_v``), and the caller's noise fixes it on every backend and device."""
-    return torch.argmax(q / noise, dim=-1)
+def draft_probs(logits: Tensor, temperature: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """The draft distribution ``q = masked_softmax(up(logits) / temperature)`` (T, V) in A, from
+    the head's logits (T, V) in S: one correctly rounded division per logit, then the pinned
+    softmax over the allowed tokens (``numerics.masked_softmax``; every token when ``allowed``
+    is None). ``temperature`` is a tensor in A on the logits' device (the run's temperature
+    rounded to A once): a division by a host scalar may run on CUDA as a multiplication by its
+    reciprocal, which rounds differently."""
+    return masked_softmax(up(logits) / temperature, allowed)
+
+
+def sampled_token(q: Tensor, noise: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """The sampled draft ``argmax(q / noise)`` (T,) over the allowed tokens, for ``q`` (T, V) and
+    positive noise (T, V) in A; ties go to the lower token id. With ``noise`` i.i.d.
+    Exponential(1) this is a draw from ``q`` (the exponential race: ``noise_v / q_v`` is
+    Exponential(q_v), and the smallest wins with probability ``q_v``), and the caller's noise
+    fixes it on every backend and device."""
+    return torch.argmax(restricted(q / noise, allowed), dim=-1)
+
+
+def draft_prob(probs: Tensor, token: Tensor) -> Tensor:
+    """A draft's probability (T,) (DESIGN.md §12): ``probs[t, token[t]]`` of the distribution
+    ``probs`` (T, V) it was drafted from (``q``, or the masked softmax at temperature 1)."""
+    return probs.gather(-1, token[:, None])[:, 0]
+
+
+def draft_margin(logits: Tensor, token: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """A draft's margin (T,) in A (DESIGN.md §12): ``up(l_d) - max(up(l_j) : j allowed, j != d)``
+    for ``logits`` (T, V) in S and the drafts ``token`` (T,); one rounded subtraction. ``+inf``
+    when d is the only allowed token (the max of nothing is ``-inf``)."""
+    s = up(logits)  # (T, V) in A
+    own = s.gather(-1, token[:, None])[:, 0]  # (T,)
+    others = torch.arange(s.shape[-1], device=s.device) != token[:, None]  # (T, V)
+    if allowed is not None:
+        others = others & allowed
+    return own - torch.where(others, s, -math.inf).amax(dim=-1)
 
 
 def topk_indices(scores: Tensor, k: int) -> Tensor:

@@ -259,6 +259,18 @@ def softmax(s: Tensor) -> Tensor:
     return e / psum(e)[..., None]
 
 
+def masked_softmax(s: Tensor, allowed: Tensor | None) -> Tensor:
+    """§10's masked softmax over the last dim, in A: ``m`` = the max of ``s`` over the allowed
+    tokens only; ``e = exp(s - m)`` where allowed and exactly ``+0.0`` elsewhere (as if the
+    logit were ``-inf``); ``e / psum(e)``, the psum over every position in vocabulary order.
+    ``allowed`` (V,) bool, at least one True; None allows every token (``softmax`` exactly)."""
+    if allowed is None:
+        return softmax(s)
+    m = torch.where(allowed, s, -math.inf).amax(dim=-1, keepdim=True)
+    e = torch.where(allowed, exp(s - m), 0.0)
+    return e / psum(e)[..., None]
+
+
 def list_softmax(s: Tensor, lengths: Tensor) -> Tensor:
     """``softmax`` of each list ``s[..., :lengths]`` held in a static width (the tail is ``-inf``
     and comes back ``+0.0``): ``m = max``; ``e = exp(s - m)``; ``e / psum(e[:length])``."""

@@ -4,7 +4,9 @@ with the reference's own functions.
 Row r pairs token ``t_{r+1}`` with the target's hidden ``h_r``, lives in slot r and is rotated at
 RoPE position r. A propose writes one row per draft; ``after_verify`` keeps the first row of a
 propose always (it pairs the last committed token with the target's own hidden) and trims the
-rows of rejected drafts by lowering ``seq_len``. See DESIGN.md §3-§4.
+rows of rejected drafts by lowering ``seq_len``. See DESIGN.md §3-§4. A propose may be given a
+grammar's matcher (§10: each draft the best allowed token) and leaves each draft's confidence on
+the state (§12, ``draft_confidence``).
 
 Every call validates before it changes anything (the checks are ``contract``'s, shared with the
 optimized drafter), in the order: the state's owner and its one
@@ -23,12 +25,14 @@ from torch import Tensor
 from . import contract, contract_batch
 from .attention import KPoolRowsFn, Rope, rope_for
 from .block import REFERENCE_HOOKS, BlockHooks, draft_logits, mtp_rows
-from .contract import NOISE_MESSAGE, FeedHidden, SampledDrafts, Tokens, sampling_inputs
+from .contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
 from .contract_guards import Owner, use_state, writing, writing_all
+from .grammar import MatcherRefusedToken, walking
 from .kpool import check_selection, kpool_rows
-from .layers import draft_probs, greedy_token, sampled_token
+from .layers import draft_margin, draft_prob, draft_probs, greedy_token, sampled_token
+from .numerics import acc_dtype, masked_softmax, up
 from .sharing import share_selection
-from .state import DrafterState, LayerCache, rewind_rows, snapshot
+from .state import DrafterState, LayerCache, RowsBackup, rewind_rows, snapshot
 from .weights import MtpWeights
 
 
@@ -119,6 +123,7 @@ class ReferenceProposer:
             state.seq_len = 0
             state.pending = False
             state.last_drafted = 0
+            state.confidence = None
 
     def export_state(self, state: DrafterState) -> dict[str, Tensor]:
         """Every byte the conformance suite compares; rows past ``seq_len`` are never exported.
@@ -152,26 +157,44 @@ class ReferenceProposer:
 
     # ---- drafting ----------------------------------------------------------------------
     def propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                state: DrafterState) -> list[int]:
+                state: DrafterState, grammar: Matcher | None = None) -> list[int]:
         """Draft ``num_drafts`` tokens after ``last_token``; draft 1 writes row ``position`` from
         ``(last_token, target_hidden)``, draft i > 1 row ``position + i - 1`` from the previous
-        draft and the drafter's own hidden. Rewinds first if the drafter is ahead of ``position``."""
+        draft and the drafter's own hidden. Rewinds first if the drafter is ahead of ``position``.
+
+        ``grammar``: a matcher (``contract.Matcher``, DESIGN.md §10) or None. Draft i is then the
+        best token its mask allows after ``d_1 .. d_{i-1}``; the propose stops early (fewer
+        drafts) when the matcher is terminated or allows nothing, and leaves it as found."""
         with self.use(state, "propose"):
-            return self._propose(last_token, target_hidden, position, num_drafts, state)[0]
+            return self._propose(last_token, target_hidden, position, num_drafts, state, grammar=grammar)[0]
 
     def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                        temperature: float, noise: Tensor, state: DrafterState) -> SampledDrafts:
+                        temperature: float, noise: Tensor, state: DrafterState,
+                        grammar: Matcher | None = None) -> SampledDrafts:
         """``propose`` with sampled drafts: draft i is ``argmax(q_i / noise[i])`` (ties to the
         lower id) with ``q_i = softmax(up(logits_i) / temperature)`` in A (``layers.draft_probs``,
         the temperature rounded to A once), instead of ``argmax(logits_i)``. ``noise``
         (num_drafts, V) in A on the state's device, positive and finite: i.i.d. Exponential(1)
         makes each draft a draw from its ``q_i``; the caller owns the randomness, so every
         backend and device drafts the same tokens. Rows, ``x`` and counters are written as by
-        ``propose`` (for the drafts drawn). Returns the drafts and the (k, V) ``q``."""
+        ``propose`` (for the drafts drawn). Returns the drafts and the (k', V) ``q`` of the k'
+        drafts drawn (k' < k when a ``grammar`` stops the propose, as in ``propose``; under a
+        grammar ``q`` is the masked softmax and the argmax runs over the allowed tokens)."""
         with self.use(state, "propose_sampled"):
             drafts, q = self._propose(last_token, target_hidden, position, num_drafts, state, (temperature, noise),
-                                      "propose_sampled")
+                                      "propose_sampled", grammar)
             return SampledDrafts(drafts, q)
+
+    def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
+        """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12), each
+        ``(last_drafted,)`` in A on the state's device: ``prob[i]`` the pinned (masked)
+        softmax probability of draft i (``q_i[d_i]`` after ``propose_sampled``), ``margin[i]``
+        its logit minus the best other allowed logit (``+inf`` when it was the only one).
+        ``RuntimeError`` when no propose is pending."""
+        with self.use(state, "draft_confidence"):
+            contract.check_pending(state, "draft_confidence")
+            assert state.confidence is not None  # every propose sets it
+            return state.confidence
 
     def sampling_inputs(
         self, temperature: object, noise: object, num_drafts: int, state: DrafterState
@@ -180,20 +203,35 @@ class ReferenceProposer:
         return sampling_inputs(temperature, noise, num_drafts, self.weights, state.device, self.logit_limit)
 
     def propose_batch(self, last_tokens: Tokens, target_hiddens: Tensor, positions: Tokens, num_drafts: int,
-                      states: list[DrafterState]) -> list[list[int]]:
+                      states: list[DrafterState],
+                      grammars: list[Matcher | None] | None = None) -> list[list[int]]:
         """``propose`` for many states at once: state b drafts ``num_drafts`` tokens after
-        ``last_tokens[b]`` from ``target_hiddens[b]`` (B, H) at ``positions[b]``. Every state's
+        ``last_tokens[b]`` from ``target_hiddens[b]`` (B, H) at ``positions[b]`` under
+        ``grammars[b]`` (``grammars``: None, or one matcher or None per state). Every state's
         drafts and bytes are those of ``propose`` on it alone (this reference is that loop).
 
         Checks: every state's guard first, then the batch's shapes, then each state's
-        ``propose`` checks in index order; a refusal names ``states[b]`` and changes no state."""
+        ``propose`` checks in index order; a refusal names ``states[b]`` and changes no state,
+        a matcher that breaks its contract midway included (every state and matcher as found)."""
         call = "propose_batch"
         states = contract_batch.batch_states(call, states)
         with contract_batch.guard_all(call, states, self.use):
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
-                                                      self.weights, self.capacity, contract.check_live)
+                                                      self.weights, self.capacity, contract.check_live,
+                                                      grammars=grammars)
+            # Under a grammar a matcher may refuse midway: every state is kept to be put back then.
+            backups = ([RowsBackup.take(st, a.position, a.position + a.num_drafts) for a, st in zip(batch.args, states)]
+                       if any(a.grammar is not None for a in batch.args) else [])
+            drafts: list[list[int]] = []
             with writing_all(states, call):
-                return [self._draft(args, st, call)[0] for args, st in zip(batch.args, states)]
+                for b, (args, st) in enumerate(zip(batch.args, states)):
+                    try:
+                        drafts.append(self._draft(args, st, call)[0])
+                    except MatcherRefusedToken as e:  # state b put itself back; so do the states before it
+                        for earlier, backup in zip(states[:b], backups):
+                            backup.restore(earlier)
+                        raise MatcherRefusedToken(f"{call}: states[{b}]: {e}") from e
+            return drafts
 
     def catchup_batch(self, tokens: Tokens, hiddens: Tensor, row_bases: Tokens,
                       states: list[DrafterState]) -> list[int]:
@@ -215,17 +253,18 @@ class ReferenceProposer:
             return written
 
     def _propose(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
-                 state: DrafterState,
-                 sample: tuple[object, object] | None = None, call: str = "propose") -> tuple[list[int], Tensor | None]:
+                 state: DrafterState, sample: tuple[object, object] | None = None, call: str = "propose",
+                 grammar: object = None) -> tuple[list[int], Tensor | None]:
         contract.check_live(state, call)
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, state, self.weights,
-                                     self.capacity)
+                                     self.capacity, grammar=grammar)
         return self._draft(args, state, call, sample)
 
     def _draft(self, args: contract.ProposeArgs, state: DrafterState, call: str,
                sample: tuple[object, object] | None = None) -> tuple[list[int], Tensor | None]:
         """A propose after its checks: the rewind, the draft steps (sharing step 1's selection
-        when the config says so, §9), the counters."""
+        when the config says so, §9; each step's token the best one ``args.grammar`` allows, §10;
+        its probability and margin kept for ``draft_confidence``, §12), the counters."""
         position, num_drafts, hidden = args.position, args.num_drafts, args.hidden
         token = (
             args.token
@@ -240,28 +279,51 @@ class ReferenceProposer:
             temp = torch.tensor([temperature], dtype=noise.dtype, device=state.device)
         drafts: list[int] = []
         qs: list[Tensor] = []
+        probs: list[Tensor] = []
+        margins: list[Tensor] = []
         rope = self.rope(state.device)
         # Index sharing (DESIGN.md §9): step 1 keeps its selection here, later steps attend it;
         # this propose's own, read by nothing else.
         share = share_selection(self.config.index_share_for_mtp_iteration)
-        with writing(state, call):
+        # A matcher that refuses a token its mask allowed leaves the state as found (§10): kept here.
+        backup = RowsBackup.take(state, position, position + num_drafts) if args.grammar is not None else None
+        with walking(args.grammar, self.config.vocab_size, state.device) as walk, writing(state, call):
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
-            for i in range(num_drafts):
-                slot = torch.tensor([position + i], device=state.device)
-                out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1,
-                               hooks=self.hooks, share=share)
-                logits = draft_logits(self.weights, out.x)  # (1, V) in S
-                if temp is None:
-                    token = greedy_token(logits)  # (1,)
-                else:
-                    qs.append(draft_probs(logits, temp))  # (1, V) in A
-                    token = sampled_token(qs[-1], noise[i : i + 1])  # (1,)
-                drafts.append(int(token[0]))
-                state.x = out.x[0].clone()
-                hidden = out.x if self.feed_hidden == "post_norm" else out.pre_norm
-                state.seq_len = position + i + 1
+            try:
+                for i in range(num_drafts):
+                    allowed = None  # (V,) bool: A_{i+1}, the tokens draft i + 1 may be (None: all)
+                    if walk is not None:
+                        if i:
+                            walk.accept(drafts[-1], i)  # d_i, accepted only to find A_{i+1}
+                        allowed = walk.allowed()
+                        if allowed is None:  # terminated, or nothing allowed: i drafts, no row for step i + 1
+                            break
+                    slot = torch.tensor([position + i], device=state.device)
+                    out = mtp_rows(self.weights, token, hidden, slot, state.cache, rope, rows_read=position + i + 1,
+                                   hooks=self.hooks, share=share)
+                    logits = draft_logits(self.weights, out.x)  # (1, V) in S
+                    if temp is None:
+                        token = greedy_token(logits, allowed)  # (1,)
+                        dist = masked_softmax(up(logits), allowed)  # (1, V) in A: temperature 1
+                    else:
+                        dist = draft_probs(logits, temp, allowed)  # (1, V) in A: q
+                        qs.append(dist)
+                        token = sampled_token(dist, noise[i : i + 1], allowed)  # (1,)
+                    probs.append(draft_prob(dist, token))
+                    margins.append(draft_margin(logits, token, allowed))
+                    drafts.append(int(token[0]))
+                    state.x = out.x[0].clone()
+                    hidden = out.x if self.feed_hidden == "post_norm" else out.pre_norm
+                    state.seq_len = position + i + 1
+            except MatcherRefusedToken:
+                assert backup is not None
+                backup.restore(state)
+                raise
         state.pending = True
-        state.last_drafted = num_drafts
+        state.last_drafted = len(drafts)
+        A = acc_dtype(self.weights.dtype)
+        empty = torch.zeros(0, dtype=A, device=state.device)
+        state.confidence = (torch.cat(probs) if probs else empty, torch.cat(margins) if margins else empty.clone())
         if temp is None:
             return drafts, None
         V = self.config.vocab_size

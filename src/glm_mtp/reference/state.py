@@ -70,6 +70,12 @@ class LayerCache:
         self.kv_pool[block, offset] = kv_rows
         self.index_pool[block, offset] = index_rows
 
+    def read(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Copies of the rows at ``slots`` (T,): ``(kv_rows, index_rows)``, as ``write`` takes them."""
+        block = self.block_table[slots // BLOCK_ROWS].long()
+        offset = slots % BLOCK_ROWS
+        return self.kv_pool[block, offset].clone(), self.index_pool[block, offset].clone()
+
     def write_index(self, slots: Tensor, index_rows: Tensor) -> None:
         """Store indexer keys alone (T, D) at ``slots`` (T,) (training rewrites them from a
         detached input: ``experiments.indexer_loss``)."""
@@ -105,6 +111,8 @@ class DrafterState:
         poisoned: why the state is unusable: a call failed midway and may have left rows
             half-written (``None`` while it is sound).
         user: the thread id of the call running on the state now (``None`` between calls).
+        confidence: ``(prob, margin)`` of the latest propose's drafts, each ``(last_drafted,)``
+            in A (DESIGN.md §12); read through ``draft_confidence`` while that propose is pending.
     """
 
     cache: LayerCache
@@ -117,10 +125,49 @@ class DrafterState:
     owner: Owner | None = None
     poisoned: str | None = None
     user: int | None = None
+    confidence: tuple[Tensor, Tensor] | None = None
 
     @property
     def capacity(self) -> int:
         return 0 if self.released else self.cache.capacity
+
+
+@dataclass
+class RowsBackup:
+    """What a propose writing rows ``[lo, hi)`` may change in a state, kept to put back when it
+    is refused midway (a matcher that breaks its contract, DESIGN.md §10): those rows (MLA,
+    index key, KPool gate), every pool's key and completeness, ``x``, the counters and the
+    confidence. Rows outside ``[lo, hi)`` are never written by such a propose."""
+
+    slots: Tensor  # (hi - lo,)
+    kv_rows: Tensor
+    index_rows: Tensor
+    x: Tensor
+    counters: tuple[int, bool, int]  # seq_len, pending, last_drafted
+    confidence: tuple[Tensor, Tensor] | None
+    kpool: tuple[Tensor, Tensor, Tensor] | None  # gates of the slots, every pool's key, completeness
+
+    @classmethod
+    def take(cls, state: DrafterState, lo: int, hi: int) -> RowsBackup:
+        slots = torch.arange(lo, hi, device=state.device)
+        kv_rows, index_rows = state.cache.read(slots)
+        kp = state.cache.kpool
+        return cls(slots, kv_rows, index_rows, state.x.clone(), (state.seq_len, state.pending, state.last_drafted),
+                   state.confidence,
+                   None if kp is None else (kp.gates[slots].clone(), kp.keys.clone(), kp.complete.clone()))
+
+    def restore(self, state: DrafterState) -> None:
+        """Put every kept byte back: the state is as ``take`` found it."""
+        state.cache.write(self.slots, self.kv_rows, self.index_rows)
+        state.x = self.x
+        state.seq_len, state.pending, state.last_drafted = self.counters
+        state.confidence = self.confidence
+        kp = state.cache.kpool
+        if kp is not None and self.kpool is not None:
+            gates, keys, complete = self.kpool
+            kp.gates[self.slots] = gates
+            kp.keys.copy_(keys)
+            kp.complete.copy_(complete)
 
 
 def rewind_rows(state: Any, n: int) -> None:
