@@ -33,6 +33,10 @@ diverged}`` (``diverged``: each parting prompt's index and first differing gener
 rule, the verify width per step (``verify_width``: mean and histogram) and the speedup at that
 varying width (``speedup.at_width``).
 
+``trace.path=DIR``: replay a trace (DESIGN.md §11; ``python -m glm_mtp.experiments.record``) instead
+of running the target: the loop's prompts are the trace's items, the target's answers and hiddens
+its record, and only the drafter is loaded (its MTP layer, embedding and head); greedy only.
+
 ``batch_size`` (default 1): the loop runs that many prompts together
 (``SpeculativeDecoder.generate_batch``: one ``propose_batch`` per round for every live prompt);
 greedy, its counts and tokens are those of ``batch_size=1`` (only the timings differ). Batches
@@ -92,6 +96,12 @@ def load_model(mcfg: Any) -> LoadedModel:
         model = load_hf_checkpoint(mcfg.path, mcfg.get("device", "cpu"), dtype)
     else:
         raise ValueError(f"model.kind must be 'checkpoint', 'random' or 'hf', got {mcfg.kind!r}")
+    return apply_drafter_settings(model, mcfg)
+
+
+def apply_drafter_settings(model: LoadedModel, mcfg: Any) -> LoadedModel:
+    """The drafter's settings of the ``model`` group: ``weights_dtype: fp8`` quantizes its §8
+    matrices; ``index_share`` overrides its index sharing (``null`` keeps the checkpoint's)."""
     if weights_dtype(mcfg) == "fp8":
         model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
     return dataclasses.replace(model, mtp=model.mtp.with_index_share(index_share(mcfg)))
@@ -189,17 +199,18 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
+def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: list[int],
                         batch_size: int, device: torch.device | str = "cpu") -> Iterator[tuple[list[int], SpecResult]]:
     """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
     ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
-    ``batch_size`` prompts (the last batch may be shorter); drafter states on ``device``."""
+    ``batch_size`` prompts (the last batch may be shorter); ``max_new_tokens`` per prompt;
+    drafter states on ``device``."""
     for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
+        chunk, wants = prompts[i : i + batch_size], max_new_tokens[i : i + batch_size]
         if batch_size == 1:
-            yield chunk[0], decoder.generate(chunk[0], max_new_tokens, device)
+            yield chunk[0], decoder.generate(chunk[0], wants[0], device)
         else:
-            yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens, device))
+            yield from zip(chunk, decoder.generate_batch(chunk, wants, device))
 
 
 @dataclass
@@ -230,6 +241,7 @@ class Measurement:
     wall: float
     attention: str = "sparse"
     recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
+    trace: Any = None  # the replayed trace (traces.format.Trace); None for a live target
 
 
 def run_prompts(cfg: Any, model: LoadedModel, source: str) -> tuple[list[list[int]], list[list[int]]]:
@@ -274,6 +286,8 @@ def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -
 def target_record(m: Measurement) -> dict[str, Any]:
     """What the target was: transformers' model (version, class, config sha256, device map,
     dtype, top-k ties) or the package's own."""
+    if m.trace is not None:
+        return m.trace.meta["target"]
     if m.model.hf is not None:
         return {**m.model.hf.info, "topk_ties": m.target.topk_ties}
     return {"implementation": "glm_mtp.experiments.targets.target.Target", "numerics": m.numerics}
@@ -292,14 +306,29 @@ def measure(cfg: Any) -> Measurement:
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
     run = cfg.run
-    model = load_model(cfg.model)
-    windows, starts = run_prompts(cfg, model, source)
-    max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
-    check_prompt_lengths(cfg, starts, max_seq_len)
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
-    if model.hf is not None:
-        numerics = "transformers"
-    target, device = make_target(cfg, model, max_seq_len, numerics)
+    trace = None
+    if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the drafter alone, the trace's prompts
+        from .targets.replay import ReplayTarget
+        from .traces.replay_run import load_drafter, open_for_replay, replay_prompts
+
+        model = apply_drafter_settings(load_drafter(cfg.model), cfg.model)
+        trace = open_for_replay(cfg, model.mtp.config)
+        source = trace.meta.get("prompts", {}).get("source", source)
+        rp = replay_prompts(trace, run.max_new_tokens, cfg.num_drafts)
+        windows, starts, prompt_lens, budgets = rp.windows, rp.starts, rp.prompt_lens, rp.budgets
+        max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
+        numerics = trace.meta["target"].get("numerics", "recorded")
+        target, device = ReplayTarget(trace, model.mtp.device), model.mtp.device
+    else:
+        model = load_model(cfg.model)
+        windows, starts = run_prompts(cfg, model, source)
+        prompt_lens, budgets = [run.prompt_tokens] * len(windows), [run.max_new_tokens] * len(windows)
+        max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
+        check_prompt_lengths(cfg, starts, max_seq_len)
+        if model.hf is not None:
+            numerics = "transformers"
+        target, device = make_target(cfg, model, max_seq_len, numerics)
     attention = check_attention(cfg.get("attention", "sparse"), cfg.backend.name, model.mtp.config)
     probe = None
     if model.mtp.config.is_next and cfg.backend.name == "reference":  # the selection, and its recall recorded
@@ -319,15 +348,15 @@ def measure(cfg: Any) -> Measurement:
     samples = []
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device)
-    for w in windows:
+    results = speculative_results(decoder, starts, budgets, batch_size, device)
+    for w, plen, want in zip(windows, prompt_lens, budgets):
         if mode == "teacher_forced":
-            st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
+            st = teacher_forced(target, drafter, w, plen, cfg.num_drafts, cfg.policy, cfg.temperature,
                                 decoder.gen,
                                 device=device, draft=draft, stop=stop)
             if len(samples) < 2:
-                samples.append({"prompt": decode(w[: run.prompt_tokens]),
-                                "continuation": decode(w[run.prompt_tokens :]),
+                samples.append({"prompt": decode(w[:plen]),
+                                "continuation": decode(w[plen:]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
             p, res = next(results)
@@ -336,7 +365,7 @@ def measure(cfg: Any) -> Measurement:
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:
-                plain = target_decode(target, p, run.max_new_tokens)
+                plain = target_decode(target, p, want)
                 if res.tokens != plain:
                     at = next(i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y)
                     divergences.append({"prompt": len(per_prompt), "token": at})
@@ -348,7 +377,7 @@ def measure(cfg: Any) -> Measurement:
     return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt,
                        generated,
                        grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
-                       None if probe is None else probe.records)
+                       None if probe is None else probe.records, trace)
 
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
@@ -366,8 +395,13 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
     # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).
     sp_cfg = cfg.get("speedup") or {}
-    costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), m.target, m.proposer, cfg.num_drafts,
-                              windows[0][: max(2, cfg.run.prompt_tokens)], sp_cfg.get("repeats", 15))
+    if m.trace is not None and sp_cfg.get("costs", "measured") == "measured":  # the target's, as recorded
+        from .traces.replay_run import replay_costs
+
+        costs = replay_costs(m.trace, m.proposer, cfg.num_drafts, sp_cfg.get("repeats", 15))
+    else:
+        costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), m.target, m.proposer, cfg.num_drafts,
+                                  windows[0][: max(2, cfg.run.prompt_tokens)], sp_cfg.get("repeats", 15))
     speedup = spd.speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed, source=costs["source"])
     speedup["cost_details"] = costs
     glm5 = spd.glm5_costs(cfg.num_drafts)
@@ -409,16 +443,24 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "generated_tokens": m.generated,
         # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
         # saw the same prompts and are paired in report.py, across modes too.
-        "prompts_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
+        # (a replay: its trace's, the windows it was recorded from)
+        "prompts_sha256": (hashlib.sha256(json.dumps(windows).encode()).hexdigest() if m.trace is None
+                           else m.trace.meta["prompts"].get("windows_sha256")),
         # source=jsonl / text: the sha256 of the file read (of its files' names and sha256s for a folder)
-        "prompts_file_sha256": path_sha256(prompts_path(cfg)) if m.source in ("jsonl", "text") else None,
-        "prompts_path": prompts_path(cfg) if m.source in ("jsonl", "text") else None,
+        "prompts_file_sha256": (path_sha256(prompts_path(cfg)) if m.source in ("jsonl", "text") and m.trace is None
+                                else None),  # a replay's are in its trace record
+        "prompts_path": prompts_path(cfg) if m.source in ("jsonl", "text") and m.trace is None else None,
         # The target that verified: transformers' (version, class, config sha256, device map) or the package's
         "target": target_record(m),
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": m.distinct / m.grams if m.grams else float("nan"),
         "verify_forwards": stats.steps,
+        # what the loop asked of the target: a prefill per prompt and a forward per verification
+        # (a replay answers them from the trace; the live target runs them)
+        "target_forwards": len(windows) + stats.steps,
+        # the replayed trace (path, sha256 of its trace.json, its target, truncation, forwards); None: live
+        "trace": None if m.trace is None else m.trace.record(),
         "draft_seconds": stats.draft_s,
         "verify_seconds": stats.verify_s,
         "prefill_seconds": stats.prefill_s,

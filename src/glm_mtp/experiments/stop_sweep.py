@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from .loop import speedup as spd
-from .acceptance import check_prompt_lengths, load_model, make_target, run_prompts, speculative_results
+from .acceptance import (apply_drafter_settings, check_prompt_lengths, load_model, make_target, run_prompts,
+                         speculative_results)
 from .loop.calibration import MARGIN_EDGES, PROB_EDGES, calibration, depth_correlation
 from .loop.oracle import oracle_per_prompt
 from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
@@ -71,18 +72,34 @@ def check_sweep(cfg: Any) -> None:
 
 class Runner:
     """The sweep's model, target, drafter and prompts, loaded once; ``run(k, stop)`` runs the
-    loop (or teacher forcing) over every prompt and returns one ``SpecStats`` per prompt."""
+    loop (or teacher forcing) over every prompt and returns one ``SpecStats`` per prompt. With
+    ``trace.path`` the target is the trace's replay (DESIGN.md §11: the drafter alone is loaded,
+    the prompts are the trace's items), so each entry of the sweep costs only the drafter."""
 
     def __init__(self, cfg: Any) -> None:
         torch.set_num_threads(cfg.threads)
         logging.getLogger("glm_mtp").setLevel(logging.WARNING)  # the drafter logs every prefill at INFO
-        self.cfg = cfg
-        self.model = load_model(cfg.model)
-        self.windows, self.starts = run_prompts(cfg, self.model, cfg.source)
-        max_seq_len = min(cfg.model.max_seq_len, self.model.mtp.config.max_position_embeddings)
-        check_prompt_lengths(cfg, self.starts, max_seq_len)
-        numerics = "transformers" if self.model.hf is not None else cfg.get("target_numerics", "vendor")
-        self.target, self.device = make_target(cfg, self.model, max_seq_len, numerics)
+        self.cfg, self.trace = cfg, None
+        if (cfg.get("trace") or {}).get("path") is not None:
+            from .targets.replay import ReplayTarget
+            from .traces.replay_run import load_drafter, open_for_replay, replay_prompts
+
+            self.model = apply_drafter_settings(load_drafter(cfg.model), cfg.model)
+            self.trace = open_for_replay(cfg, self.model.mtp.config)
+            rp = replay_prompts(self.trace, cfg.run.max_new_tokens, cfg.num_drafts)
+            self.windows, self.starts = rp.windows, rp.starts
+            self.prompt_lens, self.budgets = rp.prompt_lens, rp.budgets
+            max_seq_len = min(cfg.model.max_seq_len, self.model.mtp.config.max_position_embeddings)
+            self.target, self.device = ReplayTarget(self.trace, self.model.mtp.device), self.model.mtp.device
+        else:
+            self.model = load_model(cfg.model)
+            self.windows, self.starts = run_prompts(cfg, self.model, cfg.source)
+            self.prompt_lens = [cfg.run.prompt_tokens] * len(self.windows)
+            self.budgets = [cfg.run.max_new_tokens] * len(self.windows)
+            max_seq_len = min(cfg.model.max_seq_len, self.model.mtp.config.max_position_embeddings)
+            check_prompt_lengths(cfg, self.starts, max_seq_len)
+            numerics = "transformers" if self.model.hf is not None else cfg.get("target_numerics", "vendor")
+            self.target, self.device = make_target(cfg, self.model, max_seq_len, numerics)
         self.proposer = make_proposer(cfg.backend.name, self.model.mtp, max_seq_len, cfg.feed_hidden)
 
     def run(self, k: int, stop: StopRule = NO_STOP, record_rounds: bool = False) -> list[SpecStats]:
@@ -91,11 +108,10 @@ class Runner:
         decoder = SpeculativeDecoder(self.target, self.proposer, k, cfg.policy, cfg.temperature, cfg.seed, draft, stop,
                                      record_rounds)
         if cfg.mode == "teacher_forced":
-            return [teacher_forced(self.target, self.proposer, w, cfg.run.prompt_tokens, k, cfg.policy,
-                                   cfg.temperature, decoder.gen, self.device, draft, stop, record_rounds)
-                    for w in self.windows]
-        results = speculative_results(decoder, self.starts, cfg.run.max_new_tokens, cfg.get("batch_size", 1),
-                                      self.device)
+            return [teacher_forced(self.target, self.proposer, w, plen, k, cfg.policy, cfg.temperature, decoder.gen,
+                                   self.device, draft, stop, record_rounds)
+                    for w, plen in zip(self.windows, self.prompt_lens)]
+        results = speculative_results(decoder, self.starts, self.budgets, cfg.get("batch_size", 1), self.device)
         return [res.stats for _, res in results]
 
 
@@ -153,6 +169,7 @@ def sweep(cfg: Any) -> dict[str, Any]:
     return {
         "num_drafts": K, "mode": cfg.mode, "source": cfg.source, "backend": cfg.backend.name,
         "checkpoint": runner.model.path or f"random:{cfg.model.preset}", "model_shipped": cfg.model.get("shipped"),
+        "trace": None if runner.trace is None else runner.trace.record(),
         "temperature": float(cfg.temperature), "draft": cfg.get("draft", "argmax"), "policy": cfg.policy,
         "prompts": len(runner.windows), "prompt_tokens": cfg.run.prompt_tokens,
         "max_new_tokens": cfg.run.max_new_tokens, "costs": costs, "rows": rows,

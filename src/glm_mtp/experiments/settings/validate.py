@@ -215,6 +215,10 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     check_lengths(cfg, model.max_position_embeddings)
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
+    if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the whole trace checked, and against the drafter
+        from .traces.replay_run import open_for_replay
+
+        open_for_replay(cfg, model)
 
 
 def check_stop(cfg: Any) -> None:
