@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm_mtp.experiments import acceptance, record
-from glm_mtp.experiments.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
+from glm_mtp.experiments.targets.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
 from glm_mtp.experiments.targets.replay import ReplayTarget
 from glm_mtp.experiments.traces.drafter_only import write_drafter_only
 from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, open_trace, problems, write_trace
-from glm_mtp.experiments.validate import check_acceptance
+from glm_mtp.experiments.settings.validate import check_acceptance
 
 PY = sys.executable
 

@@ -216,7 +216,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
     if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the whole trace checked, and against the drafter
-        from .traces.replay_run import open_for_replay
+        from ..traces.replay_run import open_for_replay
 
         open_for_replay(cfg, model)
 
