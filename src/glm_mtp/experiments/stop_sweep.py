@@ -43,6 +43,11 @@ from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
 from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, teacher_forced
 
 SWEPT_RULES = tuple(r for r in STOP_RULES if r != "none")
+# v(s) beside the run's costs, c kept: ``flat`` a verify of any width as cheap as a decode step
+# (memory-bound dense layers, or experts a batch reads anyway: trimming can only lose tokens);
+# ``compute`` each verified token as costly as a decoded one (a compute-bound server at high
+# concurrency, where the verify's tokens take the batch's compute: what trimming saves most in).
+VERIFY_REGIMES = {"flat": lambda s: 0.0, "compute": lambda s: float(s)}
 
 
 def check_sweep(cfg: Any) -> None:
@@ -123,12 +128,14 @@ def per_prompt(stats: list[SpecStats]) -> dict[str, Any]:
 def entry(name: str, rule: str, threshold: float | None, k: int, pp: dict[str, Any], costs: dict[str, Any],
           seed: int) -> dict[str, Any]:
     """One row of the sweep: its rule, threshold, k and the speedup summary at its widths, at the
-    run's costs and with a flat verify (``flat_verify``: v = 0, a verify of any width as cheap as
-    a decode step, the memory-bound dense regime in which trimming can only lose tokens)."""
+    run's costs and in the two regimes of ``VERIFY_REGIMES`` (``regimes``: S and its interval)."""
     sp = spd.width_speedup_summary(pp, costs["c"], costs["v"][:k], seed=seed)
-    flat = spd.width_speedup_summary(pp, costs["c"], [0.0] * k, seed=seed)
-    return {"name": name, "rule": rule, "threshold": threshold, "num_drafts": k, **sp,
-            "flat_verify": {"predicted": flat["predicted"], "predicted_ci": flat["predicted_ci"]}, "counts": pp}
+    regimes = {}
+    for regime, v_of in VERIFY_REGIMES.items():
+        r = spd.width_speedup_summary(pp, costs["c"], [v_of(s) for s in range(1, k + 1)], seed=seed)
+        regimes[regime] = {"predicted": r["predicted"], "predicted_ci": r["predicted_ci"]}
+    return {"name": name, "rule": rule, "threshold": threshold, "num_drafts": k, **sp, "regimes": regimes,
+            "counts": pp}
 
 
 def oracle_condition(costs: dict[str, Any], best: float) -> dict[str, Any]:
@@ -190,14 +197,15 @@ def fmt(x: float, ci: list[float], digits: int = 2) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The sweep as a Markdown table: one row per entry, S's best row marked."""
     best = max(record["rows"], key=lambda r: r["predicted"])
-    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S (v = 0) |",
-             "|---|---|---|---|---|"]
+    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S (v = 0) "
+             "| S (v(s) = s) |", "|---|---|---|---|---|---|"]
     for r in record["rows"]:
         mark = " **best**" if r is best else ""
-        flat = r["flat_verify"]
+        flat, compute = r["regimes"]["flat"], r["regimes"]["compute"]
         lines.append(f"| {r['name']}{mark} | {fmt(r['mean_width'], r['mean_width_ci'])} | {fmt(r['tau'], r['tau_ci'])} "
                      f"| {fmt(r['predicted'], r['predicted_ci'], 3)} "
-                     f"| {fmt(flat['predicted'], flat['predicted_ci'], 3)} |")
+                     f"| {fmt(flat['predicted'], flat['predicted_ci'], 3)} "
+                     f"| {fmt(compute['predicted'], compute['predicted_ci'], 3)} |")
     return "\n".join(lines)
 
 
