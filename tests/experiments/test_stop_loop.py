@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_module
 from glm_mtp.experiments import acceptance, stop_sweep
 from glm_mtp.experiments.loop.speculative import POLICIES, SpeculativeDecoder, target_decode, teacher_forced
 from glm_mtp.experiments.loop.stop_rules import StopRule, verify_width
+from glm_mtp.experiments.reporting.wandb_log import read_offline_run
 from glm_mtp.experiments.settings.validate import check_acceptance
 from glm_mtp.reference import ReferenceProposer
 
@@ -97,10 +98,11 @@ def test_sampled_drafts_at_threshold_zero_draw_as_the_fixed_loop(tiny64, target6
     assert runs[0].tokens == runs[1].tokens and counts(runs[0].stats) == counts(runs[1].stats)
 
 
-def test_acceptance_records_the_rule_and_the_widths(tmp_path):
-    base = ["model=tiny_random", "experiment=smoke", "num_drafts=3", "logger=none", "speedup.costs=glm5"]
+def test_acceptance_records_the_rule_and_the_widths(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    base = ["model=tiny_random", "experiment=smoke", "num_drafts=3", "speedup.costs=glm5"]
     out = {}
-    for name, extra in {"none": [], "zero": ["stop.rule=prob", "stop.threshold=0"],
+    for name, extra in {"none": ["logger=none"], "zero": ["logger=none", "stop.rule=prob", "stop.threshold=0"],
                         "above": ["stop.rule=prob", "stop.threshold=1.5"]}.items():
         cfg = config("config", base + extra)
         check_acceptance(cfg)
@@ -116,6 +118,12 @@ def test_acceptance_records_the_rule_and_the_widths(tmp_path):
     at = out["none"]["speedup"]["glm5"]["at_width"]  # at the full width: S(k) of the fixed-k model
     assert at["predicted"] == pytest.approx(out["none"]["speedup"]["glm5"]["predicted"][-1], rel=1e-12)
     assert out["above"]["speedup"]["at_width"]["mean_width"] == 0.0
+    run = read_offline_run(str(tmp_path / "above"))  # W&B (offline): the rule, the mean width, the histogram
+    assert run["summary"]["stop"] == {"rule": "prob", "threshold": 1.5}
+    assert run["summary"]["verify_width/mean"] == 0.0
+    assert run["summary"]["verify_width"]["histogram"] == [steps, 0, 0, 0]
+    assert run["summary"]["verify_width/histogram/_type"] == "histogram"
+    assert run["summary"]["verify_width/histogram/values"] == [steps, 0, 0, 0]
 
 
 @pytest.mark.parametrize("overrides, words", [
