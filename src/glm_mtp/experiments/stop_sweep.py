@@ -145,6 +145,12 @@ def oracle_condition(costs: dict[str, Any], best: float) -> dict[str, Any]:
     return {"max_verify_step": max(steps), "one_over_best_S": 1.0 / best, "holds": max(steps) < 1.0 / best}
 
 
+def progress(row: dict[str, Any], seconds: float) -> None:
+    """One line per finished entry (a sweep takes minutes)."""
+    print(f"{row['name']}: tau {row['tau']:.3f}, mean width {row['mean_width']:.2f}, S {row['predicted']:.3f} "
+          f"({seconds:.0f}s)", flush=True)
+
+
 def sweep(cfg: Any) -> dict[str, Any]:
     """Run every entry (module docstring) and return the sweep's record."""
     t0 = time.perf_counter()
@@ -161,6 +167,7 @@ def sweep(cfg: Any) -> dict[str, Any]:
         stats = runner.run(k, NO_STOP, record_rounds=k == K)
         timings[f"k={k}"] = time.perf_counter() - t
         rows.append(entry(f"fixed k={k}", "none", None, k, per_prompt(stats), costs, seed))
+        progress(rows[-1], timings[f"k={k}"])
         if k == K:
             full = stats
     rounds = [s.rounds or [] for s in full]
@@ -172,6 +179,7 @@ def sweep(cfg: Any) -> dict[str, Any]:
             timings[f"{rule}>={t_value:g}"] = time.perf_counter() - t
             rows.append(entry(f"{rule} >= {float(t_value):g}", rule, float(t_value), K, per_prompt(stats), costs,
                               seed))
+            progress(rows[-1], timings[f"{rule}>={t_value:g}"])
     best = max(r["predicted"] for r in rows)
     return {
         "num_drafts": K, "mode": cfg.mode, "source": cfg.source, "backend": cfg.backend.name,
