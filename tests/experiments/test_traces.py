@@ -263,3 +263,31 @@ def test_commands_refuse_a_hostile_trace_in_one_line(tiny_trace, tmp_path):
                        timeout=300, env=env)
     assert r.returncode == 2 and "temperature" in r.stderr.strip().splitlines()[-1], r.stderr
     assert not (tmp_path / "new").exists() and not run_dir.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers' target (model=hf): the tiny checkpoints of both families, float32
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
+def test_hf_record_and_replay(family, tmp_path):
+    from .hf_checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint(tmp_path / "ck", family)
+    model = ["model=hf", f"model.path={tmp_path / 'ck'}", "run.num_prompts=3", "run.prompt_tokens=12",
+             "run.max_new_tokens=8"]
+    meta = record_trace(tmp_path / "trace", [*model, "trace.max_drafts=2", "trace.batch_size=3",
+                                             "trace.cost_repeats=0"])
+    # pass 1 batched: one forward per generated token for all three prompts, then one forward per item
+    assert meta["forwards"] == {"generation": 8 + 2 - 1, "teacher_forced": 3, "total": 12}
+    assert meta["target"]["class"] in ("Glm5NextForConditionalGeneration", "GlmMoeDsaForCausalLM")
+    kept = 3 - meta["truncation"]["items_dropped"]
+    live, _ = per_prompt([*model, "num_drafts=2"])
+    replay, m = per_prompt([*model, "num_drafts=2", f"trace.path={tmp_path / 'trace'}"])
+    assert len(replay) == kept
+    if meta["truncation"]["items"] == 0:  # no near-tie: the replay is the live run's
+        assert replay == live
+    write_drafter_only(str(tmp_path / "ck"), str(tmp_path / "drafter"))
+    only, _ = per_prompt([*model[:1], f"model.path={tmp_path / 'drafter'}", *model[2:], "num_drafts=2",
+                          f"trace.path={tmp_path / 'trace'}"])
+    assert only == replay
