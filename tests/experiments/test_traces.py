@@ -291,3 +291,21 @@ def test_hf_record_and_replay(family, tmp_path):
     only, _ = per_prompt([*model[:1], f"model.path={tmp_path / 'drafter'}", *model[2:], "num_drafts=2",
                           f"trace.path={tmp_path / 'trace'}"])
     assert only == replay
+
+
+def test_trace_grid_reports_forwards_recorded_against_live(tmp_path, acceptance_jobs):
+    from glm_mtp.experiments.traces.grid_report import format_grid, forwards, read_grid
+
+    tiny = ["model=tiny_random", "run.num_prompts=2", "run.prompt_tokens=8", "run.max_new_tokens=6"]
+    meta = record_trace(tmp_path / "trace", [*tiny, "model.dtype=bfloat16", "target_numerics=pinned",
+                                             "trace.max_drafts=5", "trace.cost_repeats=1"])
+    grid = ["experiment=trace_grid", *tiny, f"trace.path={tmp_path / 'trace'}", "speedup.repeats=1"]
+    jobs = {(0, k, w): [*grid, f"num_drafts={k}", f"model.weights_dtype={w}", "policy=trim_all"]
+            for k, w in ((1, "plain"), (5, "fp8"))}
+    summaries = acceptance_jobs(tmp_path / "grid", jobs)
+    assert {s["weights_dtype"] for s in summaries.values()} == {"plain", "fp8"}
+    rows = read_grid(str(tmp_path / "grid"))
+    f = forwards(rows)
+    assert f["recorded"] == meta["forwards"]["total"] and f["traces"] == 1
+    assert f["live"] == sum(s["prompts"] + s["verify_forwards"] for s in summaries.values())
+    assert f"the target ran {f['recorded']} forwards to record" in format_grid(rows)
