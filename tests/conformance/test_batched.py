@@ -13,7 +13,8 @@ from glm_mtp.conformance import MUTANTS, run
 from glm_mtp.conformance.batched import BATCH_MISUSE
 from glm_mtp.conformance.lockstep import Harness
 from glm_mtp.conformance.scenarios import load_scenario, save_scenario, scenario
-from glm_mtp.conformance.spec import FOREIGN, Hidden, Op, SpecModel, TokenIds
+from glm_mtp.conformance.ops import FOREIGN, Hidden, Op, TokenIds
+from glm_mtp.conformance.spec import SpecModel
 from glm_mtp.reference import MtpConfig, ReferenceProposer
 
 CFG = MtpConfig.preset("tiny")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from glm_mtp.conformance import MUTANTS, run
-from glm_mtp.conformance.mutants_block import topk_ties_high
+from glm_mtp.conformance.mutants.block import topk_ties_high
 from glm_mtp.conformance.lockstep import Harness
 from glm_mtp.conformance.runner import record
 from glm_mtp.reference import attention, indexer, layers, proposer
@@ -79,12 +79,12 @@ def test_every_mutant_is_registered_and_names_its_rule():
     package is a group, and every mutant has a place it must show in ``SHOWS_AT``."""
     import pkgutil
 
-    import glm_mtp.conformance as conformance
+    import glm_mtp.conformance.mutants as mutants
     from glm_mtp.conformance.mutants import GROUPS
-    from glm_mtp.conformance.mutants_base import Mutant
+    from glm_mtp.conformance.mutants.base import Mutant
 
-    modules = {m.name for m in pkgutil.iter_modules(conformance.__path__) if m.name.startswith("mutants_")}
-    assert modules - {"mutants_base"} == {g.__name__.rsplit(".", 1)[1] for g in GROUPS}
+    modules = {m.name for m in pkgutil.iter_modules(mutants.__path__)}
+    assert modules - {"base"} == {g.__name__.rsplit(".", 1)[1] for g in GROUPS}
     defined = {cls for group in GROUPS for cls in vars(group).values()
                if isinstance(cls, type) and issubclass(cls, Mutant) and "name" in vars(cls)}
     assert defined == set(MUTANTS.values())
@@ -141,7 +141,7 @@ def test_real_drafter_inputs_tie_at_the_top_k_boundary():
     """Why ``topk_ties_high`` is catchable: relu makes a row's index score exactly 0 whenever
     every head's dot product is negative, and when the head weights are negative those zeros are
     the best scores, so exact ties straddle the top-k boundary on ordinary random inputs."""
-    from glm_mtp.conformance.mutants_base import swapped
+    from glm_mtp.conformance.mutants.base import swapped
     from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 
     cfg = MtpConfig.preset("tiny")

@@ -5,7 +5,8 @@ from collections import Counter
 import torch
 
 from glm_mtp.conformance.scenarios import MAX_DRAFTS, load_scenario, save_scenario, scenario
-from glm_mtp.conformance.spec import Hidden, SpecModel, TokenIds
+from glm_mtp.conformance.ops import Hidden, TokenIds
+from glm_mtp.conformance.spec import SpecModel
 from glm_mtp.reference import MtpConfig
 
 CFG = MtpConfig.preset("tiny")

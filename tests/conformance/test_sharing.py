@@ -1,6 +1,6 @@
 """Index sharing (DESIGN.md §9) in the conformance suite: every scenario draws it on or off for
 both sides (the weights' config replaced), the spec model says which row a propose's later steps
-share, and the sharing mutants (``conformance/mutants_sharing.py``) break only shared proposes."""
+share, and the sharing mutants (``conformance/mutants/sharing.py``) break only shared proposes."""
 
 import dataclasses
 
@@ -9,9 +9,10 @@ import torch
 
 from glm_mtp.conformance import Harness, load_scenario, save_scenario, scenario
 from glm_mtp.conformance.mutants import MUTANTS
-from glm_mtp.conformance import mutants_sharing
+from glm_mtp.conformance.mutants import sharing as mutants_sharing
 from glm_mtp.conformance.scenarios import draws_index_share
-from glm_mtp.conformance.spec import Hidden, SpecModel, TokenIds
+from glm_mtp.conformance.ops import Hidden, TokenIds
+from glm_mtp.conformance.spec import SpecModel
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.bytes import keyed_bytes, raw_bytes
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from glm_mtp.experiments.checkpoint import random_model
-from glm_mtp.experiments.target import Target
+from glm_mtp.experiments.targets.checkpoint import random_model
+from glm_mtp.experiments.targets.target import Target
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def _acceptance_jobs(root, jobs):
     from hydra import compose, initialize_config_module
 
     from glm_mtp.experiments import acceptance
-    from glm_mtp.experiments.validate import check_acceptance
+    from glm_mtp.experiments.settings.validate import check_acceptance
 
     summaries = {}
     for key, overrides in jobs.items():

@@ -11,10 +11,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, validate
-from glm_mtp.experiments.checkpoint import load_checkpoint
-from glm_mtp.experiments.speculative import SpeculativeDecoder, make_proposer, target_decode
-from glm_mtp.experiments.target import Target
+from glm_mtp.experiments import acceptance
+from glm_mtp.experiments.settings import validate
+from glm_mtp.experiments.targets.checkpoint import load_checkpoint
+from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, make_proposer, target_decode
+from glm_mtp.experiments.targets.target import Target
 from glm_mtp.registry import backend_class
 
 BACKENDS = ("reference", "optimized")

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from glm_mtp.experiments.bpe import BpeTokenizer
-from glm_mtp.experiments.corpus import corpus_split, is_heldout, read_item
+from glm_mtp.experiments.training.bpe import BpeTokenizer
+from glm_mtp.experiments.training.corpus import corpus_split, is_heldout, read_item
 
 
 @pytest.fixture(scope="module")

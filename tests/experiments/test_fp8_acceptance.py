@@ -4,7 +4,8 @@ matrices block-scaled (``MtpWeights.quantize_fp8``), and report.py pairs it with
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, report, validate
+from glm_mtp.experiments import acceptance, report
+from glm_mtp.experiments.settings import validate
 
 
 def config(overrides):

@@ -10,9 +10,9 @@ import torch
 from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import grid, grid_report, train
-from glm_mtp.experiments.checkpoint import random_model, shipped_checkpoint
-from glm_mtp.experiments.speculative import make_proposer
-from glm_mtp.experiments.target import Target, TargetWeights
+from glm_mtp.experiments.targets.checkpoint import random_model, shipped_checkpoint
+from glm_mtp.experiments.loop.speculative import make_proposer
+from glm_mtp.experiments.targets.target import Target, TargetWeights
 from glm_mtp.reference import MtpWeights
 
 

@@ -27,8 +27,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from glm_mtp.experiments.hf_target import HfTarget, load_hf_model, require_transformers  # noqa: E402
-from glm_mtp.experiments.speculative import SpeculativeDecoder, target_decode, teacher_forced  # noqa: E402
+from glm_mtp.experiments.targets.hf_target import HfTarget, load_hf_model, require_transformers  # noqa: E402
+from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, target_decode, teacher_forced  # noqa: E402
 from glm_mtp.reference import MtpWeights, ReferenceProposer  # noqa: E402
 from glm_mtp.reference.bytes import same_bytes  # noqa: E402
 
@@ -48,7 +48,7 @@ def tiny(request, tmp_path_factory):
 
 def no_cache_argmax(hf, tokens):
     """Each position's argmax from one forward over ``tokens`` without a cache (ties pinned)."""
-    from glm_mtp.experiments.hf_target import pinned_topk
+    from glm_mtp.experiments.targets.hf_target import pinned_topk
 
     with torch.no_grad(), pinned_topk("lower_index"):
         hidden = hf.model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
@@ -183,7 +183,7 @@ def rollback_error(hf, target, prompt):
     target.verify([5, 6, 7, 8], state)
     target.rollback(state, len(prompt) + 2)
     got = target.verify([9], state).logits[-1]
-    from glm_mtp.experiments.hf_target import pinned_topk
+    from glm_mtp.experiments.targets.hf_target import pinned_topk
 
     with torch.no_grad(), pinned_topk("lower_index"):
         want = hf.model.lm_head(hf.model.model(input_ids=torch.tensor([prompt + [5, 6, 9]])).last_hidden_state[0, -1])
@@ -247,8 +247,9 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
     teacher forcing on a folder of plain text. Both record the target and the prompts' file."""
     import transformers
 
-    from glm_mtp.experiments import acceptance, validate
-    from glm_mtp.experiments.provenance import file_sha256
+    from glm_mtp.experiments import acceptance
+    from glm_mtp.experiments.settings import validate
+    from glm_mtp.experiments.targets.provenance import file_sha256
 
     family, directory, _, _ = tiny
     common = ["model=hf", f"model.path={directory}", "logger=none", "num_drafts=2", "run.num_prompts=2",
@@ -286,7 +287,7 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
 def test_bad_model_hf_and_prompt_settings_are_one_line():
     from omegaconf import OmegaConf
 
-    from glm_mtp.experiments import validate
+    from glm_mtp.experiments.settings import validate
 
     base = config(["logger=none", "model=hf"])
     for changes, message in (
@@ -308,7 +309,7 @@ def test_bad_model_hf_and_prompt_settings_are_one_line():
 
 
 def test_a_bad_jsonl_line_is_named(tmp_path):
-    from glm_mtp.experiments.prompts import jsonl_prompts
+    from glm_mtp.experiments.settings.prompts import jsonl_prompts
 
     class Chars:
         def encode(self, text):
@@ -333,9 +334,9 @@ def test_transformers_runs_the_shipped_glm5_checkpoint_as_the_package_target():
     model=hf: transformers' GlmMoeDsaForCausalLM computes the package target's logits (float32,
     torch's kernels on both sides, so equal up to rounding), and the package's BPE tokenizer and
     held-out split come with it."""
-    from glm_mtp.experiments.bpe import BpeTokenizer
-    from glm_mtp.experiments.checkpoint import load_checkpoint, load_hf_checkpoint, shipped_checkpoint
-    from glm_mtp.experiments.target import Target
+    from glm_mtp.experiments.training.bpe import BpeTokenizer
+    from glm_mtp.experiments.targets.checkpoint import load_checkpoint, load_hf_checkpoint, shipped_checkpoint
+    from glm_mtp.experiments.targets.target import Target
 
     path = shipped_checkpoint()
     hf, toy = load_hf_checkpoint(path, "cpu", torch.float32), load_checkpoint(path)
@@ -351,7 +352,7 @@ def test_transformers_runs_the_shipped_glm5_checkpoint_as_the_package_target():
 
 
 def test_pinned_topk_sends_ties_to_the_lower_index_inside_the_block_only():
-    from glm_mtp.experiments.hf_target import pinned_topk
+    from glm_mtp.experiments.targets.hf_target import pinned_topk
 
     scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0, 0.0]])
     saved = torch.topk, torch.Tensor.topk

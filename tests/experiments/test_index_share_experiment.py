@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import report
-from glm_mtp.experiments.checkpoint import SHIPPED, shipped_checkpoint
+from glm_mtp.experiments.targets.checkpoint import SHIPPED, shipped_checkpoint
 from glm_mtp.reference.config import MtpConfig
 
 # Teacher-forced (drafts 2 and 3 scored at every position; a random model's loop rejects draft 1):

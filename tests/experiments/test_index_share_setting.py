@@ -5,7 +5,8 @@ W&B run checks the record)."""
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, validate
+from glm_mtp.experiments import acceptance
+from glm_mtp.experiments.settings import validate
 
 
 def config(overrides):

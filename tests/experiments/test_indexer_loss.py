@@ -1,12 +1,12 @@
 """Training the KPool indexer (glm5_next): the training forward selects as the drafter does, and
-the indexer's KL trains the indexer alone (experiments/indexer_loss.py)."""
+the indexer's KL trains the indexer alone (experiments/training/indexer_loss.py)."""
 
 import math
 
 import torch
 
-from glm_mtp.experiments.indexer_loss import pool_kl
-from glm_mtp.experiments.target import Target, TargetWeights, grouped_moe
+from glm_mtp.experiments.training.indexer_loss import pool_kl
+from glm_mtp.experiments.targets.target import Target, TargetWeights, grouped_moe
 from glm_mtp.experiments.train import build_models, mtp_forward, sequence_losses
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import mtp_rows

@@ -12,9 +12,9 @@ from glm_mtp.reference import ReferenceProposer
 from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.numerics import PINNED, VENDOR
 from glm_mtp.experiments import acceptance
-from glm_mtp.experiments.checkpoint import random_model
-from glm_mtp.experiments.speculative import SpeculativeDecoder, target_decode
-from glm_mtp.experiments.target import Target
+from glm_mtp.experiments.targets.checkpoint import random_model
+from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, target_decode
+from glm_mtp.experiments.targets.target import Target
 
 
 def config(overrides):

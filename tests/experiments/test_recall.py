@@ -1,4 +1,4 @@
-"""The sparse-selection ablation (experiments/recall.py, experiment=sparse_smoke): the drafter's
+"""The sparse-selection ablation (experiments/loop/recall.py, experiment=sparse_smoke): the drafter's
 KPool selection vs every visible row, both rollback policies, paired over the same prompts, with
 the indexer's recall per drafted row in summary.json."""
 
@@ -8,9 +8,9 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import acceptance, report
-from glm_mtp.experiments.recall import quantile, recall_summary
-from glm_mtp.experiments.validate import check_acceptance
-from glm_mtp.experiments.wandb_log import read_offline_run
+from glm_mtp.experiments.loop.recall import quantile, recall_summary
+from glm_mtp.experiments.settings.validate import check_acceptance
+from glm_mtp.experiments.reporting.wandb_log import read_offline_run
 
 GRID = [(a, p) for a in ("sparse", "dense") for p in ("first_row_kept", "refeed")]
 

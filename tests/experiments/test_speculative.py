@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
-from glm_mtp.experiments import speculative
-from glm_mtp.experiments.speculative import (
+from glm_mtp.experiments.loop import speculative
+from glm_mtp.experiments.loop.speculative import (
     POLICIES, SpecStats, SpeculativeDecoder, make_proposer, stochastic_verify, target_decode, target_probs,
 )
 

@@ -1,7 +1,7 @@
 """The held-out split's overlap bound, measured independently of the split's own bookkeeping,
 and the deduplication that enforces it."""
 
-from glm_mtp.experiments.corpus import (
+from glm_mtp.experiments.training.corpus import (
     MAX_OVERLAP, corpus_split, dedup_heldout, is_heldout, long_lines, ngrams, overlap, read_item,
 )
 

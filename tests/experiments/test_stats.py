@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from glm_mtp.experiments.stats import bootstrap, paired_difference, point_stats
+from glm_mtp.experiments.loop.stats import bootstrap, paired_difference, point_stats
 
 
 def synthetic_counts(rng, prompts=24, steps=40, k=2, a=2.0, b=1.5):

@@ -1,11 +1,11 @@
 """A report over a sweep says which jobs failed or never ran instead of printing a table of the
-survivors (experiments/sweep_jobs.py, used by report and grid_report)."""
+survivors (experiments/reporting/sweep_jobs.py, used by report and grid_report)."""
 
 
 import pytest
 
 from glm_mtp.experiments import grid_report, report
-from glm_mtp.experiments.sweep_jobs import sweep_jobs
+from glm_mtp.experiments.reporting.sweep_jobs import sweep_jobs
 
 
 def make_sweep(root, task, params=None, jobs=()):

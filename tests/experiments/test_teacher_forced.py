@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from glm_mtp.reference import ReferenceProposer
-from glm_mtp.experiments import speculative
-from glm_mtp.experiments.speculative import POLICIES, greedy_verify, target_decode, teacher_forced
+from glm_mtp.experiments.loop import speculative
+from glm_mtp.experiments.loop.speculative import POLICIES, greedy_verify, target_decode, teacher_forced
 
 
 class RecordingProposer(ReferenceProposer):

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm_mtp.experiments import acceptance, record
-from glm_mtp.experiments.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
+from glm_mtp.experiments.targets.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
 from glm_mtp.experiments.targets.replay import ReplayTarget
 from glm_mtp.experiments.traces.drafter_only import write_drafter_only
 from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, open_trace, problems, write_trace
-from glm_mtp.experiments.validate import check_acceptance
+from glm_mtp.experiments.settings.validate import check_acceptance
 
 PY = sys.executable
 
@@ -226,7 +226,8 @@ def test_hostile_traces_are_refused_naming_the_field(tiny_trace, tmp_path):
         message = refusal(path)
         assert f"trace.path: {path}: {field}" in message, (name, message)
         assert "\n" not in message
-    assert "hidden_size" in refusal(tiny_trace, ["model=next_shipped", "run.max_new_tokens=6", "num_drafts=2"])
+    assert ": hidden_size" in refusal(tiny_trace, ["model=next_shipped", "model.dtype=float64", "num_drafts=2"])
+    assert ": hidden_dtype" in refusal(tiny_trace, [*REPLAY, "model.dtype=float32"])
     assert "temperature" in refusal(tiny_trace, [*REPLAY, "temperature=1"])
     assert "max_drafts" in refusal(tiny_trace, ["model=tiny_random", "num_drafts=3"])
     assert "mode" in refusal(tiny_trace, [*REPLAY, "mode=teacher_forced"])

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import train
-from glm_mtp.experiments.validate import check_train
+from glm_mtp.experiments.settings.validate import check_train
 from glm_mtp.reference.config import MtpConfig
 
 # index_kpool 4 and index_topk 8 under windows of 24 tokens: rows past 11 drop pools.

@@ -1,5 +1,5 @@
 """The entry points' settings are checked before any work: one clear line, exit status 2, and no
-run directory left behind (experiments/validate.py)."""
+run directory left behind (experiments/settings/validate.py)."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import validate
+from glm_mtp.experiments.settings import validate
 
 
 def config(name, overrides=()):

@@ -8,7 +8,8 @@ from typing import Sequence
 
 from .choices import MAX_DRAFTS, Chooser, hidden, random_ids
 from .single_state import Loop, loop_round, prompt_length
-from .spec import FOREIGN, Hidden, Op, SpecModel, TokenIds, valid_int
+from .ops import FOREIGN, Hidden, Op, TokenIds, valid_int
+from .spec import SpecModel
 
 
 # ------------------------------------------------------------------------------------------------

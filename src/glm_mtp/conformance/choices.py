@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from typing import Protocol, Sequence, TypeVar
 
-from .spec import Hidden, SpecModel, TokenIds
+from .ops import Hidden, TokenIds
+from .spec import SpecModel
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ from .compare import EXPORT_KEYS, export_keys, first_mismatch, snapshots_equal
 from .report import Finding
 from .scenarios import Scenario
 from .side import Outcome, Side, StateView, _same_value
-from .spec import Hidden, Op
+from .ops import Hidden, Op
 
 BATCH_KINDS = ("propose_batch", "catchup_batch")
 

@@ -34,7 +34,8 @@ from .choices import Chooser
 from .runner import replay_command
 from .scenarios import GENERATORS, MAX_DRAFTS, save_scenario
 from .single_state import RULES
-from .spec import Op, SpecModel
+from .ops import Op
+from .spec import SpecModel
 
 T = TypeVar("T")
 

@@ -35,7 +35,8 @@ from glm_mtp.reference.config import MtpConfig
 from .batched import batched
 from .choices import MAX_DRAFTS, RandomChooser
 from .single_state import adversarial, realistic
-from .spec import Op, SpecModel
+from .ops import Op
+from .spec import SpecModel
 
 # The generators a run uses unless told otherwise, and every generator a run may name.
 GENERATORS = ("realistic", "adversarial")

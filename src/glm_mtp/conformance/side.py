@@ -23,7 +23,7 @@ from glm_mtp.reference import MtpConfig
 from glm_mtp.reference.contract import DraftProposer
 
 from .compare import first_mismatch
-from .spec import FOREIGN, Hidden, Op, TokenIds, other_device
+from .ops import FOREIGN, Hidden, Op, TokenIds, other_device
 
 @dataclass
 class Outcome:

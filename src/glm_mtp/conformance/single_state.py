@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .choices import MAX_DRAFTS, Chooser, hidden, random_ids, single_token, token_list
-from .spec import Op, SpecModel, TokenIds, valid_int
+from .ops import Op, TokenIds, valid_int
+from .spec import SpecModel
 
 
 # ------------------------------------------------------------------------------------------------

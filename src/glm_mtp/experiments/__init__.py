@@ -1,15 +1,22 @@
-"""Acceptance-rate experiments for the GLM-5 MTP drafter.
+"""The experiments: what the MTP drafter buys in speculative decoding, for both families (GLM-5's
+``glm_moe_dsa`` and GLM-5.3-Flash's ``glm5_next``: KPool indexer, index sharing across draft
+steps), bf16 or fp8 weights, on either backend.
 
-- ``target``: a small target of the GLM-5 architecture, built from the drafter's own layer code;
-- ``speculative``: the speculative-decoding loop of DESIGN.md §4 (greedy and rejection-sampling
-  verification, rollback policies, acceptance metrics) over any ``DraftProposer`` backend;
-- ``corpus`` / ``bpe``: the offline corpus (the Python standard library) and its BPE tokenizer;
-- ``checkpoint``: finding and loading the shipped checkpoint; ``wandb_log``: W&B (offline by
-  default) or no logger, and a reader for offline runs;
-- ``train``, ``acceptance``, ``grid``: Hydra entry points (``python -m glm_mtp.experiments.X``);
-  ``report`` and ``grid_report`` aggregate a sweep (argparse); ``speedup``: the speedup model
-  S(k) = tau(k) / (1 + k c + v(k)) and its costs (measured, or GLM-5's from bytes). Results:
-  ``RESULTS.md`` at the repository's top (data in ``results/``).
+The entry points live here, so ``python -m glm_mtp.experiments.<name>`` finds them:
+``acceptance`` (the main job: acceptance rates and the speedup model), ``train`` (the toy target
+and its MTP head on the Python stdlib), ``grid`` (a training grid), ``report`` and
+``grid_report`` (tables and plots of a sweep), ``bench`` and ``bench_batch`` (latency, memory and
+bytes against the bandwidth floor). Everything else is in a subpackage by concern:
 
-Importing this package imports neither Hydra nor W&B; the entry points do.
+- ``targets``: what the loop verifies against (the toy target, a released checkpoint's own target
+  run by transformers), finding and loading checkpoints, provenance;
+- ``training``: the corpus, its BPE tokenizer, the model card, the KPool indexer's loss;
+- ``loop``: the speculative loop of DESIGN.md §4, its statistics, the speedup model
+  S(k) = tau(k) / (1 + k c + v(k)), the indexer's recall;
+- ``reporting``: W&B (offline by default) or no logger, sweep bookkeeping;
+- ``settings``: the checks of a run's config before any work, the prompts, the Hydra entry shape.
+
+Results: ``RESULTS.md`` at the repository's top (data in ``results/``). The subpackages import
+``glm_mtp.reference``, ``glm_mtp.optimized``, ``glm_mtp.tools`` and each other, never an entry
+point; importing this package imports neither Hydra nor W&B (the entry points do).
 """

@@ -53,17 +53,20 @@ from typing import Any, Iterator
 
 import torch
 
-from . import speedup as spd
-from . import stats as acc_stats
+from .loop import speedup as spd
+from .loop import stats as acc_stats
 from glm_mtp.registry import parse_dtype
 
-from .checkpoint import SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model, shipped_checkpoint
-from .prompts import WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text, text_files
-from .provenance import provenance
-from .recall import ProbedProposer, RecallProbe, recall_summary, selection
-from .speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
-from .target import Target
-from .validate import MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share, weights_dtype
+from .targets.checkpoint import (SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model,
+                                 shipped_checkpoint)
+from .settings.prompts import (WINDOW_SOURCES, cut_windows, jsonl_prompts, path_sha256, prompts_path, read_text,
+                               text_files)
+from .targets.provenance import provenance
+from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
+from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
+from .targets.target import Target
+from .settings.validate import (MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share,
+                                weights_dtype)
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one), ``kind:
@@ -96,7 +99,7 @@ def apply_drafter_settings(model: LoadedModel, mcfg: Any) -> LoadedModel:
 def source_texts(model: LoadedModel, source: str, path: str | None = None) -> list[str]:
     """The texts of a window source: the checkpoint's held-out items, the OOD packages' files, or
     the plain text files at ``path`` (source=text)."""
-    from .corpus import ood_items, read_item
+    from .training.corpus import ood_items, read_item
 
     if source == "text":
         if path is None:
@@ -260,7 +263,7 @@ def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -
     the drafter's states live on (beside the target's hidden rows)."""
     if model.hf is None:
         return Target(model.target, max_seq_len, numerics=numerics), "cpu"
-    from .hf_target import HfTarget
+    from .targets.hf_target import HfTarget
 
     target = HfTarget(model.hf.model, cfg.num_drafts + 1, max_seq_len, model.mtp.device,
                       cfg.model.get("topk_ties", "lower_index"))
@@ -274,7 +277,7 @@ def target_record(m: Measurement) -> dict[str, Any]:
         return m.trace.meta["target"]
     if m.model.hf is not None:
         return {**m.model.hf.info, "topk_ties": m.target.topk_ties}
-    return {"implementation": "glm_mtp.experiments.target.Target", "numerics": m.numerics}
+    return {"implementation": "glm_mtp.experiments.targets.target.Target", "numerics": m.numerics}
 
 
 def measure(cfg: Any) -> Measurement:
@@ -365,7 +368,8 @@ def measure(cfg: Any) -> Measurement:
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     """The run's summary (summary.json): acceptance per position with bootstrap intervals over
-    prompts, the speedup model at this run's costs and at GLM-5's, timings, provenance."""
+    prompts, the speedup model at this run's costs, at GLM-5's and at the released model's of the
+    drafter's family (``speedup.released``), timings, provenance."""
     stats, windows, divergences = m.stats, m.windows, m.divergences
     # Greedy speculative decoding against the target's own one-token greedy decode, per prompt:
     # "token" is the first generated token (0-based) where the two part.
@@ -390,6 +394,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
     # these taus at GLM-5's costs
     speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}
+    # these counts at the released model's costs (GLM-5, or GLM-5.3-Flash for glm5_next): what a toy cannot show
+    speedup["released"] = spd.released_speedup(counts_pp, m.model.mtp.config.family, cfg.num_drafts, seed=cfg.seed)
     return {
         "mode": m.mode,
         "source": m.source,
@@ -454,7 +460,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "index_share_setting": index_share(cfg.model),
         "speedup": speedup,
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
-        **provenance(m.model),
+        **provenance(m.model.path),
         "group": cfg.get("group", None),
         "seed": cfg.seed,
         "samples": m.samples,
@@ -466,7 +472,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     ``run_dir``; log it all to the configured logger (W&B offline, or none)."""
     from omegaconf import OmegaConf
 
-    from .wandb_log import make_logger
+    from .reporting.wandb_log import make_logger
 
     mode, source, k = summary["mode"], summary["source"], cfg.num_drafts
     counts, speedup, lossless = summary["counts"], summary["speedup"], summary["lossless"]
@@ -480,7 +486,8 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     if lossless is not None and lossless["diverged"]:
         print("diverged (prompt, first differing "
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
-    print(spd.format_line(speedup))
+    print(spd.format_line(speedup, f"predicted speedup at this run's costs ({speedup['costs']}):"))
+    print(spd.released_line(speedup["released"], speedup["c"]))
     recall = summary.get("recall")
     if recall is not None:
         print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 "
@@ -495,7 +502,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     plot_acceptance(summary, png)
     spd.plot_speedup(speedup, os.path.join(run_dir, "speedup.png"),
                      f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs "
-                     f"{speedup['costs']}")
+                     f"{speedup['costs']}", released=speedup["released"])
 
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
                       name=f"{mode}-{source}-k{k}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}",
@@ -506,6 +513,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
              **{f"cumulative_{i + 1}": a for i, a in enumerate(cumulative)},
              "speedup/best_k": speedup["best_k"],
              **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
+             **{f"speedup/released_S_{i + 1}": x for i, x in enumerate(speedup["released"]["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
              "time/draft_share": summary["draft_share"],
              **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"],
@@ -534,7 +542,7 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from .entry import hydra_main
+    from .settings.entry import hydra_main
 
     def body(cfg: Any, hc: Any) -> None:
         from omegaconf import open_dict

@@ -64,7 +64,7 @@ from glm_mtp.tools.counters import LaunchCounter
 from glm_mtp.tools.floor import H200_BYTES_PER_S, GRAPH_LAUNCH_S, floor_bytes_per_draft, project_step
 from glm_mtp.tools.timing import copy_bandwidth, state_nbytes, timed
 
-from .validate import unwritable_dir
+from .settings.validate import unwritable_dir
 
 # The weight dtypes the bench runs (names of glm_mtp.registry.DTYPES).
 BENCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -356,10 +356,10 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
     """The speedup model's costs: measured for the toy target with each backend, and GLM-5's
     from bytes; writes ``costs.json`` (top level: the first backend's, what ``speedup.costs=PATH``
     reads) and ``costs.md``."""
-    from .checkpoint import load_checkpoint
-    from .speculative import make_proposer
-    from .speedup import glm5_costs, measure_costs
-    from .target import Target
+    from .targets.checkpoint import load_checkpoint
+    from .loop.speculative import make_proposer
+    from .loop.speedup import glm5_costs, measure_costs
+    from .targets.target import Target
 
     model = load_checkpoint(bc.checkpoint, parse_dtype("float32"))
     max_seq_len = min(bc.max_seq_len, model.target.config.max_position_embeddings)

@@ -40,7 +40,7 @@ from glm_mtp.registry import parse_dtype
 from glm_mtp.tools.timing import timed
 
 from .bench import BENCH_DTYPES
-from .validate import unwritable_dir
+from .settings.validate import unwritable_dir
 
 
 COUNTER_KEYS = ("launches_per_step", "triton_launches_per_step", "kernel_bytes_per_step", "kernel_bytes_per_row")

@@ -97,10 +97,10 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     from omegaconf import OmegaConf, open_dict
 
     from . import acceptance, train
-    from .provenance import file_sha256, git_commit
-    from .speculative import make_proposer
-    from .target import Target
-    from .validate import check_acceptance, trained_model_config
+    from .targets.provenance import file_sha256, git_commit
+    from .loop.speculative import make_proposer
+    from .targets.target import Target
+    from .settings.validate import check_acceptance, trained_model_config
 
     os.makedirs(run_dir, exist_ok=True)
     checkpoint = os.path.join(run_dir, "checkpoint")
@@ -153,8 +153,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
 
 
 def main() -> None:
-    from .entry import command_line, hydra_main
-    from .validate import check_grid
+    from .settings.entry import command_line, hydra_main
+    from .settings.validate import check_grid
 
     prog = "python -m glm_mtp.experiments.grid"
     hydra_main("grid", prog, check_grid, lambda cfg, hc: run(cfg, hc.runtime.output_dir, command_line(prog, hc)))

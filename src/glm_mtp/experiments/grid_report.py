@@ -26,8 +26,8 @@ import math
 import os
 from typing import Any
 
-from .sweep_jobs import refuse_incomplete
-from .stats import paired_difference
+from .reporting.sweep_jobs import refuse_incomplete
+from .loop.stats import paired_difference
 
 
 def load_jobs(root: str) -> list[dict[str, Any]]:
@@ -144,10 +144,10 @@ def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_toke
     import torch
 
     from .acceptance import build_prompts
-    from .checkpoint import load_checkpoint
+    from .targets.checkpoint import load_checkpoint
     from .grid import FEEDS, feed_agreement
-    from .speculative import make_proposer
-    from .target import Target
+    from .loop.speculative import make_proposer
+    from .targets.target import Target
 
     torch.set_num_threads(1)
     model = load_checkpoint(None if checkpoint == "shipped" else checkpoint, torch.float32)

@@ -31,7 +31,7 @@ def check_record(cfg: Any) -> None:
     """The recording's settings: the acceptance experiment's (without a trace to replay), greedy,
     ``trace.out`` a new directory in a writable folder, ``trace.max_drafts`` >= 1, a mode the
     target can record, and the longest item within ``model.max_seq_len``."""
-    from .validate import _get, check_acceptance, need_int, unwritable_dir
+    from .settings.validate import _get, check_acceptance, need_int, unwritable_dir
 
     if (cfg.get("trace") or {}).get("path") is not None:
         raise ValueError("trace.path replays a trace; a recording writes trace.out (leave trace.path null)")
@@ -54,7 +54,7 @@ def check_record(cfg: Any) -> None:
         raise ValueError("mode=teacher_forced records the greedy chain at every position by rolling the target back "
                          "anywhere, which transformers' linear-attention caches cannot: record mode=speculative for "
                          "model=hf")
-    from .validate import model_config
+    from .settings.validate import model_config
 
     longest = _get(cfg, "run.prompt_tokens") + _get(cfg, "run.max_new_tokens") + 2 * K + 1
     cap = min(_get(cfg, "model.max_seq_len"), model_config(cfg).max_position_embeddings)
@@ -76,9 +76,9 @@ def progress_bar(total: int, desc: str) -> Any:
 def record(cfg: Any) -> dict[str, Any]:
     """Record the trace of ``cfg`` into ``cfg.trace.out``. Returns its metadata (with ``sha256``)."""
     from .acceptance import load_model, run_prompts
-    from .prompts import path_sha256, prompts_path
-    from .provenance import git_commit, provenance
-    from .target import Target
+    from .settings.prompts import path_sha256, prompts_path
+    from .targets.provenance import git_commit, provenance
+    from .targets.target import Target
     from .traces.format import write_trace
     from .traces.identity import model_identity
     from .traces.recorder import (measure_target_costs, record_speculative, record_teacher_forced,
@@ -93,7 +93,7 @@ def record(cfg: Any) -> dict[str, Any]:
     max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
     numerics = cfg.target_numerics
     if model.hf is not None:
-        from .hf_target import HfTarget
+        from .targets.hf_target import HfTarget
         from .traces.hf_record import batched_continue
 
         numerics = "transformers"
@@ -107,7 +107,7 @@ def record(cfg: Any) -> dict[str, Any]:
     identity = model_identity(cfg.model, drafter_path(cfg.model))
     target_info = {**target_info, "numerics": numerics, "target_config_sha256": identity["target_config_sha256"],
                    "dtype": cfg.model.dtype, "checkpoint": model.path or f"random:{cfg.model.preset}",
-                   **{k: v for k, v in provenance(model).items() if k != "git_commit"}}
+                   **{k: v for k, v in provenance(model.path).items() if k != "git_commit"}}
     batch = cfg.trace.batch_size if model.hf is not None else 1
     if mode == "teacher_forced":
         items, stats = record_teacher_forced(target, windows, run.prompt_tokens, K,
@@ -158,7 +158,7 @@ def _sha256_json(x: Any) -> str:
 
 
 def main() -> None:
-    from .entry import hydra_main
+    from .settings.entry import hydra_main
 
     hydra_main("config", "python -m glm_mtp.experiments.record", check_record, lambda cfg, hc: record(cfg))
 

@@ -28,9 +28,9 @@ from typing import Any
 
 from glm_mtp.reference.config import read_json_object
 
-from .sweep_jobs import refuse_incomplete
-from .validate import unwritable_dir
-from .stats import paired_difference
+from .reporting.sweep_jobs import refuse_incomplete
+from .settings.validate import unwritable_dir
+from .loop.stats import paired_difference
 
 SETTINGS = ("mode", "source", "backend", "temperature", "feed_hidden", "policy", "num_drafts")
 # Settings a paired table can vary besides SETTINGS (older summaries lack them: the defaults).
@@ -341,12 +341,12 @@ def main(argv: list[str] | None = None) -> str:
         text = f"**Incomplete sweep:** {incomplete}.\n\n" + text
     sp = speedup_table(runs)
     if sp:
-        text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/speedup.py; τ(k) from each run's "
-                 "counts, 95% intervals over prompts; c and v as each run states):\n\n" + sp)
+        text += ("\n\nPredicted speedup S(k) = τ(k) / (1 + k c + v(k)) (experiments/loop/speedup.py; "
+                 "τ(k) from each run's counts, 95% intervals over prompts; c and v as each run states):\n\n" + sp)
     recall = recall_table(runs)
     if recall:
         text += ("\n\nThe drafter's selection: recall = the share of the dense head-averaged attention mass on "
-                 "the rows each drafted row attended (experiments/recall.py):\n\n" + recall)
+                 "the rows each drafted row attended (experiments/loop/recall.py):\n\n" + recall)
     for pair in args.pair.split(","):
         pairs = paired_table(runs, pair)
         if pairs:

@@ -40,11 +40,11 @@ from glm_mtp.reference.numerics import VENDOR
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
 
-from .bpe import BpeTokenizer
-from .corpus import Split, corpus_split, read_item
-from .indexer_loss import IndexerDistill
-from .model_card import model_card
-from .target import ExpertLoad, Target, TargetWeights, grouped_moe
+from .training.bpe import BpeTokenizer
+from .training.corpus import Corpus, Split, corpus_split, read_item
+from .training.indexer_loss import IndexerDistill
+from .training.model_card import model_card
+from .targets.target import ExpertLoad, Target, TargetWeights, grouped_moe
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def base_models(base: str, seed: int,
     ``build_models`` seeds it). Only the MTP layer's tensors are returned as parameters: the target,
     its embedding and its head stay frozen, so MTP variants trained on one base share their target
     and their acceptance compares the heads alone (FastMTP trains its head on a frozen model too)."""
-    from .checkpoint import load_checkpoint
+    from .targets.checkpoint import load_checkpoint
 
     model = load_checkpoint(None if base == "shipped" else base, torch.float32)
     corpus = checkpoint_corpus(model.path, model.tokenizer, limit_items, "train.base")
@@ -152,7 +152,7 @@ def checkpoint_corpus(path: Any, tok: BpeTokenizer, limit_items: int | None, key
 def tokenizer_corpus(path: str, limit_items: int | None) -> Corpus:
     """``tokenizer.path``: the tokenizer and split of a trained checkpoint (``shipped`` or a
     directory), reused instead of training a BPE (the streams are cached across runs)."""
-    from .checkpoint import shipped_checkpoint
+    from .targets.checkpoint import shipped_checkpoint
 
     directory = shipped_checkpoint() if path == "shipped" else path
     return checkpoint_corpus(directory, BpeTokenizer.load(os.path.join(directory, "tokenizer.json")), limit_items,
@@ -235,16 +235,6 @@ def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, dept
 
 # ------------------------------------------------------------------------------------------------
 # Data
-
-
-@dataclass
-class Corpus:
-    """Token streams of the two splits and the tokenizer."""
-
-    split: Split
-    tokenizer: BpeTokenizer
-    train: Tensor  # (N,) int64
-    heldout: Tensor  # (M,) int64
 
 
 def build_corpus(vocab_size: int, sample_every: int, limit_items: int | None = None) -> Corpus:
@@ -429,7 +419,7 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     ``command`` is recorded in the model card."""
     from omegaconf import OmegaConf
 
-    from .wandb_log import make_logger
+    from .reporting.wandb_log import make_logger
 
     t = cfg.train
     os.makedirs(run_dir, exist_ok=True)
@@ -502,7 +492,7 @@ def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dic
                   final: dict[str, float], command: str) -> None:
     """The run's files (loss curve, final.json), its W&B summary and, with ``out``, the checkpoint
     and its model card."""
-    from .provenance import git_commit
+    from .targets.provenance import git_commit
 
     png = os.path.join(run_dir, "loss_curve.png")
     plot_curves(history, evals, png)
@@ -524,8 +514,8 @@ def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dic
 
 
 def main() -> None:
-    from .entry import command_line, hydra_main
-    from .validate import check_train
+    from .settings.entry import command_line, hydra_main
+    from .settings.validate import check_train
 
     prog = "python -m glm_mtp.experiments.train"
     hydra_main("train", prog, check_train, lambda cfg, hc: run(cfg, hc.runtime.output_dir, command_line(prog, hc)))

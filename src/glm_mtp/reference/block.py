@@ -44,7 +44,7 @@ def decoder_layer(
 
     Args:
         moe: computes the MoE; the default is the reference's ``moe_block``. Training swaps in a
-            batched dispatch of the same routing (glm_mtp.experiments.target.grouped_moe).
+            batched dispatch of the same routing (glm_mtp.experiments.targets.target.grouped_moe).
         rows_read: cache rows the attention reads, ``[0, rows_read)`` (default: the capacity);
             at least ``max(slots) + 1``. No result depends on it.
         ops: the primitives: ``PINNED`` (the drafter) or ``VENDOR`` (training, the target).

@@ -2,7 +2,7 @@
 
 The launch counters (``glm_mtp.tools.counters``) compare the bytes a draft step's launches move
 with it, the benchmark (``glm_mtp.experiments.bench``) turns it into a time at the device's copy
-bandwidth, and the speedup model (``glm_mtp.experiments.speedup``) counts GLM-5's draft step in
+bandwidth, and the speedup model (``glm_mtp.experiments.loop.speedup``) counts GLM-5's draft step in
 parameters from it. It needs only a config (the layer's tensor shapes), so GLM-5's floor is known
 without its weights, in plain storage or with the weights DESIGN.md §8 lets be fp8 block-scaled.
 """

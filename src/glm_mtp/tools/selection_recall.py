@@ -12,8 +12,8 @@ so a list of every visible row gives exactly 1.0. The **oracle** recall of a KPo
 of the best selection of the same size: the ``index_topk / kpool`` candidate pools carrying the
 most dense mass, plus the tail (``oracle_pool_recall``): what a perfect indexer would keep. A
 measurement, not part of the drafter (so a tool, beside the counters): float64, torch's kernels.
-The experiments' recall probe (``experiments/recall.py``) and the indexer's training loss
-(``experiments/indexer_loss.py``) call it.
+The experiments' recall probe (``experiments/loop/recall.py``) and the indexer's training loss
+(``experiments/training/indexer_loss.py``) call it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..target import TargetOutput
+from .target import TargetOutput
 from ..traces.format import Trace, TraceItem
 
 

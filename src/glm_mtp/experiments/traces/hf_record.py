@@ -21,7 +21,7 @@ def batched_continue(model: Any, topk_ties: str) -> ContinueFn:
     of each length batched (``topk_ties`` as ``HfTarget``'s)."""
     from transformers import DynamicCache
 
-    from ..hf_target import pinned_topk
+    from ..targets.hf_target import pinned_topk
 
     device = model.get_input_embeddings().weight.device
 

@@ -49,7 +49,7 @@ def random_target_sha256(preset: str, seed: int) -> str:
 def tokenizer_sha256(directory: str | None) -> str | None:
     """sha256 of the directory's tokenizer file (the first of ``TOKENIZER_FILES`` present); None
     without a directory or a tokenizer."""
-    from ..provenance import file_sha256
+    from ..targets.provenance import file_sha256
 
     if directory is None:
         return None

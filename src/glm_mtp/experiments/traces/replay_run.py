@@ -20,7 +20,7 @@ from .identity import check_drafter, model_identity
 def drafter_path(mcfg: Any) -> str | None:
     """The ``model`` group's checkpoint directory (the shipped one for ``path: null``); None for
     ``kind: random``."""
-    from ..checkpoint import SHIPPED, shipped_checkpoint
+    from ..targets.checkpoint import SHIPPED, shipped_checkpoint
 
     if mcfg.kind == "random":
         return None
@@ -37,8 +37,8 @@ def load_drafter(mcfg: Any) -> Any:
     from glm_mtp.reference.weights import MtpWeights
     from glm_mtp.registry import parse_dtype
 
-    from ..bpe import BpeTokenizer
-    from ..checkpoint import LoadedModel, random_model
+    from ..training.bpe import BpeTokenizer
+    from ..targets.checkpoint import LoadedModel, random_model
 
     dtype = parse_dtype(mcfg.dtype)
     if mcfg.kind == "random":
@@ -50,7 +50,7 @@ def load_drafter(mcfg: Any) -> Any:
     if (path / "corpus.json").exists() and (path / "tokenizer.json").exists():
         tokenizer = BpeTokenizer.load(path / "tokenizer.json")
     elif mcfg.kind == "hf":
-        from ..hf_target import HfTokenizer, has_tokenizer
+        from ..targets.hf_target import HfTokenizer, has_tokenizer
 
         if has_tokenizer(str(path)):
             from transformers import AutoTokenizer
@@ -124,7 +124,7 @@ def replay_costs(trace: Trace, proposer: Any, kmax: int, repeats: int = 15) -> d
     recorded them (``costs``), a draft step timed here (a propose of ``kmax`` drafts after the
     first item's prompt, per draft, median of ``repeats``). Without recorded costs, GLM-5's from
     bytes (``speedup.glm5_costs``)."""
-    from .. import speedup as spd
+    from ..loop import speedup as spd
 
     costs = trace.meta.get("costs")
     if costs is None:

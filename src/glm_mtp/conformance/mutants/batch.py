@@ -6,7 +6,7 @@ from __future__ import annotations
 from glm_mtp.reference import contract_batch as _contract_batch
 from glm_mtp.reference.contract import check_int
 
-from .mutants_base import Mutant, swapped
+from .base import Mutant, swapped
 
 
 class BatchPermuted(Mutant):

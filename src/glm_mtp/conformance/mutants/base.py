@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Iterator
 from glm_mtp.reference.proposer import ReferenceProposer
 from glm_mtp.reference.state import DrafterState
 
-from .scenarios import GENERATORS
+from ..scenarios import GENERATORS
 
 
 _SWAP_LOCK = threading.RLock()

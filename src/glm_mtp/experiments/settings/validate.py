@@ -22,8 +22,8 @@ from typing import Any, Callable
 from glm_mtp.registry import BACKENDS
 
 from .prompts import SOURCES as PROMPT_SOURCES
-from .speculative import DRAFTS, POLICIES
-from .target import TARGET_NUMERICS
+from ..loop.speculative import DRAFTS, POLICIES
+from ..targets.target import TARGET_NUMERICS
 
 FEED_HIDDEN = ("post_norm", "pre_norm")
 MODEL_KINDS = ("checkpoint", "random", "hf")
@@ -196,13 +196,13 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_int(cfg, "run.max_new_tokens", 1)
     need_bool(cfg, "run.check_lossless")
     costs = _get(cfg, "speedup.costs")
-    if not isinstance(costs, str) or (costs not in ("measured", "glm5") and not os.path.isfile(costs)):
-        raise ValueError(f"speedup.costs must be measured, glm5 or the path of a costs.json, got {costs!r}")
+    if not isinstance(costs, str) or (costs not in ("measured", "glm5", "glm5next") and not os.path.isfile(costs)):
+        raise ValueError(f"speedup.costs must be measured, glm5, glm5next or the path of a costs.json, got {costs!r}")
     need_int(cfg, "speedup.repeats", 1)
     check_logger(cfg)
     # Settings whose rule needs another setting or a file: every file the run reads later is read now.
-    if costs not in ("measured", "glm5"):
-        from .speedup import read_costs_file
+    if costs not in ("measured", "glm5", "glm5next"):
+        from ..loop.speedup import read_costs_file
 
         try:
             read_costs_file(costs, _get(cfg, "num_drafts"))
@@ -214,7 +214,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
     if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the whole trace checked, and against the drafter
-        from .traces.replay_run import open_for_replay
+        from ..traces.replay_run import open_for_replay
 
         open_for_replay(cfg, model)
 
@@ -222,7 +222,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
 def check_hf_model(cfg: Any, numerics: str) -> None:
     """model=hf: transformers installed (one line naming the extra otherwise), ``model.device``
     and ``model.topk_ties`` known, and the package's own target settings left alone."""
-    from .hf_target import HF_DEVICES, TOPK_TIES, require_transformers
+    from ..targets.hf_target import HF_DEVICES, TOPK_TIES, require_transformers
 
     try:
         require_transformers()
@@ -291,7 +291,7 @@ def model_config(cfg: Any) -> Any:
         raise ValueError("model.path must be a checkpoint directory for model=hf (config.json, safetensors, as "
                          "released)")
     if path is None:
-        from .checkpoint import SHIPPED, shipped_checkpoint
+        from ..targets.checkpoint import SHIPPED, shipped_checkpoint
 
         try:
             path = str(shipped_checkpoint(_get(cfg, "model").get("shipped") or SHIPPED))
@@ -388,8 +388,8 @@ def check_tokenizer_vocab(cfg: Any) -> None:
     """``tokenizer.vocab_size`` is the size of the BPE a run trains; a run that reads a trained
     tokenizer instead (``train.base``, or ``tokenizer.path``) cannot honour another size, so the
     setting must state that tokenizer's (never silently ignored)."""
-    from .bpe import BpeTokenizer
-    from .checkpoint import shipped_checkpoint
+    from ..training.bpe import BpeTokenizer
+    from ..targets.checkpoint import shipped_checkpoint
 
     base, path = _get(cfg, "train").get("base"), _get(cfg, "tokenizer").get("path")
     key, source = ("train.base", base) if base is not None else ("tokenizer.path", path)
@@ -415,7 +415,7 @@ def trained_model_config(cfg: Any) -> Any:
     if base is None:
         return check_arch(cfg)
     if base == "shipped":
-        from .checkpoint import shipped_checkpoint
+        from ..targets.checkpoint import shipped_checkpoint
 
         base = str(shipped_checkpoint())
     return MtpConfig.from_hf_config(base)

@@ -22,7 +22,7 @@ from glm_mtp.reference.contract import ProposeArgs
 from glm_mtp.reference.sharing import SharedSelection
 from glm_mtp.reference.state import DrafterState
 
-from .mutants_base import Mutant, swapped
+from .base import Mutant, swapped
 
 
 class SharingMutant(Mutant):

@@ -11,8 +11,8 @@ import torch
 from glm_mtp.reference import kpool as _kpool
 from glm_mtp.reference.state import DrafterState
 
-from .mutants_base import Mutant, SwappingMutant
-from .mutants_block import topk_ties_high
+from .base import Mutant, SwappingMutant
+from .block import topk_ties_high
 
 
 def _write_pools_once(ix, cfg, gates, slots, cache, ops=None):  # type: ignore[no-untyped-def]  # write_pools' arguments (ops: unread)

@@ -12,7 +12,7 @@ import torch
 
 from glm_mtp.reference.weights import MtpWeights
 
-from .bpe import BpeTokenizer
+from ..training.bpe import BpeTokenizer
 from .target import TargetWeights
 
 SHIPPED = "glm5-mtp-stdlib"
@@ -35,7 +35,7 @@ def shipped_checkpoint(name: str = SHIPPED) -> Path:
             return p
     except ModuleNotFoundError:
         pass
-    p = Path(__file__).resolve().parent.parent / "checkpoints" / name
+    p = Path(__file__).resolve().parents[2] / "checkpoints" / name
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"the shipped checkpoint is not at {p}; train one with `python -m "
                                 f"glm_mtp.experiments.train out={p}`")

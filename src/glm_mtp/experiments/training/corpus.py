@@ -24,6 +24,10 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
+from .bpe import BpeTokenizer
+
 # Directories left out: the test suite (huge, repetitive), third-party and generated trees.
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "turtledemo", "lib2to3",
                  "ensurepip"}
@@ -166,6 +170,16 @@ class Split:
         return hashlib.sha256(body.encode()).hexdigest()
 
 
+@dataclass
+class Corpus:
+    """Token streams of the two splits and the tokenizer."""
+
+    split: Split
+    tokenizer: BpeTokenizer
+    train: Tensor  # (N,) int64
+    heldout: Tensor  # (M,) int64
+
+
 @functools.lru_cache(maxsize=4)
 def _split(root: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, Overlap], ...]]:
     from pydoc_data.topics import topics
@@ -212,7 +226,7 @@ def split_report(train: list[str], heldout: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """``python -m glm_mtp.experiments.corpus [corpus.json ...]``: the overlap of this split and
+    """``python -m glm_mtp.experiments.training.corpus [corpus.json ...]``: the overlap of this split and
     of any recorded split (a checkpoint's ``corpus.json``), one line each."""
     import argparse
     import json

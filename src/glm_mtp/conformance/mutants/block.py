@@ -20,7 +20,7 @@ from glm_mtp.reference import proposer as _proposer
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.state import DrafterState
 
-from .mutants_base import Mutant, SwappingMutant
+from .base import Mutant, SwappingMutant
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from string import Template
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,10 +15,8 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.weights import mtp_tensor_shapes
 
 from . import corpus as corpus_mod
-from .target import target_tensor_shapes
-
-if TYPE_CHECKING:
-    from .train import Corpus
+from ..targets.target import target_tensor_shapes
+from .corpus import Corpus
 
 CARD = Template("""$title
 
@@ -54,7 +52,8 @@ runs by $repro_test.
 occur in training.
 - Corpus file-list sha256: `$digest`
 - Tokenizer: byte-level BPE, $vocab_size tokens, trained on the training split (`tokenizer.json`,
-  `glm_mtp.experiments.bpe.BpeTokenizer.load`)$reused. Training stream $train_tokens tokens, held-out $heldout_tokens.
+  `glm_mtp.experiments.training.bpe.BpeTokenizer.load`)$reused. \
+Training stream $train_tokens tokens, held-out $heldout_tokens.
 
 ## Final losses (nats; held-out over $eval_windows fixed windows of $seq_len tokens)
 
@@ -69,7 +68,7 @@ The loss curves are in `loss_curve.png`, every logged step in `training_log.json
 
 ```python
 from glm_mtp.reference import MtpWeights
-from glm_mtp.experiments.target import TargetWeights
+from glm_mtp.experiments.targets.target import TargetWeights
 mtp = MtpWeights.from_pretrained(dir)        # the MTP layer + embedding + head
 target = TargetWeights.from_pretrained(dir)  # the target's layers
 ```
@@ -115,7 +114,7 @@ head-averaged, detached and renormalised || softmax of the indexer's pool scores
 `train.indexer_loss_weight` = $weight. The indexer's inputs are detached (its queries, head
 weights, gates and keys are recomputed from the detached layer input), so that KL trains the
 indexer (`wq_b`, `wk`, `k_norm`, `weights_proj`, the KPool gate and `ape`) and nothing else
-(`experiments/indexer_loss.py`). No dense warm-up stage: the indexer starts random.
+(`experiments/training/indexer_loss.py`). No dense warm-up stage: the indexer starts random.
 
 Held-out at the end: indexer KL $kl nats per scored row, mean recall $recall
 (the share of the dense head-averaged attention mass on the selected rows, every row of the

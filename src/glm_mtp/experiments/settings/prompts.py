@@ -106,7 +106,7 @@ def prompts_path(cfg: Any) -> str | None:
 def path_sha256(path: str) -> str:
     """sha256 of a file's bytes; of a folder, of its files' relative names and sha256s, one
     ``name sha256`` a line, in ``text_files`` order."""
-    from .provenance import file_sha256
+    from ..targets.provenance import file_sha256
 
     if os.path.isfile(path):
         return file_sha256(path)

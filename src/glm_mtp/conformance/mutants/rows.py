@@ -18,7 +18,7 @@ from glm_mtp.reference.sharing import share_selection
 from glm_mtp.reference.contract import check_int
 from glm_mtp.reference.state import BLOCK_ROWS, DrafterState
 
-from .mutants_base import Mutant, SwappingMutant
+from .base import Mutant, SwappingMutant
 
 
 class TrimFirstRow(Mutant):

@@ -1,0 +1,9 @@
+"""The speculative loop and what it measures: ``speculative`` (the loop of DESIGN.md §4: greedy
+and rejection-sampling verification, rollback policies, acceptance metrics, over any
+``DraftProposer``), ``stats`` (bootstrap intervals over prompts), ``speedup`` (the speedup model
+S(k) = tau(k) / (1 + k c + v(k)) and its costs, measured or from the bytes each step reads),
+``recall`` (the drafter's sparse selection and the indexer's recall).
+
+May import ``glm_mtp.reference``, ``glm_mtp.registry`` and ``glm_mtp.tools``; the target is
+reached through the ``TargetModel`` interface, never imported.
+"""

@@ -1,0 +1,5 @@
+"""What a run leaves behind: ``wandb_log`` (W&B, offline by default, or no logger, and a reader of
+offline runs), ``sweep_jobs`` (which jobs of a sweep finished, failed or never ran).
+
+Imports no other part of the package; W&B only inside ``wandb_log``'s functions.
+"""
