@@ -24,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     grid.add_argument("--out", help="also write the table (Markdown) to this file")
     args = parser.parse_args(argv)
     if args.command == "grid-report":
-        from .grid_report import format_grid, read_grid
+        from .grid_report import format_grid, format_pivot, read_grid
 
         try:
-            text = format_grid(read_grid(args.sweep_dir))
+            rows = read_grid(args.sweep_dir)
+            text = format_pivot(rows) + "\n\n" + format_grid(rows)
         except ValueError as e:
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
             return 2

@@ -34,6 +34,21 @@ def forwards(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ratio": live / recorded if recorded else None}
 
 
+def format_pivot(rows: list[dict[str, Any]]) -> str:
+    """τ per k (columns) for each drafter configuration (rows: index sharing, weights, policy)."""
+    ks = sorted({s["num_drafts"] for s in rows})
+    cells: dict[tuple[Any, ...], dict[int, float]] = {}
+    for s in rows:
+        cells.setdefault((s["index_share"], s["weights_dtype"], s["policy"]), {})[s["num_drafts"]] = \
+            s["mean_accepted_length"]
+    lines = ["| index share | weights | policy | " + " | ".join(f"τ (k={k})" for k in ks) + " |",
+             "|---|---|---|" + "---|" * len(ks)]
+    for (share, weights, policy), tau in cells.items():
+        lines.append(f"| {'on' if share else 'off'} | {weights} | {policy} | "
+                     + " | ".join(f"{tau[k]:.3f}" if k in tau else "—" for k in ks) + " |")
+    return "\n".join(lines)
+
+
 def format_grid(rows: list[dict[str, Any]]) -> str:
     """A Markdown table (one row per job: its drafter keys, tau, P(acc >= k), the predicted S(k)
     at the run's costs) and the forwards line."""
