@@ -23,7 +23,7 @@ def config(name, overrides):
         return compose(name, overrides=overrides)
 
 
-def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
+def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = config("config", ["model=tiny_random", "experiment=smoke", "num_drafts=2", "policy=refeed"])
     assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"  # the default
@@ -39,12 +39,20 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch):
     assert sp["c"] > 0 and sp["costs"] == "measured"
     assert sp["best_k"] in (1, 2) and sp["predicted"][sp["best_k"] - 1] == max(sp["predicted"])
     assert sp["tau"][-1] == pytest.approx(on_disk["mean_accepted_length"]) and len(sp["glm5"]["predicted"]) == 2
+    # Beside it, the same counts at the released model's costs (tiny_random is of GLM-5's family), labelled.
+    rel = sp["released"]
+    assert rel["model"] == "GLM-5" and rel["preset"] == "glm5" and rel["costs"] == "bytes:glm5"
+    assert rel["predicted"] == pytest.approx(sp["glm5"]["predicted"]) and rel["tau"] == sp["tau"]
+    printed = capsys.readouterr().out
+    assert "predicted speedup at this run's costs (measured): S(1) = " in printed
+    assert "at GLM-5's costs (the bytes each step reads): S(1) = " in printed
     run = read_offline_run(str(tmp_path))
     assert run["summary"]["mean_accepted_length"] == pytest.approx(summary["mean_accepted_length"])
     assert run["summary"]["tau"] == pytest.approx(summary["mean_accepted_length"])
     assert run["summary"]["alpha_1"] == pytest.approx(summary["acceptance_per_position"][0])
     assert "time/draft_share" in run["summary"] and "acceptance_table/_type" in run["summary"]
     assert run["summary"]["speedup/best_k"] == sp["best_k"]
+    assert run["summary"]["speedup/released_S_2"] == pytest.approx(rel["predicted"][1])
     assert run["config"]["policy"] == "refeed" and run["config"]["num_drafts"] == 2
     # Counts, intervals and the cumulative view, in the file and in the run.
     c = on_disk["counts"]

@@ -75,6 +75,33 @@ def test_glm5_costs_from_bytes():
     assert d["v"] == pytest.approx([k * dense.hidden_size / d["target_step_params"] for k in (1, 2, 3)])
 
 
+def test_released_model_costs_follow_the_drafter_family(tmp_path, monkeypatch):
+    """The main job's second S(k): the run's counts at the released model's costs, GLM-5's for the
+    GLM-5 family, GLM-5.3-Flash's (``glm5next``) for glm5_next; plotted beside the run's own,
+    each labelled with its costs."""
+    c = counts(K=3)
+    for family, preset, name in (("glm5", "glm5", "GLM-5"), ("glm5_next", "glm5next", "GLM-5.3-Flash")):
+        rel = speedup.released_speedup(c, family, 3, seed=2)
+        costs = speedup.bytes_costs(MtpConfig.preset(preset), 3)
+        assert rel["model"] == name and rel["preset"] == preset and rel["costs"] == f"bytes:{preset}"
+        assert rel == {**speedup.speedup_summary(c, costs["c"], costs["v"], seed=2, source=f"bytes:{preset}"),
+                       "model": name, "preset": preset}
+    assert speedup.resolve_costs("glm5next", None, None, 3, [1, 2]) == speedup.preset_costs("glm5next", 3)
+    # GLM-5.3-Flash reads fewer bytes a target step than GLM-5, so its drafter costs more of one.
+    assert speedup.preset_costs("glm5", 3)["c"] < speedup.preset_costs("glm5next", 3)["c"] < 0.1
+    toy = speedup.speedup_summary(c, 1.09, [0.3, 0.6, 0.9], seed=2, source="measured")
+    line = speedup.released_line(rel, toy["c"])
+    assert line.startswith("at GLM-5.3-Flash's costs (the bytes each step reads): S(1) = ")
+    assert "this run's drafter costs c = 1.090 of its target's step" in line
+    import matplotlib.figure
+
+    labels = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: labels.extend(fig.axes[0].get_legend_handles_labels()[1]))
+    speedup.plot_speedup(toy, str(tmp_path / "s.png"), released=rel)
+    assert {"S(k), costs measured", "S(k) at GLM-5.3-Flash's costs (bytes:glm5next)"} <= set(labels)
+
+
 def test_measured_costs_follow_the_clock(tiny64):
     """With a clock that advances one tick per reading, every timed call lasts one tick: a draft
     step is 1/k of a propose, a verify of any length equals a step (v = 0), so c = 1/k."""

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from glm_mtp.experiments import acceptance, record
 from glm_mtp.experiments.targets.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
 from glm_mtp.experiments.targets.replay import ReplayTarget
+from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.experiments.traces.drafter_only import write_drafter_only
 from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, open_trace, problems, write_trace
 from glm_mtp.experiments.settings.validate import check_acceptance
@@ -96,11 +97,11 @@ def test_replay_answers_only_the_targets_path(next_trace):
     state = target.alloc_state()
     P = it.prompt_len
     out = target.prefill(it.tokens[:P].tolist(), state)
-    assert torch.equal(out.hidden, it.hidden[:P])
+    assert same_bytes(out.hidden, it.hidden[:P])
     on, off = int(it.tokens[P + 1]), (int(it.tokens[P + 1]) + 1) % trace.meta["vocab_size"]
     out = target.verify([int(it.tokens[P]), on, off], state)
     assert out.logits.argmax(-1).tolist()[:2] == it.argmax[P : P + 2].tolist()
-    assert torch.equal(out.hidden[:2], it.hidden[P : P + 2])
+    assert same_bytes(out.hidden[:2], it.hidden[P : P + 2])
     assert torch.isnan(out.hidden[2]).all()  # off the path: never read, NaN if it were
     target.rollback(state, P + 1)
     with pytest.raises(ValueError, match="a replay follows the target's greedy path"):
@@ -226,7 +227,8 @@ def test_hostile_traces_are_refused_naming_the_field(tiny_trace, tmp_path):
         message = refusal(path)
         assert f"trace.path: {path}: {field}" in message, (name, message)
         assert "\n" not in message
-    assert "hidden_size" in refusal(tiny_trace, ["model=next_shipped", "run.max_new_tokens=6", "num_drafts=2"])
+    assert ": hidden_size" in refusal(tiny_trace, ["model=next_shipped", "model.dtype=float64", "num_drafts=2"])
+    assert ": hidden_dtype" in refusal(tiny_trace, [*REPLAY, "model.dtype=float32"])
     assert "temperature" in refusal(tiny_trace, [*REPLAY, "temperature=1"])
     assert "max_drafts" in refusal(tiny_trace, ["model=tiny_random", "num_drafts=3"])
     assert "mode" in refusal(tiny_trace, [*REPLAY, "mode=teacher_forced"])
@@ -263,3 +265,49 @@ def test_commands_refuse_a_hostile_trace_in_one_line(tiny_trace, tmp_path):
                        timeout=300, env=env)
     assert r.returncode == 2 and "temperature" in r.stderr.strip().splitlines()[-1], r.stderr
     assert not (tmp_path / "new").exists() and not run_dir.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers' target (model=hf): the tiny checkpoints of both families, float32
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
+def test_hf_record_and_replay(family, tmp_path):
+    from .hf_checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint(tmp_path / "ck", family)
+    model = ["model=hf", f"model.path={tmp_path / 'ck'}", "run.num_prompts=3", "run.prompt_tokens=12",
+             "run.max_new_tokens=8"]
+    meta = record_trace(tmp_path / "trace", [*model, "trace.max_drafts=2", "trace.batch_size=3",
+                                             "trace.cost_repeats=0"])
+    # pass 1 batched: one forward per generated token for all three prompts, then one forward per item
+    assert meta["forwards"] == {"generation": 8 + 2 - 1, "teacher_forced": 3, "total": 12}
+    assert meta["target"]["class"] in ("Glm5NextForConditionalGeneration", "GlmMoeDsaForCausalLM")
+    kept = 3 - meta["truncation"]["items_dropped"]
+    live, _ = per_prompt([*model, "num_drafts=2"])
+    replay, m = per_prompt([*model, "num_drafts=2", f"trace.path={tmp_path / 'trace'}"])
+    assert len(replay) == kept
+    if meta["truncation"]["items"] == 0:  # no near-tie: the replay is the live run's
+        assert replay == live
+    write_drafter_only(str(tmp_path / "ck"), str(tmp_path / "drafter"))
+    only, _ = per_prompt([*model[:1], f"model.path={tmp_path / 'drafter'}", *model[2:], "num_drafts=2",
+                          f"trace.path={tmp_path / 'trace'}"])
+    assert only == replay
+
+
+def test_trace_grid_reports_forwards_recorded_against_live(tmp_path, acceptance_jobs):
+    from glm_mtp.experiments.traces.grid_report import format_grid, forwards, read_grid
+
+    tiny = ["model=tiny_random", "run.num_prompts=2", "run.prompt_tokens=8", "run.max_new_tokens=6"]
+    meta = record_trace(tmp_path / "trace", [*tiny, "model.dtype=bfloat16", "target_numerics=pinned",
+                                             "trace.max_drafts=5", "trace.cost_repeats=1"])
+    grid = ["experiment=trace_grid", *tiny, f"trace.path={tmp_path / 'trace'}", "speedup.repeats=1"]
+    jobs = {(0, k, w): [*grid, f"num_drafts={k}", f"model.weights_dtype={w}", "policy=trim_all"]
+            for k, w in ((1, "plain"), (5, "fp8"))}
+    summaries = acceptance_jobs(tmp_path / "grid", jobs)
+    assert {s["weights_dtype"] for s in summaries.values()} == {"plain", "fp8"}
+    rows = read_grid(str(tmp_path / "grid"))
+    f = forwards(rows)
+    assert f["recorded"] == meta["forwards"]["total"] and f["traces"] == 1
+    assert f["live"] == sum(s["prompts"] + s["verify_forwards"] for s in summaries.values())
+    assert f"the target ran {f['recorded']} forwards to record" in format_grid(rows)

@@ -8,12 +8,18 @@ or ``python -m glm_mtp.conformance --candidate optimized --baseline reference``.
 the reference) is needed to import it; hypothesis only for ``machine.py``
 (``from glm_mtp.conformance.machine import lockstep_machine``); no Hydra, no W&B.
 
-The package, one concept per module: ``spec`` (scenario arguments, ops, the spec model),
-``scenarios`` (a run's scenarios, saved and loaded), ``choices`` (a ``Chooser`` and the argument
-helpers), ``single_state`` and ``batched`` (the generators), ``backends`` (names to proposers),
-``side`` (one backend's half of a lockstep), ``lockstep`` (both halves compared after every
-call), ``report`` (findings and the run's table), ``runner`` (run and record), ``mutants``,
-``compare``, ``sharded``, ``machine``.
+It checks either family (GLM-5, and GLM-5.3-Flash's ``glm5_next``: KPool pools, index sharing
+across draft steps; ``--preset``), single and batched calls, on bf16 (or float16/32/64) weights;
+the fp8 weights' agreement is tested beside the kernels (``tests/optimized/test_fp8.py``).
+
+The package, one concept per module: ``ops`` (scenario arguments and ops as data), ``spec`` (the
+spec model that stamps each op with its outcome), ``scenarios`` (a run's scenarios, saved and
+loaded), ``choices`` (a ``Chooser`` and the argument helpers), ``single_state`` and ``batched``
+(the generators), ``backends`` (names to proposers), ``side`` (one backend's half of a lockstep),
+``lockstep`` (both halves compared after every call), ``report`` (findings and the run's table),
+``runner`` (run and record), ``mutants/`` (drafters that each break one rule, the registry in its
+``__init__``), ``compare``, ``sharded``, ``machine`` (ops as data, hypothesis), ``arguments`` and
+``hostile_values`` (hostile arguments, hypothesis).
 """
 
 from .backends import BackendError, resolve_backend

@@ -382,7 +382,8 @@ def measure(cfg: Any) -> Measurement:
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     """The run's summary (summary.json): acceptance per position with bootstrap intervals over
-    prompts, the speedup model at this run's costs and at GLM-5's, timings, provenance."""
+    prompts, the speedup model at this run's costs, at GLM-5's and at the released model's of the
+    drafter's family (``speedup.released``), timings, provenance."""
     stats, windows, divergences = m.stats, m.windows, m.divergences
     # Greedy speculative decoding against the target's own one-token greedy decode, per prompt:
     # "token" is the first generated token (0-based) where the two part.
@@ -411,6 +412,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
     # S at this run's verify width per step (a stop rule trims it; without one it is S(num_drafts))
     speedup["at_width"] = spd.width_speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed)
     speedup["glm5"]["at_width"] = spd.width_speedup_summary(counts_pp, glm5["c"], glm5["v"], seed=cfg.seed)
+    # these counts at the released model's costs (GLM-5, or GLM-5.3-Flash for glm5_next): what a toy cannot show
+    speedup["released"] = spd.released_speedup(counts_pp, m.model.mtp.config.family, cfg.num_drafts, seed=cfg.seed)
     return {
         "mode": m.mode,
         "source": m.source,
@@ -478,7 +481,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "index_share_setting": index_share(cfg.model),
         "speedup": speedup,
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
-        **provenance(m.model),
+        **provenance(m.model.path),
         "group": cfg.get("group", None),
         "seed": cfg.seed,
         "samples": m.samples,
@@ -504,7 +507,8 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     if lossless is not None and lossless["diverged"]:
         print("diverged (prompt, first differing "
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
-    print(spd.format_line(speedup))
+    print(spd.format_line(speedup, f"predicted speedup at this run's costs ({speedup['costs']}):"))
+    print(spd.released_line(speedup["released"], speedup["c"]))
     width, stop, at = summary["verify_width"], summary["stop"], speedup["at_width"]
     print(f"stop.rule={stop['rule']}" + ("" if stop["threshold"] is None else f" threshold={stop['threshold']:g}")
           + f": {width['mean']:.2f} of {k} drafts verified per step (histogram over 0..{k}: {width['histogram']}); "
@@ -523,7 +527,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     plot_acceptance(summary, png)
     spd.plot_speedup(speedup, os.path.join(run_dir, "speedup.png"),
                      f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs "
-                     f"{speedup['costs']}")
+                     f"{speedup['costs']}", released=speedup["released"])
 
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
                       name=f"{mode}-{source}-k{k}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}",
@@ -535,6 +539,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
              "speedup/best_k": speedup["best_k"],
              "verify_width/mean": summary["verify_width"]["mean"], "speedup/at_width": speedup["at_width"]["predicted"],
              **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
+             **{f"speedup/released_S_{i + 1}": x for i, x in enumerate(speedup["released"]["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
              "time/draft_share": summary["draft_share"],
              **({} if recall is None else {"recall/median": recall["median"], "recall/p10": recall["p10"],

@@ -107,7 +107,7 @@ def record(cfg: Any) -> dict[str, Any]:
     identity = model_identity(cfg.model, drafter_path(cfg.model))
     target_info = {**target_info, "numerics": numerics, "target_config_sha256": identity["target_config_sha256"],
                    "dtype": cfg.model.dtype, "checkpoint": model.path or f"random:{cfg.model.preset}",
-                   **{k: v for k, v in provenance(model).items() if k != "git_commit"}}
+                   **{k: v for k, v in provenance(model.path).items() if k != "git_commit"}}
     batch = cfg.trace.batch_size if model.hf is not None else 1
     if mode == "teacher_forced":
         items, stats = record_teacher_forced(target, windows, run.prompt_tokens, K,

@@ -41,7 +41,7 @@ from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
 
 from .training.bpe import BpeTokenizer
-from .training.corpus import Split, corpus_split, read_item
+from .training.corpus import Corpus, Split, corpus_split, read_item
 from .training.indexer_loss import IndexerDistill
 from .training.model_card import model_card
 from .targets.target import ExpertLoad, Target, TargetWeights, grouped_moe
@@ -235,16 +235,6 @@ def sequence_losses(target: TargetWeights, mtp: MtpWeights, window: Tensor, dept
 
 # ------------------------------------------------------------------------------------------------
 # Data
-
-
-@dataclass
-class Corpus:
-    """Token streams of the two splits and the tokenizer."""
-
-    split: Split
-    tokenizer: BpeTokenizer
-    train: Tensor  # (N,) int64
-    heldout: Tensor  # (M,) int64
 
 
 def build_corpus(vocab_size: int, sample_every: int, limit_items: int | None = None) -> Corpus:

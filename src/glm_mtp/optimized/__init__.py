@@ -1,5 +1,7 @@
-"""The optimized GLM-5 MTP drafter: static buffers, a CUDA-graph-captured k-draft propose and
-exact fused Triton kernels, equal to ``glm_mtp.reference.ReferenceProposer`` bit for bit.
+"""The optimized MTP drafter of both families (GLM-5's ``glm_moe_dsa`` and GLM-5.3-Flash's
+``glm5_next``: KPool indexer, NoPE MLA, clamped SwiGLU, index sharing across draft steps; bf16 or
+block-scaled fp8 weights): static buffers, a CUDA-graph-captured k-draft propose and exact fused
+Triton kernels, equal to ``glm_mtp.reference.ReferenceProposer`` bit for bit.
 
 Imports torch, triton, einops and the reference package only (no Hydra, no W&B): production
 imports it alone. An engine loop (``t_m`` the newest committed token, ``h`` the target's

@@ -1,5 +1,6 @@
-"""The eager reference MTP drafter (GLM-5, and GLM-5.3-Flash's ``glm5_next`` family): the
-semantics every other backend must reproduce."""
+"""The eager reference MTP drafter (GLM-5, and GLM-5.3-Flash's ``glm5_next`` family: KPool
+indexer, index sharing across draft steps; bf16 or block-scaled fp8 weights): the semantics every
+other backend must reproduce."""
 
 from .checkpoint import CheckpointError
 from .config import MtpConfig

@@ -7,32 +7,12 @@ touches a tensor, so the checks cost no device sync.
 from __future__ import annotations
 
 import threading
-import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .state import DrafterState
-
-class Owner:
-    """The drafter a state belongs to: its weights (the object, compared by identity) and its
-    states' row capacity. With the state's type (one per backend) this is what ``use_state``
-    checks, so a state never meets a drafter whose rows or weights it does not fit.
-
-    The weights are held by a weak reference (a state does not keep them alive), and the class
-    has slots and no ``__dict__``: walkers that measure what a state holds never reach them."""
-
-    __slots__ = ("_weights", "capacity")
-
-    def __init__(self, weights: Any, capacity: int) -> None:
-        self._weights = weakref.ref(weights)
-        self.capacity = capacity
-
-    def serves(self, weights: Any) -> bool:
-        """Whether these are the weights the state was allocated for."""
-        return self._weights() is weights
-
+from .state import DrafterState, Owner
 
 # Held only for the test-and-set of ``DrafterState.user``, never across a call's compute.
 _CLAIM = threading.Lock()
@@ -117,3 +97,7 @@ def writing_all(states: Sequence[DrafterState], call: str) -> Iterator[None]:
         for state in states:
             state.poisoned = f"{call} failed midway ({type(e).__name__}: {e})"
         raise
+
+
+# ``Owner`` is the state's (``state.py``, below the guards); the guards' users import it here too.
+__all__ = ["Owner", "use_state", "check_sound", "writing", "writing_all"]

@@ -27,9 +27,6 @@ Training and the experiments' target run the same pieces with torch's kernels (`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 from einops import rearrange
 from torch import Tensor
@@ -37,63 +34,11 @@ from torch import Tensor
 from .config import MtpConfig
 from .layers import topk_indices
 from .numerics import PINNED, Numerics, acc_dtype, linear_acc, psum, softmax, up
+from .state import KPoolCache, LayerCache
 from .weights import IndexerWeights
 
-if TYPE_CHECKING:
-    from .state import LayerCache
-
-
-@dataclass
-class KPoolCache:
-    """What the KPool indexer keeps per sequence beside the layer's rows (dense by slot).
-
-    Args:
-        gates: (capacity, D) the gate row ``g_s`` of every slot (S).
-        keys: (capacity // kp, D) the pooled key of every pool (S); read only where ``complete``.
-        complete: (capacity // kp,) bool: the pool's key was computed from the rows held now.
-    """
-
-    gates: Tensor
-    keys: Tensor
-    complete: Tensor
-    kpool: int
-
-    @classmethod
-    def allocate(cls, cfg: MtpConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KPoolCache:
-        pools = capacity // cfg.index_kpool
-        D = cfg.index_head_dim
-        return cls(
-            gates=torch.zeros(capacity, D, dtype=dtype, device=device),
-            keys=torch.zeros(pools, D, dtype=dtype, device=device),
-            complete=torch.zeros(pools, dtype=torch.bool, device=device),
-            kpool=cfg.index_kpool,
-        )
-
-    def forget_from(self, n: int) -> None:
-        """Rows ``>= n`` are gone: every pool holding one of them is incomplete (its stored key
-        describes rows that no longer exist)."""
-        self.complete[n // self.kpool :] = False
-
-    def snapshot(self, seq_len: int) -> dict[str, Tensor]:
-        """The bytes ``export_state`` adds: ``pool_keys`` (seq_len // kp, D) of the complete
-        pools, ``pool_complete`` (ceil(seq_len / kp),) for every pool holding a row, and
-        ``pool_gates`` (seq_len, D)."""
-        kp = self.kpool
-        return {
-            "pool_keys": self.keys[: seq_len // kp].clone(),
-            "pool_complete": self.complete[: -(-seq_len // kp)].clone(),
-            "pool_gates": self.gates[:seq_len].clone(),
-        }
-
-
-def empty_snapshot(cfg: MtpConfig, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
-    """``KPoolCache.snapshot`` of a freed state: no pools, no rows."""
-    D = cfg.index_head_dim
-    return {
-        "pool_keys": torch.zeros(0, D, dtype=dtype, device=device),
-        "pool_complete": torch.zeros(0, dtype=torch.bool, device=device),
-        "pool_gates": torch.zeros(0, D, dtype=dtype, device=device),
-    }
+# The KPool cache is the state's (``state.KPoolCache``, below this module); the functions here
+# read and write it, and ``KPoolCache`` stays importable from here.
 
 
 def pooled_keys(ix: IndexerWeights, keys: Tensor, gates: Tensor) -> Tensor:
@@ -272,7 +217,6 @@ __all__ = [
     "SELECTIONS",
     "check_selection",
     "KPoolCache",
-    "empty_snapshot",
     "pooled_keys",
     "complete_pools",
     "write_pools",

@@ -4,24 +4,22 @@ Rows are dense: row r lives in slot r, found through the block table as
 ``pool[block_table[r // 16], r % 16]``. A drafter claims its whole pool at allocation, so the
 table is ``[0, blocks)``; rolling back is lowering ``seq_len``, since nothing reads past it.
 A drafter's row budget is ``Sizes``; ``snapshot`` is a state's bytes as ``export_state`` gives
-them. Who may use a state, and when, is the contract's (``contract_guards``).
+them. A glm5_next layer's rows carry the KPool indexer's gates and pooled keys (``KPoolCache``,
+written and read by ``kpool.py``). A state records whose it is (``Owner``); who may use it, and
+when, is the contract's (``contract_guards``).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .config import MtpConfig
-from .kpool import KPoolCache
-from .kpool import empty_snapshot as empty_kpool_snapshot
 from .weights import MtpWeights
-
-if TYPE_CHECKING:
-    from .contract_guards import Owner
 
 BLOCK_ROWS = 16
 
@@ -29,6 +27,59 @@ BLOCK_ROWS = 16
 def num_blocks(max_seq_len: int) -> int:
     """Blocks claimed for one sequence: two spare blocks let drafts run past ``max_seq_len``."""
     return max_seq_len // BLOCK_ROWS + 2
+
+
+@dataclass
+class KPoolCache:
+    """What the KPool indexer keeps per sequence beside the layer's rows (dense by slot).
+
+    Args:
+        gates: (capacity, D) the gate row ``g_s`` of every slot (S).
+        keys: (capacity // kp, D) the pooled key of every pool (S); read only where ``complete``.
+        complete: (capacity // kp,) bool: the pool's key was computed from the rows held now.
+    """
+
+    gates: Tensor
+    keys: Tensor
+    complete: Tensor
+    kpool: int
+
+    @classmethod
+    def allocate(cls, cfg: MtpConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KPoolCache:
+        pools = capacity // cfg.index_kpool
+        D = cfg.index_head_dim
+        return cls(
+            gates=torch.zeros(capacity, D, dtype=dtype, device=device),
+            keys=torch.zeros(pools, D, dtype=dtype, device=device),
+            complete=torch.zeros(pools, dtype=torch.bool, device=device),
+            kpool=cfg.index_kpool,
+        )
+
+    def forget_from(self, n: int) -> None:
+        """Rows ``>= n`` are gone: every pool holding one of them is incomplete (its stored key
+        describes rows that no longer exist)."""
+        self.complete[n // self.kpool :] = False
+
+    def snapshot(self, seq_len: int) -> dict[str, Tensor]:
+        """The bytes ``export_state`` adds: ``pool_keys`` (seq_len // kp, D) of the complete
+        pools, ``pool_complete`` (ceil(seq_len / kp),) for every pool holding a row, and
+        ``pool_gates`` (seq_len, D)."""
+        kp = self.kpool
+        return {
+            "pool_keys": self.keys[: seq_len // kp].clone(),
+            "pool_complete": self.complete[: -(-seq_len // kp)].clone(),
+            "pool_gates": self.gates[:seq_len].clone(),
+        }
+
+
+def empty_kpool_snapshot(cfg: MtpConfig, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """``KPoolCache.snapshot`` of a freed state: no pools, no rows."""
+    D = cfg.index_head_dim
+    return {
+        "pool_keys": torch.zeros(0, D, dtype=dtype, device=device),
+        "pool_complete": torch.zeros(0, dtype=torch.bool, device=device),
+        "pool_gates": torch.zeros(0, D, dtype=dtype, device=device),
+    }
 
 
 @dataclass
@@ -94,6 +145,25 @@ class LayerCache:
         n = self.capacity if n is None else n
         blocks = self.block_table[: -(-n // BLOCK_ROWS)].long()  # only the blocks that hold them
         return pool[blocks].flatten(0, 1)[:n]
+
+
+class Owner:
+    """The drafter a state belongs to: its weights (the object, compared by identity) and its
+    states' row capacity. With the state's type (one per backend) this is what ``use_state``
+    checks, so a state never meets a drafter whose rows or weights it does not fit.
+
+    The weights are held by a weak reference (a state does not keep them alive), and the class
+    has slots and no ``__dict__``: walkers that measure what a state holds never reach them."""
+
+    __slots__ = ("_weights", "capacity")
+
+    def __init__(self, weights: Any, capacity: int) -> None:
+        self._weights = weakref.ref(weights)
+        self.capacity = capacity
+
+    def serves(self, weights: Any) -> bool:
+        """Whether these are the weights the state was allocated for."""
+        return self._weights() is weights
 
 
 @dataclass

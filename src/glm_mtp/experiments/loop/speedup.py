@@ -31,7 +31,8 @@ Costs come from two places:
 - ``measure_costs``: timed on this machine for a given target and drafter (the toy target of the
   experiments), medians of alternating repeats (``experiments/bench.py --target-costs`` writes
   them to ``costs.json``; the acceptance run measures them for its own target and drafter);
-- ``bytes_costs``: from the bytes each step must read (weights only, memory-bound), for GLM-5:
+- ``bytes_costs``: from the bytes each step must read (weights only, memory-bound), for a
+  released model (``preset_costs``: GLM-5, or GLM-5.3-Flash for the glm5_next family); for GLM-5:
   a draft step reads one MTP layer (attention, router, shared expert, 8 routed experts) + the
   head; a target step reads 78 layers (3 dense) + the head; a verify of n tokens reads, per MoE
   layer, the experts the n tokens choose: ``E * (1 - (1 - topk / E)^n)`` of them when routing is
@@ -203,7 +204,36 @@ def bytes_costs(cfg: MtpConfig, kmax: int) -> dict[str, Any]:
 
 def glm5_costs(kmax: int) -> dict[str, Any]:
     """``bytes_costs`` of GLM-5 (``MtpConfig.preset('glm5')``)."""
-    return {**bytes_costs(MtpConfig.preset("glm5"), kmax), "source": "bytes:glm5"}
+    return preset_costs("glm5", kmax)
+
+
+def preset_costs(preset: str, kmax: int) -> dict[str, Any]:
+    """``bytes_costs`` of a released model's preset (``glm5``: GLM-5; ``glm5next``: GLM-5.3-Flash),
+    its ``source`` ``bytes:<preset>``."""
+    return {**bytes_costs(MtpConfig.preset(preset), kmax), "source": f"bytes:{preset}"}
+
+
+# The released model of each drafter family (MtpConfig.family): its preset and its name. A toy's
+# drafter costs about as much as its toy target (one layer beside three), so its own S(k) shows a
+# slowdown; the released model's drafter reads a few percent of its target's bytes.
+RELEASED = {"glm5": ("glm5", "GLM-5"), "glm5_next": ("glm5next", "GLM-5.3-Flash")}
+
+
+def released_speedup(counts_per_prompt: dict[str, Any], family: str, kmax: int, seed: int = 0) -> dict[str, Any]:
+    """``speedup_summary`` of these acceptance counts at the costs of the released model of the
+    drafter's ``family`` (``RELEASED``: from the bytes each step reads), with ``model`` (its name)
+    and ``preset``: what the measured drafter buys on the real model.
+
+    Args:
+        counts_per_prompt: the run's ``reached``, ``accepted`` and ``steps`` per prompt.
+        family: the drafter's ``MtpConfig.family``.
+        kmax: the run's num_drafts (v(k) for k <= kmax).
+        seed: the bootstrap's seed (the run's).
+    """
+    preset, name = RELEASED[family]
+    costs = preset_costs(preset, kmax)
+    return {**speedup_summary(counts_per_prompt, costs["c"], costs["v"], seed=seed, source=costs["source"]),
+            "model": name, "preset": preset}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,16 +292,25 @@ def measure_costs(target: Any, proposer: Any, kmax: int, context: list[int], rep
 # Presentation
 
 
-def format_line(sp: dict[str, Any]) -> str:
-    """``S(k) = 1.23 [1.1, 1.3], ...; best k = 2 (c = 0.31, v = ...)``."""
+def format_line(sp: dict[str, Any], label: str = "predicted speedup") -> str:
+    """``<label> S(1) = 1.23 [1.1, 1.3], ...; best k = 2 (c = 0.31, v = ..., costs ...)``."""
     cells = ", ".join(f"S({k + 1}) = {p:.2f} [{ci[0]:.2f}, "
                       f"{ci[1]:.2f}]" for k, (p, ci) in enumerate(zip(sp["predicted"], sp["predicted_ci"])))
     v = ", ".join(f"{x:.2f}" for x in sp["v"])
-    return f"predicted speedup {cells}; best k = {sp['best_k']} (c = {sp['c']:.3f}, v = [{v}], costs {sp['costs']})"
+    return f"{label} {cells}; best k = {sp['best_k']} (c = {sp['c']:.3f}, v = [{v}], costs {sp['costs']})"
 
 
-def plot_speedup(sp: dict[str, Any], path: str, title: str = "") -> None:
-    """S(k) with its 95% interval (and tau(k) on a second axis)."""
+def released_line(released: dict[str, Any], measured_c: float) -> str:
+    """The line beside this run's S(k): the same acceptance at the released model's costs, and why
+    the two differ (the drafter's cost c relative to its target's decode step)."""
+    return (format_line(released, f"at {released['model']}'s costs (the bytes each step reads):") + "; this run's "
+            f"drafter costs c = {measured_c:.3f} of its target's step, {released['model']}'s "
+            f"{released['c']:.3f}: a toy's S(k) cannot show what the drafter buys on the released model")
+
+
+def plot_speedup(sp: dict[str, Any], path: str, title: str = "", released: dict[str, Any] | None = None) -> None:
+    """S(k) with its 95% interval; with ``released`` (``released_speedup``), S(k) at the released
+    model's costs beside it, each labelled with its costs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,7 +321,12 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.errorbar(ks, pred,
                 yerr=[[max(0.0, p - c[0]) for p, c in zip(pred, ci)], [max(0.0, c[1] - p) for p, c in zip(pred, ci)]],
-                fmt="o-", capsize=3, label="S(k) predicted")
+                fmt="o-", capsize=3, label="S(k) predicted" if released is None else f"S(k), costs {sp['costs']}")
+    if released is not None:
+        rp, rci = released["predicted"], released["predicted_ci"]
+        ax.errorbar(ks, rp, yerr=[[max(0.0, p - c[0]) for p, c in zip(rp, rci)],
+                                  [max(0.0, c[1] - p) for p, c in zip(rp, rci)]],
+                    fmt="s--", capsize=3, label=f"S(k) at {released['model']}'s costs ({released['costs']})")
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.plot([sp["best_k"]], [pred[sp["best_k"] - 1]], "r*", ms=12, label=f"best k = {sp['best_k']}")
     ax.set_xlabel("k (drafts per step)")
@@ -296,19 +340,20 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-COST_SOURCES = ("measured", "glm5")
+COST_SOURCES = ("measured", "glm5", "glm5next")
 
 
 def resolve_costs(spec: str, target: Any, proposer: Any, kmax: int, context: list[int],
                   repeats: int = 15) -> dict[str, Any]:
     """The costs an acceptance run predicts its speedup with: ``measured`` (timed here on its own
-    target and drafter, ``measure_costs``), ``glm5`` (``glm5_costs``), or the path of a
+    target and drafter, ``measure_costs``), ``glm5`` or ``glm5next`` (``preset_costs``: GLM-5's or
+    GLM-5.3-Flash's from bytes), or the path of a
     ``costs.json`` written by ``python -m glm_mtp.experiments.bench --target-costs`` (its ``v``
     must cover ``kmax``)."""
     if spec == "measured":
         return measure_costs(target, proposer, kmax, context, repeats)
-    if spec == "glm5":
-        return glm5_costs(kmax)
+    if spec in ("glm5", "glm5next"):
+        return preset_costs(spec, kmax)
     return {**read_costs_file(spec, kmax), "source": f"file:{spec}"}
 
 

@@ -198,12 +198,12 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_bool(cfg, "run.check_lossless")
     check_stop(cfg)
     costs = _get(cfg, "speedup.costs")
-    if not isinstance(costs, str) or (costs not in ("measured", "glm5") and not os.path.isfile(costs)):
-        raise ValueError(f"speedup.costs must be measured, glm5 or the path of a costs.json, got {costs!r}")
+    if not isinstance(costs, str) or (costs not in ("measured", "glm5", "glm5next") and not os.path.isfile(costs)):
+        raise ValueError(f"speedup.costs must be measured, glm5, glm5next or the path of a costs.json, got {costs!r}")
     need_int(cfg, "speedup.repeats", 1)
     check_logger(cfg)
     # Settings whose rule needs another setting or a file: every file the run reads later is read now.
-    if costs not in ("measured", "glm5"):
+    if costs not in ("measured", "glm5", "glm5next"):
         from ..loop.speedup import read_costs_file
 
         try:

@@ -10,8 +10,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import LoadedModel
-
 
 def file_sha256(path: str | os.PathLike[str]) -> str | None:
     """sha256 of a file's bytes (None when it does not exist)."""
@@ -37,13 +35,18 @@ def git_commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def provenance(model: LoadedModel) -> dict[str, Any]:
+def provenance(checkpoint_dir: str | None) -> dict[str, Any]:
     """What a result depends on beyond its config: the code's commit, the checkpoint's weights and
-    the corpus split it was trained on (the sha256 recorded in its corpus.json)."""
+    the corpus split it was trained on (the sha256 recorded in its corpus.json).
+
+    Args:
+        checkpoint_dir: the directory the model was loaded from (``LoadedModel.path``); None for
+            random weights, which have no files to hash.
+    """
     ckpt, corpus = None, None
-    if model.path:
-        ckpt = file_sha256(Path(model.path) / "model.safetensors")
-        cj = Path(model.path) / "corpus.json"
+    if checkpoint_dir:
+        ckpt = file_sha256(Path(checkpoint_dir) / "model.safetensors")
+        cj = Path(checkpoint_dir) / "corpus.json"
         if cj.exists():
             corpus = json.loads(cj.read_text()).get("sha256")
     return {"git_commit": git_commit(), "checkpoint_sha256": ckpt, "corpus_sha256": corpus}

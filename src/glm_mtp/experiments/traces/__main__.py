@@ -1,6 +1,7 @@
 """``python -m glm_mtp.experiments.traces check DIR`` reports what is wrong with a trace, field by
 field (exit 0: valid; 1: problems, one line each); ``drafter-only SRC OUT`` writes the copy of a
-checkpoint that a replay runs from (``drafter_only``)."""
+checkpoint that a replay runs from (``drafter_only``); ``grid-report SWEEP`` tabulates an
+``experiment=trace_grid`` sweep with its target forwards, recorded against live (``grid_report``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,24 @@ def main(argv: list[str] | None = None) -> int:
     cut = sub.add_parser("drafter-only", help="copy a checkpoint's MTP layer, embedding and head (no target layer)")
     cut.add_argument("src")
     cut.add_argument("out")
+    grid = sub.add_parser("grid-report", help="the table and target forwards of an experiment=trace_grid sweep")
+    grid.add_argument("sweep_dir")
+    grid.add_argument("--out", help="also write the table (Markdown) to this file")
     args = parser.parse_args(argv)
+    if args.command == "grid-report":
+        from .grid_report import format_grid, format_pivot, read_grid
+
+        try:
+            rows = read_grid(args.sweep_dir)
+            text = format_pivot(rows) + "\n\n" + format_grid(rows)
+        except ValueError as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 2
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return 0
     if args.command == "check":
         found = problems(args.directory)
         for line in found:

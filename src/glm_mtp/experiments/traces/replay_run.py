@@ -80,6 +80,10 @@ def open_for_replay(cfg: Any, drafter_config: Any) -> Trace:
     if cfg.num_drafts > trace.max_drafts:
         raise ValueError(f"num_drafts={cfg.num_drafts} exceeds the trace's max_drafts={trace.max_drafts} (the longest "
                          "verify it can answer)")
+    if trace.meta["hidden_dtype"] != cfg.model.dtype:
+        raise ValueError(f"trace.path: {path}: hidden_dtype: the trace holds {trace.meta['hidden_dtype']} hiddens, the "
+                         f"drafter runs in model.dtype={cfg.model.dtype} (the loop feeds the target's hiddens as they "
+                         "are: record the trace in the drafter's dtype)")
     try:
         check_drafter(trace.meta, drafter_config, model_identity(cfg.model, drafter_path(cfg.model)))
     except ValueError as e:

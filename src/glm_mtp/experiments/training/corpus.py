@@ -24,6 +24,10 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
+from .bpe import BpeTokenizer
+
 # Directories left out: the test suite (huge, repetitive), third-party and generated trees.
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "turtledemo", "lib2to3",
                  "ensurepip"}
@@ -164,6 +168,16 @@ class Split:
         """sha256 of the two lists, one name per line, ``[train]`` then ``[heldout]``."""
         body = "[train]\n" + "\n".join(self.train) + "\n[heldout]\n" + "\n".join(self.heldout) + "\n"
         return hashlib.sha256(body.encode()).hexdigest()
+
+
+@dataclass
+class Corpus:
+    """Token streams of the two splits and the tokenizer."""
+
+    split: Split
+    tokenizer: BpeTokenizer
+    train: Tensor  # (N,) int64
+    heldout: Tensor  # (M,) int64
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from string import Template
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,9 +16,7 @@ from glm_mtp.reference.weights import mtp_tensor_shapes
 
 from . import corpus as corpus_mod
 from ..targets.target import target_tensor_shapes
-
-if TYPE_CHECKING:
-    from ..train import Corpus
+from .corpus import Corpus
 
 CARD = Template("""$title
 
