@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import acceptance, stop_sweep
+from glm_mtp.experiments.loop import speedup as spd
 from glm_mtp.experiments.loop.speculative import POLICIES, SpeculativeDecoder, target_decode, teacher_forced
 from glm_mtp.experiments.loop.stop_rules import StopRule, verify_width
 from glm_mtp.experiments.reporting.wandb_log import read_offline_run
@@ -168,3 +169,25 @@ def test_the_sweep_runs_fixed_k_rules_and_the_oracle(tmp_path):
     assert sum(cal["per_position"][0]["reached"]) == sum(map(sum, full["counts"]["widths"]))
     for name in ("sweep.json", "sweep.md", "calibration.png", "sweep.png"):
         assert (tmp_path / name).stat().st_size > 0
+    for r in rec["rows"]:  # drafting that stops at the first refused draft saves steps of width s < k - 1 only
+        serial = r["regimes"]["serial"]["predicted"]
+        if any(r["width_histogram"][: r["num_drafts"] - 1]):
+            assert serial > r["predicted"]
+        else:
+            assert serial == pytest.approx(r["predicted"])
+    # the finished sweep at other costs, from its counts: the same tau and widths, S at those costs
+    again = config("stop_sweep", ["model=tiny_random", "logger=none", "speedup.costs=glm5next",
+                                  f"sweep.rescore={tmp_path / 'sweep.json'}"])
+    stop_sweep.check_sweep(again)
+    re = stop_sweep.run(again, str(tmp_path / "rescored"))
+    assert re["costs"]["source"] == "bytes:glm5next" and [r["name"] for r in re["rows"]] == list(rows)
+    for old, new in zip(rec["rows"], re["rows"]):
+        assert new["tau"] == old["tau"] and new["width_histogram"] == old["width_histogram"]
+        assert new["predicted"] == pytest.approx(spd.width_speedup(sum(old["counts"]["committed"]),
+                                                                   new["width_histogram"], re["costs"]["c"],
+                                                                   re["costs"]["v"][: old["num_drafts"]]))
+    with pytest.raises(ValueError, match="speedup.costs must be glm5, glm5next or a costs.json"):
+        stop_sweep.check_sweep(config("stop_sweep", ["model=tiny_random", "speedup.costs=measured",
+                                                     f"sweep.rescore={tmp_path / 'sweep.json'}"]))
+    with pytest.raises(ValueError, match="sweep.rescore must be a stop sweep's sweep.json"):
+        stop_sweep.check_sweep(config("stop_sweep", ["model=tiny_random", f"sweep.rescore={tmp_path / 'sweep.md'}"]))

@@ -2,6 +2,7 @@
 
     python -m glm_mtp.experiments.stop_sweep                      # conf/stop_sweep.yaml: the glm5_next toy
     python -m glm_mtp.experiments.stop_sweep model=shipped        # the GLM-5 toy
+    python -m glm_mtp.experiments.stop_sweep sweep.rescore=RUN/sweep.json speedup.costs=glm5next   # other costs
 
 One model, one target and one drafter are loaded once; on the same prompts the loop runs
 
@@ -19,8 +20,11 @@ and from the K run's rounds
 
 Every entry gets tau, the mean verify width and the predicted speedup S at a verify width that
 varies per step (``speedup.width_speedup_summary``), each with its 95% interval, at the run's
-costs (``speedup.costs``, default GLM-5's from bytes). Writes ``sweep.json``, ``sweep.md`` (the
-table), ``calibration.png`` and ``sweep.png`` into the run directory and logs them to the logger.
+costs (``speedup.costs``, default GLM-5's from bytes), with drafting that stops at the first draft
+the rule refuses, and in two verify regimes (``VERIFY_REGIMES``). ``sweep.rescore`` recomputes a
+finished sweep's rows at other costs from its per-prompt counts, running nothing. Writes
+``sweep.json``, ``sweep.md`` (the table), ``calibration.png`` and ``sweep.png`` into the run
+directory and logs them to the logger.
 """
 
 from __future__ import annotations
@@ -62,6 +66,21 @@ def check_sweep(cfg: Any) -> None:
         raise ValueError(f"stop.rule must be none for the sweep (it runs every rule of sweep.thresholds); got "
                          f"{stop.get('rule')!r}")
     need_bool(cfg, "sweep.fixed_k")
+    path = cfg.sweep.get("rescore")
+    if path is not None:
+        if cfg.speedup.costs == "measured":
+            raise ValueError("sweep.rescore recomputes S from a finished sweep's counts without running anything: "
+                             "speedup.costs must be glm5, glm5next or a costs.json, not measured")
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            if not all("counts" in r and "rule" in r for r in old["rows"]):
+                raise KeyError("rows")
+            if not isinstance(old["num_drafts"], int):
+                raise KeyError("num_drafts")
+        except (OSError, TypeError, UnicodeDecodeError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"sweep.rescore must be a stop sweep's sweep.json; {path!r}: {type(e).__name__}: {e}") \
+                from None
     thresholds = cfg.get("sweep", {}).get("thresholds")
     if thresholds is None or not hasattr(thresholds, "items"):
         raise ValueError(f"sweep.thresholds must map rules ({', '.join(SWEPT_RULES)}) to lists of thresholds; got "
@@ -128,12 +147,17 @@ def per_prompt(stats: list[SpecStats]) -> dict[str, Any]:
 def entry(name: str, rule: str, threshold: float | None, k: int, pp: dict[str, Any], costs: dict[str, Any],
           seed: int) -> dict[str, Any]:
     """One row of the sweep: its rule, threshold, k and the speedup summary at its widths, at the
-    run's costs and in the two regimes of ``VERIFY_REGIMES`` (``regimes``: S and its interval)."""
+    run's costs, in the two regimes of ``VERIFY_REGIMES`` and at the run's costs with drafting that
+    stops at the first refused draft (``serial``: a step of width s drafts min(s + 1, k), not k)
+    (``regimes``: S and its interval)."""
     sp = spd.width_speedup_summary(pp, costs["c"], costs["v"][:k], seed=seed)
     regimes = {}
     for regime, v_of in VERIFY_REGIMES.items():
         r = spd.width_speedup_summary(pp, costs["c"], [v_of(s) for s in range(1, k + 1)], seed=seed)
         regimes[regime] = {"predicted": r["predicted"], "predicted_ci": r["predicted_ci"]}
+    r = spd.width_speedup_summary(pp, costs["c"], costs["v"][:k], seed=seed,
+                                  drafted=[min(s + 1, k) for s in range(k + 1)])
+    regimes["serial"] = {"predicted": r["predicted"], "predicted_ci": r["predicted_ci"]}
     return {"name": name, "rule": rule, "threshold": threshold, "num_drafts": k, **sp, "regimes": regimes,
             "counts": pp}
 
@@ -149,6 +173,21 @@ def progress(row: dict[str, Any], seconds: float) -> None:
     """One line per finished entry (a sweep takes minutes)."""
     print(f"{row['name']}: tau {row['tau']:.3f}, mean width {row['mean_width']:.2f}, S {row['predicted']:.3f} "
           f"({seconds:.0f}s)", flush=True)
+
+
+def rescore(cfg: Any) -> dict[str, Any]:
+    """The finished sweep at ``sweep.rescore`` (its ``sweep.json``) at this config's costs
+    (``speedup.costs``: glm5, glm5next or a costs.json): every row again from its per-prompt
+    counts, nothing run; calibration and correlations as recorded."""
+    path = cfg.sweep.rescore
+    with open(path) as f:
+        old = json.load(f)
+    costs = spd.resolve_costs(cfg.speedup.costs, None, None, old["num_drafts"], [])
+    rows = [entry(r["name"], r["rule"], r["threshold"], r["num_drafts"], r["counts"], costs, cfg.seed)
+            for r in old["rows"]]
+    best = max(r["predicted"] for r in rows)
+    return {**old, "costs": costs, "rows": rows, "oracle_condition": oracle_condition(costs, best),
+            "rescored_from": os.path.abspath(path)}
 
 
 def sweep(cfg: Any) -> dict[str, Any]:
@@ -205,15 +244,14 @@ def fmt(x: float, ci: list[float], digits: int = 2) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The sweep as a Markdown table: one row per entry, S's best row marked."""
     best = max(record["rows"], key=lambda r: r["predicted"])
-    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S (v = 0) "
-             "| S (v(s) = s) |", "|---|---|---|---|---|---|"]
+    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S, drafting "
+             "stops with the rule | S (v = 0) | S (v(s) = s) |", "|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         mark = " **best**" if r is best else ""
-        flat, compute = r["regimes"]["flat"], r["regimes"]["compute"]
+        cells = " | ".join(fmt(r["regimes"][k]["predicted"], r["regimes"][k]["predicted_ci"], 3)
+                           for k in ("serial", "flat", "compute"))
         lines.append(f"| {r['name']}{mark} | {fmt(r['mean_width'], r['mean_width_ci'])} | {fmt(r['tau'], r['tau_ci'])} "
-                     f"| {fmt(r['predicted'], r['predicted_ci'], 3)} "
-                     f"| {fmt(flat['predicted'], flat['predicted_ci'], 3)} "
-                     f"| {fmt(compute['predicted'], compute['predicted_ci'], 3)} |")
+                     f"| {fmt(r['predicted'], r['predicted_ci'], 3)} | {cells} |")
     return "\n".join(lines)
 
 
@@ -336,8 +374,9 @@ def write(cfg: Any, record: dict[str, Any], run_dir: str) -> None:
 
 
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:
-    """Sweep, then write into ``run_dir``. Returns the record."""
-    record = sweep(cfg)
+    """Sweep (or rescore a finished sweep, ``sweep.rescore``), then write into ``run_dir``.
+    Returns the record."""
+    record = rescore(cfg) if cfg.sweep.get("rescore") is not None else sweep(cfg)
     write(cfg, record, run_dir)
     return record
 

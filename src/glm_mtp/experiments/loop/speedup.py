@@ -124,7 +124,8 @@ def width_speedup(committed: float, widths: list[float], c: float, v: list[float
 
 
 def width_speedup_summary(per_prompt: dict[str, Any], c: float, v: list[float], seed: int = 0,
-                          replicates: int = acc_stats.REPLICATES) -> dict[str, Any]:
+                          replicates: int = acc_stats.REPLICATES,
+                          drafted: list[float] | None = None) -> dict[str, Any]:
     """``tau``, ``predicted`` (S, ``width_speedup``) and ``mean_width`` with bootstrap 95%
     intervals over prompts, and the pooled ``width_histogram``.
 
@@ -132,6 +133,9 @@ def width_speedup_summary(per_prompt: dict[str, Any], c: float, v: list[float], 
         per_prompt: ``{"committed": [P], "widths": [P x (K + 1)]}``: per prompt, tokens committed
             and steps per verify width.
         c / v / seed / replicates: the costs (``width_speedup``) and the bootstrap's.
+        drafted: per width s = 0..K, the draft steps a step of that width made; None: K each (a
+            fused drafter drafts them all). ``min(s + 1, K)``: a drafter that stops at the first
+            draft the rule refuses.
     """
     com = np.asarray(per_prompt["committed"], dtype=np.float64)  # (P,)
     wid = np.asarray(per_prompt["widths"], dtype=np.float64)  # (P, K + 1)
@@ -140,11 +144,14 @@ def width_speedup_summary(per_prompt: dict[str, Any], c: float, v: list[float], 
                          f"{wid.shape}")
     K = wid.shape[1] - 1
     vs = np.asarray([verify_cost(s, v) for s in range(K + 1)])  # (K + 1,)
+    ds = np.full(K + 1, float(K)) if drafted is None else np.asarray(drafted, dtype=np.float64)  # (K + 1,)
+    if ds.shape != (K + 1,):
+        raise ValueError(f"drafted must hold one count per width 0..{K}, got {len(ds)}")
     idx = acc_stats._replicate_indices(com.shape[0], replicates, seed)  # (B, P)
 
     def stats(com_sum: np.ndarray, wid_sum: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         steps = wid_sum.sum(-1)
-        cost = steps * (1.0 + K * c) + (wid_sum * vs).sum(-1)
+        cost = steps + (wid_sum * (c * ds + vs)).sum(-1)
         mean_width = (wid_sum * np.arange(K + 1)).sum(-1)
         return acc_stats._ratio(com_sum, steps), acc_stats._ratio(com_sum, cost), acc_stats._ratio(mean_width, steps)
 
