@@ -97,6 +97,12 @@ PROCESSES = {
     "a sweep with a bad later job": (
         "glm_mtp.experiments.acceptance", ["-m", "experiment=sparse_smoke", "model.preset=tiny"],
         ["job 2 of the sweep", "attention=dense"], ["multirun"]),
+    "acceptance an unknown stop rule": (
+        "glm_mtp.experiments.acceptance", ["model=tiny_random", "stop.rule=entropy", "stop.threshold=0.5"],
+        ["stop.rule must be one of none, prob, cumprob, margin", "'entropy'"], ["outputs"]),
+    "stop_sweep a threshold that is not a number": (
+        "glm_mtp.experiments.stop_sweep", ["model=tiny_random", "sweep.thresholds.margin=[1.0,.nan]"],
+        ["sweep.thresholds.margin.threshold must be a finite number", "nan"], ["outputs"]),
     "train seq_len 2 at depth 2": (
         "glm_mtp.experiments.train", ["training=next_stdlib", "train.seq_len=2", "logger=none"],
         ["train.seq_len must be > train.mtp_depth"], ["outputs"]),

@@ -37,3 +37,25 @@ def test_the_oracle_keeps_the_most_mass_any_selection_can():
     # Flat attention: every selection keeps its share of the rows, the oracle too.
     torch.testing.assert_close(oracle_pool_recall(uniform, slots, CFG),
                                (2 * 4 + (slots + 1) % 4).double() / (slots + 1), rtol=0, atol=1e-12)
+
+
+def test_dense_mass_of_an_fp8_drafter_is_that_of_its_dequantized_weights():
+    # An fp8 drafter's recall is measured against the attention it computes: its weights dequantized.
+    import dataclasses
+
+    from glm_mtp.reference import MtpWeights
+    from glm_mtp.reference.bytes import same_bytes
+    from glm_mtp.reference.fp8 import dequantize
+    from glm_mtp.tools.selection_recall import dense_attention_mass
+
+    cfg = MtpConfig.preset("glm5next_tiny")
+    attn8 = MtpWeights.random(cfg, seed=4, dtype=torch.bfloat16).quantize_fp8().layer.attn
+    plain = dataclasses.replace(attn8, q_b_proj=dequantize(attn8.q_b_proj, torch.float64),
+                                kv_b_proj=dequantize(attn8.kv_b_proj, torch.float64))
+    g = torch.Generator().manual_seed(5)
+    q_latent = torch.randn(3, cfg.q_lora_rank, generator=g)
+    kv = torch.randn(10, cfg.kv_lora_rank, generator=g)
+    slots = torch.tensor([7, 8, 9])
+    a = dense_attention_mass(attn8, cfg, q_latent, kv, slots)
+    b = dense_attention_mass(plain, cfg, q_latent, kv, slots)
+    assert same_bytes(a, b)

@@ -8,6 +8,7 @@ out-of-distribution text, with counts and bootstrap intervals over prompts.
     python -m glm_mtp.experiments.acceptance temperature=1 draft=sampled       # drafts sampled from q
     python -m glm_mtp.experiments.acceptance model.dtype=bfloat16 target_numerics=pinned run.check_lossless=true
     python -m glm_mtp.experiments.acceptance batch_size=4                      # 4 prompts per propose_batch
+    python -m glm_mtp.experiments.acceptance num_drafts=5 stop.rule=prob stop.threshold=0.6   # trim each round
 
 Modes: ``speculative`` (default) runs the speculative loop from each prompt, so after the prompt
 the contexts are the target's own output; ``teacher_forced`` scores one speculative step at
@@ -26,6 +27,15 @@ temperature, verified by full rejection sampling; needs ``temperature > 0``). ``
 ``run.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
 alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
 diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
+
+``stop.rule`` / ``stop.threshold`` (``loop/stop_rules.py``): each round verifies only the drafts
+1..s on which the rule holds (from the drafter's ``draft_confidence``); ``summary.json`` records the
+rule, the verify width per step (``verify_width``: mean and histogram) and the speedup at that
+varying width (``speedup.at_width``).
+
+``trace.path=DIR``: replay a trace (DESIGN.md §11; ``python -m glm_mtp.experiments.record``) instead
+of running the target: the loop's prompts are the trace's items, the target's answers and hiddens
+its record, and only the drafter is loaded (its MTP layer, embedding and head); greedy only.
 
 ``batch_size`` (default 1): the loop runs that many prompts together
 (``SpeculativeDecoder.generate_batch``: one ``propose_batch`` per round for every live prompt);
@@ -61,10 +71,17 @@ from .settings.prompts import (WINDOW_SOURCES, check_prompt_lengths, cut_windows
 from .reporting.measured import LateFailure, MeasuredFile
 from .targets.provenance import provenance
 from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
+from .loop.stop_rules import StopRule
 from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .targets.target import Target
 from .settings.validate import (MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share,
                                 weights_dtype)
+
+def stop_rule(cfg: Any) -> StopRule:
+    """The run's stop rule (``stop.rule`` / ``stop.threshold``; none without a ``stop`` node)."""
+    node = cfg.get("stop") or {}
+    return StopRule(node.get("rule", "none"), node.get("threshold"))
+
 
 def load_model(mcfg: Any) -> LoadedModel:
     """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one), ``kind:
@@ -81,6 +98,12 @@ def load_model(mcfg: Any) -> LoadedModel:
         model = load_hf_checkpoint(mcfg.path, mcfg.get("device", "cpu"), dtype)
     else:
         raise ValueError(f"model.kind must be 'checkpoint', 'random' or 'hf', got {mcfg.kind!r}")
+    return apply_drafter_settings(model, mcfg)
+
+
+def apply_drafter_settings(model: LoadedModel, mcfg: Any) -> LoadedModel:
+    """The drafter's settings of the ``model`` group: ``weights_dtype: fp8`` quantizes its §8
+    matrices; ``index_share`` overrides its index sharing (``null`` keeps the checkpoint's)."""
     if weights_dtype(mcfg) == "fp8":
         model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
     return dataclasses.replace(model, mtp=model.mtp.with_index_share(index_share(mcfg)))
@@ -178,20 +201,21 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
+def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: list[int],
                         batch_size: int, device: torch.device | str = "cpu",
                         grammars: RunGrammars | None = None) -> Iterator[tuple[list[int], SpecResult]]:
     """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
     ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
-    ``batch_size`` prompts (the last batch may be shorter); drafter states on ``device``.
-    ``grammars``: each prompt's output constrained by its grammar, if it has one (batch_size 1)."""
+    ``batch_size`` prompts (the last batch may be shorter); ``max_new_tokens`` per prompt;
+    drafter states on ``device``. ``grammars``: each prompt's output constrained by its grammar,
+    if it has one (batch_size 1)."""
     for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
+        chunk, wants = prompts[i : i + batch_size], max_new_tokens[i : i + batch_size]
         if batch_size == 1:
             matcher = None if grammars is None else grammars.matcher(i)
-            yield chunk[0], decoder.generate(chunk[0], max_new_tokens, device, matcher=matcher)
+            yield chunk[0], decoder.generate(chunk[0], wants[0], device, matcher=matcher)
         else:
-            yield from zip(chunk, decoder.generate_batch(chunk, max_new_tokens, device))
+            yield from zip(chunk, decoder.generate_batch(chunk, wants, device))
 
 
 @dataclass
@@ -224,6 +248,7 @@ class Measurement:
     recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
     grammars: RunGrammars | None = None  # the prompts' grammars (DESIGN.md §10); None without any
     outputs_sha256: str | None = None  # of every prompt's generated tokens (speculative mode)
+    trace: Any = None  # the replayed trace (traces.format.Trace); None for a live target
 
 
 @dataclass
@@ -311,6 +336,8 @@ def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -
 def target_record(m: Measurement) -> dict[str, Any]:
     """What the target was: transformers' model (version, class, config sha256, device map,
     dtype, top-k ties) or the package's own."""
+    if m.trace is not None:
+        return m.trace.meta["target"]
     if m.model.hf is not None:
         return {**m.model.hf.info, "topk_ties": m.target.topk_ties}
     return {"implementation": "glm_mtp.experiments.targets.target.Target", "numerics": m.numerics}
@@ -330,14 +357,29 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
     run = cfg.run
-    model = load_model(cfg.model)
-    windows, starts = run_prompts(cfg, model, source)
-    max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
-    check_prompt_lengths(starts, run.max_new_tokens, cfg.num_drafts, max_seq_len, "prompts")
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
-    if model.hf is not None:
-        numerics = "transformers"
-    target, device = make_target(cfg, model, max_seq_len, numerics)
+    trace = None
+    if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the drafter alone, the trace's prompts
+        from .targets.replay import ReplayTarget
+        from .traces.replay_run import load_drafter, open_for_replay, replay_prompts
+
+        model = apply_drafter_settings(load_drafter(cfg.model), cfg.model)
+        trace = open_for_replay(cfg, model.mtp.config)
+        source = trace.meta.get("prompts", {}).get("source", source)
+        rp = replay_prompts(trace, run.max_new_tokens, cfg.num_drafts)
+        windows, starts, prompt_lens, budgets = rp.windows, rp.starts, rp.prompt_lens, rp.budgets
+        max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
+        numerics = trace.meta["target"].get("numerics", "recorded")
+        target, device = ReplayTarget(trace, model.mtp.device), model.mtp.device
+    else:
+        model = load_model(cfg.model)
+        windows, starts = run_prompts(cfg, model, source)
+        prompt_lens, budgets = [run.prompt_tokens] * len(windows), [run.max_new_tokens] * len(windows)
+        max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
+        check_prompt_lengths(starts, run.max_new_tokens, cfg.num_drafts, max_seq_len, "prompts")
+        if model.hf is not None:
+            numerics = "transformers"
+        target, device = make_target(cfg, model, max_seq_len, numerics)
     attention = check_attention(cfg.get("attention", "sparse"), cfg.backend.name, model.mtp.config)
     probe = None
     if model.mtp.config.is_next and cfg.backend.name == "reference":  # the selection, and its recall recorded
@@ -347,8 +389,9 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
         proposer = make_proposer(cfg.backend.name, model.mtp, max_seq_len, cfg.feed_hidden)
     drafter = proposer if probe is None else ProbedProposer(proposer, probe)
     grammars = run_grammars(cfg, model, len(starts))
+    stop = stop_rule(cfg)
     decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft,
-                                 "masked" if grammars is None else grammars.drafts)
+                                 "masked" if grammars is None else grammars.drafts, stop)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
@@ -359,16 +402,16 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     outputs: list[list[int]] = []  # each prompt's generated tokens
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()
-    results = speculative_results(decoder, starts, run.max_new_tokens, batch_size, device, grammars)
-    for w in windows:
+    results = speculative_results(decoder, starts, budgets, batch_size, device, grammars)
+    for w, plen, want in zip(windows, prompt_lens, budgets):
         before = generated
         if mode == "teacher_forced":
-            st = teacher_forced(target, drafter, w, run.prompt_tokens, cfg.num_drafts, cfg.policy, cfg.temperature,
+            st = teacher_forced(target, drafter, w, plen, cfg.num_drafts, cfg.policy, cfg.temperature,
                                 decoder.gen,
-                                device=device, draft=draft)
+                                device=device, draft=draft, stop=stop)
             if len(samples) < 2:
-                samples.append({"prompt": decode(w[: run.prompt_tokens]),
-                                "continuation": decode(w[run.prompt_tokens :]),
+                samples.append({"prompt": decode(w[:plen]),
+                                "continuation": decode(w[plen:]),
                                 "steps": st.steps, "accepted": st.accepted})
         else:
             p, res = next(results)
@@ -379,9 +422,9 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:  # the target's own (constrained, under a grammar) greedy decode
                 if grammars is None:
-                    plain = target_decode(target, p, run.max_new_tokens)
+                    plain = target_decode(target, p, want)
                 else:
-                    plain = target_decode(target, p, run.max_new_tokens, matcher=grammars.matcher(len(per_prompt)),
+                    plain = target_decode(target, p, want, matcher=grammars.matcher(len(per_prompt)),
                                           vocab_size=model.mtp.config.vocab_size)
                 if res.tokens != plain:  # first differing token; the shorter's length when one is the other's prefix
                     at = next((i for i, (x, y) in enumerate(zip(res.tokens, plain)) if x != y),
@@ -398,7 +441,7 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
                        generated,
                        grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
                        None if probe is None else probe.records, grammars,
-                       hashlib.sha256(json.dumps(outputs).encode()).hexdigest() if outputs else None)
+                       hashlib.sha256(json.dumps(outputs).encode()).hexdigest() if outputs else None, trace)
 
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
@@ -412,19 +455,28 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
                 if m.check_lossless else None)
     counts_pp = {"reached": [s.reached for s in m.per_prompt], "accepted": [s.accepted for s in m.per_prompt],
                  "steps": [s.steps for s in m.per_prompt], "wasted": [s.wasted for s in m.per_prompt],
-                 "forbidden": [s.forbidden for s in m.per_prompt], "committed": [s.committed for s in m.per_prompt]}
+                 "forbidden": [s.forbidden for s in m.per_prompt], "widths": [s.widths for s in m.per_prompt],
+                 "committed": [s.committed for s in m.per_prompt]}
     ci = acc_stats.bootstrap(counts_pp, seed=cfg.seed)
     # The speedup model (speedup.py): tau(k) for k <= num_drafts from these counts, with costs c
     # and v(k) measured here on this run's target and drafter (or GLM-5's from bytes, or a file).
     sp_cfg = cfg.get("speedup") or {}
-    costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), m.target, m.proposer, cfg.num_drafts,
-                              windows[0][: max(2, cfg.run.prompt_tokens)], sp_cfg.get("repeats", 15))
+    if m.trace is not None and sp_cfg.get("costs", "measured") == "measured":  # the target's, as recorded
+        from .traces.replay_run import replay_costs
+
+        costs = replay_costs(m.trace, m.proposer, cfg.num_drafts, sp_cfg.get("repeats", 15))
+    else:
+        costs = spd.resolve_costs(sp_cfg.get("costs", "measured"), m.target, m.proposer, cfg.num_drafts,
+                                  windows[0][: max(2, cfg.run.prompt_tokens)], sp_cfg.get("repeats", 15))
     speedup = spd.speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed, source=costs["source"])
     speedup["cost_details"] = costs
     glm5 = spd.glm5_costs(cfg.num_drafts)
     g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
     # these taus at GLM-5's costs
     speedup["glm5"] = {"c": glm5["c"], "v": glm5["v"], "predicted": g, "best_k": spd.best_k(g)}
+    # S at this run's verify width per step (a stop rule trims it; without one it is S(num_drafts))
+    speedup["at_width"] = spd.width_speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed)
+    speedup["glm5"]["at_width"] = spd.width_speedup_summary(counts_pp, glm5["c"], glm5["v"], seed=cfg.seed)
     # these counts at the released model's costs (GLM-5, or GLM-5.3-Flash for glm5_next): what a toy cannot show
     speedup["released"] = spd.released_speedup(counts_pp, m.model.mtp.config.family, cfg.num_drafts, seed=cfg.seed)
     return {
@@ -441,6 +493,9 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "bootstrap": {"unit": "prompt", "replicates": acc_stats.REPLICATES, "seed": cfg.seed,
                       "interval": "percentile 95%"},
         "num_drafts": cfg.num_drafts,
+        "stop": stop_rule(cfg).record(),  # the stop rule and its threshold (loop/stop_rules.py)
+        # drafts verified per step: mean, and the histogram over widths 0..num_drafts
+        "verify_width": {"mean": stats.mean_width, "histogram": stats.widths},
         "policy": cfg.policy,
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
@@ -456,16 +511,24 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "generated_tokens": m.generated,
         # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
         # saw the same prompts and are paired in report.py, across modes too.
-        "prompts_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
+        # (a replay: its trace's, the windows it was recorded from)
+        "prompts_sha256": (hashlib.sha256(json.dumps(windows).encode()).hexdigest() if m.trace is None
+                           else m.trace.meta["prompts"].get("windows_sha256")),
         # source=jsonl / text: the sha256 of the file read (of its files' names and sha256s for a folder)
-        "prompts_file_sha256": path_sha256(prompts_path(cfg)) if m.source in ("jsonl", "text") else None,
-        "prompts_path": prompts_path(cfg) if m.source in ("jsonl", "text") else None,
+        "prompts_file_sha256": (path_sha256(prompts_path(cfg)) if m.source in ("jsonl", "text") and m.trace is None
+                                else None),  # a replay's are in its trace record
+        "prompts_path": prompts_path(cfg) if m.source in ("jsonl", "text") and m.trace is None else None,
         # The target that verified: transformers' (version, class, config sha256, device map) or the package's
         "target": target_record(m),
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": m.distinct / m.grams if m.grams else float("nan"),
         "verify_forwards": stats.steps,
+        # what the loop asked of the target: a prefill per prompt and a forward per verification
+        # (a replay answers them from the trace; the live target runs them)
+        "target_forwards": len(windows) + stats.steps,
+        # the replayed trace (path, sha256 of its trace.json, its target, truncation, forwards); None: live
+        "trace": None if m.trace is None else m.trace.record(),
         "draft_seconds": stats.draft_s,
         "verify_seconds": stats.verify_s,
         "prefill_seconds": stats.prefill_s,
@@ -534,6 +597,10 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
     print(spd.format_line(speedup, f"predicted speedup at this run's costs ({speedup['costs']}):"))
     print(spd.released_line(speedup["released"], speedup["c"]))
+    width, stop, at = summary["verify_width"], summary["stop"], speedup["at_width"]
+    print(f"stop.rule={stop['rule']}" + ("" if stop["threshold"] is None else f" threshold={stop['threshold']:g}")
+          + f": {width['mean']:.2f} of {k} drafts verified per step (histogram over 0..{k}: {width['histogram']}); "
+          f"S at that width = {at['predicted']:.2f} [{at['predicted_ci'][0]:.2f}, {at['predicted_ci'][1]:.2f}]")
     grammar = summary.get("grammar")
     if grammar is not None:
         print(grammar_line(summary))
@@ -561,6 +628,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     log.log({"tau": summary["mean_accepted_length"], **{f"alpha_{i + 1}": a for i, a in enumerate(alpha)},
              **{f"cumulative_{i + 1}": a for i, a in enumerate(cumulative)},
              "speedup/best_k": speedup["best_k"],
+             "verify_width/mean": summary["verify_width"]["mean"], "speedup/at_width": speedup["at_width"]["predicted"],
              **{f"speedup/S_{i + 1}": x for i, x in enumerate(speedup["predicted"])},
              **{f"speedup/released_S_{i + 1}": x for i, x in enumerate(speedup["released"]["predicted"])},
              "time/draft_s": summary["draft_seconds"], "time/verify_s": summary["verify_seconds"],
@@ -576,6 +644,7 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
                                               for i, p in enumerate(recall["per_position"])},
                                            **{f"recall/median_{i + 1}": p["median"]
                                               for i, p in enumerate(recall["per_position"])}})})
+    log.log_histogram("verify_width/histogram", summary["verify_width"]["histogram"])
     log.log_samples(summary["samples"])
     log.log_image("acceptance_plot", png)
     log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))

@@ -25,8 +25,14 @@ from torch import Tensor
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.indexer import selection_mask
 from glm_mtp.reference.kpool import select_pool_rows
-from glm_mtp.reference.numerics import plain_weight
+from glm_mtp.reference.fp8 import BlockScaledWeight, dequantize
 from glm_mtp.reference.weights import AttentionWeights
+
+
+def real_weight(weight: Tensor | BlockScaledWeight, dtype: torch.dtype) -> Tensor:
+    """The weight the drafter computes with, in ``dtype``: a block-scaled fp8 weight (DESIGN.md §8)
+    dequantized, so the recall of an fp8 drafter is measured against its own attention."""
+    return dequantize(weight, dtype) if isinstance(weight, BlockScaledWeight) else weight.to(dtype)
 
 
 def dense_attention_mass(attn: AttentionWeights, cfg: MtpConfig, q_latent: Tensor, kv_rows: Tensor, slots: Tensor,
@@ -38,9 +44,9 @@ def dense_attention_mass(attn: AttentionWeights, cfg: MtpConfig, q_latent: Tenso
     if cfg.qk_rope_head_dim != 0:
         raise ValueError("dense_attention_mass: NoPE layers only (glm5_next, qk_rope_head_dim 0)")
     nope, Lkv, nh = cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.num_attention_heads
-    q = rearrange(torch.nn.functional.linear(q_latent.to(dtype), plain_weight(attn.q_b_proj).to(dtype)),
+    q = rearrange(torch.nn.functional.linear(q_latent.to(dtype), real_weight(attn.q_b_proj, dtype)),
                   "t (h d) -> t h d", h=nh)  # (T, nh, nope)
-    w_uk = rearrange(plain_weight(attn.kv_b_proj).to(dtype), "(h d) c -> h d c", h=nh)[:, :nope]  # (nh, nope, Lkv)
+    w_uk = rearrange(real_weight(attn.kv_b_proj, dtype), "(h d) c -> h d c", h=nh)[:, :nope]  # (nh, nope, Lkv)
     q_abs = torch.einsum("thn,hnc->thc", q, w_uk)  # (T, nh, Lkv)
     S = kv_rows.shape[0]
     scores = torch.einsum("thc,sc->ths", q_abs, kv_rows[:, :Lkv].to(dtype)) * cfg.qk_head_dim**-0.5  # (T, nh, S)

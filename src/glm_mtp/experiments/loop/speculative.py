@@ -46,6 +46,12 @@ on committed tokens only; the drafter drafts under the matcher (``grammar_drafts
 fewer than k drafts where the grammar stops them) or freely (``'unmasked'``, the ablation: a
 forbidden draft and those after it waste their verify slots and count as ``forbidden``).
 
+Stop rules (``stop``, ``loop/stop_rules.py``): after the propose the loop reads the drafts'
+confidences and verifies only ``[t_m, d_1..d_s]``, ``s`` the longest prefix on which the rule
+holds; ``after_verify(a)`` gets ``a <= s`` and the policies run as above (a catch-up only when
+every one of the k drafts was accepted). The choice of s reads the drafter only, so both
+verifications stay lossless.
+
 Metrics: ``alpha_i`` = P(draft i accepted | drafts 1..i-1 accepted), per position;
 ``tau`` = tokens committed per verification forward (accepted drafts + the bonus), the mean
 accepted length; and the time spent in the drafter and in the target's verification forwards.
@@ -68,6 +74,7 @@ from glm_mtp.registry import backend_class
 
 from .grammar_verify import (commit_tokens, masked_argmax, masked_greedy_verify, masked_target_probs,
                              matcher_row, output_finished, verify_masks)
+from .stop_rules import NO_STOP, RoundRecord, StopRule, round_width
 
 Policy = Literal["first_row_kept", "refeed", "trim_all"]
 POLICIES = ("first_row_kept", "refeed", "trim_all")
@@ -235,6 +242,10 @@ class SpecStats:
             matcher does not allow and every draft after it (0 when the drafts are masked).
         draft_s / verify_s / prefill_s: seconds in the drafter, in verification forwards and in
             the prompt's target forward.
+        widths: per verify width s = 0..k, the rounds that verified s drafts (a stop rule's
+            histogram; every round verifies k without one).
+        rounds: each round's confidences, width and accepted count, when the loop records them
+            (None otherwise).
     """
 
     num_drafts: int
@@ -247,28 +258,38 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    widths: list[int] = field(default_factory=list)
+    rounds: list[RoundRecord] | None = None
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0] * self.num_drafts
         self.accepted = self.accepted or [0] * self.num_drafts
+        self.widths = self.widths or [0] * (self.num_drafts + 1)
 
-    def record(self, a: int, verified: int | None = None, bonus: bool = True, forbidden: int = 0) -> None:
-        """One verification that accepted ``a`` of its ``verified`` drafts (k when None; fewer
-        when a grammar stopped the propose), committing a bonus token unless ``bonus`` is false
-        (the grammar allowed nothing there), ``forbidden`` of the drafts forbidden by the grammar."""
-        n = self.num_drafts if verified is None else verified
-        for i in range(min(a + 1, n)):
+    def record(self, a: int, width: int | None = None, bonus: bool = True, forbidden: int = 0) -> None:
+        """One verification of ``width`` drafts (None: all k; fewer where a stop rule trimmed the
+        round or a grammar stopped the propose) that accepted ``a`` of them, committing a bonus
+        token unless ``bonus`` is false (the grammar allowed nothing there), ``forbidden`` of the
+        verified drafts forbidden by the grammar. A draft past the width is not reached."""
+        s = self.num_drafts if width is None else width
+        if not 0 <= a <= s <= self.num_drafts:
+            raise ValueError(f"a round must accept a <= width <= k = {self.num_drafts} drafts; got a={a}, width={s}")
+        for i in range(min(a + 1, s)):
             self.reached[i] += 1
         for i in range(a):
             self.accepted[i] += 1
+        self.widths[s] += 1
         self.steps += 1
         self.committed += a + int(bonus)
-        self.wasted += n - a
+        self.wasted += s - a
         self.forbidden += forbidden
 
     def merge(self, other: SpecStats) -> None:
         self.reached = [x + y for x, y in zip(self.reached, other.reached)]
         self.accepted = [x + y for x, y in zip(self.accepted, other.accepted)]
+        self.widths = [x + y for x, y in zip(self.widths, other.widths)]
+        if self.rounds is not None and other.rounds is not None:
+            self.rounds = self.rounds + other.rounds
         for name in ("steps", "committed", "wasted", "forbidden", "draft_s", "verify_s", "prefill_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -286,6 +307,11 @@ class SpecStats:
     def tau(self) -> float:
         """Tokens committed per verification forward (the mean accepted length, bonus included)."""
         return self.committed / self.steps if self.steps else float("nan")
+
+    @property
+    def mean_width(self) -> float:
+        """Drafts verified per round (k without a stop rule)."""
+        return sum(s * n for s, n in enumerate(self.widths)) / self.steps if self.steps else float("nan")
 
     @property
     def draft_share(self) -> float:
@@ -318,11 +344,15 @@ class SpeculativeDecoder:
             ``temperature``; needs ``temperature > 0`` and a drafter with ``propose_sampled``).
         grammar_drafts: with a matcher given to ``generate``, ``masked`` (default: the drafter
             drafts under it) or ``unmasked`` (drafts drawn freely); the verify is masked either way.
+        stop: the stop rule (``loop/stop_rules.py``; default: verify every draft).
+        record_rounds: keep every round's confidences, width and accepted count in the stats'
+            ``rounds`` (reads the confidences even without a stop rule).
     """
 
     def __init__(self, target: TargetModel, proposer: DraftProposer, num_drafts: int, policy: Policy = "first_row_kept",
                  temperature: float = 0.0, seed: int = 0, draft: Draft = "argmax",
-                 grammar_drafts: GrammarDrafts = "masked") -> None:
+                 grammar_drafts: GrammarDrafts = "masked", stop: StopRule = NO_STOP,
+                 record_rounds: bool = False) -> None:
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
             raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
         if policy not in POLICIES:
@@ -336,6 +366,19 @@ class SpeculativeDecoder:
         self.k, self.policy, self.temperature, self.draft = num_drafts, policy, float(temperature), draft
         self.grammar_drafts = grammar_drafts
         self.gen = torch.Generator().manual_seed(seed)
+        self.stop, self.record_rounds = stop, record_rounds
+        if (stop.trims or record_rounds) and not hasattr(proposer, "draft_confidence"):
+            raise ValueError(f"stop.rule={stop.rule} (or recording rounds) reads the drafts' confidences: "
+                             f"{type(proposer).__name__} has no draft_confidence")
+
+    def _new_stats(self) -> SpecStats:
+        return SpecStats(self.k, rounds=[] if self.record_rounds else None)
+
+    def _record(self, stats: SpecStats, a: int, width: int, prob: list[float], margin: list[float],
+                bonus: bool = True, forbidden: int = 0) -> None:
+        stats.record(a, width, bonus, forbidden)
+        if stats.rounds is not None:
+            stats.rounds.append(RoundRecord(prob, margin, width, a))
 
     def _verify(self, logits: Tensor, drafts: list[int], q: Tensor | None = None,
                 allowed: Tensor | None = None) -> tuple[int, int | None]:
@@ -373,7 +416,7 @@ class SpeculativeDecoder:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         tg, prop, k = self.target, self.proposer, self.k
-        stats = SpecStats(k)
+        stats = self._new_stats()
         clock = time.perf_counter
 
         t0 = clock()
@@ -396,10 +439,13 @@ class SpeculativeDecoder:
             drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen,
                                      self._drafter_grammar(matcher))
             n = len(drafts)  # k, or fewer where a grammar stopped the propose
+            width, prob, margin = round_width(self.stop, prop, dstate, n, self.record_rounds)
+            verified = drafts[:width]  # a stop rule verifies the confident prefix only
             t1 = clock()  # the verify's masks count as the verify's time
-            allowed, legal = (None, n) if matcher is None else verify_masks(matcher, drafts, prop.config.vocab_size)
-            out = tg.verify([tokens[m], *drafts], tstate)  # positions m..m+n
-            a, bonus = self._verify(out.logits, drafts, q, allowed)
+            allowed, legal = (None, width) if matcher is None else verify_masks(matcher, verified,
+                                                                                prop.config.vocab_size)
+            out = tg.verify([tokens[m], *verified], tstate)  # positions m..m+width
+            a, bonus = self._verify(out.logits, verified, None if q is None else q[:width], allowed)
             tg.rollback(tstate, m + a + 1)
             t2 = clock()
             if self.policy == "first_row_kept":
@@ -419,7 +465,7 @@ class SpeculativeDecoder:
             t3 = clock()
             stats.draft_s += (t1 - t0) + (t3 - t2)
             stats.verify_s += t2 - t1
-            stats.record(a, n, bonus is not None, n - legal)
+            self._record(stats, a, width, prob, margin, bonus is not None, width - legal)
             committed = [*drafts[:a], *([] if bonus is None else [bonus])]
             if matcher is not None:
                 commit_tokens(matcher, committed)
@@ -456,7 +502,7 @@ class SpeculativeDecoder:
         Only ``policy='first_row_kept'`` and ``draft='argmax'`` are batched; others raise
         ``ValueError`` (use ``generate``).
         """
-        seqs = [_Seq(p, n, SpecStats(self.k)) for p, n in self._batch_inputs(prompts, max_new_tokens)]
+        seqs = [_Seq(p, n, self._new_stats()) for p, n in self._batch_inputs(prompts, max_new_tokens)]
         cap = getattr(self.proposer, "max_batch", None) or len(seqs)  # the most states one batched call takes
         try:
             for s in seqs:  # prompt by prompt (the order generate draws from the generator in)
@@ -532,20 +578,22 @@ class SpeculativeDecoder:
         return drafts
 
     def _verify_one(self, s: _Seq, d: list[int]) -> tuple[_Seq, int, Tensor, int] | None:
-        """The target verifies ``[t_m, d_1..d_k]``, rolls back past the accepted drafts and the
-        drafter keeps its rows; commits. Returns the row a fully accepted sequence owes,
-        ``(seq, d_k, h_{m+k-1}, row m+k-1)``, for the round's catch-up (None otherwise)."""
+        """The target verifies ``[t_m, d_1..d_s]`` (s: the stop rule's width, k without one),
+        rolls back past the accepted drafts and the drafter keeps its rows; commits. Returns the
+        row a fully accepted sequence owes, ``(seq, d_k, h_{m+k-1}, row m+k-1)``, for the round's
+        catch-up (None otherwise)."""
         clock, k = time.perf_counter, self.k
+        width, prob, margin = round_width(self.stop, self.proposer, s.dstate, len(d), self.record_rounds)
         t1 = clock()
-        out = self.target.verify([s.tokens[s.m], *d], s.tstate)  # positions m..m+k
-        a, bonus = self._verify(out.logits, d)
+        out = self.target.verify([s.tokens[s.m], *d[:width]], s.tstate)  # positions m..m+width
+        a, bonus = self._verify(out.logits, d[:width])
         self.target.rollback(s.tstate, s.m + a + 1)
         t2 = clock()
         self.proposer.after_verify(a, s.dstate)
         s.stats.verify_s += t2 - t1
         s.stats.draft_s += clock() - t2
         owed = (s, d[-1], out.hidden[k - 1 : k], s.m + k - 1) if a == k else None
-        s.stats.record(a)
+        self._record(s.stats, a, width, prob, margin)
         s.tokens += [*d[:a], bonus]
         s.h_prev = out.hidden[a : a + 1]  # h_{m+a}
         s.m += a + 1
@@ -628,7 +676,8 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
 
 def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int], prompt_len: int, num_drafts: int,
                    policy: Policy = "first_row_kept", temperature: float = 0.0, gen: torch.Generator | None = None,
-                   device: torch.device | str = "cpu", draft: Draft = "argmax") -> SpecStats:
+                   device: torch.device | str = "cpu", draft: Draft = "argmax", stop: StopRule = NO_STOP,
+                   record_rounds: bool = False) -> SpecStats:
     """Acceptance on natural text: at every position ``m`` in ``[prompt_len, len(text))`` the
     drafter proposes k drafts after the text ``t_0..t_m`` (its first row reads the target's
     hidden ``h_{m-1}``, later rows its own post-norm ``x``, as in the loop), and one verification
@@ -649,6 +698,8 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
         gen: the generator of rejection sampling (``temperature > 0``) and of sampled drafts'
             noise; device: the drafter state's.
         draft: ``argmax`` or ``sampled`` (as ``SpeculativeDecoder``'s).
+        stop / record_rounds: the stop rule (each position verifies its rule's prefix of the
+            drafts) and whether to record each round (as ``SpeculativeDecoder``'s).
     Returns the counters (``steps`` = positions scored).
     """
     if not 1 <= prompt_len < len(text):
@@ -657,7 +708,7 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     check_draft(draft, temperature, proposer)
     gen = gen or torch.Generator().manual_seed(0)
-    stats, clock, k = SpecStats(num_drafts), time.perf_counter, num_drafts
+    stats, clock, k = SpecStats(num_drafts, rounds=[] if record_rounds else None), time.perf_counter, num_drafts
     t0 = clock()
     tstate = target.alloc_state()
     out = target.prefill(list(text[:prompt_len]), tstate)  # h_0..h_{n-1}
@@ -670,8 +721,10 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     for m in range(prompt_len, len(text)):
         t0 = clock()
         drafts, q = draft_tokens(proposer, draft, text[m], h_prev, m - 1, k, dstate, temperature, gen)
+        width, prob, margin = round_width(stop, proposer, dstate, len(drafts), record_rounds)
+        drafts, q = drafts[:width], None if q is None else q[:width]
         t1 = clock()
-        out = target.verify([text[m], *drafts], tstate)  # positions m..m+k
+        out = target.verify([text[m], *drafts], tstate)  # positions m..m+width
         if temperature == 0:
             a, _ = greedy_verify(out.logits, drafts)
         else:
@@ -685,7 +738,9 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
             proposer.catchup_drafter([text[m]], h_prev, m - 1, m - 1, dstate)
         stats.draft_s += (t1 - t0) + (clock() - t2)
         stats.verify_s += t2 - t1
-        stats.record(a)
+        stats.record(a, width)
+        if stats.rounds is not None:
+            stats.rounds.append(RoundRecord(prob, margin, width, a))
         h_prev = out.hidden[:1]  # h_m, the text's own
     proposer.free_state(dstate)
     return stats

@@ -17,6 +17,15 @@ with costs in units of one target decode step (1 token):
   in teacher-forced mode; in the loop the contexts a run visits depend on K, so tau(k < K) is an
   estimate from K's trajectories).
 
+A verify width that varies per step (a stop rule verifies s <= k of the k drafts, the hindsight
+oracle exactly the ones the target accepts): every step still drafts k, and a step of width s
+costs ``1 + k c + v(s)`` with ``v(0) = 0`` (a verify of one token is a decode step), so over the
+run's steps
+
+    S = committed / sum_steps (1 + k c + v(s_step)) = tau / (1 + k c + sum_s h(s) v(s))
+
+with ``h(s)`` the share of steps of width s (``width_speedup``); at ``h(k) = 1`` this is S(k).
+
 Costs come from two places:
 
 - ``measure_costs``: timed on this machine for a given target and drafter (the toy target of the
@@ -87,6 +96,71 @@ def speedup_summary(counts_per_prompt: dict[str, Any], c: float, v: list[float],
     return {"c": float(c), "v": [float(x) for x in v[:K]], "tau": tau, "tau_ci": acc_stats._percentiles(rep_tau),
             "predicted": pred, "predicted_ci": acc_stats._percentiles(rep_s), "best_k": best_k(pred),
             "best_k_share": [float(x) for x in picks], "costs": source}
+
+
+def verify_cost(width: int, v: list[float]) -> float:
+    """v(s): the extra cost of a verify of ``width`` drafts; v(0) = 0 (``v`` holds v(1), v(2), ..)."""
+    if width < 0 or width > len(v):
+        raise ValueError(f"width must be in [0, {len(v)}] (v holds one value per width >= 1), got {width}")
+    return 0.0 if width == 0 else float(v[width - 1])
+
+
+def width_speedup(committed: float, widths: list[float], c: float, v: list[float],
+                  draft_steps: float | None = None) -> float:
+    """S at a verify width that varies per step.
+
+    Args:
+        committed: tokens the steps committed.
+        widths: per width s = 0..K, the steps that verified s drafts (their sum is the steps).
+        c / v: a draft step's cost and v(s) for s = 1..K (``verify_cost``), in target steps.
+        draft_steps: draft steps made over all steps; None: K per step (the drafter drafts every
+            one of the K drafts, whatever the verify keeps).
+    """
+    K = len(widths) - 1
+    steps = float(sum(widths))
+    drafted = K * steps if draft_steps is None else float(draft_steps)
+    cost = steps + drafted * c + sum(n * verify_cost(s, v) for s, n in enumerate(widths) if n)
+    return committed / cost if cost else float("nan")
+
+
+def width_speedup_summary(per_prompt: dict[str, Any], c: float, v: list[float], seed: int = 0,
+                          replicates: int = acc_stats.REPLICATES,
+                          drafted: list[float] | None = None) -> dict[str, Any]:
+    """``tau``, ``predicted`` (S, ``width_speedup``) and ``mean_width`` with bootstrap 95%
+    intervals over prompts, and the pooled ``width_histogram``.
+
+    Args:
+        per_prompt: ``{"committed": [P], "widths": [P x (K + 1)]}``: per prompt, tokens committed
+            and steps per verify width.
+        c / v / seed / replicates: the costs (``width_speedup``) and the bootstrap's.
+        drafted: per width s = 0..K, the draft steps a step of that width made; None: K each (a
+            fused drafter drafts them all). ``min(s + 1, K)``: a drafter that stops at the first
+            draft the rule refuses.
+    """
+    com = np.asarray(per_prompt["committed"], dtype=np.float64)  # (P,)
+    wid = np.asarray(per_prompt["widths"], dtype=np.float64)  # (P, K + 1)
+    if wid.ndim != 2 or com.shape != wid.shape[:1] or not com.size:
+        raise ValueError(f"per_prompt must hold P >= 1 prompts: committed (P,), widths (P, K + 1); got {com.shape}, "
+                         f"{wid.shape}")
+    K = wid.shape[1] - 1
+    vs = np.asarray([verify_cost(s, v) for s in range(K + 1)])  # (K + 1,)
+    ds = np.full(K + 1, float(K)) if drafted is None else np.asarray(drafted, dtype=np.float64)  # (K + 1,)
+    if ds.shape != (K + 1,):
+        raise ValueError(f"drafted must hold one count per width 0..{K}, got {len(ds)}")
+    idx = acc_stats._replicate_indices(com.shape[0], replicates, seed)  # (B, P)
+
+    def stats(com_sum: np.ndarray, wid_sum: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        steps = wid_sum.sum(-1)
+        cost = steps + (wid_sum * (c * ds + vs)).sum(-1)
+        mean_width = (wid_sum * np.arange(K + 1)).sum(-1)
+        return acc_stats._ratio(com_sum, steps), acc_stats._ratio(com_sum, cost), acc_stats._ratio(mean_width, steps)
+
+    tau, pred, width = stats(com.sum(0), wid.sum(0))
+    rtau, rpred, rwidth = stats(com[idx].sum(1), wid[idx].sum(1))
+    return {"tau": float(tau), "tau_ci": acc_stats._percentiles(rtau[:, None])[0], "predicted": float(pred),
+            "predicted_ci": acc_stats._percentiles(rpred[:, None])[0], "mean_width": float(width),
+            "mean_width_ci": acc_stats._percentiles(rwidth[:, None])[0],
+            "width_histogram": [int(x) for x in wid.sum(0)], "c": float(c), "v": [float(x) for x in v[:K]]}
 
 
 # ------------------------------------------------------------------------------------------------

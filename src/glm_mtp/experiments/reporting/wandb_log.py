@@ -21,6 +21,9 @@ class NoLogger:
     def log_acceptance(self, alphas: list[float], title: str, summary: dict[str, Any] | None = None) -> None:
         """Drop the acceptance table."""
 
+    def log_histogram(self, key: str, counts: list[int]) -> None:
+        """Drop the histogram."""
+
     def log_samples(self, samples: list[dict[str, Any]]) -> None:
         """Drop the samples."""
 
@@ -73,6 +76,13 @@ class WandbLogger(NoLogger):
         table = self.wandb.Table(columns=cols, data=rows)
         self.run.log({"acceptance_table": table,
                       "acceptance_bar": self.wandb.plot.bar(table, "position", "alpha", title=title)})
+
+    def log_histogram(self, key: str, counts: list[int]) -> None:
+        """A histogram of integer values 0..len(counts)-1 (``counts[i]`` occurrences of i)."""
+        import numpy as np
+
+        edges = np.arange(len(counts) + 1, dtype=np.float64) - 0.5
+        self.run.log({key: self.wandb.Histogram(np_histogram=(list(counts), edges.tolist()))})
 
     def log_samples(self, samples: list[dict[str, Any]]) -> None:
         """The samples as one table, a row each (columns: the first sample's keys)."""

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from glm_mtp.ranges import SEED_MAX, THREADS_MAX, check_int_range
 from glm_mtp.registry import BACKENDS, backend_class
 
+from ..loop.stop_rules import check_stop_rule
 from .prompts import MIN_PROMPT_TOKENS
 from .prompts import SOURCES as PROMPT_SOURCES
 from ..loop.speculative import DRAFTS, POLICIES
@@ -201,6 +202,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_int(cfg, "run.prompt_tokens", MIN_PROMPT_TOKENS)
     need_int(cfg, "run.max_new_tokens", 1)
     need_bool(cfg, "run.check_lossless")
+    check_stop(cfg)
     costs = _get(cfg, "speedup.costs")
     if not isinstance(costs, str) or (costs not in ("measured", "glm5", "glm5next") and not os.path.isfile(costs)):
         raise ValueError(f"speedup.costs must be measured, glm5, glm5next or the path of a costs.json, got {costs!r}")
@@ -221,6 +223,20 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
     check_grammar(cfg)
+    if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the whole trace checked, and against the drafter
+        from ..traces.replay_run import open_for_replay
+
+        open_for_replay(cfg, model)
+
+
+def check_stop(cfg: Any) -> None:
+    """``stop.rule`` and ``stop.threshold`` (``loop/stop_rules.py``): a known rule, and a finite
+    number for a rule that trims (null for none). A config without a ``stop`` node verifies every
+    draft."""
+    node = cfg.get("stop")
+    if node is None:
+        return
+    check_stop_rule(node.get("rule", "none"), node.get("threshold"))
 
 
 def check_hf_model(cfg: Any, numerics: str) -> None:
@@ -350,6 +366,9 @@ def check_grammar(cfg: Any) -> None:
                          "corpus's own text, which no grammar constrains (mode=speculative)")
     if _get(cfg, "batch_size") != 1:
         raise ValueError(f"{what} runs one prompt at a time: batch_size must be 1, got {_get(cfg, 'batch_size')}")
+    if (cfg.get("trace") or {}).get("path") is not None:
+        raise ValueError(f"{what} constrains the target's greedy path, and trace.path holds the unconstrained one (a "
+                         "trace records the target's own argmax): run a grammar against the live target")
     if _get(cfg, "model.kind") == "random":
         raise ValueError(f"{what} is compiled against the model's tokenizer; model.kind=random has none (use "
                          "model=shipped, next_shipped or hf)")

@@ -1,0 +1,167 @@
+"""Record a trace (DESIGN.md §11, docs/traces.md): the target run once over the acceptance
+experiment's prompts, so every drafter configuration can be replayed from it
+(``python -m glm_mtp.experiments.acceptance trace.path=DIR ...``).
+
+    python -m glm_mtp.experiments.record trace.out=DIR                                  # the shipped glm5_next toy
+    python -m glm_mtp.experiments.record model=shipped target_numerics=pinned trace.out=DIR
+    python -m glm_mtp.experiments.record model=hf model.path=CKPT source=jsonl prompts.path=P.jsonl trace.out=DIR
+    python -m glm_mtp.experiments.record mode=teacher_forced trace.out=DIR             # natural text
+
+It takes the acceptance experiment's keys (``model``, ``source``, ``prompts``, ``run.*``,
+``target_numerics``, ``mode``) and ``trace.*``: ``out`` (the new trace's directory),
+``max_drafts`` (the largest k it answers), ``batch_size`` (prompts per batched generation on
+model=hf), ``cost_repeats`` (the target's forward costs timed for the speedup model; 0: none).
+The speculative mode records two passes (the greedy continuation of ``run.max_new_tokens +
+max_drafts - 1`` tokens, then one teacher-forced forward per item); items are cut at the first
+near-tie of the two and counted. The teacher-forced mode (the package's target) records each
+window and the target's greedy chain of ``max_drafts + 1`` tokens at every scored position.
+Prints one line: items, truncations, target forwards, the trace's sha256.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+
+def check_record(cfg: Any) -> None:
+    """The recording's settings: the acceptance experiment's (without a trace to replay), greedy,
+    ``trace.out`` a new directory in a writable folder, ``trace.max_drafts`` >= 1, a mode the
+    target can record, and the longest item within ``model.max_seq_len``."""
+    from .settings.validate import _get, check_acceptance, need_int, unwritable_dir
+
+    if (cfg.get("trace") or {}).get("path") is not None:
+        raise ValueError("trace.path replays a trace; a recording writes trace.out (leave trace.path null)")
+    check_acceptance(cfg)
+    if _get(cfg, "temperature") != 0:
+        raise ValueError(f"temperature: a trace records the target's greedy path (temperature 0), got "
+                         f"{_get(cfg, 'temperature')}")
+    out = _get(cfg, "trace.out")
+    if not isinstance(out, str) or not out:
+        raise ValueError(f"trace.out must be the new trace's directory, got {out!r}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ValueError(f"trace.out must be a new or empty directory; {out} is not")
+    why = unwritable_dir(os.path.dirname(os.path.abspath(out)))
+    if why is not None:
+        raise ValueError(f"trace.out must be in a writable folder: {why}")
+    K = need_int(cfg, "trace.max_drafts", 1)
+    need_int(cfg, "trace.batch_size", 1)
+    need_int(cfg, "trace.cost_repeats", 0)
+    if _get(cfg, "mode") == "teacher_forced" and _get(cfg, "model.kind") == "hf":
+        raise ValueError("mode=teacher_forced records the greedy chain at every position by rolling the target back "
+                         "anywhere, which transformers' linear-attention caches cannot: record mode=speculative for "
+                         "model=hf")
+    from .settings.validate import model_config
+
+    longest = _get(cfg, "run.prompt_tokens") + _get(cfg, "run.max_new_tokens") + 2 * K + 1
+    cap = min(_get(cfg, "model.max_seq_len"), model_config(cfg).max_position_embeddings)
+    if longest > cap:
+        raise ValueError(f"trace.max_drafts: run.prompt_tokens + run.max_new_tokens + 2 * trace.max_drafts + 1 = "
+                         f"{longest} (the longest item and one verify after it) exceeds model.max_seq_len={cap}")
+
+
+def progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar over an iterable (to stderr), or the iterable itself without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda it: it
+    return lambda it: tqdm(it, total=total, desc=desc, unit="batch" if desc.endswith("batches") else "item",
+                           leave=False)
+
+
+def record(cfg: Any) -> dict[str, Any]:
+    """Record the trace of ``cfg`` into ``cfg.trace.out``. Returns its metadata (with ``sha256``)."""
+    from .acceptance import load_model, run_prompts
+    from .settings.prompts import path_sha256, prompts_path
+    from .targets.provenance import git_commit, provenance
+    from .targets.target import Target
+    from .traces.format import write_trace
+    from .traces.identity import model_identity
+    from .traces.recorder import (measure_target_costs, record_speculative, record_teacher_forced,
+                                  sequential_continue)
+    from .traces.replay_run import drafter_path
+
+    torch.set_num_threads(cfg.threads)
+    logging.getLogger("glm_mtp").setLevel(logging.WARNING)
+    mode, source, run, K = cfg.mode, cfg.source, cfg.run, cfg.trace.max_drafts
+    model = load_model(cfg.model)
+    windows, starts = run_prompts(cfg, model, source)
+    max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
+    numerics = cfg.target_numerics
+    if model.hf is not None:
+        from .targets.hf_target import HfTarget
+        from .traces.hf_record import batched_continue
+
+        numerics = "transformers"
+        target: Any = HfTarget(model.hf.model, K + 1, max_seq_len, "cpu", cfg.model.get("topk_ties", "lower_index"))
+        continue_fn = batched_continue(model.hf.model, target.topk_ties)
+        target_info = {**model.hf.info, "topk_ties": target.topk_ties}
+    else:
+        target = Target(model.target, max_seq_len, numerics=numerics)
+        continue_fn = sequential_continue(target)
+        target_info = {"implementation": "glm_mtp.experiments.target.Target", "numerics": numerics}
+    identity = model_identity(cfg.model, drafter_path(cfg.model))
+    target_info = {**target_info, "numerics": numerics, "target_config_sha256": identity["target_config_sha256"],
+                   "dtype": cfg.model.dtype, "checkpoint": model.path or f"random:{cfg.model.preset}",
+                   **{k: v for k, v in provenance(model.path).items() if k != "git_commit"}}
+    batch = cfg.trace.batch_size if model.hf is not None else 1
+    if mode == "teacher_forced":
+        items, stats = record_teacher_forced(target, windows, run.prompt_tokens, K,
+                                             progress_bar(len(windows), "recording items"))
+    else:
+        items, stats = record_speculative(target, starts, run.max_new_tokens + K - 1, continue_fn, batch,
+                                          progress_bar(-(-len(starts) // batch), "recording batches"))
+    if not items:
+        raise RuntimeError("every item was cut at its first generated token (near-ties of the two passes): no trace")
+    costs = None
+    if cfg.trace.cost_repeats:
+        costs = measure_target_costs(target, K, windows[0][: max(2, run.prompt_tokens)], cfg.trace.cost_repeats)
+    hidden = items[0].hidden
+    meta = {
+        "mode": mode,
+        "vocab_size": model.mtp.config.vocab_size,
+        "hidden_size": model.mtp.config.hidden_size,
+        "hidden_dtype": str(hidden.dtype).removeprefix("torch."),
+        "max_drafts": K,
+        "target": target_info,
+        "tokenizer_sha256": identity["tokenizer_sha256"],
+        "prompts": {"source": source, "num_prompts": len(windows), "recorded_items": len(items),
+                    "prompt_tokens": run.prompt_tokens if source != "jsonl" else None, "seed": cfg.seed,
+                    "windows_sha256": _sha256_json(windows),
+                    "path": prompts_path(cfg) if source in ("jsonl", "text") else None,
+                    "file_sha256": path_sha256(prompts_path(cfg)) if source in ("jsonl", "text") else None},
+        "generation": {"temperature": 0, "max_new_tokens": run.max_new_tokens,
+                       "continuation": run.max_new_tokens + K - 1 if mode == "speculative" else None,
+                       "batch_size": batch},
+        "truncation": stats.truncation(),
+        "forwards": stats.forwards(),
+        "costs": costs,
+        "recorded_by": {"package": "glm_mtp", "git_commit": git_commit()},
+    }
+    sha = write_trace(cfg.trace.out, meta, items)
+    t = stats.truncation()
+    print(f"recorded {len(items)} items ({mode}, {source}) into {cfg.trace.out}: {stats.forwards()['total']} target "
+          f"forwards; {t['items']} items cut at a near-tie ({t['positions_dropped']} positions dropped, "
+          f"{t['items_dropped']} items dropped whole); trace.json sha256 {sha}")
+    return {**meta, "sha256": sha}
+
+
+def _sha256_json(x: Any) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(x).encode()).hexdigest()
+
+
+def main() -> None:
+    from .settings.entry import hydra_main
+
+    hydra_main("config", "python -m glm_mtp.experiments.record", check_record, lambda cfg, hc: record(cfg))
+
+
+if __name__ == "__main__":
+    main()
