@@ -87,6 +87,8 @@ PROCESSES = {
     "train a tokenizer size it cannot honour": (
         "glm_mtp.experiments.train", ["training=next_stdlib", "tokenizer.vocab_size=4096", "logger=none"],
         ["tokenizer.vocab_size must be 2048", "tokenizer.path=shipped"], ["outputs"]),
+    "step_tables an unknown table": ("glm_mtp.tools.step_tables", ["--tables", "fused,bogus"],
+                                     ["--tables", "fused, next, sharing", "'fused,bogus'"], []),
     "audit an architecture LLVM does not know": (
         "glm_mtp.tools.audit", ["--arch", "sm_999", "--presets", "tiny"],
         ["--arch sm_999", "not a recognized processor"], []),

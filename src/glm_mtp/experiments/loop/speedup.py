@@ -266,7 +266,7 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "", released: dict[
     ax.set_ylabel("speedup over plain decoding")
     ax.set_xticks(ks)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     ax.set_title(title or f"S(k) = τ(k) / (1 + k·{sp['c']:.2f} + v(k)), costs {sp['costs']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
