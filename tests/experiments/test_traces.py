@@ -271,7 +271,7 @@ def test_commands_refuse_a_hostile_trace_in_one_line(tiny_trace, tmp_path):
 # transformers' target (model=hf): the tiny checkpoints of both families, float32
 
 
-@pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["glm5_next", pytest.param("glm_moe_dsa", marks=pytest.mark.slow)])
 def test_hf_record_and_replay(family, tmp_path):
     from .hf_checkpoints import write_hf_checkpoint
 

@@ -506,7 +506,9 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "recall": None if m.recall is None else recall_summary(m.recall, cfg.num_drafts),
         "prompts": len(windows),
         "batch_size": m.batch_size,
-        "prompt_tokens": cfg.run.prompt_tokens if m.source != "jsonl" else None,  # jsonl: each prompt its own length
+        # jsonl: each prompt its own length; a replay: the trace's
+        "prompt_tokens": (None if m.source == "jsonl" else cfg.run.prompt_tokens if m.trace is None
+                          else m.trace.meta["prompts"].get("prompt_tokens")),
         "scored_positions": stats.steps if m.mode == "teacher_forced" else None,
         "generated_tokens": m.generated,
         # sha256 of the windows' token ids (prompt + the text after it): runs with equal digests
