@@ -94,7 +94,8 @@ def test_speculative_greedy_equals_greedy_decoding(tiny, greedy, policy):
     accepts = []
     dec = SpeculativeDecoder(target, oracle, K, policy)
     real = dec._verify
-    dec._verify = lambda logits, drafts, q=None: accepts.append(real(logits, drafts, q)) or accepts[-1]
+    dec._verify = lambda logits, drafts, q=None, allowed=None: (accepts.append(real(logits, drafts, q, allowed))
+                                                                or accepts[-1])
     res = dec.generate(prompt, len(out))
     assert res.tokens == out
     assert {a for a, _ in accepts} == {0, 1, 2, 3}  # every accept count, rollbacks of every size

@@ -129,8 +129,8 @@ class Runner:
     def run(self, k: int, stop: StopRule = NO_STOP, record_rounds: bool = False) -> list[SpecStats]:
         cfg = self.cfg
         draft = cfg.get("draft", "argmax")
-        decoder = SpeculativeDecoder(self.target, self.proposer, k, cfg.policy, cfg.temperature, cfg.seed, draft, stop,
-                                     record_rounds)
+        decoder = SpeculativeDecoder(self.target, self.proposer, k, cfg.policy, cfg.temperature, cfg.seed, draft,
+                                     stop=stop, record_rounds=record_rounds)
         if cfg.mode == "teacher_forced":
             return [teacher_forced(self.target, self.proposer, w, plen, k, cfg.policy, cfg.temperature, decoder.gen,
                                    self.device, draft, stop, record_rounds)

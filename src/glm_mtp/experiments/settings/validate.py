@@ -429,13 +429,16 @@ def model_config(cfg: Any) -> Any:
         message = str(e).removeprefix("model.path: ")
         raise ValueError("model.path must be a checkpoint directory (config.json and safetensors): "
                          f"{message}") from None
-    if kind == "hf":
+    # A replay (trace.path) reads the drafter's tensors only: the target's are neither needed nor checked.
+    replay = (cfg.get("trace") or {}).get("path") is not None
+    if kind == "hf" and not replay:
         from ..targets.hf_target import check_hf_checkpoint
 
         check_hf_checkpoint(path)
     from ..targets.checkpoint import check_checkpoint_loads
 
-    check_checkpoint_loads("model.path", path, _get(cfg, "model.dtype"), package_target=kind == "checkpoint")
+    check_checkpoint_loads("model.path", path, _get(cfg, "model.dtype"),
+                           package_target=kind == "checkpoint" and not replay)
     return config
 
 
