@@ -715,7 +715,10 @@ class OptimizedProposer:
             for b, w in enumerate(walks):
                 if w is not None:
                     words[b * k : b * k + w.n] = w.masks.numpy()
-        confidence = PendingConfidence(steps.logits[:B].reshape(B * k, V), bb.out(k)[:B, 1:].reshape(B * k), masks)
+        # the drafts (B, k) as one list: always one copy (a strided slice's reshape would copy for
+        # some B and k only, so a propose's launches would depend on its k past the steps)
+        drafts = bb.out(k)[:B, 1:].clone().reshape(B * k)
+        confidence = PendingConfidence(steps.logits[:B].reshape(B * k, V), drafts, masks)
         prob, margin = self._confidence(confidence, bb.device)
         for b, (st, w) in enumerate(zip(states, walks)):
             n = k if w is None else w.n

@@ -55,14 +55,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
 
 
 def restricted_argmax(x: Tensor, allowed: Tensor | None) -> Tensor:
-    """The lowest-index maximum (T,) of ``x`` (T, V) over the allowed tokens only: the allowed
-    columns are gathered in ascending id and ranked alone, so a forbidden entry is never compared
-    (DESIGN.md §10), even where every allowed entry is ``-inf``. ``allowed`` (V,) bool with at
-    least one token, or None (every token)."""
+    """The lowest-index maximum (T,) of ``x`` (T, V) over the allowed tokens only, ranked as
+    ``torch.argmax`` ranks (a NaN above every number): the maximum is taken over the allowed
+    entries and the first allowed entry equal to it wins, so a forbidden entry is never compared
+    (DESIGN.md §10), even where every allowed entry is ``-inf``. ``allowed`` (V,) or (T, V) bool
+    with at least one token per row, or None (every token). No host read: the optimized
+    drafter's captured programs call it too."""
     if allowed is None:
         return torch.argmax(x, dim=-1)
-    ids = allowed.nonzero().squeeze(1)  # (n,) ascending token ids
-    return ids[torch.argmax(x[:, ids], dim=-1)]
+    nan = allowed & (x != x)  # (T, V)
+    num = allowed & (x == x)
+    m = torch.where(num, x, -math.inf).amax(dim=-1, keepdim=True)  # (T, 1): the best allowed number
+    best = torch.where(nan.any(dim=-1, keepdim=True), nan, num & (x == m))  # (T, V)
+    return torch.argmax(best.to(torch.int8), dim=-1)  # the first True: the lower index wins ties
 
 
 def greedy_token(logits: Tensor, allowed: Tensor | None = None) -> Tensor:

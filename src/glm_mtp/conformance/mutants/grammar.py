@@ -138,6 +138,10 @@ def _sentinel_restricted(x: Tensor, allowed: Tensor | None) -> Tensor:
     return x if allowed is None else torch.where(allowed, x, torch.finfo(x.dtype).min)
 
 
+def _sentinel_argmax(x: Tensor, allowed: Tensor | None) -> Tensor:
+    return torch.argmax(_sentinel_restricted(x, allowed), dim=-1)
+
+
 def _sentinel_margin(logits: Tensor, token: Tensor, allowed: Tensor | None = None) -> Tensor:
     s = up(_sentinel_restricted(logits, allowed))  # (T, V): forbidden logits at the sentinel, compared
     own = s.gather(-1, token[:, None])[:, 0]
@@ -150,7 +154,7 @@ class FiniteSentinel(StepSwappingMutant):
     rule = "§10: a forbidden token is never compared (margin +inf when one token is allowed), not a finite sentinel"
 
     def swaps(self) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
-        return [(_layers, "restricted", _sentinel_restricted), (_proposer, "draft_margin", _sentinel_margin)]
+        return [(_layers, "restricted_argmax", _sentinel_argmax), (_proposer, "draft_margin", _sentinel_margin)]
 
 
 MUTANTS: tuple[type[Mutant], ...] = (OneMaskEveryStep, MaskOneStepLate, NoRollback, FiniteSentinel, TerminatedDraftsOn)
