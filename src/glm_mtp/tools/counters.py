@@ -463,6 +463,18 @@ def counted(fn: Any, triton: bool = True) -> LaunchCounter:
     return c
 
 
+def random_context(weights: MtpWeights, context: int, seed: int,
+                   device: torch.device) -> tuple[Tensor, Tensor, int, Tensor]:
+    """A counted propose's inputs, drawn from ``seed``: a prompt of ``context + 1`` tokens (C + 1,),
+    its hiddens (C + 1, H) in the weights' dtype, and the propose's token and hidden (the last
+    of each), so every counter measures the same context for the same seed."""
+    cfg = weights.config
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    prompt = torch.randint(cfg.vocab_size, (context + 1,), generator=gen, device=device)
+    hiddens = torch.randn(context + 1, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
+    return prompt, hiddens, int(prompt[-1]), hiddens[-1]
+
+
 def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend: str = "optimized", context: int = 16,
                        max_seq_len: int = 64, seed: int = 0) -> dict[str, Any]:
     """Launches and bytes of one draft step of ``backend`` (``optimized`` with ``kernels``, or
@@ -502,11 +514,7 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
         prop = prefiller = backend_class("reference")(weights, max_seq_len)
     else:
         raise ValueError(f"backend must be 'optimized' or 'reference', got {backend!r}")
-    cfg = weights.config
-    gen = torch.Generator(device).manual_seed(seed + 1)
-    prompt = torch.randint(cfg.vocab_size, (context + 1,), generator=gen, device=device)
-    hiddens = torch.randn(context + 1, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
-    token, hidden = int(prompt[-1]), hiddens[-1]
+    prompt, hiddens, token, hidden = random_context(weights, context, seed, device)
     state = prop.alloc_state(device)
     try:
         prefiller.prefill_drafter(prompt, hiddens, state)  # rows [0, context)
@@ -529,8 +537,8 @@ def measure_draft_step(weights: MtpWeights, kernels: str = "triton", *, backend:
     step_launches, step_bytes = c2.launches - c1.launches, c2.kernel_bytes - c1.kernel_bytes
     # fp8 weights: 1 byte a value of each block-scaled matrix plus its scales (DESIGN.md §8);
     # a shared step: the floor without the query side, over step 1's list (made at held + 1 rows)
-    sharing = cfg.index_share_for_mtp_iteration
-    floor = floor_bytes_per_draft(cfg, weights.dtype, held + 2, block_scaled=weights.block_scaled,
+    sharing = weights.config.index_share_for_mtp_iteration
+    floor = floor_bytes_per_draft(weights.config, weights.dtype, held + 2, block_scaled=weights.block_scaled,
                                   selected_at=held + 1 if sharing else None)
     step_1 = first_step(weights, c1, kernels, backend, context, max_seq_len, seed) if sharing else {}
     return dict(
@@ -699,11 +707,7 @@ def measure_grammar_propose(weights: MtpWeights, kernels: str = "triton", *, num
                            "triton is imported (run python -m glm_mtp.tools.counters)")
     prop = backend_class("optimized")(weights, max_seq_len, kernels=kernels)
     prefiller = backend_class("optimized")(weights, max_seq_len, kernels="torch")
-    cfg = weights.config
-    gen = torch.Generator(device).manual_seed(seed + 1)
-    prompt = torch.randint(cfg.vocab_size, (context + 1,), generator=gen, device=device)
-    hiddens = torch.randn(context + 1, cfg.hidden_size, generator=gen, device=device).to(weights.dtype)
-    token, hidden = int(prompt[-1]), hiddens[-1]
+    prompt, hiddens, token, hidden = random_context(weights, context, seed, device)
     state = prop.alloc_state(device)
     reads: list[int] = []
     real = opt_proposer.read_back
@@ -738,7 +742,7 @@ def measure_grammar_propose(weights: MtpWeights, kernels: str = "triton", *, num
     finally:
         opt_proposer.read_back = real
         prop.free_state(state)
-    V = cfg.vocab_size
+    V = weights.config.vocab_size
     return dict(kernels=kernels, preset=cfg_name(weights), dtype=str(weights.dtype).removeprefix("torch."),
                 num_drafts=num_drafts, context_rows=held, unmasked_drafts=plain, vocab_size=V,
                 logits_bytes_per_step=V * weights.dtype.itemsize, **out)
