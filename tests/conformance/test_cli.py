@@ -132,7 +132,9 @@ def test_sharded_refuses_to_check_nothing(argv, capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
+# The interpreted kernels through the CLI run in the default run with the glm5_next family
+# (tests/conformance/test_next_family.py); this family's triton case with the slow sweep.
+@pytest.mark.parametrize("kernels", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 def test_kernels_choice_reaches_the_optimized_backend(kernels, tmp_path):
     """``--kernels`` picks the optimized backend's kernels (the Triton interpreter on CPU, or the
     torch twins) and the report names that backend, so its replay command runs it again."""

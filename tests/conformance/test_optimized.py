@@ -20,8 +20,15 @@ def test_optimized_equals_reference_bf16():
     assert r.ok, r.first_difference
 
 
+@pytest.mark.slow
 def test_optimized_equals_reference_fp32():
     r = run("optimized", "reference", scenarios=30, seed=3, dtype=torch.float32)
+    assert r.ok, r.first_difference
+
+
+def test_optimized_equals_reference_fp32_fast():
+    """The default run's case of the fp32 sweep above: its first 8 scenarios."""
+    r = run("optimized", "reference", scenarios=8, seed=3, dtype=torch.float32)
     assert r.ok, r.first_difference
 
 
@@ -34,15 +41,24 @@ def pre_norm_reference(w, n):
 
 
 def test_optimized_equals_reference_with_the_pre_norm_ablation():
-    r = run(pre_norm_optimized, pre_norm_reference, scenarios=10, seed=4)
+    r = run(pre_norm_optimized, pre_norm_reference, scenarios=4, seed=4)
     assert r.ok, r.first_difference
 
 
+@pytest.mark.slow
 def test_optimized_with_interpreted_triton_kernels_equals_reference():
     # Triton's CPU interpreter is slow (~0.5 s a row at tiny): one realistic and one adversarial
     # scenario over short sequences.
     r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenarios=2, seed=5, max_seq_len=24)
     assert r.ok, r.first_difference
+
+
+def test_interpreted_triton_kernels_equal_the_reference_on_a_realistic_scenario():
+    """The default run's case of the sweep above: its realistic scenario alone (the kernels on the
+    happy path; the adversarial one's refusals happen before any kernel runs and are covered by
+    the plain optimized backend's scenarios)."""
+    r = run("glm_mtp.optimized:with_triton_kernels", "reference", scenario_index=0, seed=5, max_seq_len=24)
+    assert r.ok and r.scenarios_run == 1 and r.outcomes["propose"]["ok"] > 0, r.first_difference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -43,16 +43,26 @@ def test_bench_batch_writes_records_table_and_plot(tmp_path, monkeypatch):
     assert (out / "bench_batch.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv", [["--batch-sizes", "0"], ["--drafts", "0"], ["--preset", "nope"],
-                                  ["--batch-sizes", "16", "--max-seq-len", "40"], ["--repeats", "0"]])
-def test_bad_arguments_exit_2(argv, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.bench_batch", *argv, "--out",
+def test_a_bad_argument_exits_2_through_the_command(tmp_path):
+    """One refusal through the real command line (a fresh process); the rules themselves below,
+    in this process (a subprocess costs seconds of imports per case)."""
+    done = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.bench_batch", "--batch-sizes", "0", "--out",
                            str(tmp_path / "x")],
                           capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("argv", [["--batch-sizes", "0"], ["--drafts", "0"], ["--preset", "nope"],
+                                  ["--batch-sizes", "16", "--max-seq-len", "40"], ["--repeats", "0"]])
+def test_bad_arguments_exit_2(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_batch.main([*argv, "--out", str(tmp_path / "x")])
+    assert e.value.code == 2, capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow  # the counters themselves run in the default run: tests/tools/test_counters.py
 def test_counters_run_in_subprocesses_through_the_interpreter(tmp_path):
     """The real counters path at tiny, two batch sizes in parallel subprocesses."""
     a = bench_batch.parse_args(["--preset", "tiny", "--batch-sizes", "1", "2", "--context", "4", "--max-seq-len", "32",

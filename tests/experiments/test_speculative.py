@@ -152,7 +152,7 @@ def sample_sequences(bigram, temperature, n_seqs=50, length=40, k=3, draft="argm
 
 
 @pytest.mark.parametrize("draft", ["argmax", pytest.param("sampled", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.6, marks=pytest.mark.slow)])
 def test_rejection_sampling_reproduces_the_target_distribution(bigram, temperature, draft):
     seqs, stats = sample_sequences(bigram, temperature, draft=draft)
     assert 0.05 < stats.alpha[0] < 0.95  # drafts are accepted and rejected
