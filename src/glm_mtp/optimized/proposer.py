@@ -451,7 +451,7 @@ class OptimizedProposer:
     def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
         """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two float32
         tensors ``(last_drafted,)`` on the state's device, computed on first call from the logits
-        the head kept (one launch, ``kernels.draft_confidence``; no host sync) and valid until
+        the head kept (one launch, ``kernels.draft_confidence_triton``; no host sync) and valid until
         the next call that changes the state. ``prob[i]``: the pinned (masked, under a grammar)
         softmax probability of draft i (a sampled propose: ``q_i[d_i]``); ``margin[i]``: its
         logit minus the best other allowed logit (``+inf`` when it is the only one allowed).

@@ -8,8 +8,9 @@ runs its two sides one after the other, so a reference beside a mutant in the sa
 runs while a swap is in place (the lock serialises mutants among themselves; a reference running
 in another thread at the same moment is not protected, so do not thread a mutant run).
 
-The mutants themselves live in ``mutants_*.py``, grouped by what they break; ``mutants.py`` is
-the registry.
+The mutants themselves live in this package's other modules (``block``, ``rows``, ``kpool``,
+``sharing``, ``grammar``, ``confidence``, ``batch``), grouped by what they break; the package's
+``__init__`` is the registry (``mutants.MUTANTS``, ``mutants.GROUPS``).
 """
 
 from __future__ import annotations

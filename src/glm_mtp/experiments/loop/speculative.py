@@ -85,8 +85,8 @@ GrammarDrafts = Literal["masked", "unmasked"]
 
 class TargetModel(Protocol):
     """What the loop and teacher forcing need of a target. The package's toy target
-    (``experiments.target.Target``) and transformers' model of a released checkpoint
-    (``experiments.hf_target.HfTarget``) are two.
+    (``experiments.targets.target.Target``) and transformers' model of a released checkpoint
+    (``experiments.targets.hf_target.HfTarget``) are two.
 
     - ``prefill(tokens, state)``: the prompt, positions ``[0, n)`` of a fresh state;
     - ``verify(tokens, state)``: ``[t_m, d_1..d_k]`` at positions ``[m, m + k + 1)``;
@@ -121,7 +121,7 @@ def check_draft(draft: str, temperature: float, proposer: DraftProposer | None =
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
                   kpool: KPoolRowsFn | None = None) -> DraftProposer:
     """A drafter of the named backend (a key of ``glm_mtp.registry.BACKENDS``), imported only when
-    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.recall``), which only
+    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.loop.recall``), which only
     the reference drafter takes (the optimized one fuses its own)."""
     if kpool is None:
         return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
