@@ -65,6 +65,6 @@ def ranged_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
         why = range_error(lo, hi, value)
         if why is not None:
             raise argparse.ArgumentTypeError(why)
-        return value  # type: ignore[return-value]
+        return value  # type: ignore[return-value]  # an int: range_error checked it
 
     return parse

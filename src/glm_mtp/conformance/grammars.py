@@ -203,4 +203,4 @@ class NoRollback(AutomatonMatcher):
 class NotCallable(AutomatonMatcher):
     """Not a matcher: its ``accept_token`` is a value, not a method."""
 
-    accept_token = None  # type: ignore[assignment]
+    accept_token = None  # type: ignore[assignment]  # deliberately not a method: the broken matcher under test

@@ -205,7 +205,7 @@ def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: T
     if draft == "argmax":
         return proposer.propose(last_token, hidden, position, k, state, **under), None
     noise = exponential_noise(k, proposer.config.vocab_size, gen, acc_dtype(hidden.dtype), hidden.device)
-    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,  # type: ignore[attr-defined]
+    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,
                                    **under)
     return out.drafts, out.q
 
@@ -662,7 +662,7 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
     while len(tokens) < max_new_tokens:
         if tokens:
             out = target.verify(tokens[-1:], state)
-        allowed = None if matcher is None else matcher_row(matcher, vocab_size)  # type: ignore[arg-type]
+        allowed = None if matcher is None else matcher_row(matcher, vocab_size)
         token = pick(out.logits[-1], temperature, gen, allowed)
         if token is None:
             break
