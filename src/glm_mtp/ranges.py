@@ -10,7 +10,7 @@ accepts is refused naming the flag or setting, never passed on to fail deep insi
 
 ``ranged_int(lo, hi)`` is an argparse ``type``: a value outside ``[lo, hi]`` is argparse's
 one-line error naming the flag, exit status 2. ``check_int_range`` is the same rule for a
-value already read (Hydra settings, ``experiments.validate``). Imports nothing.
+value already read (Hydra settings, ``experiments.settings.validate``). Imports nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +65,6 @@ def ranged_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
         why = range_error(lo, hi, value)
         if why is not None:
             raise argparse.ArgumentTypeError(why)
-        return value  # type: ignore[return-value]
+        return value  # type: ignore[return-value]  # an int: range_error checked it
 
     return parse

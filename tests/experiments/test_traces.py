@@ -5,6 +5,7 @@ refused before any work, naming the field.
 The default run records one small trace per case; ``-m slow`` sweeps both shipped models over
 k = 1..5, the three policies, both modes and the batched loop."""
 
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from glm_mtp.experiments import acceptance, record
 from glm_mtp.experiments.targets.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
 from glm_mtp.experiments.targets.replay import ReplayTarget
+from glm_mtp.experiments.targets.target import Target
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.experiments.traces.drafter_only import write_drafter_only
 from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, open_trace, problems, write_trace
@@ -65,14 +67,19 @@ def next_trace(tmp_path_factory):
 def test_replay_from_drafter_only_equals_live(next_trace):
     root, meta = next_trace
     assert meta["truncation"] == {"items": 0, "positions_dropped": 0, "items_dropped": 0}  # pinned: passes agree
+    # The target's class path, read from the class: it imports back to the class a live run uses.
+    module, _, name = meta["target"]["implementation"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is Target
     assert meta["forwards"]["total"] == 2 * (1 + (8 + 3 - 1 - 1)) + 2  # per item: prefill + decodes, then one TF pass
     names = load_file(str(root / "drafter" / "model.safetensors")).keys()
     assert not any(".layers.0." in n for n in names)  # no target layer: the replay cannot have read one
     for policy, k in (("first_row_kept", 3), ("refeed", 2), ("trim_all", 1)):
         common = [*SMALL, f"num_drafts={k}", f"policy={policy}"]
-        live, _ = per_prompt(["target_numerics=pinned", *common])
+        live, live_m = per_prompt(["target_numerics=pinned", *common])
         replay, m = per_prompt([f"model.path={root / 'drafter'}", f"trace.path={root / 'trace'}", *common])
         assert replay == live, (policy, k)
+        # A live run records the same implementation as the trace (one class path, from the class).
+        assert acceptance.target_record(live_m)["implementation"] == meta["target"]["implementation"]
         assert m.target.forwards == 2 + sum(s[2] for s in live)  # every prefill and verify answered from the trace
 
 

@@ -203,22 +203,4 @@ class NoRollback(AutomatonMatcher):
 class NotCallable(AutomatonMatcher):
     """Not a matcher: its ``accept_token`` is a value, not a method."""
 
-    accept_token = None  # type: ignore[assignment]
-
-
-def greedy_walk(grammar: Grammar, logits: Tensor) -> list[int]:
-    """What §10 drafts from a list of per-step logits ``(k, V)`` alone: the lowest-index maximum
-    of row i over the automaton's mask after the drafts before it, stopping where the walk ends
-    (a test's oracle for drafts whose logits are known)."""
-    m = grammar.matcher(logits.shape[-1])
-    drafts: list[int] = []
-    for row in logits:
-        if m.is_terminated():
-            break
-        allowed = m.automaton.allowed(m.state)[0]
-        if not allowed:
-            break
-        best = max(allowed, key=lambda t: (float(row[t]), -t))
-        drafts.append(best)
-        m.accept_token(best)
-    return drafts
+    accept_token = None  # type: ignore[assignment]  # deliberately not a method: the broken matcher under test

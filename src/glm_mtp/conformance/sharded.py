@@ -57,7 +57,7 @@ def sharded_rank(rank: int, world: int, opts: dict[str, Any]) -> None:
     record: dict[str, Any] = dict(
         rank=rank, world=world, needs_comm=cand.needs_comm(), steps=0, byte_mismatch_steps=0, draft_total=0,
         draft_agree=0, max_abs_diff_x=0.0, first_mismatch=None,
-        experts_held=int(sharded.layer.mlp.experts_gate.shape[0]),  # type: ignore[union-attr]
+        experts_held=int(sharded.layer.mlp.experts_gate.shape[0]),  # type: ignore[union-attr]  # a sharded layer's mlp is a MoE, which has experts_gate
     )
     digest = hashlib.sha256()
     for s in range(opts["scenarios"]):

@@ -167,7 +167,7 @@ class Side:
         if sampling is None:
             return p.propose(args["last_token"], args["target_hidden"], args["position"], k, st, **kw)
         noise = sampling.noise(k if valid_int(k) else 0, self.config.vocab_size, acc_dtype(self.dtype), self.device)
-        return p.propose_sampled(args["last_token"], args["target_hidden"], args["position"], k,  # type: ignore[attr-defined]
+        return p.propose_sampled(args["last_token"], args["target_hidden"], args["position"], k,  # type: ignore[attr-defined]  # propose_sampled is not in the base contract; a side runs it only on a drafter that has it
                                  sampling.temperature, noise, st, **kw)
 
     def call(self, op: Op) -> tuple[Outcome, dict[str, Any]]:
@@ -219,7 +219,7 @@ class Side:
                 v = StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st),
                               self.proposer.export_state(st))
                 if self.confidences and bool(v.export["pending"]):
-                    v.confidence = self.proposer.draft_confidence(st)  # type: ignore[attr-defined]
+                    v.confidence = self.proposer.draft_confidence(st)  # type: ignore[attr-defined]  # draft_confidence is not in the base contract; asked only with confidences on
                 out.append(v)
             except Exception as e:  # noqa: BLE001
                 out.append(StateView(None, None, None, f"{type(e).__name__}: {e}"))

@@ -6,10 +6,14 @@ The entry points live here, so ``python -m glm_mtp.experiments.<name>`` finds th
 ``acceptance`` (the main job: acceptance rates and the speedup model), ``train`` (the toy target
 and its MTP head on the Python stdlib), ``grid`` (a training grid), ``report`` and
 ``grid_report`` (tables and plots of a sweep), ``bench`` and ``bench_batch`` (latency, memory and
-bytes against the bandwidth floor). Everything else is in a subpackage by concern:
+bytes against the bandwidth floor), ``record`` (a trace: the target run once, DESIGN.md §11),
+``stop_sweep`` (the stop rules against the hindsight oracle). Everything else is in a subpackage
+by concern:
 
 - ``targets``: what the loop verifies against (the toy target, a released checkpoint's own target
-  run by transformers), finding and loading checkpoints, provenance;
+  run by transformers, a trace replayed), finding and loading checkpoints, provenance;
+- ``traces``: a trace's file format and checks, recording one, replaying one in an acceptance run
+  (DESIGN.md §11, docs/traces.md);
 - ``training``: the corpus, its BPE tokenizer, the model card, the KPool indexer's loss;
 - ``loop``: the speculative loop of DESIGN.md §4, its statistics, the speedup model
   S(k) = tau(k) / (1 + k c + v(k)), the indexer's recall;

@@ -73,7 +73,7 @@ from .targets.provenance import provenance
 from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .loop.stop_rules import StopRule
 from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
-from .targets.target import Target
+from .targets.target import Target, class_path
 from .settings.validate import (MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share,
                                 weights_dtype)
 
@@ -245,7 +245,7 @@ class Measurement:
     samples: list[dict[str, Any]]
     wall: float
     attention: str = "sparse"
-    recall: list[dict[str, float]] | None = None  # per drafted row (experiments.recall); None without a KPool probe
+    recall: list[dict[str, float]] | None = None  # per drafted row (experiments.loop.recall); None without KPool probe
     grammars: RunGrammars | None = None  # the prompts' grammars (DESIGN.md §10); None without any
     outputs_sha256: str | None = None  # of every prompt's generated tokens (speculative mode)
     trace: Any = None  # the replayed trace (traces.format.Trace); None for a live target
@@ -340,7 +340,7 @@ def target_record(m: Measurement) -> dict[str, Any]:
         return m.trace.meta["target"]
     if m.model.hf is not None:
         return {**m.model.hf.info, "topk_ties": m.target.topk_ties}
-    return {"implementation": "glm_mtp.experiments.targets.target.Target", "numerics": m.numerics}
+    return {"implementation": class_path(m.target), "numerics": m.numerics}
 
 
 def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
@@ -501,7 +501,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "temperature": float(cfg.temperature),
         "feed_hidden": cfg.feed_hidden,
         "attention": m.attention,  # sparse (the drafter's KPool selection) | dense (every visible row)
-        # The indexer's recall per drafted row (experiments.recall): median, p10, per position; None
+        # The indexer's recall per drafted row (experiments.loop.recall): median, p10, per position; None
         # without a glm5_next drafter on the reference backend.
         "recall": None if m.recall is None else recall_summary(m.recall, cfg.num_drafts),
         "prompts": len(windows),

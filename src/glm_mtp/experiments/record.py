@@ -78,7 +78,7 @@ def record(cfg: Any) -> dict[str, Any]:
     from .acceptance import load_model, run_prompts
     from .settings.prompts import path_sha256, prompts_path
     from .targets.provenance import git_commit, provenance
-    from .targets.target import Target
+    from .targets.target import Target, class_path
     from .traces.format import write_trace
     from .traces.identity import model_identity
     from .traces.recorder import (measure_target_costs, record_speculative, record_teacher_forced,
@@ -103,7 +103,7 @@ def record(cfg: Any) -> dict[str, Any]:
     else:
         target = Target(model.target, max_seq_len, numerics=numerics)
         continue_fn = sequential_continue(target)
-        target_info = {"implementation": "glm_mtp.experiments.target.Target", "numerics": numerics}
+        target_info = {"implementation": class_path(target), "numerics": numerics}
     identity = model_identity(cfg.model, drafter_path(cfg.model))
     target_info = {**target_info, "numerics": numerics, "target_config_sha256": identity["target_config_sha256"],
                    "dtype": cfg.model.dtype, "checkpoint": model.path or f"random:{cfg.model.preset}",

@@ -12,7 +12,7 @@ balanced without an auxiliary loss: after each step every routing bias moves by
 
 The indexer: GLM-5's lightning indexer (family ``glm5``) is not trained, so its windows
 (``seq_len``) must fit ``index_topk`` (DSA then attends to every visible row). The glm5_next
-family's KPool indexer is trained (``experiments.indexer_loss``): every layer attends through the
+family's KPool indexer is trained (``experiments.training.indexer_loss``): every layer attends through the
 KPool selection, as at inference, and the indexer learns from DSA's KL against the detached dense
 attention, aggregated to pools, weighted by ``train.indexer_loss_weight``; its windows may be
 longer than ``index_topk``.

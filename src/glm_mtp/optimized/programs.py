@@ -79,7 +79,7 @@ class DevicePrograms:
         run_program(st, GraphKey.catchup(), lambda: self.catchup(st), capture=self.captures)
 
     def masked_argmax(self, logits: Tensor, masks: Tensor) -> Tensor:
-        """``kernels.masked_argmax``: the kernel where the drafter runs Triton, else its twin."""
+        """``kernels.masked_argmax_triton``: the kernel where the drafter runs Triton, else its twin."""
         triton = self.step.triton if self.step is not None else self.primitives.use_triton(logits)
         return (masked_argmax_triton if triton else masked_argmax_torch)(logits, masks)
 

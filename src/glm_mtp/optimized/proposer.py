@@ -187,7 +187,7 @@ class OptimizedProposer:
             return snapshot(st, self.weights)  # once settled, the state's fields are the reference's
 
     # ---- validation ---------------------------------------------------------------------
-    def _use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
+    def _use(self, state: DrafterState, call: str):
         """The reference's guard (``state.use_state``) with this backend's state type."""
         return use_state(state, call, type(self).__name__, OptimizedState, self.weights, self.capacity)
 
@@ -324,7 +324,7 @@ class OptimizedProposer:
             return SampledDrafts(drafts, q)
 
     # ---- grammars (DESIGN.md §10) and confidence (§12) ------------------------------------------
-    def _keep_for_restore(self, st: OptimizedState, position: int, k: int):  # type: ignore[no-untyped-def]
+    def _keep_for_restore(self, st: OptimizedState, position: int, k: int):
         """Copies of what a grammar propose's program overwrites that a matcher's refusal must put
         back (``x``, and the rows ``[position, seq_len)`` it rewrites with their KPool entries),
         and the function that puts them back (the device row count and the pools a rewrite
@@ -356,7 +356,7 @@ class OptimizedProposer:
         return restore
 
     def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
-              restore) -> Walk:  # type: ignore[no-untyped-def]
+              restore) -> Walk:
         """Walk the matcher over the read-back ``drafts``; a forbidden draft redoes its step and
         the later ones (``programs.draft`` with ``first``) and reads them back. A refusal by the
         matcher puts the state back as found (``restore``) before the ``ValueError``."""
@@ -451,7 +451,7 @@ class OptimizedProposer:
     def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
         """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two float32
         tensors ``(last_drafted,)`` on the state's device, computed on first call from the logits
-        the head kept (one launch, ``kernels.draft_confidence``; no host sync) and valid until
+        the head kept (one launch, ``kernels.draft_confidence_triton``; no host sync) and valid until
         the next call that changes the state. ``prob[i]``: the pinned (masked, under a grammar)
         softmax probability of draft i (a sampled propose: ``q_i[d_i]``); ``margin[i]``: its
         logit minus the best other allowed logit (``+inf`` when it is the only one allowed).
@@ -628,7 +628,7 @@ class OptimizedProposer:
         return states
 
     def _finish_batch(self, call: str, bb: BatchBuffers, states: list[DrafterState], args: list[contract.ProposeArgs],
-                      values: list[int], k: int, restores: list) -> list[list[int]]:  # type: ignore[type-arg]
+                      values: list[int], k: int, restores: list) -> list[list[int]]:
         """``propose_batch`` after its read-back: the refusal naming the first bad row (nothing
         was written); else each grammar's walk (``_walk_batch``), every state's counters and
         drafts, and every state's confidence from the batch's kept logits (one launch)."""
@@ -656,7 +656,7 @@ class OptimizedProposer:
         return drafts
 
     def _walk_batch(self, call: str, bb: BatchBuffers, states: list[OptimizedState], args: list[contract.ProposeArgs],
-                    drafts: list[list[int]], k: int, restores: list) -> list[Walk | None]:  # type: ignore[type-arg]
+                    drafts: list[list[int]], k: int, restores: list) -> list[Walk | None]:
         """Each state's matcher walked over its read-back drafts, in index order. A forbidden draft
         hands the state's kept logits, rows and step-1 selection from the batch's buffers to its
         own (once) and runs ``propose``'s redo program on it. A refusal puts every state back."""

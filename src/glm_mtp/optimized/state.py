@@ -214,9 +214,9 @@ class OptimizedState(DrafterState):
             graph.reset()
         self.graphs.clear()
         self.graph_pool = None
-        self.cache = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]  # a released state drops its cache; the field's type is the live one
         self.row_table = None
-        self.x = None  # type: ignore[assignment]
+        self.x = None  # type: ignore[assignment]  # a released state drops its rows; the field's type is the live one
         self.tok_in = self.hid_in = self.pos = self.seq_dev = None
         self.ok = self.always = self.out = self.slots = self.temp = None
         self.kept = None

@@ -13,7 +13,7 @@ which changes no result). Four pieces differ, all exact by construction:
   row-parallel ``o_proj`` keeps the reference's own per-rank sum);
 - the embedding gather with the row-0 zeroing (``kernels.embed``), which reads token ids from the
   device, so a draft's argmax feeds the next lookup without a host round trip;
-- RoPE on the new keys fused with their paged cache write (``kernels.rope_cache_write``), every
+- RoPE on the new keys fused with their paged cache write (``kernels.rope_cache_write_triton``), every
   store gated by a device flag ``ok`` so a propose can refuse a bad input without a host sync
   (the ``write_rows`` hook: it gets the raw projections, applies the reference's norms and hands
   the normed latent and the layer-normed index key to the kernel, which rotates and stores);

@@ -424,9 +424,9 @@ def check_float32_setting(name: str, value: object, where: str = "") -> float:
     ``swiglu_limit`` of 0 zeroes every expert) and 1e300 to inf (a scaling of inf drafts
     garbage, a limit of inf clamps nothing). Returns the float32 value; ``ValueError`` naming
     ``MtpConfig.<name>`` otherwise."""
-    if not finite_number(value) or not value > 0:  # type: ignore[operator]
+    if not finite_number(value) or not value > 0:  # type: ignore[operator]  # value is any user input here; finite_number checked it is a number
         raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where}, got {value!r}")
-    rounded = float32_value(float(value))  # type: ignore[arg-type]
+    rounded = float32_value(float(value))
     if not (math.isfinite(rounded) and rounded >= FLOAT32_TINY):
         raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where} as float32, the precision the drafter "
                          f"uses it in (a normal float32, {FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}): {value!r} rounds to "

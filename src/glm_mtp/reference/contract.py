@@ -464,7 +464,7 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
     else:
         args = _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
     try:
-        args.grammar = check_grammar(grammar_name, grammar)  # type: ignore[assignment]
+        args.grammar = check_grammar(grammar_name, grammar)  # type: ignore[assignment]  # check_grammar returns the checked grammar, typed wider than the field
     except ValueError:
         if device_checks:
             check_args_data(args, weights)  # the data checks left to the device come first in the contract's order

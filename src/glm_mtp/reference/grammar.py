@@ -86,10 +86,10 @@ class GrammarWalk:
     def allowed(self) -> Tensor | None:
         """``A_i`` as (V,) bool on the device, or None when the propose stops before this step:
         the matcher is terminated, or its mask allows no token (a host read of the CPU mask)."""
-        if self.matcher.is_terminated():  # type: ignore[attr-defined]
+        if self.matcher.is_terminated():  # type: ignore[attr-defined]  # the matcher is duck-typed (its four methods, DESIGN.md §10), held as object
             return None
         self.bitmask.zero_()
-        self.matcher.fill_next_token_bitmask(self.bitmask, 0)  # type: ignore[attr-defined]
+        self.matcher.fill_next_token_bitmask(self.bitmask, 0)  # type: ignore[attr-defined]  # duck-typed matcher (held as object)
         allowed = allowed_tokens(self.bitmask[0], self.vocab_size)  # (V,) bool, CPU
         if not bool(allowed.any()):
             return None
@@ -98,7 +98,7 @@ class GrammarWalk:
     def accept(self, token: int, step: int) -> None:
         """Advance the matcher by draft ``step``'s ``token`` (1-based), which its mask allowed;
         ``MatcherRefusedToken`` (a ``ValueError``) when it refuses."""
-        if not self.matcher.accept_token(token):  # type: ignore[attr-defined]
+        if not self.matcher.accept_token(token):  # type: ignore[attr-defined]  # duck-typed matcher (held as object)
             raise MatcherRefusedToken(
                 f"grammar: the matcher ({type(self.matcher).__name__}) refused draft step {step}'s token {token}, "
                 f"which its own mask allowed at that step: a matcher must accept every token its bitmask allows; the "
@@ -108,7 +108,7 @@ class GrammarWalk:
     def rollback(self) -> None:
         """Undo every token this walk accepted (the matcher as the propose found it)."""
         if self.accepted:
-            self.matcher.rollback(self.accepted)  # type: ignore[attr-defined]
+            self.matcher.rollback(self.accepted)  # type: ignore[attr-defined]  # duck-typed matcher (held as object)
             self.accepted = 0
 
 

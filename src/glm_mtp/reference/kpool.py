@@ -198,7 +198,7 @@ SELECTIONS = (kpool_rows, kpool_all_rows)
 
 def check_selection(kpool: object, cfg: MtpConfig) -> None:
     """The rule of a drafter's ``kpool`` piece, checked at construction: one of ``SELECTIONS``,
-    or a probe that runs one as its ``select`` attribute (``experiments.recall.RecallProbe``
+    or a probe that runs one as its ``select`` attribute (``experiments.loop.recall.RecallProbe``
     records what its selection does). Any other object would fail, or select rows the rules do not
     define, at the first prefill. Only the glm5_next family selects through KPool: a GLM-5
     drafter (its lightning indexer selects) takes the default ``kpool_rows``, which it never

@@ -108,7 +108,7 @@ class ReferenceProposer:
             owner=Owner(self.weights, self.capacity),
         )
 
-    def use(self, state: DrafterState, call: str):  # type: ignore[no-untyped-def]
+    def use(self, state: DrafterState, call: str):
         """``state.use_state`` for this drafter: its own states only, one caller at a time."""
         return use_state(state, call, type(self).__name__, DrafterState, self.weights, self.capacity)
 
@@ -118,8 +118,8 @@ class ReferenceProposer:
             if state.released:
                 return
             state.released = True
-            state.cache = None  # type: ignore[assignment]
-            state.x = None  # type: ignore[assignment]
+            state.cache = None  # type: ignore[assignment]  # a released state drops its cache; the field's type is the live one
+            state.x = None  # type: ignore[assignment]  # a released state drops its rows; the field's type is the live one
             state.seq_len = 0
             state.pending = False
             state.last_drafted = 0

@@ -129,7 +129,7 @@ class LayerCache:
 
     def write_index(self, slots: Tensor, index_rows: Tensor) -> None:
         """Store indexer keys alone (T, D) at ``slots`` (T,) (training rewrites them from a
-        detached input: ``experiments.indexer_loss``)."""
+        detached input: ``experiments.training.indexer_loss``)."""
         block = self.block_table[slots // BLOCK_ROWS].long()
         self.index_pool[block, slots % BLOCK_ROWS] = index_rows
 

@@ -310,7 +310,7 @@ def check_shard_args(call: str, names: tuple[str, str, str], rank: object, world
             raise ValueError(f"{call}: {name} must be an integer, got {type(value).__name__}")
         if value < least:
             raise ValueError(f"{call}: {name} must be >= {least}, got {value}")
-    if rank >= world:  # type: ignore[operator]
+    if rank >= world:  # type: ignore[operator]  # rank and world are user input, checked to be ints just above
         raise ValueError(f"{call}: {rank_name} must be in [0, {world_name}={world}), got {rank}")
     if not isinstance(row_parallel_o_proj, bool):
         raise ValueError(f"{call}: {flag_name} must be a bool, got {type(row_parallel_o_proj).__name__}")
@@ -320,7 +320,7 @@ def field_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, Tensor |
     """Every weight of a weights dataclass and of the dataclasses it holds, by field path
     (``layer.mlp.experts_gate``): a tensor, or a block-scaled fp8 weight as one (its own
     ``__post_init__`` checks its two tensors); a sharded layer's weights are its shard's."""
-    for f in fields(obj):  # type: ignore[arg-type]
+    for f in fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, (Tensor, fp8.BlockScaledWeight)):
             yield prefix + f.name, value
@@ -424,7 +424,7 @@ class MtpWeights:
                              "shard the bf16 weights, or run fp8 weights on one rank")
         layer = decoder_layer_from_tensors(cfg, mtp, sparse=True, experts=experts)
         if shard is not None:
-            layer.mlp.shard = shard  # type: ignore[union-attr]
+            layer.mlp.shard = shard  # type: ignore[union-attr]  # a sparse layer's mlp is a MoE, which has shard; the union includes the dense MLP
             if shard.row_parallel_o_proj:
                 cols = shard.o_proj_columns(cfg.num_attention_heads * cfg.v_head_dim)
                 layer.attn.o_proj = layer.attn.o_proj[:, cols].contiguous()

@@ -8,7 +8,8 @@ imports none of them):
 - ``audit``: every drafter kernel compiled for a CUDA GPU without one, its PTX checked against
   DESIGN.md §5; ``python -m glm_mtp.tools.audit``;
 - ``selection_recall``: the share of the dense attention an indexer's selection keeps, and the
-  best any selection of that size could keep (the oracle).
+  best any selection of that size could keep (the oracle);
+- ``step_tables``: docs/performance.md's launch and byte tables, printed from the counters.
 
 The benchmarks that use them are ``glm_mtp.experiments.bench`` and ``.bench_batch``.
 """

@@ -8,8 +8,9 @@ runs its two sides one after the other, so a reference beside a mutant in the sa
 runs while a swap is in place (the lock serialises mutants among themselves; a reference running
 in another thread at the same moment is not protected, so do not thread a mutant run).
 
-The mutants themselves live in ``mutants_*.py``, grouped by what they break; ``mutants.py`` is
-the registry.
+The mutants themselves live in this package's other modules (``block``, ``rows``, ``kpool``,
+``sharing``, ``grammar``, ``confidence``, ``batch``), grouped by what they break; the package's
+``__init__`` is the registry (``mutants.MUTANTS``, ``mutants.GROUPS``).
 """
 
 from __future__ import annotations
@@ -71,21 +72,21 @@ class SwappingMutant(Mutant):
                     stack.enter_context(swapped(module, name, fn))
             return call()
 
-    def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
+    def prefill_drafter(self, prompt_tokens, hiddens, state):
         return self._swapped(state, lambda: super(SwappingMutant, self).prefill_drafter(prompt_tokens, hiddens, state))
 
-    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):
         return self._swapped(
             state, lambda: super(SwappingMutant, self).catchup_drafter(tokens, hiddens, row_base, pos_base, state)
         )
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):  # type: ignore[no-untyped-def]
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):
         return self._swapped(
             state, lambda: super(SwappingMutant, self).propose(last_token, target_hidden, position, num_drafts, state,
                                                                grammar=grammar)
         )
 
-    def propose_sampled(self, last_token, target_hidden, position, num_drafts, temperature, noise, state,  # type: ignore[no-untyped-def]
+    def propose_sampled(self, last_token, target_hidden, position, num_drafts, temperature, noise, state,
                         grammar=None):
         return self._swapped(
             state, lambda: super(SwappingMutant, self).propose_sampled(last_token, target_hidden, position, num_drafts,

@@ -14,7 +14,7 @@ class BatchPermuted(Mutant):
     rule = "propose_batch returns states[b]'s drafts at index b (here: the batch's results rotated by one)"
     generators = ("batched",)
 
-    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):  # type: ignore[no-untyped-def]
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):
         out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states, grammars)
         return out[1:] + out[:1]  # MUTATION: every state drafted right, returned in the wrong order
 
@@ -24,7 +24,7 @@ class BatchChecksAsItGoes(Mutant):
     rule = "a batched call checks every state before it drafts any: a refusal leaves every state byte-identical"
     generators = ("batched",)
 
-    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):  # type: ignore[no-untyped-def]
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):
         call = "propose_batch"
         states = _contract_batch.batch_states(call, states)
         B, H = len(states), self.config.hidden_size
@@ -46,7 +46,7 @@ class BatchXOfState0(Mutant):
     rule = "each state of a batch keeps its own drafter hidden x (here: states[0]'s x written into every state)"
     generators = ("batched",)
 
-    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):  # type: ignore[no-untyped-def]
+    def propose_batch(self, last_tokens, target_hiddens, positions, num_drafts, states, grammars=None):
         out = super().propose_batch(last_tokens, target_hiddens, positions, num_drafts, states, grammars)
         if num_drafts and len(states) > 1:
             for st in states[1:]:
@@ -59,10 +59,10 @@ class CatchupBatchWritesMisaligned(Mutant):
     rule = "a catchup_batch row whose row_base is not the state's drafter_rows writes nothing and returns 0 for it"
     generators = ("batched",)
 
-    def catchup_batch(self, tokens, hiddens, row_bases, states):  # type: ignore[no-untyped-def]
+    def catchup_batch(self, tokens, hiddens, row_bases, states):
         original = _contract_batch.batch_catchup_args
 
-        def every_row(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state):  # type: ignore[no-untyped-def]
+        def every_row(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state):
             original(call, tokens, hiddens, row_bases, states, weights, capacity, check_live_state)  # the real checks
             # MUTATION: every row written, each at its state's drafter_rows.
             return original(call, tokens, hiddens, [st.seq_len for st in states], states, weights, capacity,

@@ -42,7 +42,7 @@ class PosBaseRope(Mutant):
         r = super().rope(device)
         return _ShiftedRope(r.cos, r.sin, self._shift) if self._shift else r
 
-    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (row_base, pos_base))
         self._shift = pos_base - row_base if ints else 0  # MUTATION: rotate at pos_base + i
         try:
@@ -55,7 +55,7 @@ class PairShift(Mutant):
     name = "pair_shift"
     rule = "row r pairs token t_{r+1} with hidden h_r (prefill uses hiddens[:-1])"
 
-    def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
+    def prefill_drafter(self, prompt_tokens, hiddens, state):
         _contract.check_live(state, "prefill_drafter")
         tokens = _contract.token_ids("prompt_tokens", prompt_tokens, self.config.vocab_size, state.device)
         n = tokens.shape[0]
@@ -95,19 +95,19 @@ class StaleIndexerView(SwappingMutant):
 
     def _track(self, state: DrafterState, result: Any) -> Any:
         if not state.released:
-            state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), state.seq_len)  # type: ignore[attr-defined]
+            state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), state.seq_len)  # type: ignore[attr-defined]  # the mutant's own mark on the state, not a field of it
         return result
 
-    def prefill_drafter(self, prompt_tokens, hiddens, state):  # type: ignore[no-untyped-def]
+    def prefill_drafter(self, prompt_tokens, hiddens, state):
         return self._track(state, super().prefill_drafter(prompt_tokens, hiddens, state))
 
-    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):
         return self._track(state, super().catchup_drafter(tokens, hiddens, row_base, pos_base, state))
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):  # type: ignore[no-untyped-def]
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):
         before = state.seq_len
         out = super().propose(last_token, target_hidden, position, num_drafts, state, grammar=grammar)
-        state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), before, state.seq_len)  # type: ignore[attr-defined]
+        state._mutant_high_water = max(getattr(state, "_mutant_high_water", 0), before, state.seq_len)
         return out
 
 
@@ -115,7 +115,7 @@ class PreNormFeed(Mutant):
     name = "pre_norm_feed"
     rule = "draft i > 1 is fed the post-norm x of draft i - 1, not the pre-norm block output"
 
-    def __init__(self, weights, max_seq_len, feed_hidden="post_norm"):  # type: ignore[no-untyped-def]
+    def __init__(self, weights, max_seq_len, feed_hidden="post_norm"):
         super().__init__(weights, max_seq_len, feed_hidden="pre_norm")  # MUTATION
 
 

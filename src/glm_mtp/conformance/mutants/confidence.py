@@ -42,7 +42,7 @@ class ProbAtTemperatureOne(StepSwappingMutant):
 
         return [(_proposer, "draft_margin", margin_seen)]
 
-    def _draft(self, args, state, call, sample=None):  # type: ignore[no-untyped-def]
+    def _draft(self, args, state, call, sample=None):
         out = super()._draft(args, state, call, sample)
         if sample is not None and self._steps:
             # MUTATION: the probability of each draft under the softmax of its logits at temperature 1

@@ -33,7 +33,7 @@ class StepSwappingMutant(Mutant):
     def swaps(self) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
         raise NotImplementedError
 
-    def _draft(self, args, state, call, sample=None):  # type: ignore[no-untyped-def]
+    def _draft(self, args, state, call, sample=None):
         with ExitStack() as stack:
             for module, name, fn in self.swaps():
                 stack.enter_context(swapped(module, name, fn))
@@ -122,7 +122,7 @@ class _DraftsOnWalk(GrammarWalk):
     def allowed(self) -> Tensor | None:
         # MUTATION: is_terminated is never asked; a terminated matcher's mask drafts on
         self.bitmask.zero_()
-        self.matcher.fill_next_token_bitmask(self.bitmask, 0)  # type: ignore[attr-defined]
+        self.matcher.fill_next_token_bitmask(self.bitmask, 0)  # type: ignore[attr-defined]  # duck-typed matcher (held as object)
         allowed = allowed_tokens(self.bitmask[0], self.vocab_size)
         return allowed.to(self.device) if bool(allowed.any()) else None
 

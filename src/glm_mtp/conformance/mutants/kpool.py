@@ -15,7 +15,7 @@ from .base import Mutant, SwappingMutant
 from .block import topk_ties_high
 
 
-def _write_pools_once(ix, cfg, gates, slots, cache, ops=None):  # type: ignore[no-untyped-def]  # write_pools' arguments (ops: unread)
+def _write_pools_once(ix, cfg, gates, slots, cache, ops=None):  # write_pools' arguments (ops: unread)
     # MUTATION: a pool's key is computed the first time it completes only; after a trim cut into
     # it and its rows were rewritten, it is marked complete again over the old rows' key.
     kp = cache.kpool
@@ -43,7 +43,7 @@ class KPoolStaleKey(SwappingMutant):
         return [(_kpool, "write_pools", _write_pools_once)]
 
 
-def _select_without_tail(scores, slots, cfg):  # type: ignore[no-untyped-def]
+def _select_without_tail(scores, slots, cfg):
     # MUTATION: a row that has a complete pool to attend to drops its own incomplete pool's rows.
     rows, count = _kpool_select_pool_rows(scores, slots, cfg)
     tail = (slots + 1) % cfg.index_kpool
@@ -63,7 +63,7 @@ class KPoolTailDropped(SwappingMutant):
         return [(_kpool, "select_pool_rows", _select_without_tail)]
 
 
-def _write_pools_shifted(ix, cfg, gates, slots, cache, ops=None):  # type: ignore[no-untyped-def]  # write_pools' arguments (ops: unread)
+def _write_pools_shifted(ix, cfg, gates, slots, cache, ops=None):  # write_pools' arguments (ops: unread)
     # MUTATION: pool p's key pools rows [kp p - 1, kp p + kp - 1) (row 0 twice for pool 0): the
     # pools are aligned one row early, as if the row space started at row 1.
     kp = cache.kpool
@@ -101,9 +101,9 @@ class KPoolCutStaysComplete(SwappingMutant):
     preset = "glm5next_tiny"
 
     def swaps(self, state: DrafterState) -> list[tuple[ModuleType, str, Callable[..., Any]]]:
-        return [(_kpool.KPoolCache, "forget_from", lambda cache, n: None)]  # type: ignore[list-item]  # MUTATION
+        return [(_kpool.KPoolCache, "forget_from", lambda cache, n: None)]  # type: ignore[list-item]  # MUTATION: the swap patches a class (KPoolCache), typed as a module
 
-    def after_verify(self, num_accepted, state):  # type: ignore[no-untyped-def]
+    def after_verify(self, num_accepted, state):
         return self._swapped(state, lambda: super(KPoolCutStaysComplete, self).after_verify(num_accepted, state))
 
 

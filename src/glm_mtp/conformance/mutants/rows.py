@@ -42,7 +42,7 @@ class NoRewindWhenAhead(Mutant):
     name = "no_rewind_when_ahead"
     rule = "propose first rewinds a drafter that is ahead of position to position"
 
-    def _draft(self, args, state, call, sample=None):  # type: ignore[no-untyped-def]
+    def _draft(self, args, state, call, sample=None):
         before = state.seq_len
         with swapped(_proposer, "rewind_rows", lambda st, n: None):  # MUTATION: no rewind to position ...
             out = super()._draft(args, state, call, sample)
@@ -50,7 +50,7 @@ class NoRewindWhenAhead(Mutant):
         return out
 
 
-def _reshape_any_token(last_token):  # type: ignore[no-untyped-def]
+def _reshape_any_token(last_token):
     # MUTATION: the shape check dropped: any one-element tensor passes, a longer one hits reshape.
     return last_token.reshape(1) if isinstance(last_token, torch.Tensor) else last_token
 
@@ -76,14 +76,14 @@ class SecondVerify(Mutant):
             return
         ld = state.last_drafted
         super().after_verify(num_accepted, state)
-        state._mutant_last = ld  # type: ignore[attr-defined]
+        state._mutant_last = ld  # type: ignore[attr-defined]  # the mutant's own mark on the state, not a field of it
 
 
 class MisalignedCatchup(Mutant):
     name = "misaligned_catchup"
     rule = "a catch-up whose row_base != drafter_rows writes nothing and returns 0"
 
-    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):
         _contract.check_live(state, "catchup_drafter")
         ids = _contract.token_ids("tokens", tokens, self.config.vocab_size, state.device)
         row_base = check_int("row_base", row_base)
@@ -100,7 +100,7 @@ class BlockTableOffByOne(Mutant):
     name = "block_table_off_by_one"
     rule = "a state claims max_seq_len // 16 + 2 blocks"
 
-    def __init__(self, weights, max_seq_len, feed_hidden="post_norm"):  # type: ignore[no-untyped-def]
+    def __init__(self, weights, max_seq_len, feed_hidden="post_norm"):
         super().__init__(weights, max_seq_len, feed_hidden)
         self.blocks = self.max_seq_len // BLOCK_ROWS + 1  # MUTATION: was + 2
         self.capacity = BLOCK_ROWS * self.blocks
@@ -110,7 +110,7 @@ class RewindBeforeValidate(Mutant):
     name = "rewind_before_validate"
     rule = "a refused call leaves the state byte-identical (propose validates before it rewinds)"
 
-    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):  # type: ignore[no-untyped-def]
+    def propose(self, last_token, target_hidden, position, num_drafts, state, grammar=None):
         _contract.check_live(state, "propose")
         if isinstance(position, int) and not isinstance(position, bool) and 0 <= position <= state.seq_len:
             state.seq_len = position  # MUTATION: rewinds before the arguments are checked
@@ -121,7 +121,7 @@ class CatchupWritesX(Mutant):
     name = "catchup_writes_x"
     rule = "prefill, catch-up, rewind and trim leave the scratch x as it is; only propose writes it"
 
-    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):  # type: ignore[no-untyped-def]
+    def catchup_drafter(self, tokens, hiddens, row_base, pos_base, state):
         self._in_catchup = True
         try:
             return super().catchup_drafter(tokens, hiddens, row_base, pos_base, state)

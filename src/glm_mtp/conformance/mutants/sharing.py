@@ -34,7 +34,7 @@ class SharingMutant(Mutant):
     def selection(self, args: ProposeArgs, state: DrafterState) -> SharedSelection:
         raise NotImplementedError
 
-    def _draft(self, args, state, call, sample=None):  # type: ignore[no-untyped-def]
+    def _draft(self, args, state, call, sample=None):
         if not self.config.index_share_for_mtp_iteration:
             return super()._draft(args, state, call, sample)
         share = self._share = self.selection(args, state)
@@ -85,7 +85,7 @@ class _LeftOverSelection(SharedSelection):
 
     def keep(self, rows: Tensor, count: Tensor) -> None:
         super().keep(rows, count)
-        self.state._mutant_selection = (rows, count)  # type: ignore[attr-defined]
+        self.state._mutant_selection = (rows, count)  # type: ignore[attr-defined]  # the mutant's own mark on the state, not a field of it
 
 
 class ShareLeftOver(SharingMutant):
@@ -140,13 +140,13 @@ class ShareSkipsIndexWrites(SharingMutant):
     def _shared_step(self) -> bool:
         return self._share is not None and self._share.kept is not None
 
-    def _write_rows_of_step(self, attn, cfg, kv, k, slots, rope, cache, ops):  # type: ignore[no-untyped-def]
+    def _write_rows_of_step(self, attn, cfg, kv, k, slots, rope, cache, ops):
         if not self._shared_step():
             return _attention.write_cache_rows(attn, cfg, kv, k, slots, rope, cache, ops)
         kv_rows, _ = _attention.cache_rows(attn, cfg, kv, k, *rope.at(slots), ops)
         cache.write(slots, kv_rows, cache.index_rows()[slots].clone())  # MUTATION: the index key is not written
 
-    def _kpool_of_step(self, ix, cfg, a, q_latent, slots, cache, ops, shared=None):  # type: ignore[no-untyped-def]
+    def _kpool_of_step(self, ix, cfg, a, q_latent, slots, cache, ops, shared=None):
         if shared is None:
             return _kpool.kpool_rows(ix, cfg, a, q_latent, slots, cache, ops)
         # MUTATION: the gate is not written (a pool completed here is keyed from stale rows)

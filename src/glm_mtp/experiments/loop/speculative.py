@@ -85,8 +85,8 @@ GrammarDrafts = Literal["masked", "unmasked"]
 
 class TargetModel(Protocol):
     """What the loop and teacher forcing need of a target. The package's toy target
-    (``experiments.target.Target``) and transformers' model of a released checkpoint
-    (``experiments.hf_target.HfTarget``) are two.
+    (``experiments.targets.target.Target``) and transformers' model of a released checkpoint
+    (``experiments.targets.hf_target.HfTarget``) are two.
 
     - ``prefill(tokens, state)``: the prompt, positions ``[0, n)`` of a fresh state;
     - ``verify(tokens, state)``: ``[t_m, d_1..d_k]`` at positions ``[m, m + k + 1)``;
@@ -121,7 +121,7 @@ def check_draft(draft: str, temperature: float, proposer: DraftProposer | None =
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
                   kpool: KPoolRowsFn | None = None) -> DraftProposer:
     """A drafter of the named backend (a key of ``glm_mtp.registry.BACKENDS``), imported only when
-    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.recall``), which only
+    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.loop.recall``), which only
     the reference drafter takes (the optimized one fuses its own)."""
     if kpool is None:
         return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
@@ -205,7 +205,7 @@ def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: T
     if draft == "argmax":
         return proposer.propose(last_token, hidden, position, k, state, **under), None
     noise = exponential_noise(k, proposer.config.vocab_size, gen, acc_dtype(hidden.dtype), hidden.device)
-    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,  # type: ignore[attr-defined]
+    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,
                                    **under)
     return out.drafts, out.q
 
@@ -662,7 +662,7 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
     while len(tokens) < max_new_tokens:
         if tokens:
             out = target.verify(tokens[-1:], state)
-        allowed = None if matcher is None else matcher_row(matcher, vocab_size)  # type: ignore[arg-type]
+        allowed = None if matcher is None else matcher_row(matcher, vocab_size)
         token = pick(out.logits[-1], temperature, gen, allowed)
         if token is None:
             break

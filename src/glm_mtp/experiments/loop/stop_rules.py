@@ -80,7 +80,7 @@ def verify_width(stop: StopRule, prob: Sequence[float], margin: Sequence[float])
         raise ValueError(f"prob and margin must hold one value per draft: {k} and {len(margin)}")
     if stop.rule == "none":
         return k
-    t = float(stop.threshold)  # type: ignore[arg-type]
+    t = float(stop.threshold)  # type: ignore[arg-type]  # threshold is None only for rule none, returned above
     s, product = 0, 1.0
     for p, g in zip(prob, margin):
         product *= float(p)

@@ -1,5 +1,6 @@
 """What a run leaves behind: ``wandb_log`` (W&B, offline by default, or no logger, and a reader of
-offline runs), ``sweep_jobs`` (which jobs of a sweep finished, failed or never ran).
+offline runs), ``sweep_jobs`` (which jobs of a sweep finished, failed or never ran), ``measured``
+(each prompt's measurement written to the run folder as it finishes).
 
 Imports no other part of the package; W&B only inside ``wandb_log``'s functions.
 """

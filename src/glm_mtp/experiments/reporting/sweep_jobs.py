@@ -73,7 +73,7 @@ def sweep_jobs(root: str, result_file: str) -> SweepJobs:
     if os.path.isfile(path):
         from omegaconf import OmegaConf
 
-        expected = expected_jobs(OmegaConf.to_container(OmegaConf.load(path), resolve=False))  # type: ignore[arg-type]
+        expected = expected_jobs(OmegaConf.to_container(OmegaConf.load(path), resolve=False))  # type: ignore[arg-type]  # to_container's union: a sweep file's YAML is a mapping
     jobs = SweepJobs(expected)
     numbers = set()
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:

@@ -192,6 +192,13 @@ def target_numerics(numerics: str | Numerics) -> Numerics:
     return TARGET_NUMERICS[numerics]
 
 
+def class_path(obj: object) -> str:
+    """The dotted path of ``obj``'s class (``glm_mtp.experiments.targets.target.Target``): what a
+    trace's and a summary's ``target.implementation`` records, read from the class itself so that
+    a module's move cannot leave a stale name in the data."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 class Target:
     """The target model for inference: prefill, verify, roll back.
 

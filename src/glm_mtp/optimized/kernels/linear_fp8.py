@@ -186,11 +186,6 @@ def linear_fp8_torch(x: Tensor, weight: BlockScaledWeight) -> Tensor:
     return numerics.linear(x, weight)
 
 
-def linear_fp8_acc_torch(x: Tensor, weight: BlockScaledWeight) -> Tensor:
-    """The twin: ``numerics.linear_acc`` itself."""
-    return numerics.linear_acc(x, weight)
-
-
 def fp8_weight_bytes(N: int, K: int) -> int:
     """The bytes one read of a block-scaled (N, K) weight moves: one per value plus its float32
     scales (the counters' fp8 floor)."""
