@@ -70,7 +70,7 @@ def _run(root, out, *extra):
 
 def test_output_layout_bytes_replay_and_reproducibility(tiny):
     root, base = tiny
-    s1 = _run(root, str(root / "o1"), "finetune.depth=2")
+    s1 = _run(root, str(root / "o1"), "finetune.depth=2", f"finetune.eval_traces=[{root / 'tr'}]")
     s2 = _run(root, str(root / "o2"), "finetune.depth=2")
     src, o1 = checkpoint_weight_map(root / "ck"), checkpoint_weight_map(root / "o1")
     assert TARGET_LAYER in src and TARGET_LAYER not in o1
@@ -96,6 +96,8 @@ def test_output_layout_bytes_replay_and_reproducibility(tiny):
     lo, hi = rep["delta"]["tau"][1:]
     assert lo <= rep["delta"]["tau"][0] <= hi
     assert rep["delta"]["tau"][0] == pytest.approx(rep["tuned"]["tau"] - rep["base"]["tau"])
+    (extra,) = s1["eval_traces"]  # every prompt of the eval trace, the held-out ones among them
+    assert extra["prompts"] == 10 and set(extra["delta"]) == set(rep["delta"])
     assert json.dumps(s1["replay"]) == json.dumps(s2["replay"])  # NaN where no draft reached
     from glm_mtp.experiments.training.finetune_split import split_by_prompt
 
