@@ -1,0 +1,170 @@
+"""python -m glm_mtp.experiments.finetune (DESIGN.md §13) on a tiny checkpoint and a synthetic
+trace: the output's layout, bytes and reproducibility, the split, the replay record, refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from safetensors import safe_open
+
+from glm_mtp.experiments.traces.format import TraceItem, write_trace
+from glm_mtp.experiments.traces.identity import target_config_sha256
+from glm_mtp.experiments.traces.prompt_id import prompt_identity
+from glm_mtp.experiments.training.finetune_checks import check_finetune
+from glm_mtp.experiments.training.finetune_run import run
+from glm_mtp.reference.bytes import same_bytes
+from glm_mtp.reference.checkpoint import checkpoint_weight_map
+from glm_mtp.reference.config import MtpConfig
+from glm_mtp.reference.weights import MtpWeights
+
+TARGET_LAYER = "model.layers.0.self_attn.o_proj.weight"  # a target tensor the output must not hold
+
+
+def _checkpoint(directory, preset, shard_size=None):
+    w = MtpWeights.random(MtpConfig.preset(preset), seed=2, dtype=torch.float32)
+    w.save_pretrained(directory, shard_size=shard_size, extra={TARGET_LAYER: torch.randn(8, 8)})
+    return w
+
+
+def _trace(directory, model_dir, V, H, n=10, P=8, gen=10, K=3, mode="speculative"):
+    """A speculative greedy trace of a synthetic target whose next token is ``(7 t + 3) % V``."""
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for i in range(n):
+        toks = torch.randint(0, V, (P,), generator=g).tolist()
+        while len(toks) < P + gen + K - 1:
+            toks.append((7 * toks[-1] + 3) % V)
+        t = torch.tensor(toks, dtype=torch.int32)
+        items.append(TraceItem(t, (7 * t + 3) % V, torch.randn(len(toks), H, generator=g), P,
+                               prompt=prompt_identity("heldout", i, toks[:P])))
+    meta = {"mode": mode, "vocab_size": V, "hidden_size": H, "hidden_dtype": "float32", "max_drafts": K,
+            "target": {"target_config_sha256": target_config_sha256(model_dir)}, "tokenizer_sha256": None,
+            "prompts": {"source": "heldout"}, "generation": {"temperature": 0, "top_p": None, "top_k": None,
+                                                              "seed": None, "sampler": None}}
+    write_trace(directory, meta, items)
+
+
+def _cfg(model_dir, trace, out, *extra):
+    with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+        return compose("finetune", overrides=[f"model.path={model_dir}", "model=shipped", f"trace.path={trace}",
+                                              f"finetune.out={out}", "finetune.steps=3", "finetune.eval_every=2",
+                                              "finetune.batch_size=2", "finetune.lr=0.01", "logger=none", *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    w = _checkpoint(str(root / "ck"), "glm5next_tiny", shard_size=7)
+    _trace(str(root / "tr"), str(root / "ck"), w.config.vocab_size, w.config.hidden_size)
+    return root, w
+
+
+def _run(root, out, *extra):
+    cfg = _cfg(root / "ck", root / "tr", out, *extra)
+    return run(cfg, str(root / f"run-{os.path.basename(out)}"), check_finetune(cfg), "test")
+
+
+def test_output_layout_bytes_replay_and_reproducibility(tiny):
+    root, base = tiny
+    s1 = _run(root, str(root / "o1"), "finetune.depth=2", f"finetune.eval_traces=[{root / 'tr'}]")
+    s2 = _run(root, str(root / "o2"), "finetune.depth=2")
+    src, o1 = checkpoint_weight_map(root / "ck"), checkpoint_weight_map(root / "o1")
+    assert TARGET_LAYER in src and TARGET_LAYER not in o1
+    assert set(o1) == set(src) - {TARGET_LAYER}
+    assert all(o1[n] == src[n] for n in o1)  # the same shard file names
+    assert os.path.exists(root / "o1" / "model.safetensors.index.json")
+    changed = 0
+    for n, f in o1.items():
+        with safe_open(root / "ck" / src[n], "pt") as a, safe_open(root / "o1" / f, "pt") as b, \
+                safe_open(root / "o2" / f, "pt") as c:
+            x, y, z = a.get_tensor(n), b.get_tensor(n), c.get_tensor(n)
+        assert x.shape == y.shape and x.dtype == y.dtype, n
+        assert same_bytes(y, z), n  # same trace + seed + one thread: the same bytes
+        if n in ("model.language_model.embed_tokens.weight", "lm_head.weight") or n.endswith("e_score_correction_bias"):
+            assert same_bytes(x, y), n
+        changed += not same_bytes(x, y)
+    assert changed > 10
+    MtpWeights.from_pretrained(root / "o1")  # loads
+    assert s1["split"]["train"] == 8 and s1["split"]["heldout"] == 2
+    assert [r["step"] for r in s1["loss"]] == [0, 2] and set(s1["loss"][0]) == {"step", "train", "heldout"}
+    rep = s1["replay"]
+    assert set(rep["delta"]) == {"tau", "alpha_1", "alpha_2", "alpha_3"}
+    lo, hi = rep["delta"]["tau"][1:]
+    assert lo <= rep["delta"]["tau"][0] <= hi
+    assert rep["delta"]["tau"][0] == pytest.approx(rep["tuned"]["tau"] - rep["base"]["tau"])
+    (extra,) = s1["eval_traces"]  # every prompt of the eval trace, the held-out ones among them
+    assert extra["prompts"] == 10 and set(extra["delta"]) == set(rep["delta"])
+    assert json.dumps(s1["replay"]) == json.dumps(s2["replay"])  # NaN where no draft reached
+    from glm_mtp.experiments.training.finetune_split import split_by_prompt
+
+    sp = split_by_prompt(json.loads((root / "tr" / "trace.json").read_text()), 0.2, 0)
+    assert s1["split"]["heldout_item_indices"] == sp.heldout_items and not set(sp.train_items) & set(sp.heldout_items)
+    assert "sha256" in (root / "o1" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("finetune.depth=4", "finetune.depth=4 exceeds"),
+    ("finetune.heldout=0.01", "finetune.heldout=0.01"),
+    ("finetune.lr=-1", "finetune.lr must be"),
+    ("finetune.steps=0", "finetune.steps must be"),
+    ("finetune.num_drafts=9", "finetune.num_drafts=9 exceeds"),
+])
+def test_bad_settings_are_refused_before_work(tiny, override, message):
+    root, _ = tiny
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_finetune(_cfg(root / "ck", root / "tr", root / "never", override))
+    assert not os.path.exists(root / "never")
+
+
+def test_non_empty_out_and_another_target_are_refused(tiny, tmp_path):
+    root, _ = tiny
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ValueError, match="finetune.out"):
+        check_finetune(_cfg(root / "ck", root / "tr", tmp_path / "full"))
+    other = tmp_path / "other"
+    _checkpoint(str(other), "tiny")
+    with pytest.raises(ValueError, match="trace.path"):
+        check_finetune(_cfg(other, root / "tr", tmp_path / "new"))
+
+
+def test_a_sampled_trace_is_refused_naming_its_labels(tiny, tmp_path):
+    root, _ = tiny
+    meta = json.loads((root / "tr" / "trace.json").read_text())
+    (tmp_path / "s").mkdir()
+    for f in os.listdir(root / "tr"):
+        (tmp_path / "s" / f).write_bytes((root / "tr" / f).read_bytes())
+    meta["generation"] = {"temperature": 1.0, "top_p": None, "top_k": None, "seed": 0,
+                          "sampler": {"name": "x", "version": 1}}
+    (tmp_path / "s" / "trace.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="sampled trace.*`sample` labels"):
+        check_finetune(_cfg(root / "ck", tmp_path / "s", tmp_path / "new"))
+
+
+def test_the_entry_point_exits_2_writing_nothing(tiny, tmp_path):
+    root, _ = tiny
+    r = subprocess.run([sys.executable, "-m", "glm_mtp.experiments.finetune", f"model.path={root / 'ck'}",
+                        f"trace.path={root / 'tr'}", f"finetune.out={tmp_path / 'o'}", "finetune.depth=9",
+                        "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "finetune.depth=9" in r.stderr
+    assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "run")
+
+
+def test_fp8_layers_are_requantized_on_write(tmp_path):
+    w = MtpWeights.random(MtpConfig.preset("tiny"), seed=2, dtype=torch.float32).quantize_fp8()
+    w.save_pretrained(tmp_path / "ck")
+    _trace(str(tmp_path / "tr"), str(tmp_path / "ck"), w.config.vocab_size, w.config.hidden_size)
+    cfg = _cfg(tmp_path / "ck", tmp_path / "tr", tmp_path / "o")
+    run(cfg, str(tmp_path / "run"), check_finetune(cfg), "test")
+    with safe_open(tmp_path / "ck" / "model.safetensors", "pt") as a, safe_open(tmp_path / "o" / "model.safetensors",
+                                                                                 "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        fp8_names = [n for n in a.keys() if a.get_tensor(n).dtype == torch.float8_e4m3fn]
+        assert fp8_names and all(b.get_tensor(n).dtype == torch.float8_e4m3fn for n in fp8_names)
+        assert any(not same_bytes(a.get_tensor(n), b.get_tensor(n)) for n in fp8_names)
+    assert MtpWeights.from_pretrained(tmp_path / "o").block_scaled
