@@ -60,7 +60,8 @@ def check() -> tuple[str, bool]:
     tables = {n: cost_tables.shipped_table(n) for n in cost_tables.shipped_names()}
     rows, ok = cost_check.run_check(cost_tables.shipped_observations()["observations"], tables)
     text = cost_check.format_rows(rows)
-    return text + ("\n\ncheck passed" if ok else "\n\ncheck FAILED: a ratio leaves the band, or no independent pair"), ok
+    verdict = "check passed" if ok else "check FAILED: a ratio leaves the band, or no independent pair"
+    return f"{text}\n\n{verdict}", ok
 
 
 def main(argv: list[str] | None = None) -> int:

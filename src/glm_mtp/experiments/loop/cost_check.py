@@ -11,14 +11,14 @@ construction and is listed apart (``derived``), its ratio shown for what it is.
 
 The band: a ratio in ``BAND = [0.85, 1.20]`` passes. Above 1 the model is expected to sit: it prices
 a round as its forwards only, and a real round also pays work the forwards' timings leave out
-(reading the verdict, rolling back the caches, sampling k + 1 positions, the host's loop: kekzl/imp#1055
-measures ~1.3 ms of loop overhead between verifies beside a 7.8 ms verify, about 17%), so up to +20% is the model's known
-optimism, not a wrong cost table. Below 1 the model has no such excuse: only the published
-figures' own spread can put it there (an acceptance over 135 cycles has a binomial standard error
-of about 2.6 points, so tau is known to about ±3% at 1 draft; a draft step published as "~6 ms"
-moves a round by ±1.5%; a median verify against a mean-rate baseline by a few percent), about -10%
-at two standard errors, so the floor is 0.85. A ratio outside the band means the model or the
-table is wrong for that engine.
+(reading the verdict, rolling back the caches, sampling k + 1 positions, the host's loop:
+kekzl/imp#1055 measures ~1.3 ms of loop overhead between verifies beside a 7.8 ms verify, about
+17%), so up to +20% is the model's known optimism, not a wrong cost table. Below 1 the model has no
+such excuse: only the published figures' own spread can put it there (an acceptance over 135 cycles
+has a binomial standard error of about 2.6 points, so tau is known to about ±3% at 1 draft; a draft
+step published as "~6 ms" moves a round by ±1.5%; a median verify against a mean-rate baseline by a
+few percent), about -10% at two standard errors, so the floor is 0.85. A ratio outside the band
+means the model or the table is wrong for that engine.
 """
 
 from __future__ import annotations
