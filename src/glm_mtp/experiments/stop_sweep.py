@@ -247,7 +247,8 @@ def fmt(x: float, ci: list[float], digits: int = 2) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The sweep as a Markdown table: one row per entry, S's best row marked."""
     best = max(record["rows"], key=lambda r: r["predicted"])
-    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S, drafting "
+    costs = spd.costs_label({**record["costs"], "costs": record["costs"].get("source")})
+    lines = ["| entry | mean verify width | τ | S (costs " + costs + ") | S, drafting "
              "stops with the rule | S (v = 0) | S (v(s) = s) |", "|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         mark = " **best**" if r is best else ""
