@@ -41,11 +41,14 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch, 
     assert sp["tau"][-1] == pytest.approx(on_disk["mean_accepted_length"]) and len(sp["glm5"]["predicted"]) == 2
     # Beside it, the same counts at the released model's costs (tiny_random is of GLM-5's family), labelled.
     rel = sp["released"]
-    assert rel["model"] == "GLM-5" and rel["preset"] == "glm5" and rel["costs"] == "bytes:glm5"
-    assert rel["predicted"] == pytest.approx(sp["glm5"]["predicted"]) and rel["tau"] == sp["tau"]
+    # at the family's measured table (GLM-5.2 on 8 x H200), the bytes limit beside it as the bound
+    assert rel["model"] == "GLM-5" and rel["preset"] == "glm5" and rel["costs"] == "table:glm52-h200x8-mstar"
+    assert rel["table"]["source"].startswith("mstar-project/mstar#272") and rel["tau"] == sp["tau"]
+    assert rel["bound"]["costs"] == "bytes:glm5" and rel["bound"]["predicted"] == pytest.approx(sp["glm5"]["predicted"])
     printed = capsys.readouterr().out
     assert "predicted speedup at this run's costs (measured): S(1) = " in printed
-    assert "at GLM-5's costs (the bytes each step reads): S(1) = " in printed
+    assert "at GLM-5's family's measured costs (table glm52-h200x8-mstar): S(1) = " in printed
+    assert "bound at GLM-5's bytes (bytes:glm5, the memory-bound limit): S(1) = " in printed
     run = read_offline_run(str(tmp_path))
     assert run["summary"]["mean_accepted_length"] == pytest.approx(summary["mean_accepted_length"])
     assert run["summary"]["tau"] == pytest.approx(summary["mean_accepted_length"])

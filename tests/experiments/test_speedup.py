@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm_mtp.experiments import bench
-from glm_mtp.experiments.loop import speedup
+from glm_mtp.experiments.loop import cost_tables, speedup
 from glm_mtp.experiments.loop.speculative import make_proposer
 from glm_mtp.reference.config import MtpConfig
 
@@ -76,22 +76,32 @@ def test_glm5_costs_from_bytes():
 
 
 def test_released_model_costs_follow_the_drafter_family(tmp_path, monkeypatch):
-    """The main job's second S(k): the run's counts at the released model's costs, GLM-5's for the
-    GLM-5 family, GLM-5.3-Flash's (``glm5next``) for glm5_next; plotted beside the run's own,
-    each labelled with its costs."""
+    """The main job's second S(k): the run's counts at the measured cost table of the released
+    model of the drafter's family (GLM-5.2 on 8 x H200 for GLM-5, GLM-5.3-Flash on an M5 Max for
+    glm5_next), the bytes limit beside it as the bound; both plotted, each labelled with its costs."""
     c = counts(K=3)
-    for family, preset, name in (("glm5", "glm5", "GLM-5"), ("glm5_next", "glm5next", "GLM-5.3-Flash")):
+    for family, preset, name, table in (("glm5", "glm5", "GLM-5", "glm52-h200x8-mstar"),
+                                        ("glm5_next", "glm5next", "GLM-5.3-Flash", "glm53flash-m5max-ds4")):
         rel = speedup.released_speedup(c, family, 3, seed=2)
-        costs = speedup.bytes_costs(MtpConfig.preset(preset), 3)
-        assert rel["model"] == name and rel["preset"] == preset and rel["costs"] == f"bytes:{preset}"
-        assert rel == {**speedup.speedup_summary(c, costs["c"], costs["v"], seed=2, source=f"bytes:{preset}"),
-                       "model": name, "preset": preset}
+        costs = cost_tables.costs_at(cost_tables.shipped_table(table), 3)
+        assert rel["model"] == name and rel["preset"] == preset and rel["costs"] == f"table:{table}"
+        assert rel["predicted"] == speedup.speedup_summary(c, costs["c"], costs["v"], seed=2)["predicted"]
+        assert rel["table"]["name"] == table and rel["extrapolated"] == costs["extrapolated"]
+        b = speedup.bytes_costs(MtpConfig.preset(preset), 3)
+        assert rel["bound"] == speedup.speedup_summary(c, b["c"], b["v"], seed=2, source=f"bytes:{preset}")
+        # The bytes limit is the bound: every S(k) at the measured table is at least the bytes'.
+        assert all(m >= x for m, x in zip(rel["predicted"], rel["bound"]["predicted"]))
+    # ds4#892 publishes forwards of widths 1 and 2 only: v(2), v(3) are extrapolated, and the line says so.
+    assert rel["extrapolated"] == [2, 3]
     assert speedup.resolve_costs("glm5next", None, None, 3, [1, 2]) == speedup.preset_costs("glm5next", 3)
     # GLM-5.3-Flash reads fewer bytes a target step than GLM-5, so its drafter costs more of one.
     assert speedup.preset_costs("glm5", 3)["c"] < speedup.preset_costs("glm5next", 3)["c"] < 0.1
     toy = speedup.speedup_summary(c, 1.09, [0.3, 0.6, 0.9], seed=2, source="measured")
     line = speedup.released_line(rel, toy["c"])
-    assert line.startswith("at GLM-5.3-Flash's costs (the bytes each step reads): S(1) = ")
+    assert line.startswith("at GLM-5.3-Flash's family's measured costs (table glm53flash-m5max-ds4): S(1) = ")
+    assert "glm53flash-m5max-ds4: GLM-5.3-Flash on Apple M5 Max, 128 GB" in line and "antirez/ds4#892" in line
+    assert "v at k = 2, 3 extrapolated linearly" in line
+    assert "bound at GLM-5.3-Flash's bytes (bytes:glm5next, the memory-bound limit): S(1) = " in line
     assert "this run's drafter costs c = 1.090 of its target's step" in line
     import matplotlib.figure
 
@@ -99,7 +109,8 @@ def test_released_model_costs_follow_the_drafter_family(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
                         lambda fig, path, **kw: labels.extend(fig.axes[0].get_legend_handles_labels()[1]))
     speedup.plot_speedup(toy, str(tmp_path / "s.png"), released=rel)
-    assert {"S(k), costs measured", "S(k) at GLM-5.3-Flash's costs (bytes:glm5next)"} <= set(labels)
+    assert {"S(k), costs measured", "S(k) at GLM-5.3-Flash's costs (table:glm53flash-m5max-ds4)",
+            "bound: GLM-5.3-Flash's bytes (bytes:glm5next, memory-bound limit)"} <= set(labels)
 
 
 def test_measured_costs_follow_the_clock(tiny64):

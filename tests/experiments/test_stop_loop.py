@@ -186,7 +186,13 @@ def test_the_sweep_runs_fixed_k_rules_and_the_oracle(tmp_path):
         assert new["predicted"] == pytest.approx(spd.width_speedup(sum(old["counts"]["committed"]),
                                                                    new["width_histogram"], re["costs"]["c"],
                                                                    re["costs"]["v"][: old["num_drafts"]]))
-    with pytest.raises(ValueError, match="speedup.costs must be glm5, glm5next or a costs.json"):
+    # and at a measured cost table: its name in the sweep's table header, its c and v
+    table = stop_sweep.rescore(config("stop_sweep", ["model=tiny_random", "speedup.costs=glm53flash-m5max-ds4",
+                                                     f"sweep.rescore={tmp_path / 'sweep.json'}"]))
+    assert table["costs"]["source"] == "table:glm53flash-m5max-ds4" and table["costs"]["v"][0] == pytest.approx(
+        37.4 / (1000 / 33.0) - 1, rel=1e-4)
+    assert "glm53flash-m5max-ds4: GLM-5.3-Flash on Apple M5 Max" in stop_sweep.format_table(table)
+    with pytest.raises(ValueError, match="speedup.costs must be bytes:glm5, bytes:glm5next, a cost table"):
         stop_sweep.check_sweep(config("stop_sweep", ["model=tiny_random", "speedup.costs=measured",
                                                      f"sweep.rescore={tmp_path / 'sweep.json'}"]))
     with pytest.raises(ValueError, match="sweep.rescore must be a stop sweep's sweep.json"):

@@ -470,6 +470,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
                                   windows[0][: max(2, cfg.run.prompt_tokens)], sp_cfg.get("repeats", 15))
     speedup = spd.speedup_summary(counts_pp, costs["c"], costs["v"], seed=cfg.seed, source=costs["source"])
     speedup["cost_details"] = costs
+    speedup["per_batch"] = spd.per_batch_summary(counts_pp, costs, seed=cfg.seed)  # a per-batch table: best k each
     glm5 = spd.glm5_costs(cfg.num_drafts)
     g = spd.predict(speedup["tau"], glm5["c"], glm5["v"])
     # these taus at GLM-5's costs

@@ -2,7 +2,8 @@
 
     python -m glm_mtp.experiments.stop_sweep                      # conf/stop_sweep.yaml: the glm5_next toy
     python -m glm_mtp.experiments.stop_sweep model=shipped        # the GLM-5 toy
-    python -m glm_mtp.experiments.stop_sweep sweep.rescore=RUN/sweep.json speedup.costs=glm5next   # other costs
+    python -m glm_mtp.experiments.stop_sweep sweep.rescore=RUN/sweep.json speedup.costs=bytes:glm5next   # other costs
+    python -m glm_mtp.experiments.stop_sweep sweep.rescore=RUN/sweep.json speedup.costs=glm53flash-m5max-ds4
 
 One model, one target and one drafter are loaded once; on the same prompts the loop runs
 
@@ -70,7 +71,8 @@ def check_sweep(cfg: Any) -> None:
     if path is not None:
         if cfg.speedup.costs == "measured":
             raise ValueError("sweep.rescore recomputes S from a finished sweep's counts without running anything: "
-                             "speedup.costs must be glm5, glm5next or a costs.json, not measured")
+                             "speedup.costs must be bytes:glm5, bytes:glm5next, a cost table (python -m "
+                             "glm_mtp.experiments.costs list) or a file, not measured")
         try:
             with open(path) as f:
                 old = json.load(f)
@@ -177,7 +179,8 @@ def progress(row: dict[str, Any], seconds: float) -> None:
 
 def rescore(cfg: Any) -> dict[str, Any]:
     """The finished sweep at ``sweep.rescore`` (its ``sweep.json``) at this config's costs
-    (``speedup.costs``: glm5, glm5next or a costs.json): every row again from its per-prompt
+    (``speedup.costs``: bytes:glm5, bytes:glm5next, a cost table or a file, ``speedup.resolve_costs``):
+    every row again from its per-prompt
     counts, nothing run; calibration and correlations as recorded."""
     path = cfg.sweep.rescore
     with open(path) as f:
@@ -244,7 +247,8 @@ def fmt(x: float, ci: list[float], digits: int = 2) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The sweep as a Markdown table: one row per entry, S's best row marked."""
     best = max(record["rows"], key=lambda r: r["predicted"])
-    lines = ["| entry | mean verify width | τ | S (costs " + str(record["costs"].get("source")) + ") | S, drafting "
+    costs = spd.costs_label({**record["costs"], "costs": record["costs"].get("source")})
+    lines = ["| entry | mean verify width | τ | S (costs " + costs + ") | S, drafting "
              "stops with the rule | S (v = 0) | S (v(s) = s) |", "|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         mark = " **best**" if r is best else ""

@@ -26,12 +26,17 @@ run's steps
 
 with ``h(s)`` the share of steps of width s (``width_speedup``); at ``h(k) = 1`` this is S(k).
 
-Costs come from two places:
+Costs come from three places:
+
+- cost tables (``cost_tables.py``: the target's forward at widths 1..W and the drafter's step in
+  ms, measured by an engine on some hardware, each with its public source and the numbers that
+  were derived; shipped ones under ``costs/``, or a user's file), checked against published
+  speedups by ``cost_check.py``;
 
 - ``measure_costs``: timed on this machine for a given target and drafter (the toy target of the
   experiments), medians of alternating repeats (``experiments/bench.py --target-costs`` writes
   them to ``costs.json``; the acceptance run measures them for its own target and drafter);
-- ``bytes_costs``: from the bytes each step must read (weights only, memory-bound), for a
+- ``bytes_costs``: the memory-bound limit, from the bytes each step must read (weights only), for a
   released model (``preset_costs``: GLM-5, or GLM-5.3-Flash for the glm5_next family); for GLM-5:
   a draft step reads one MTP layer (attention, router, shared expert, 8 routed experts) + the
   head; a target step reads 78 layers (3 dense) + the head; a verify of n tokens reads, per MoE
@@ -44,6 +49,7 @@ fixed (their spread over repeats is recorded beside them).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -54,6 +60,7 @@ import torch
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.tools.floor import floor_bytes_per_draft
 
+from . import cost_tables
 from . import stats as acc_stats
 
 # ------------------------------------------------------------------------------------------------
@@ -224,12 +231,18 @@ def preset_costs(preset: str, kmax: int) -> dict[str, Any]:
 # drafter costs about as much as its toy target (one layer beside three), so its own S(k) shows a
 # slowdown; the released model's drafter reads a few percent of its target's bytes.
 RELEASED = {"glm5": ("glm5", "GLM-5"), "glm5_next": ("glm5next", "GLM-5.3-Flash")}
+# The measured cost table of each family's released model (cost_tables.py; DESIGN.md §15): GLM-5.2
+# (GLM-5's architecture) on 8 x H200 at batch 1, derived from mstar#272's speedup; GLM-5.3-Flash on
+# an M5 Max (ds4#892's measured forwards and draft step).
+RELEASED_TABLES = {"glm5": "glm52-h200x8-mstar", "glm5_next": "glm53flash-m5max-ds4"}
 
 
 def released_speedup(counts_per_prompt: dict[str, Any], family: str, kmax: int, seed: int = 0) -> dict[str, Any]:
-    """``speedup_summary`` of these acceptance counts at the costs of the released model of the
-    drafter's ``family`` (``RELEASED``: from the bytes each step reads), with ``model`` (its name)
-    and ``preset``: what the measured drafter buys on the real model.
+    """``speedup_summary`` of these acceptance counts at the measured cost table of the released
+    model of the drafter's ``family`` (``RELEASED_TABLES``), with ``model`` (its name), ``preset``,
+    ``table`` (the table's provenance), ``extrapolated`` (the k whose verify lies beyond the
+    table's widths) and ``bound``: the same at the bytes each step reads (``preset_costs``, the
+    memory-bound limit: S can be no lower on a machine whose forwards are bandwidth-bound).
 
     Args:
         counts_per_prompt: the run's ``reached``, ``accepted`` and ``steps`` per prompt.
@@ -238,9 +251,26 @@ def released_speedup(counts_per_prompt: dict[str, Any], family: str, kmax: int, 
         seed: the bootstrap's seed (the run's).
     """
     preset, name = RELEASED[family]
-    costs = preset_costs(preset, kmax)
+    table = cost_tables.shipped_table(RELEASED_TABLES[family])
+    costs = cost_tables.costs_at(table, kmax)
+    bound = preset_costs(preset, kmax)
     return {**speedup_summary(counts_per_prompt, costs["c"], costs["v"], seed=seed, source=costs["source"]),
-            "model": name, "preset": preset}
+            "model": name, "preset": preset, "table": costs["table"], "extrapolated": costs["extrapolated"],
+            "bound": speedup_summary(counts_per_prompt, bound["c"], bound["v"], seed=seed, source=bound["source"])}
+
+
+def per_batch_summary(counts_per_prompt: dict[str, Any], costs: dict[str, Any],
+                      seed: int = 0) -> list[dict[str, Any]] | None:
+    """With a per-batch cost table (``costs["per_batch"]``), per batch size its ``c``, ``v``,
+    ``predicted`` S(k) and ``best_k`` at these acceptance counts; None for costs of one batch size."""
+    if not costs.get("per_batch"):
+        return None
+    out = []
+    for b in costs["per_batch"]:
+        sp = speedup_summary(counts_per_prompt, b["c"], b["v"], seed=seed, source=b["source"])
+        out.append({"batch": b["batch"], "c": sp["c"], "v": sp["v"], "predicted": sp["predicted"],
+                    "predicted_ci": sp["predicted_ci"], "best_k": sp["best_k"], "extrapolated": b["extrapolated"]})
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,19 +329,41 @@ def measure_costs(target: Any, proposer: Any, kmax: int, context: list[int], rep
 # Presentation
 
 
+def costs_label(sp: dict[str, Any]) -> str:
+    """How a line names the costs of a speedup record: ``bytes:glm5, the memory-bound limit``; a
+    table's name, model, hardware, engine, whether derived, and the k whose v was extrapolated."""
+    source = str(sp.get("costs", ""))
+    if source.startswith("bytes:"):
+        return f"{source}, the memory-bound limit"
+    table = sp.get("table") or (sp.get("cost_details") or {}).get("table")
+    if source.startswith("table:") and table:
+        kind = "derived from a published speedup" if table["derived_from_speedup"] else "measured"
+        extra = sp.get("extrapolated", (sp.get("cost_details") or {}).get("extrapolated")) or []
+        tail = f"; v at k = {', '.join(map(str, extra))} extrapolated linearly" if extra else ""
+        return (f"{table['name']}: {table['model']} on {table['hardware']}, {table['engine']}, {kind}, "
+                f"{table['source'].split(':')[0]}{tail}")
+    return source
+
+
 def format_line(sp: dict[str, Any], label: str = "predicted speedup") -> str:
     """``<label> S(1) = 1.23 [1.1, 1.3], ...; best k = 2 (c = 0.31, v = ..., costs ...)``."""
     cells = ", ".join(f"S({k + 1}) = {p:.2f} [{ci[0]:.2f}, "
                       f"{ci[1]:.2f}]" for k, (p, ci) in enumerate(zip(sp["predicted"], sp["predicted_ci"])))
     v = ", ".join(f"{x:.2f}" for x in sp["v"])
-    return f"{label} {cells}; best k = {sp['best_k']} (c = {sp['c']:.3f}, v = [{v}], costs {sp['costs']})"
+    return f"{label} {cells}; best k = {sp['best_k']} (c = {sp['c']:.3f}, v = [{v}], costs {costs_label(sp)})"
 
 
 def released_line(released: dict[str, Any], measured_c: float) -> str:
-    """The line beside this run's S(k): the same acceptance at the released model's costs, and why
-    the two differ (the drafter's cost c relative to its target's decode step)."""
-    return (format_line(released, f"at {released['model']}'s costs (the bytes each step reads):") + "; this run's "
-            f"drafter costs c = {measured_c:.3f} of its target's step, {released['model']}'s "
+    """The lines beside this run's S(k): the same acceptance at the released model's measured cost
+    table (named with its source), at the bytes limit beside it (the bound), and why they differ
+    from this run's (the drafter's cost c relative to its target's decode step)."""
+    name = released["model"]
+    line = format_line(released, f"at {name}'s family's measured costs (table {released['table']['name']}):")
+    if "bound" in released:
+        bound = released["bound"]
+        cells = ", ".join(f"S({k + 1}) = {p:.2f}" for k, p in enumerate(bound["predicted"]))
+        line += (f"\n  bound at {name}'s bytes ({costs_label(bound)}): {cells}; best k = {bound['best_k']}")
+    return (line + f"\n  this run's drafter costs c = {measured_c:.3f} of its target's step, {name}'s "
             f"{released['c']:.3f}: a toy's S(k) cannot show what the drafter buys on the released model")
 
 
@@ -334,6 +386,9 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "", released: dict[
         ax.errorbar(ks, rp, yerr=[[max(0.0, p - c[0]) for p, c in zip(rp, rci)],
                                   [max(0.0, c[1] - p) for p, c in zip(rp, rci)]],
                     fmt="s--", capsize=3, label=f"S(k) at {released['model']}'s costs ({released['costs']})")
+        if "bound" in released:
+            ax.plot(ks, released["bound"]["predicted"], "^:", color="0.4",
+                    label=f"bound: {released['model']}'s bytes ({released['bound']['costs']}, memory-bound limit)")
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.plot([sp["best_k"]], [pred[sp["best_k"] - 1]], "r*", ms=12, label=f"best k = {sp['best_k']}")
     ax.set_xlabel("k (drafts per step)")
@@ -347,37 +402,76 @@ def plot_speedup(sp: dict[str, Any], path: str, title: str = "", released: dict[
     plt.close(fig)
 
 
-COST_SOURCES = ("measured", "glm5", "glm5next")
+BYTES_SOURCES = {"bytes:glm5": "glm5", "bytes:glm5next": "glm5next"}
+# The names the bytes costs had before cost tables: kept working, as the same memory-bound limit.
+OLD_BYTES_NAMES = {"glm5": "glm5", "glm5next": "glm5next"}
+
+
+def costs_kind(spec: Any) -> str:
+    """What a ``speedup.costs`` names: ``measured``, ``bytes`` (``bytes:glm5``, ``bytes:glm5next``
+    and their old names ``glm5``, ``glm5next``), ``table`` (a shipped cost table), ``file`` (an
+    existing file: a cost table or a ``bench --target-costs`` costs.json); ``ValueError`` else."""
+    if spec == "measured":
+        return "measured"
+    if spec in BYTES_SOURCES or spec in OLD_BYTES_NAMES:
+        return "bytes"
+    if isinstance(spec, str) and spec in cost_tables.shipped_names():
+        return "table"
+    if isinstance(spec, str) and os.path.isfile(spec):
+        return "file"
+    raise ValueError(f"speedup.costs must be measured, bytes:glm5, bytes:glm5next, a shipped cost table "
+                     f"({', '.join(cost_tables.shipped_names())}; python -m glm_mtp.experiments.costs list) or the "
+                     f"path of a cost table or costs.json, got {spec!r}")
 
 
 def resolve_costs(spec: str, target: Any, proposer: Any, kmax: int, context: list[int],
                   repeats: int = 15) -> dict[str, Any]:
-    """The costs an acceptance run predicts its speedup with: ``measured`` (timed here on its own
-    target and drafter, ``measure_costs``), ``glm5`` or ``glm5next`` (``preset_costs``: GLM-5's or
-    GLM-5.3-Flash's from bytes), or the path of a
-    ``costs.json`` written by ``python -m glm_mtp.experiments.bench --target-costs`` (its ``v``
-    must cover ``kmax``)."""
-    if spec == "measured":
+    """The costs an acceptance run predicts its speedup with (``costs_kind``): ``measured`` (timed
+    here on its own target and drafter, ``measure_costs``); ``bytes:glm5`` / ``bytes:glm5next``
+    (``preset_costs``, the memory-bound limit; ``glm5`` / ``glm5next`` the same); a shipped cost
+    table's name or a cost table file (``cost_tables``: its first batch size's c and v, and
+    ``per_batch`` when it has several; ``table`` its provenance; ``extrapolated`` the k beyond its
+    widths); or a ``costs.json`` written by ``python -m glm_mtp.experiments.bench --target-costs``
+    (its ``v`` must cover ``kmax``)."""
+    kind = costs_kind(spec)
+    if kind == "measured":
         return measure_costs(target, proposer, kmax, context, repeats)
-    if spec in ("glm5", "glm5next"):
-        return preset_costs(spec, kmax)
-    return {**read_costs_file(spec, kmax), "source": f"file:{spec}"}
+    if kind == "bytes":
+        return preset_costs(BYTES_SOURCES.get(spec) or OLD_BYTES_NAMES[spec], kmax)
+    table = cost_tables.shipped_table(spec) if kind == "table" else read_costs_or_table(spec, kmax)
+    if "c" in table:  # a bench --target-costs costs.json
+        return {**table, "source": f"file:{spec}"}
+    per_batch = cost_tables.per_batch_costs(table, kmax)
+    first = per_batch[0]
+    if kind == "file":
+        first = {**first, "source": f"file:{spec}"}
+        per_batch = [{**b, "source": f"file:{spec}"} for b in per_batch]
+    return {**first, "per_batch": per_batch if len(per_batch) > 1 else None}
+
+
+def check_costs_spec(spec: Any, kmax: int) -> None:
+    """``speedup.costs`` before any work: its kind (``costs_kind``), and a file read and checked
+    field by field (``read_costs_or_table``). ``ValueError`` naming the rule."""
+    if costs_kind(spec) == "file":
+        read_costs_or_table(spec, kmax)
+
+
+def read_costs_or_table(path: str, kmax: int) -> dict[str, Any]:
+    """A file of costs: a cost table (it has a ``format`` key; ``cost_tables.read_table``) or a
+    ``bench --target-costs`` costs.json (``read_costs_file``)."""
+    data = cost_tables.read_json(path)
+    if isinstance(data, dict) and "format" in data:
+        return cost_tables.check_table(data, path)
+    return read_costs_file(path, kmax)
 
 
 def read_costs_file(path: str, kmax: int) -> dict[str, Any]:
     """A ``costs.json`` (``bench --target-costs``): a JSON object with ``c`` a finite number >= 0
     and ``v`` a list of finite numbers covering ``k <= kmax``. ``ValueError`` naming the file and
     the rule (the acceptance run reads it before any work, then again for its summary)."""
-    import json
     import math
 
-    try:
-        with open(path) as f:
-            costs = json.load(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    costs = cost_tables.read_json(path)
 
     def number(x: Any) -> bool:
         return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
@@ -385,7 +479,7 @@ def read_costs_file(path: str, kmax: int) -> dict[str, Any]:
     if not isinstance(costs, dict) or not number(costs.get("c")) or not isinstance(costs.get("v"), list) \
             or not all(number(x) for x in costs["v"]):
         raise ValueError(f"{path}: must hold a JSON object with c (a number >= 0) and v (a list of numbers >= 0), "
-                         "as bench --target-costs writes")
+                         "as bench --target-costs writes, or a cost table (format glm-mtp-costs/1, docs/costs.md)")
     if len(costs["v"]) < kmax:
         raise ValueError(f"{path} holds v for k <= {len(costs['v'])}, fewer than num_drafts = {kmax}")
     return costs

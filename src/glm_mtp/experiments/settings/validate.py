@@ -204,18 +204,18 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_bool(cfg, "run.check_lossless")
     check_stop(cfg)
     costs = _get(cfg, "speedup.costs")
-    if not isinstance(costs, str) or (costs not in ("measured", "glm5", "glm5next") and not os.path.isfile(costs)):
-        raise ValueError(f"speedup.costs must be measured, glm5, glm5next or the path of a costs.json, got {costs!r}")
+    from ..loop.speedup import costs_kind
+
+    costs_kind(costs)  # measured, bytes:glm5, bytes:glm5next, a shipped table or a file, else the rule
     need_int(cfg, "speedup.repeats", 1)
     check_logger(cfg)
     # Settings whose rule needs another setting or a file: every file the run reads later is read now.
-    if costs not in ("measured", "glm5", "glm5next"):
-        from ..loop.speedup import read_costs_file
+    from ..loop.speedup import check_costs_spec
 
-        try:
-            read_costs_file(costs, _get(cfg, "num_drafts"))
-        except ValueError as e:
-            raise ValueError(f"speedup.costs: {e}") from None
+    try:
+        check_costs_spec(costs, _get(cfg, "num_drafts"))  # a file: read and checked field by field now
+    except ValueError as e:
+        raise ValueError(f"speedup.costs: {e}") from None
     model = model_config(cfg) if model is None else model
     check_attention(cfg.get("attention", "sparse"), _get(cfg, "backend.name"), model)
     check_lengths(cfg, model.max_position_embeddings)
