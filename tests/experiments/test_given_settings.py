@@ -134,3 +134,25 @@ def test_record_refuses_every_key_it_does_not_read(tmp_path):
         assert given_keys(cfg, [key]) == [key]
         refused(cfg, record.check_record, f"{key}=")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model=shipped", "grammar=regex", "grammar.pattern='[a-z]+'"], ["grammar=regex", "unconstrained"]),
+    (["attention=dense"], ["attention=dense", "own selection"]),  # the glm5_next default: dense is valid live
+    (["model=tiny_random", "run.check_lossless=true"], ["run.check_lossless"]),
+])
+def test_stop_sweep_refuses_what_it_would_ignore(overrides, words):
+    from glm_mtp.experiments import stop_sweep
+
+    cfg = compose([*overrides, "logger=none"], "stop_sweep")
+    refused(cfg, stop_sweep.check_sweep, *words)
+
+
+def test_stop_sweep_refuses_per_prompt_schemas(tmp_path):
+    from glm_mtp.experiments import stop_sweep
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os\nimport sys\n", "json_schema": {"type": "object"}}) + "\n")
+    cfg = compose(["model=shipped", "source=jsonl", f"prompts.path={prompts}", "run.num_prompts=1",
+                   "run.max_new_tokens=4", "num_drafts=2", "logger=none"], "stop_sweep")
+    refused(cfg, stop_sweep.check_sweep, "prompt 0 carries a json_schema")
