@@ -188,7 +188,8 @@ def rewrite_items(src, dst, edit):
     """Trace ``src`` re-written at ``dst`` with ``edit(item)`` applied to item 0 and every sha256
     recomputed (a trace whose digests are honest but whose content breaks a rule)."""
     trace = open_trace(str(src))
-    items = [TraceItem(it.tokens.clone(), it.argmax.clone(), it.hidden.clone(), it.prompt_len) for it in trace.items]
+    items = [TraceItem(it.tokens.clone(), it.argmax.clone(), it.hidden.clone(), it.prompt_len, prompt=it.prompt)
+             for it in trace.items]
     edit(items[0])
     meta = {k: v for k, v in trace.meta.items() if k not in ("format", "version", "shards", "items")}
     write_trace(str(dst), meta, items)
@@ -210,7 +211,15 @@ def test_hostile_traces_are_refused_naming_the_field(tiny_trace, tmp_path):
         "another target's config": (damaged(tiny_trace, tmp_path / "e",
                                             meta=lambda r: r["target"].update(target_config_sha256="1" * 64)),
                                     "target.target_config_sha256"),
-        "version": (damaged(tiny_trace, tmp_path / "f", meta=lambda r: r.update(version=2)), "version"),
+        "version": (damaged(tiny_trace, tmp_path / "f", meta=lambda r: r.update(version=3)), "version"),
+        "prompt identity": (damaged(tiny_trace, tmp_path / "k", meta=lambda r: r["items"][1].pop("prompt")),
+                            "items[1].prompt"),
+        "prompt sha256": (damaged(tiny_trace, tmp_path / "l",
+                                  meta=lambda r: r["items"][0]["prompt"].update(sha256="2" * 64)),
+                          "items[0].prompt.sha256"),
+        "greedy trace with a sampler": (damaged(tiny_trace, tmp_path / "m",
+                                                meta=lambda r: r["generation"].update(top_p=0.9)),
+                                        "generation.top_p"),
         "non-finite": (rewrite_items(tiny_trace, tmp_path / "g",
                                      lambda it: it.hidden.__setitem__((3, 0), float("nan"))),
                        "items[0].hidden"),
@@ -311,3 +320,58 @@ def test_trace_grid_reports_forwards_recorded_against_live(tmp_path, acceptance_
     assert f["recorded"] == meta["forwards"]["total"] and f["traces"] == 1
     assert f["live"] == sum(s["prompts"] + s["verify_forwards"] for s in summaries.values())
     assert f"the target ran {f['recorded']} forwards to record" in format_grid(rows)
+
+
+def test_items_name_their_prompt_and_version_1_reads_as_unknown(tiny_trace, tmp_path):
+    """Version 2 names each item's prompt (source, index, sha256 of its tokens); a version-1
+    trace (no prompt identity, greedy) is still read, its prompts unknown."""
+    from glm_mtp.experiments.traces.prompt_id import prompt_sha256
+
+    trace = open_trace(str(tiny_trace))
+    assert trace.meta["version"] == 2
+    for i, it in enumerate(trace.items):
+        assert it.prompt == {"source": "heldout", "index": i,
+                             "sha256": prompt_sha256(it.tokens[: it.prompt_len].tolist())}
+    assert prompt_sha256([1, 2]) != prompt_sha256([2, 1])
+
+    def as_version_1(r):
+        r["version"] = 1
+        for key in ("top_p", "top_k", "seed", "sampler"):
+            r["generation"].pop(key)
+        for e in r["items"]:
+            e.pop("prompt")
+
+    old = open_trace(str(damaged(tiny_trace, tmp_path / "v1", meta=as_version_1)))
+    assert [it.prompt for it in old.items] == [None] * len(trace.items)
+    assert all(same_bytes(a.hidden, b.hidden) for a, b in zip(old.items, trace.items))
+    with pytest.raises(ValueError, match="items\\[0\\].prompt"):
+        write_trace(str(tmp_path / "out"), {}, [TraceItem(*[getattr(trace.items[0], n) for n in
+                                                             ("tokens", "argmax", "hidden", "prompt_len")])])
+
+
+def test_sampled_format_rules(tiny_trace, tmp_path):
+    """A sampled trace (generation temperature > 0) holds ``sample`` beside ``argmax``, its
+    trajectory follows ``sample``, and its generation names the sampler; each rule refused by field."""
+    trace = open_trace(str(tiny_trace))
+    gen = {**trace.meta["generation"], "temperature": 1.0, "top_p": 0.95, "top_k": None, "seed": 3,
+           "sampler": {"name": "test", "version": 1}}
+    meta = {k: v for k, v in trace.meta.items() if k not in ("format", "version", "shards", "items")}
+
+    def write(dst, edit_item=lambda it: None, **generation):
+        items = [TraceItem(it.tokens.clone(), it.argmax.clone(), it.hidden.clone(), it.prompt_len,
+                           sample=it.argmax.clone(), prompt=it.prompt) for it in trace.items]
+        edit_item(items[0])
+        write_trace(str(tmp_path / dst), {**meta, "generation": {**gen, **generation}}, items)
+        return tmp_path / dst
+
+    ok = open_trace(str(write("ok")))
+    assert all(same_bytes(it.sample, it.argmax) for it in ok.items)
+    bad = {"generation.sampler": write("a", sampler=None), "generation.seed": write("b", seed=1.5),
+           "generation.top_p": write("c", top_p=1.5), "generation.top_k": write("d", top_k=0),
+           "items[0].sample": write("e", lambda it: it.sample.__setitem__(9, (int(it.sample[9]) + 1) % 96))}
+    for field, path in bad.items():
+        with pytest.raises(ValueError, match=f"^{field.replace('[', '.').replace(']', '.')}"):
+            open_trace(str(path))
+    no_sample = damaged(tmp_path / "ok", tmp_path / "f", shard=lambda t: t.pop("sample"))
+    with pytest.raises(ValueError, match="^shards.0.: .* must hold exactly"):
+        open_trace(str(no_sample))

@@ -116,10 +116,10 @@ def record(cfg: Any) -> dict[str, Any]:
     batch = cfg.trace.batch_size if model.hf is not None else 1
     if mode == "teacher_forced":
         items, stats = record_teacher_forced(target, windows, run.prompt_tokens, K,
-                                             progress_bar(len(windows), "recording items"))
+                                             progress_bar(len(windows), "recording items"), source)
     else:
         items, stats = record_speculative(target, starts, run.max_new_tokens + K - 1, continue_fn, batch,
-                                          progress_bar(-(-len(starts) // batch), "recording batches"))
+                                          progress_bar(-(-len(starts) // batch), "recording batches"), source)
     if not items:
         raise RuntimeError("every item was cut at its first generated token (near-ties of the two passes): no trace")
     costs = None
@@ -139,7 +139,8 @@ def record(cfg: Any) -> dict[str, Any]:
                     "windows_sha256": _sha256_json(windows),
                     "path": prompts_path(cfg) if source in ("jsonl", "text") else None,
                     "file_sha256": path_sha256(prompts_path(cfg)) if source in ("jsonl", "text") else None},
-        "generation": {"temperature": 0, "max_new_tokens": run.max_new_tokens,
+        "generation": {"temperature": 0, "top_p": None, "top_k": None, "seed": None, "sampler": None,
+                       "max_new_tokens": run.max_new_tokens,
                        "continuation": run.max_new_tokens + K - 1 if mode == "speculative" else None,
                        "batch_size": batch},
         "truncation": stats.truncation(),

@@ -1,4 +1,4 @@
-"""The trace file format (DESIGN.md §11; every field in docs/traces.md), version 1.
+"""The trace file format (DESIGN.md §11, §14; every field in docs/traces.md), version 2.
 
 A trace is a directory:
 
@@ -8,13 +8,19 @@ A trace is a directory:
     items-00001.safetensors ...
 
 Each shard holds ``tokens`` int32 (N,), ``argmax`` int32 (N,), ``hidden`` (N, H) in the dtype the
-target produced and, in a teacher-forced trace, ``greedy`` int32 (N, K + 1): the N rows of its items
+target produced, in a sampled trace (generation temperature > 0) ``sample`` int32 (N,) and, in a
+teacher-forced trace, ``greedy`` int32 (N, K + 1): the N rows of its items
 one after another (item i at rows ``[start, start + length)``, from ``trace.json``), so one item
 is read by slicing, without the rest of the shard.
 
 A trace is untrusted input: ``problems`` lists what is wrong with one, field by field (the
 validator's report), and ``open_trace`` refuses the first problem naming its field, before any
-work. Nothing here trusts a length, a dtype or a digest it has not checked.
+work. Nothing here trusts a length, a dtype or a digest it has not checked. Every rule of the
+format is checked here, in this one module.
+
+Version 2 adds, per item, its prompt identity (``items[i].prompt``: source, index, sha256) and, in a
+sampled trace, the ``sample`` array with the sampler's settings in ``generation``. Version 1 is
+still read: its items' prompt identity is unknown (``TraceItem.prompt`` None) and it is greedy.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ import torch
 from torch import Tensor
 
 FORMAT = "glm-mtp-trace"
-VERSION = 1
+VERSION = 2  # what this package writes
+READ_VERSIONS = (1, 2)  # what it reads (version 1: greedy, no prompt identity)
 META = "trace.json"
 MODES = ("speculative", "teacher_forced")
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "float64": torch.float64}
-ARRAYS = ("tokens", "argmax", "hidden")  # every shard's; a teacher-forced trace adds "greedy"
+ARRAYS = ("tokens", "argmax", "hidden")  # every shard's; a sampled trace adds "sample", a teacher-forced "greedy"
 NOT_RECORDED = -1  # greedy[p, j >= 1] before an item's prompt_len: no chain is recorded there
 
 
@@ -58,6 +65,10 @@ class TraceItem:
             continuation of K + 1 tokens after ``tokens[: p + 1]`` (``greedy[p, 0] == argmax[p]``;
             ``NOT_RECORDED`` in columns >= 1 of rows p < P); None in speculative traces.
         dropped: positions cut at the first near-tie of the two recording passes (0: none).
+        sample: int32 (L,) in a sampled trace: the target's seeded sample (§14) after each position
+            (``tokens[p + 1] == sample[p]`` on the generated path); None in a greedy trace.
+        prompt: the item's prompt identity ``{"source", "index", "sha256"}``
+            (``prompt_id.prompt_identity``); None where unknown (a version-1 trace).
     """
 
     tokens: Tensor
@@ -66,6 +77,8 @@ class TraceItem:
     prompt_len: int
     greedy: Tensor | None = None
     dropped: int = 0
+    sample: Tensor | None = None
+    prompt: dict[str, Any] | None = None
 
     @property
     def length(self) -> int:
@@ -73,6 +86,8 @@ class TraceItem:
 
     def arrays(self) -> dict[str, Tensor]:
         out = {"tokens": self.tokens, "argmax": self.argmax, "hidden": self.hidden}
+        if self.sample is not None:
+            out["sample"] = self.sample
         if self.greedy is not None:
             out["greedy"] = self.greedy
         return out
@@ -80,10 +95,13 @@ class TraceItem:
 
 def item_sha256(item: TraceItem) -> str:
     """sha256 of an item: ``prompt_len`` (8 bytes little-endian), then per array in the order
-    tokens, argmax, greedy (when present), hidden: its name, dtype name and shape as UTF-8 text
-    ``name:dtype:d0,d1;`` followed by its raw little-endian bytes (bf16 as its 2-byte patterns)."""
+    tokens, argmax, sample (when present), greedy (when present), hidden: its name, dtype name and
+    shape as UTF-8 text ``name:dtype:d0,d1;`` followed by its raw little-endian bytes (bf16 as its
+    2-byte patterns). The prompt identity is not hashed here: its sha256 is checked against the
+    item's prompt tokens (``check_item``)."""
     h = hashlib.sha256(struct.pack("<q", item.prompt_len))
-    order = ["tokens", "argmax", *(["greedy"] if item.greedy is not None else []), "hidden"]
+    order = ["tokens", "argmax", *(["sample"] if item.sample is not None else []),
+             *(["greedy"] if item.greedy is not None else []), "hidden"]
     arrays = item.arrays()
     for name in order:
         x = arrays[name].contiguous()
@@ -106,11 +124,16 @@ def write_trace(directory: str, meta: dict[str, Any], items: list[TraceItem], ro
     """Write ``items`` and ``meta`` (every field but ``format``, ``version``, ``shards`` and
     ``items``, which this fills) as a trace into ``directory`` (created; it must not hold a
     trace already). Items go into shards of about ``rows_per_shard`` positions (an item is never
-    split). Returns the sha256 of the written ``trace.json``."""
+    split). Every item carries its prompt identity (``TraceItem.prompt``). Returns the sha256 of
+    the written ``trace.json``."""
     from safetensors.torch import save_file
 
     if os.path.exists(os.path.join(directory, META)):
         raise ValueError(f"trace.out: {directory} already holds a trace ({META}); choose another directory")
+    missing = [i for i, it in enumerate(items) if it.prompt is None]
+    if missing:
+        raise ValueError(f"items[{missing[0]}].prompt: a version-{VERSION} trace names every item's prompt (source, "
+                         "index, sha256)")
     os.makedirs(directory, exist_ok=True)
     shards: list[list[TraceItem]] = [[]]
     rows = 0
@@ -125,7 +148,7 @@ def write_trace(directory: str, meta: dict[str, Any], items: list[TraceItem], ro
         start = 0
         for it in group:
             entries.append({"shard": s, "start": start, "length": it.length, "prompt_len": it.prompt_len,
-                            "dropped": it.dropped, "sha256": item_sha256(it)})
+                            "dropped": it.dropped, "sha256": item_sha256(it), "prompt": it.prompt})
             start += it.length
         names = group[0].arrays().keys()
         tensors = {n: torch.cat([it.arrays()[n] for it in group]).contiguous() for n in names}
@@ -171,7 +194,8 @@ def read_meta(directory: str) -> dict[str, Any]:
         raise TraceError(META, "must hold a JSON object")
     for name, rule, ok in (
         ("format", f"must be {FORMAT!r}", meta.get("format") == FORMAT),
-        ("version", f"must be {VERSION} (this package reads version {VERSION})", meta.get("version") == VERSION),
+        ("version", f"must be one of {READ_VERSIONS} (the versions this package reads)",
+         meta.get("version") in READ_VERSIONS and not isinstance(meta.get("version"), bool)),
         ("mode", f"must be one of {MODES}", meta.get("mode") in MODES),
         ("vocab_size", "must be an integer >= 1", _int(meta.get("vocab_size"), 1)),
         ("hidden_size", "must be an integer >= 1", _int(meta.get("hidden_size"), 1)),
@@ -180,13 +204,12 @@ def read_meta(directory: str) -> dict[str, Any]:
         ("target", "must be an object", isinstance(meta.get("target"), dict)),
         ("tokenizer_sha256", "must be a sha256 hex string or null",
          meta.get("tokenizer_sha256") is None or _hex(meta.get("tokenizer_sha256"))),
-        ("generation", "must be an object with temperature 0 (a trace is greedy)",
-         isinstance(meta.get("generation"), dict) and meta["generation"].get("temperature") == 0),
         ("shards", "must be a non-empty list", isinstance(meta.get("shards"), list) and bool(meta.get("shards"))),
         ("items", "must be a non-empty list", isinstance(meta.get("items"), list) and bool(meta.get("items"))),
     ):
         if not ok:
             raise TraceError(name, f"{rule}, got {meta.get(name)!r}"[:300])
+    check_generation(meta)
     costs = meta.get("costs")
     if costs is not None and not valid_costs(costs, meta["max_drafts"]):
         raise TraceError("costs", "must be null or an object with target_step_ms (> 0) and verify_ms (one number > 0 "
@@ -206,6 +229,8 @@ def read_meta(directory: str) -> dict[str, Any]:
             raise TraceError(f"{where}.prompt_len", f"must be below length={it['length']}, got {it['prompt_len']}")
         if not _hex(it.get("sha256")):
             raise TraceError(f"{where}.sha256", f"must be a sha256 hex string, got {it.get('sha256')!r}")
+        if meta["version"] >= 2:
+            check_prompt_identity(where, it.get("prompt"))
         s = it["shard"]
         if s >= len(meta["shards"]) or it["start"] != ends[s]:
             raise TraceError(f"{where}.start", f"items must tile their shard in order: expected shard < "
@@ -216,6 +241,61 @@ def read_meta(directory: str) -> dict[str, Any]:
         if ends[s] != sh["rows"]:
             raise TraceError(f"shards[{s}].rows", f"is {sh['rows']}, its items hold {ends[s]} rows")
     return meta
+
+
+SAMPLER_KEYS = ("temperature", "top_p", "top_k", "seed", "sampler")  # generation's fields a replay must match
+
+
+def is_sampled(meta: dict[str, Any]) -> bool:
+    """Whether the trace was recorded with the seeded sampler (generation temperature > 0)."""
+    return meta["generation"]["temperature"] > 0
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_generation(meta: dict[str, Any]) -> None:
+    """``generation``'s rules. Version 1: ``temperature`` 0. Version 2: ``temperature`` a finite
+    number >= 0; at 0 (greedy) ``top_p``, ``top_k``, ``seed`` and ``sampler`` are null; above 0 (a
+    sampled trace, speculative mode only) ``top_p`` null or in (0, 1], ``top_k`` null or an
+    integer >= 1, ``seed`` an integer and ``sampler`` ``{"name": str, "version": int}``."""
+    g = meta.get("generation")
+    if not isinstance(g, dict):
+        raise TraceError("generation", f"must be an object, got {g!r}"[:300])
+    t = g.get("temperature")
+    if meta["version"] == 1:
+        if t != 0:
+            raise TraceError("generation.temperature", f"must be 0 in a version-1 trace (greedy), got {t!r}")
+        return
+    if not (_number(t) and t >= 0):
+        raise TraceError("generation.temperature", f"must be a finite number >= 0, got {t!r}")
+    if t == 0:
+        for key in SAMPLER_KEYS[1:]:
+            if g.get(key) is not None:
+                raise TraceError(f"generation.{key}", f"must be null in a greedy trace (temperature 0), got "
+                                 f"{g.get(key)!r}")
+        return
+    if meta["mode"] != "speculative":
+        raise TraceError("generation.temperature", f"a sampled trace (temperature > 0) is speculative; mode is "
+                         f"{meta['mode']!r}")
+    top_p, top_k, seed, sampler = g.get("top_p"), g.get("top_k"), g.get("seed"), g.get("sampler")
+    if top_p is not None and not (_number(top_p) and 0 < top_p <= 1):
+        raise TraceError("generation.top_p", f"must be null or a number in (0, 1], got {top_p!r}")
+    if top_k is not None and not _int(top_k, 1):
+        raise TraceError("generation.top_k", f"must be null or an integer >= 1, got {top_k!r}")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and -(1 << 63) <= seed < (1 << 63)):
+        raise TraceError("generation.seed", f"must be an integer (int64), got {seed!r}")
+    if not (isinstance(sampler, dict) and isinstance(sampler.get("name"), str) and _int(sampler.get("version"), 1)):
+        raise TraceError("generation.sampler", f"must be {{'name': str, 'version': int >= 1}}, got {sampler!r}"[:300])
+
+
+def check_prompt_identity(where: str, prompt: Any) -> None:
+    """An item's ``prompt`` (version 2): ``{"source": str, "index": int >= 0, "sha256": hex}``."""
+    if not (isinstance(prompt, dict) and isinstance(prompt.get("source"), str) and _int(prompt.get("index"), 0)
+            and _hex(prompt.get("sha256"))):
+        raise TraceError(f"{where}.prompt", f"must be {{'source': str, 'index': int >= 0, 'sha256': hex}} (the "
+                         f"item's prompt identity), got {prompt!r}"[:300])
 
 
 def _hex(x: Any) -> bool:
@@ -244,11 +324,12 @@ def read_shard(directory: str, meta: dict[str, Any], s: int) -> dict[str, Tensor
         t = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise TraceError(f"shards[{s}].file", f"{name} is not a readable safetensors file ({e})"[:300]) from None
-    want = set(ARRAYS) | ({"greedy"} if meta["mode"] == "teacher_forced" else set())
+    want = set(ARRAYS) | ({"greedy"} if meta["mode"] == "teacher_forced" else set()) | (
+        {"sample"} if is_sampled(meta) else set())
     if set(t) != want:
         raise TraceError(f"shards[{s}]", f"{name} must hold exactly {sorted(want)}, holds {sorted(t)}")
     rows, H, K = meta["shards"][s]["rows"], meta["hidden_size"], meta["max_drafts"]
-    shapes = {"tokens": ((rows,), torch.int32), "argmax": ((rows,), torch.int32),
+    shapes = {"tokens": ((rows,), torch.int32), "argmax": ((rows,), torch.int32), "sample": ((rows,), torch.int32),
               "hidden": ((rows, H), HIDDEN_DTYPES[meta["hidden_dtype"]]), "greedy": ((rows, K + 1), torch.int32)}
     for n, x in t.items():
         shape, dtype = shapes[n]
@@ -265,20 +346,26 @@ def item_from_shard(t: dict[str, Tensor], entry: dict[str, Any]) -> TraceItem:
     """Item ``entry`` (its trace.json record) sliced out of its shard's arrays."""
     a, b = entry["start"], entry["start"] + entry["length"]
     return TraceItem(t["tokens"][a:b], t["argmax"][a:b], t["hidden"][a:b], entry["prompt_len"],
-                     t["greedy"][a:b] if "greedy" in t else None, entry["dropped"])
+                     t["greedy"][a:b] if "greedy" in t else None, entry["dropped"],
+                     t["sample"][a:b] if "sample" in t else None, entry.get("prompt"))
 
 
 def check_item(meta: dict[str, Any], i: int, item: TraceItem) -> None:
-    """Item ``i``'s rules: its sha256, token range, finiteness and (speculative traces) the
-    trajectory's self-consistency ``tokens[p + 1] == argmax[p]`` for every generated position."""
+    """Item ``i``'s rules: its sha256, its prompt identity's sha256 against its prompt tokens, token
+    range, finiteness and (speculative traces) the trajectory's self-consistency: ``tokens[p + 1]
+    == argmax[p]`` (greedy) or ``== sample[p]`` (sampled) for every generated position."""
+    from .prompt_id import prompt_sha256
+
     where, V, entry = f"items[{i}]", meta["vocab_size"], meta["items"][i]
     if item_sha256(item) != entry["sha256"]:
         raise TraceError(f"{where}.sha256", "does not match the item's bytes (a changed or damaged shard)")
-    for n in ("tokens", "argmax"):
+    for n in ("tokens", "argmax", *(["sample"] if item.sample is not None else [])):
         x = item.arrays()[n]
         if int(x.min()) < 0 or int(x.max()) >= V:
             bad = int(((x < 0) | (x >= V)).nonzero()[0, 0])
             raise TraceError(f"{where}.{n}", f"position {bad} holds {int(x[bad])}, outside [0, vocab_size={V})")
+    if item.prompt is not None and item.prompt["sha256"] != prompt_sha256(item.tokens[: item.prompt_len].tolist()):
+        raise TraceError(f"{where}.prompt.sha256", "does not match the item's prompt tokens (tokens[:prompt_len])")
     if item.greedy is not None:
         g, P = item.greedy, item.prompt_len
         if not torch.equal(g[:, 0], item.argmax):
@@ -293,11 +380,12 @@ def check_item(meta: dict[str, Any], i: int, item: TraceItem) -> None:
         raise TraceError(f"{where}.hidden", f"position {bad} holds a NaN or inf")
     if meta["mode"] == "speculative":
         P = item.prompt_len
-        diff = (item.tokens[P:] != item.argmax[P - 1 : -1]).nonzero()
+        name, nxt = ("sample", item.sample) if item.sample is not None else ("argmax", item.argmax)
+        diff = (item.tokens[P:] != nxt[P - 1 : -1]).nonzero()
         if diff.numel():
             p = P - 1 + int(diff[0, 0])
-            raise TraceError(f"{where}.argmax", f"position {p} predicts {int(item.argmax[p])} but the trajectory "
-                             f"continues with {int(item.tokens[p + 1])} (tokens[p + 1] must equal argmax[p])")
+            raise TraceError(f"{where}.{name}", f"position {p} predicts {int(nxt[p])} but the trajectory "
+                             f"continues with {int(item.tokens[p + 1])} (tokens[p + 1] must equal {name}[p])")
 
 
 def iter_items(directory: str, meta: dict[str, Any]) -> Iterator[tuple[int, TraceItem]]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .format import NOT_RECORDED, TraceItem
+from .prompt_id import prompt_identity
 
 ContinueFn = Callable[[list[list[int]], int], tuple[list[list[int]], int]]
 
@@ -81,8 +82,8 @@ def sequential_continue(target: Any) -> ContinueFn:
 
 
 def record_speculative(target: Any, prompts: list[list[int]], continuation: int, continue_fn: ContinueFn,
-                       batch: int = 8, progress: Callable[[Iterable[Any]], Iterable[Any]] = iter
-                       ) -> tuple[list[TraceItem], RecordStats]:
+                       batch: int = 8, progress: Callable[[Iterable[Any]], Iterable[Any]] = iter,
+                       source: str = "unknown") -> tuple[list[TraceItem], RecordStats]:
     """Record ``prompts`` with ``continuation`` greedy tokens each.
 
     Args:
@@ -92,6 +93,7 @@ def record_speculative(target: Any, prompts: list[list[int]], continuation: int,
         continue_fn: pass 1, ``(prompts, n) -> (continuations, forwards)``.
         batch: prompts handed to ``continue_fn`` at once.
         progress: wraps the iteration over batches (a progress bar).
+        source: the prompts' source, each item's prompt identity with its index in ``prompts``.
     Returns the items (those left with no generated position are dropped, counted) and the stats.
     """
     stats, items = RecordStats(), []
@@ -99,7 +101,7 @@ def record_speculative(target: Any, prompts: list[list[int]], continuation: int,
         chunk = prompts[i : i + batch]
         conts, forwards = continue_fn(chunk, continuation)
         stats.generation_forwards += forwards
-        for p, c in zip(chunk, conts):
+        for j, (p, c) in enumerate(zip(chunk, conts)):
             tokens = list(p) + list(c)
             out = target.prefill(tokens, target.alloc_state())
             stats.teacher_forced_forwards += 1
@@ -115,19 +117,19 @@ def record_speculative(target: Any, prompts: list[list[int]], continuation: int,
             items.append(TraceItem(torch.tensor(tokens[:length], dtype=torch.int32),
                                    torch.tensor(argmax[:length], dtype=torch.int32),
                                    out.hidden[:length].detach().cpu().contiguous(), len(p),
-                                   dropped=len(tokens) - length))
+                                   dropped=len(tokens) - length, prompt=prompt_identity(source, i + j, p)))
     return items, stats
 
 
 def record_teacher_forced(target: Any, windows: list[list[int]], prompt_len: int, max_drafts: int,
-                          progress: Callable[[Iterable[Any]], Iterable[Any]] = iter
+                          progress: Callable[[Iterable[Any]], Iterable[Any]] = iter, source: str = "unknown"
                           ) -> tuple[list[TraceItem], RecordStats]:
     """Record natural-text ``windows`` (each longer than ``prompt_len``) with the greedy chain of
     ``max_drafts + 1`` tokens at every scored position (``target`` must roll back anywhere: the
-    package's ``Target``)."""
+    package's ``Target``); each item names its prompt (``source``, its window's index)."""
     stats, items = RecordStats(), []
     K1 = max_drafts + 1
-    for w in progress(windows):
+    for index, w in enumerate(progress(windows)):
         out = target.prefill(list(w), target.alloc_state())
         stats.teacher_forced_forwards += 1
         argmax = torch.argmax(out.logits, dim=-1).tolist()
@@ -159,7 +161,8 @@ def record_teacher_forced(target: Any, windows: list[list[int]], prompt_len: int
         items.append(TraceItem(torch.tensor(w[:length], dtype=torch.int32),
                                torch.tensor(argmax[:length], dtype=torch.int32),
                                out.hidden[:length].detach().cpu().contiguous(), prompt_len,
-                               greedy[:length].contiguous(), dropped=len(w) - length))
+                               greedy[:length].contiguous(), dropped=len(w) - length,
+                               prompt=prompt_identity(source, index, w[:prompt_len])))
     return items, stats
 
 
