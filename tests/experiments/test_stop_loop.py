@@ -195,5 +195,5 @@ def test_the_sweep_runs_fixed_k_rules_and_the_oracle(tmp_path):
     with pytest.raises(ValueError, match="speedup.costs must be bytes:glm5, bytes:glm5next, a cost table"):
         stop_sweep.check_sweep(config("stop_sweep", ["model=tiny_random", "speedup.costs=measured",
                                                      f"sweep.rescore={tmp_path / 'sweep.json'}"]))
-    with pytest.raises(ValueError, match="sweep.rescore must be a stop sweep's sweep.json"):
+    with pytest.raises(ValueError, match="sweep.rescore: .*sweep.md is not valid JSON"):
         stop_sweep.check_sweep(config("stop_sweep", ["model=tiny_random", f"sweep.rescore={tmp_path / 'sweep.md'}"]))

@@ -28,14 +28,19 @@ import torch
 
 
 def check_record(cfg: Any) -> None:
-    """The recording's settings: the acceptance experiment's (without a trace to replay), greedy,
+    """The recording's settings: the acceptance experiment's (without a trace to replay; no grammar,
+    no per-prompt schema and none of the drafter's or loop's keys, ``replay_keys``), greedy,
     ``trace.out`` a new directory in a writable folder, ``trace.max_drafts`` >= 1, a mode the
     target can record, and the longest item within ``model.max_seq_len``."""
     from .settings.validate import _get, check_acceptance, need_int, unwritable_dir
 
+    from .traces.replay_keys import check_recorded_prompts, check_recording_settings
+
     if (cfg.get("trace") or {}).get("path") is not None:
         raise ValueError("trace.path replays a trace; a recording writes trace.out (leave trace.path null)")
+    check_recording_settings(cfg)
     check_acceptance(cfg)
+    check_recorded_prompts(cfg)
     if _get(cfg, "temperature") != 0:
         raise ValueError(f"temperature: a trace records the target's greedy path (temperature 0), got "
                          f"{_get(cfg, 'temperature')}")

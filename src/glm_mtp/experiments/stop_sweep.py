@@ -62,6 +62,7 @@ def check_sweep(cfg: Any) -> None:
     from .settings.validate import check_acceptance, need_bool
 
     check_acceptance(cfg)
+    check_sweep_reads(cfg)
     stop = cfg.get("stop") or {}
     if stop.get("rule", "none") != "none":
         raise ValueError(f"stop.rule must be none for the sweep (it runs every rule of sweep.thresholds); got "
@@ -73,16 +74,9 @@ def check_sweep(cfg: Any) -> None:
             raise ValueError("sweep.rescore recomputes S from a finished sweep's counts without running anything: "
                              "speedup.costs must be bytes:glm5, bytes:glm5next, a cost table (python -m "
                              "glm_mtp.experiments.costs list) or a file, not measured")
-        try:
-            with open(path) as f:
-                old = json.load(f)
-            if not all("counts" in r and "rule" in r for r in old["rows"]):
-                raise KeyError("rows")
-            if not isinstance(old["num_drafts"], int):
-                raise KeyError("num_drafts")
-        except (OSError, TypeError, UnicodeDecodeError, json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"sweep.rescore must be a stop sweep's sweep.json; {path!r}: {type(e).__name__}: {e}") \
-                from None
+        from .reporting.read_back import check_sweep_record, read_json_file
+
+        check_sweep_record(read_json_file(path, "sweep.rescore"), f"sweep.rescore: {path}")
     thresholds = cfg.get("sweep", {}).get("thresholds")
     if thresholds is None or not hasattr(thresholds, "items"):
         raise ValueError(f"sweep.thresholds must map rules ({', '.join(SWEPT_RULES)}) to lists of thresholds; got "
@@ -94,6 +88,30 @@ def check_sweep(cfg: Any) -> None:
             raise ValueError(f"sweep.thresholds.{rule} must be a non-empty list of numbers; got {values!r}")
         for t in values:
             check_stop_rule(rule, t, key=f"sweep.thresholds.{rule}")
+
+
+def check_sweep_reads(cfg: Any) -> None:
+    """Acceptance keys the sweep does not run with, refused rather than dropped: a grammar
+    (``grammar=...`` or a ``source=jsonl`` line's ``json_schema``: the sweep's loop verifies
+    unconstrained), ``attention=dense`` (its drafter keeps its own selection) and
+    ``run.check_lossless`` (it decodes with no target-alone pass). ``ValueError`` naming the key."""
+    node = cfg.get("grammar") or {}
+    if node.get("kind", "none") != "none":
+        raise ValueError(f"grammar={node.get('kind')}: the stop sweep verifies unconstrained (its loop takes no "
+                         "grammar): run grammars with python -m glm_mtp.experiments.acceptance")
+    if cfg.get("source") == "jsonl" and (cfg.get("trace") or {}).get("path") is None:
+        from .grammars import jsonl_schemas
+
+        for i, spec in enumerate(jsonl_schemas(cfg.prompts.path, cfg.run.num_prompts)):
+            if spec is not None:
+                raise ValueError(f"prompts.path: {cfg.prompts.path}: prompt {i} carries a json_schema, and the stop "
+                                 "sweep verifies unconstrained (run per-prompt schemas with acceptance)")
+    if cfg.get("attention", "sparse") != "sparse":
+        raise ValueError(f"attention={cfg.get('attention')}: the stop sweep drafts with the drafter's own selection "
+                         "(attention=sparse); run the dense ablation with acceptance")
+    if (cfg.get("run") or {}).get("check_lossless"):
+        raise ValueError("run.check_lossless=true: the stop sweep runs no target-alone decode to compare with (run it "
+                         "with acceptance)")
 
 
 class Runner:
@@ -182,9 +200,10 @@ def rescore(cfg: Any) -> dict[str, Any]:
     (``speedup.costs``: bytes:glm5, bytes:glm5next, a cost table or a file, ``speedup.resolve_costs``):
     every row again from its per-prompt
     counts, nothing run; calibration and correlations as recorded."""
+    from .reporting.read_back import check_sweep_record, read_json_file
+
     path = cfg.sweep.rescore
-    with open(path) as f:
-        old = json.load(f)
+    old = check_sweep_record(read_json_file(path, "sweep.rescore"), f"sweep.rescore: {path}")
     costs = spd.resolve_costs(cfg.speedup.costs, None, None, old["num_drafts"], [])
     rows = [entry(r["name"], r["rule"], r["threshold"], r["num_drafts"], r["counts"], costs, cfg.seed)
             for r in old["rows"]]
@@ -228,6 +247,14 @@ def sweep(cfg: Any) -> dict[str, Any]:
         "checkpoint": runner.model.path or f"random:{cfg.model.preset}", "model_shipped": cfg.model.get("shipped"),
         "trace": None if runner.trace is None else runner.trace.record(),
         "temperature": float(cfg.temperature), "draft": cfg.get("draft", "argmax"), "policy": cfg.policy,
+        # the drafter and target keys it built from (issue 49: every key read is recorded)
+        "feed_hidden": cfg.feed_hidden, "model_dtype": cfg.model.dtype,
+        "weights_dtype": cfg.model.get("weights_dtype", "plain") or "plain",
+        "index_share": bool(runner.model.mtp.config.index_share_for_mtp_iteration),
+        "target_numerics": ("recorded: " + str(runner.trace.meta["target"].get("numerics"))
+                            if runner.trace is not None else "transformers" if runner.model.hf is not None
+                            else cfg.get("target_numerics", "vendor")),
+        "batch_size": cfg.get("batch_size", 1), "seed": cfg.seed,
         "prompts": len(runner.windows), "prompt_tokens": cfg.run.prompt_tokens,
         "max_new_tokens": cfg.run.max_new_tokens, "costs": costs, "rows": rows,
         "oracle_condition": oracle_condition(costs, best),

@@ -17,6 +17,7 @@ record. Syntax is checked with xgrammar's parser, which needs no tokenizer
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -65,7 +66,13 @@ def require_xgrammar() -> Any:
 def check_syntax(kind: str, text: str, where: str) -> None:
     """``ValueError`` naming ``where`` when ``text`` is not a grammar of ``kind``: a schema that is
     not JSON, or one xgrammar's parser refuses (its first line of message kept)."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{where}: the grammar's text is past the bound of {MAX_GRAMMAR_BYTES} bytes")
     if kind == "json_schema":
+        from ..reporting.read_back import json_depth
+
+        if json_depth(text) > MAX_SCHEMA_DEPTH:  # xgrammar's converter recurses per level: bounded before it runs
+            raise ValueError(f"{where}: a json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
@@ -80,6 +87,41 @@ def check_syntax(kind: str, text: str, where: str) -> None:
         parse(text)
     except Exception as e:  # xgrammar raises RuntimeError (C++ parse errors) or its own error types
         raise ValueError(f"{where}: not a valid {kind} grammar: {xgrammar_message(e)}") from None
+    check_language(kind, text, where)
+
+
+MAX_GRAMMAR_BYTES = 1 << 20
+MAX_SCHEMA_DEPTH = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_compiler() -> Any:
+    """xgrammar's compiler over a vocabulary of the 256 single bytes and one stop token (257)."""
+    xgr = require_xgrammar()
+    info = xgr.TokenizerInfo([bytes([i]) for i in range(256)] + [b"</s>"], xgr.VocabType.RAW, vocab_size=257,
+                             stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def check_language(kind: str, text: str, where: str) -> None:
+    """A grammar must allow some non-empty output: compiled over single bytes, its first mask
+    must allow a byte. One that allows only the end (the empty output) or nothing at all would
+    constrain every prompt to no token: ``ValueError`` naming ``where``."""
+    xgr = require_xgrammar()
+    c = _byte_compiler()
+    try:
+        compiled = {"regex": c.compile_regex, "ebnf": c.compile_grammar,
+                    "json_schema": lambda t: c.compile_json_schema(t, any_whitespace=False)}[kind](text)
+    except Exception as e:
+        raise ValueError(f"{where}: not a valid {kind} grammar: {xgrammar_message(e)}") from None
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(mask)
+    words = mask[0].tolist()
+    allowed = [(words[j // 32] >> (j % 32)) & 1 for j in range(257)]
+    if not any(allowed[:256]):
+        what = "only the empty output" if allowed[256] else "no output at all"
+        raise ValueError(f"{where}: the {kind} grammar allows {what}; a grammar must allow some text")
 
 
 def xgrammar_message(e: Exception) -> str:
@@ -152,10 +194,14 @@ def jsonl_schemas(path: str, num: int) -> list[GrammarSpec | None]:
     without one), in prompt order, checked; the lines' other content is ``prompts.jsonl_prompts``'
     to check."""
     out: list[GrammarSpec | None] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             if len(out) == num:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:

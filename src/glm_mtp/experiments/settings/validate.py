@@ -172,8 +172,14 @@ def index_share(mcfg: Any) -> bool | None:
 def check_acceptance(cfg: Any, model: Any = None) -> None:
     """The acceptance experiment's settings (conf/config.yaml and its groups). ``model``: the
     ``MtpConfig`` of a checkpoint that does not exist yet (a grid job's, trained first), checked
-    against instead of reading ``model.path``."""
+    against instead of reading ``model.path``. A replay (``trace.path``) first takes the settings
+    its trace fixes (``traces.replay_keys``: set in ``cfg``, a conflicting one refused) and reads
+    no prompts file."""
+    replay = (cfg.get("trace") or {}).get("path") is not None
+    if replay:
+        from ..traces.replay_keys import take_replay_settings
 
+        take_replay_settings(cfg)
     need_choice(cfg, "mode", MODES)
     need_choice(cfg, "source", SOURCES)
     need_int(cfg, "num_drafts", 1)
@@ -197,7 +203,8 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
         need_seed(cfg, "model.seed")
     if kind == "hf":
         check_hf_model(cfg, numerics)
-    check_prompts(cfg)
+    if not replay:  # a replay's prompts are its trace's items
+        check_prompts(cfg)
     need_int(cfg, "run.num_prompts", 1)
     need_int(cfg, "run.prompt_tokens", MIN_PROMPT_TOKENS)
     need_int(cfg, "run.max_new_tokens", 1)
@@ -219,7 +226,8 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     model = model_config(cfg) if model is None else model
     check_attention(cfg.get("attention", "sparse"), _get(cfg, "backend.name"), model)
     check_lengths(cfg, model.max_position_embeddings)
-    check_user_prompts(cfg, min(_get(cfg, "model.max_seq_len"), model.max_position_embeddings))
+    if not replay:
+        check_user_prompts(cfg, min(_get(cfg, "model.max_seq_len"), model.max_position_embeddings))
     if draft_kind(cfg) == "sampled":
         check_sampling_temperature(cfg)
     check_grammar(cfg)
@@ -351,7 +359,7 @@ def check_grammar(cfg: Any) -> None:
     try:
         spec = run_grammar(node)
         schemas = []
-        if _get(cfg, "source") == "jsonl":
+        if _get(cfg, "source") == "jsonl" and (cfg.get("trace") or {}).get("path") is None:  # a replay reads no file
             schemas = [x for x in jsonl_schemas(_get(cfg, "prompts.path"), _get(cfg, "run.num_prompts")) if x]
     except ImportError as e:
         raise ValueError(str(e)) from None

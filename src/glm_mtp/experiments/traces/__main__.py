@@ -6,6 +6,7 @@ checkpoint that a replay runs from (``drafter_only``); ``grid-report SWEEP`` tab
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .format import problems, read_meta
@@ -23,21 +24,29 @@ def main(argv: list[str] | None = None) -> int:
     grid.add_argument("sweep_dir")
     grid.add_argument("--out", help="also write the table (Markdown) to this file")
     args = parser.parse_args(argv)
-    if args.command == "grid-report":
-        from .grid_report import format_grid, format_pivot, read_grid
+    try:
+        return run(args)
+    except ValueError as e:  # an argument or an input file refused before any write: one line, exit 2
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
 
-        try:
-            rows = read_grid(args.sweep_dir)
-            text = format_pivot(rows) + "\n\n" + format_grid(rows)
-        except ValueError as e:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
-            return 2
+
+def run(args: argparse.Namespace) -> int:
+    """One command; ``ValueError`` for an argument refused (nothing written)."""
+    if args.command == "grid-report":
+        from .grid_report import check_report_out, format_grid, format_pivot, read_grid
+
+        check_report_out(args.out, args.sweep_dir)
+        rows = read_grid(args.sweep_dir)
+        text = format_pivot(rows) + "\n\n" + format_grid(rows)
         print(text)
         if args.out:
-            with open(args.out, "w") as f:
+            with open(args.out, "x") as f:  # exclusive: a file made since the check is not overwritten
                 f.write(text + "\n")
         return 0
     if args.command == "check":
+        if not os.path.isdir(args.directory) or not os.access(args.directory, os.R_OK | os.X_OK):
+            raise ValueError(f"directory: {args.directory} is not a readable folder")
         found = problems(args.directory)
         for line in found:
             print(line)
