@@ -157,3 +157,16 @@ def test_the_cheap_doc_commands_run(tmp_path):
     logs = [open(p).read() for p in glob.glob(str(tmp_path / "outputs" / "acceptance" / "*" / "acceptance.log"))]
     assert any("τ = " in log and "wrote " in log for log in logs)
     assert glob.glob(str(tmp_path / "outputs" / "conformance" / "*" / "conformance-report.json"))
+
+
+def test_model_device_auto_without_accelerate_is_one_line_naming_the_extra(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from glm_mtp.experiments.settings.validate import check_hf_model
+
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate raises ImportError
+    cfg = OmegaConf.create({"model": {"device": "auto", "topk_ties": "lower_index"}, "backend": {"name": "reference"}})
+    with pytest.raises(ValueError) as e:
+        check_hf_model(cfg, "vendor")
+    assert str(e.value) == ("model.device=auto places the layers with accelerate, which is not installed: "
+                            "pip install 'glm-mtp[hf]'")
