@@ -3,7 +3,9 @@
     python -m glm_mtp.conformance --candidate optimized --baseline reference \\
         --device cpu --dtype bfloat16 --preset tiny --scenarios 200 --seed 0
 
-Prints a summary table and writes a JSON report. Exit status, one meaning each: 0 when every
+Prints a summary table and writes a JSON report (``--json PATH``; by default
+``outputs/conformance/<time>/conformance-report.json`` under the current folder, as the Hydra
+entry points write ``outputs/<task>/<time>/``), then the report's path. Exit status, one meaning each: 0 when every
 step is equal byte for byte, 1 on a difference (and only then), 2 when nothing could be compared:
 bad arguments (an unknown backend, preset or dtype, a device that is not there, a backend that
 cannot be imported, a ``--max-drafts`` the generators cannot serve, a scenario file that is not
@@ -52,7 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grammars", default="auto", choices=("auto", "on", "off"),
                    help="draw grammars and sampled proposes and compare confidences (DESIGN.md §10, §12): auto (when "
                         "both backends take them), on (required), off (default auto)")
-    p.add_argument("--json", default="conformance-report.json", help="where to write the JSON report ('' for nowhere)")
+    p.add_argument("--json", default=None,
+                   help="where to write the JSON report ('' for nowhere; default "
+                        "outputs/conformance/<time>/conformance-report.json)")
     p.add_argument("--threads", type=ranged_int(0, THREADS_MAX), default=1,
                    help="torch CPU threads (default 1: tiny shapes gain nothing from more, and an oversubscribed "
                         "machine stalls OpenMP; 0 leaves torch's default)")
@@ -123,6 +127,15 @@ def unwritable(path: str) -> str | None:
     return None
 
 
+def default_report_path(now: float | None = None) -> str:
+    """The report's path without ``--json``: ``outputs/conformance/<time>/conformance-report.json``,
+    the time as the Hydra entry points name their run folders (``%Y-%m-%d_%H-%M-%S``)."""
+    import time
+
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+    return os.path.join("outputs", "conformance", stamp, "conformance-report.json")
+
+
 def with_kernels(backend: str, kernels: str) -> str:
     """``optimized`` with its kernel choice as an importable factory (so the replay command
     names it too); any other backend as it is."""
@@ -173,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a crash is not a difference: exit 1 must mean one
         return error(f"the run failed ({type(e).__name__}: {e})")
     print(report.summary())
+    if args.json is None:  # the default folder is made only now: a refused or failed run writes nothing
+        args.json = default_report_path()
+        try:
+            os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        except OSError as e:
+            return error(f"the report's folder could not be made ({e})")
     if args.json:
         try:
             report.write_json(args.json)

@@ -157,16 +157,27 @@ def format_table(summary: dict[str, Any]) -> str:
     """A Markdown table of one run: conditional and cumulative acceptance per position with their
     bootstrap 95% intervals, tau and the run's settings."""
     k = summary["num_drafts"]
-    head = ("| mode | source | backend | policy | feed | "
+    head = ("| mode | source | backend | weights | policy | feed | "
             "temperature | k | " + " | ".join(f"α_{i + 1}" for i in range(k)) + " | "
             + " | ".join(f"P(acc ≥ {i + 1})" for i in range(k)) + " | τ | draft share |")
-    sep = "|" + "---|" * (7 + 2 * k + 2)
+    sep = "|" + "---|" * (8 + 2 * k + 2)
     alphas = " | ".join(fmt_ci(a, c) for a, c in zip(summary["acceptance_per_position"], summary["alpha_ci"]))
     cums = " | ".join(fmt_ci(a, c) for a, c in zip(summary["cumulative"], summary["cumulative_ci"]))
-    row = (f"| {summary['mode']} | {summary['source']} | {summary['backend']} | {summary['policy']} | "
+    row = (f"| {summary['mode']} | {summary['source']} | {summary['backend']} | "
+           f"{summary.get('dtype', '?')} {summary.get('weights_dtype', 'plain')} | {summary['policy']} | "
            f"{summary['feed_hidden']} | {summary['temperature']:g} | {k} | {alphas} | {cums} | "
            f"{fmt_ci(summary['mean_accepted_length'], summary['tau_ci'])} | {summary['draft_share']:.2f} |")
-    return "\n".join([head, sep, row])
+    return "\n".join([head, sep, row, TABLE_LEGEND])
+
+
+# What each column counts; under a stop rule alpha_i may read 1.000 beside a small P(acc >= i).
+TABLE_LEGEND = ("α_i: of the rounds that verified draft i, the share that accepted it (a stop rule verifies only "
+                "confident drafts); P(acc ≥ i): of all rounds, the share that accepted at least i drafts (unverified "
+                "drafts count as not accepted); weights: activations' dtype and the drafter's matrices (plain | fp8)")
+
+# How the τ line names a teacher-forced run's text, per source (source=text is the user's text files).
+SOURCE_TEXT = {"heldout": "held-out text", "ood": "out-of-distribution text", "text": "prompts.path's text",
+               "jsonl": "prompts.path's prompts"}
 
 
 def plot_acceptance(summary: dict[str, Any], path: str) -> None:
@@ -588,28 +599,30 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
 
     mode, source, k = summary["mode"], summary["source"], cfg.num_drafts
     counts, speedup, lossless = summary["counts"], summary["speedup"], summary["lossless"]
-    print(format_table(summary))
-    what = (f"{counts['steps']} positions of {source} text" if mode == "teacher_forced"
+    printed: list[str] = []
+    say = _echo(printed)  # every line said is printed and is also written to the run's acceptance.log
+    say(format_table(summary))
+    what = (f"{counts['steps']} positions of {SOURCE_TEXT.get(source, source)}" if mode == "teacher_forced"
             else f"{summary['generated_tokens']} tokens")
-    print(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} "
+    say(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} "
           f"prompts in {summary['wall_seconds']:.1f}s (drafting {summary['draft_share']:.0%} of the loop)"
           + ("" if lossless is None else "; greedy output equals the target's on "
                                          f"{lossless['identical']}/{lossless['prompts']} prompts"))
     if lossless is not None and lossless["diverged"]:
-        print("diverged (prompt, first differing "
+        say("diverged (prompt, first differing "
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))
-    print(spd.format_line(speedup, f"predicted speedup at this run's costs ({speedup['costs']}):"))
-    print(spd.released_line(speedup["released"], speedup["c"]))
+    say(spd.format_line(speedup, f"predicted speedup at this run's costs ({speedup['costs']}):"))
+    say(spd.released_line(speedup["released"], speedup["c"]))
     width, stop, at = summary["verify_width"], summary["stop"], speedup["at_width"]
-    print(f"stop.rule={stop['rule']}" + ("" if stop["threshold"] is None else f" threshold={stop['threshold']:g}")
+    say(f"stop.rule={stop['rule']}" + ("" if stop["threshold"] is None else f" threshold={stop['threshold']:g}")
           + f": {width['mean']:.2f} of {k} drafts verified per step (histogram over 0..{k}: {width['histogram']}); "
           f"S at that width = {at['predicted']:.2f} [{at['predicted_ci'][0]:.2f}, {at['predicted_ci'][1]:.2f}]")
     grammar = summary.get("grammar")
     if grammar is not None:
-        print(grammar_line(summary))
+        say(grammar_line(summary))
     recall = summary.get("recall")
     if recall is not None:
-        print(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 "
+        say(f"attention={summary['attention']}: recall of the drafted rows median {recall['median']:.4f}, p10 "
               f"{recall['p10']:.4f} (oracle {recall['oracle_median']:.4f}, {recall['oracle_p10']:.4f}; dense entropy / "
               f"log(visible) {recall['entropy_median']:.3f}) ({recall['rows']} rows; selection real in "
               f"{recall['selection_real_share']:.0%}, {recall['mean_attended']:.0f} of {recall['mean_visible']:.0f} "
@@ -653,6 +666,20 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     log.log_image("speedup_plot", os.path.join(run_dir, "speedup.png"))
     log.summary({k: v for k, v in summary.items() if k not in ("samples", "counts_per_prompt")})
     log.finish()
+    say(f"wrote {run_dir}/ (summary.json, acceptance.png, speedup.png, acceptance.log)")
+    with open(os.path.join(run_dir, "acceptance.log"), "a") as f:
+        f.write("".join(line + "\n" for line in printed))
+
+
+def _echo(lines: list[str]) -> Any:
+    """A ``print`` of one string that also appends it to ``lines``."""
+    import builtins
+
+    def echo(line: str) -> None:
+        builtins.print(line)
+        lines.append(line)
+
+    return echo
 
 
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:

@@ -226,9 +226,16 @@ def _best(s: dict[str, Any]) -> str:
     return f"{k}: {_cell(sp['predicted'], sp.get('predicted_ci'), k - 1)}"
 
 
-def _glm5(sp: dict[str, Any]) -> str:
-    g = sp.get("glm5")
-    return "—" if not g else ", ".join(f"{x:.2f}" for x in g["predicted"]) + f"; {g['best_k']}"
+def _released(sp: dict[str, Any]) -> str:
+    """The run's counts at the released model's costs, as the run printed them (``speedup.released``:
+    GLM-5's, or GLM-5.3-Flash's for a glm5_next drafter), named; summaries written before it
+    recorded only GLM-5's (``speedup.glm5``)."""
+    g, name = sp.get("released"), None
+    if g:
+        name = g.get("model", "released")
+    elif sp.get("glm5"):
+        g, name = sp["glm5"], "GLM-5"
+    return "—" if not g else f"{name}: " + ", ".join(f"{x:.2f}" for x in g["predicted"]) + f"; {g['best_k']}"
 
 
 def speedup_table(runs: list[dict[str, Any]]) -> str:
@@ -238,14 +245,14 @@ def speedup_table(runs: list[dict[str, Any]]) -> str:
         return ""
     K = max(len(s["speedup"]["predicted"]) for s in runs)
     lines = ["| mode | source | feed | policy | T | costs | c | " + " | ".join(f"S({k + 1})" for k in range(K))
-             + " | best k | at GLM-5's costs: S(1..K), best k |", "|" + "---|" * (7 + K + 2)]
+             + " | best k | at the released model's costs: S(1..K), best k |", "|" + "---|" * (7 + K + 2)]
     for s in runs:
         sp = s["speedup"]
         cells = [_cell(sp["predicted"], sp.get("predicted_ci"), k) for k in range(K)]
         # every visible row attended
         feed = s["feed_hidden"] + (", dense" if s.get("attention", "sparse") == "dense" else "")
         lines.append(f"| {s['mode']} | {s['source']} | {feed} | {s['policy']} | {s['temperature']:g} | {sp['costs']} | "
-                     f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} | {_glm5(sp)} |")
+                     f"{sp['c']:.3f} | " + " | ".join(cells) + f" | {sp['best_k']} | {_released(sp)} |")
     return "\n".join(lines)
 
 
