@@ -16,8 +16,14 @@ def main() -> None:
     from .training.finetune_run import run
 
     prog = "python -m glm_mtp.experiments.finetune"
-    hydra_main("finetune", prog, check_finetune,
-               lambda cfg, hc: run(cfg, hc.runtime.output_dir, check_finetune(cfg), command_line(prog, hc)))
+
+    def check(cfg) -> None:
+        check_finetune(cfg)
+
+    def body(cfg, hc) -> None:
+        run(cfg, hc.runtime.output_dir, check_finetune(cfg), command_line(prog, hc))
+
+    hydra_main("finetune", prog, check, body)
 
 
 if __name__ == "__main__":

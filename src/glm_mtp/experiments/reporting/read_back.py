@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, TypeGuard
 
 MAX_BYTES = 256 << 20  # a sweep.json of thousands of prompts is a few MB
 MAX_DEPTH = 32  # sweep.json nests 6 deep; summaries and traces about as much
@@ -74,7 +74,7 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _int(x: Any, lo: int = 0, hi: int | None = None) -> bool:
+def _int(x: Any, lo: int = 0, hi: int | None = None) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and x >= lo and (hi is None or x <= hi)
 
 

@@ -12,7 +12,7 @@ test's ``compose``). A key given its default's value is taken as left alone.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 # The config each task composes from (``task_name`` -> conf/<name>.yaml).
 CONFIGS = {"acceptance": "config", "stop_sweep": "stop_sweep", "record": "config"}
@@ -34,7 +34,9 @@ def config_defaults(name: str, model: str | None = None) -> dict[str, Any]:
     """``conf/<name>.yaml`` with no override but the ``model`` group's choice, as plain containers."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(compose_config(name, [f"model={model}"] if model else []), resolve=False)
+    composed = OmegaConf.to_container(compose_config(name, [f"model={model}"] if model else []), resolve=False)
+    assert isinstance(composed, dict)  # a config file composes to a mapping
+    return cast(dict[str, Any], composed)
 
 
 def model_group(cfg: Any) -> str | None:

@@ -31,7 +31,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeGuard
 
 import torch
 from torch import Tensor
@@ -251,7 +251,7 @@ def is_sampled(meta: dict[str, Any]) -> bool:
     return meta["generation"]["temperature"] > 0
 
 
-def _number(x: Any) -> bool:
+def _number(x: Any) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from glm_mtp.reference.contract import FeedHidden
+
 import numpy as np
 
 from ..loop import stats as acc_stats
@@ -17,7 +19,7 @@ from ..traces.format import Trace
 
 
 def replay_counts(trace: Trace, items: list[int], weights: Any, num_drafts: int, max_seq_len: int,
-                  feed_hidden: str = "post_norm", seed: int = 0) -> dict[str, Any]:
+                  feed_hidden: FeedHidden = "post_norm", seed: int = 0) -> dict[str, Any]:
     """Per prompt (one per item of ``items``, in order): ``reached``, ``accepted`` (K each) and
     ``steps`` of the speculative loop replaying ``trace`` with the reference drafter on ``weights``."""
     from glm_mtp.reference import ReferenceProposer
@@ -25,7 +27,10 @@ def replay_counts(trace: Trace, items: list[int], weights: Any, num_drafts: int,
     sub = Trace(trace.path, trace.meta, trace.sha256, [trace.items[i] for i in items])
     target = ReplayTarget(sub, weights.device)
     proposer = ReferenceProposer(weights, max_seq_len, feed_hidden=feed_hidden)
-    decoder = SpeculativeDecoder(target, proposer, num_drafts, "first_row_kept", 0.0, seed)
+    # arg-type: both satisfy the loop's protocols at run time; mypy sees narrower parameter types
+    # (ReplayTarget.rollback takes its ReplayState, propose_batch a list where the protocol says Sequence).
+    decoder = SpeculativeDecoder(target, proposer, num_drafts, "first_row_kept", 0.0,  # type: ignore[arg-type]
+                                 seed)
     counts: dict[str, Any] = {"reached": [], "accepted": [], "steps": []}
     for it in sub.items:
         prompt = it.tokens[: it.prompt_len].tolist()
@@ -53,7 +58,7 @@ def paired_delta(tuned: dict[str, Any], base: dict[str, Any], seed: int) -> dict
 
 
 def judge(trace: Trace, items: list[int], base: Any, tuned: Any, num_drafts: int, max_seq_len: int,
-          feed_hidden: str, seed: int) -> dict[str, Any]:
+          feed_hidden: FeedHidden, seed: int) -> dict[str, Any]:
     """The replay record of one trace: ``base`` and ``tuned`` (``head_stats``), ``delta``
     (``paired_delta``), the prompts judged and each head's per-prompt counts."""
     cb = replay_counts(trace, items, base, num_drafts, max_seq_len, feed_hidden, seed)

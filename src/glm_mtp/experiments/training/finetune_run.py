@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -189,7 +189,9 @@ def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], P
     stored, files = input_tensors(model_dir)
     os.makedirs(f.out, exist_ok=True)
     os.makedirs(run_dir, exist_ok=True)
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="finetune",
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)  # the composed config is a mapping
+    log = make_logger(cfg.logger, run_dir, cast(dict[str, Any], config), job_type="finetune",
                       group=cfg.get("group"))
     masters, loss, steps, stopped = train(cfg, model_cfg, stored, trace, split, log)
     write_checkpoint(model_dir, f.out, tuned_tensors(stored, masters), files)
