@@ -29,6 +29,7 @@ pytest.importorskip("transformers")
 
 from glm_mtp.experiments.targets.hf_target import HfTarget, load_hf_model, require_transformers  # noqa: E402
 from glm_mtp.experiments.loop import speculative  # noqa: E402
+from glm_mtp.experiments.settings.prompts import path_sha256  # noqa: E402
 from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, target_decode, teacher_forced  # noqa: E402
 from glm_mtp.reference import MtpWeights, ReferenceProposer  # noqa: E402
 from glm_mtp.reference.bytes import same_bytes  # noqa: E402
@@ -271,7 +272,7 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
         (path / "b.txt").write_text("import os\nprint(os.getcwd())\n" * 3)
         cfg = config(common + ["source=text", f"prompts.path={path}", "mode=teacher_forced", "run.prompt_tokens=12",
                                "policy=trim_all"])
-        sha = acceptance.path_sha256(str(path))
+        sha = path_sha256(str(path))
     validate.check_acceptance(cfg)
     s = acceptance.run(cfg, str(tmp_path / "run"))
     assert s["prompts"] == 2 and s["prompts_file_sha256"] == sha and s["prompts_path"] == str(path)

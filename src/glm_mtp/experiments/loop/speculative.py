@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -62,7 +62,7 @@ from .stop_rules import NO_STOP, RoundRecord, StopRule
 from .verify import default_verify_rule, target_probs
 
 __all__ = ["DRAFTS", "POLICIES", "SpecResult", "SpecStats", "SpeculativeDecoder", "TargetModel", "make_proposer",
-           "pick", "target_decode", "teacher_forced"]
+           "pick", "speculative_results", "target_decode", "teacher_forced"]
 
 
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
@@ -529,3 +529,20 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
         h_prev = r.next_hidden  # h_m, the text's own
     proposer.free_state(dstate)
     return stats
+
+
+def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: list[int],
+                        batch_size: int, device: torch.device | str = "cpu",
+                        grammars: Any = None) -> Iterator[tuple[list[int], SpecResult]]:
+    """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
+    ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
+    ``batch_size`` prompts (the last batch may be shorter); ``max_new_tokens`` per prompt;
+    drafter states on ``device``. ``grammars``: each prompt's output constrained by its grammar,
+    if it has one (batch_size 1; ``experiments.acceptance.RunGrammars``: ``matcher(i)``, None for none)."""
+    for i in range(0, len(prompts), batch_size):
+        chunk, wants = prompts[i : i + batch_size], max_new_tokens[i : i + batch_size]
+        if batch_size == 1:
+            matcher = None if grammars is None else grammars.matcher(i)
+            yield chunk[0], decoder.generate(chunk[0], wants[0], device, matcher=matcher)
+        else:
+            yield from zip(chunk, decoder.generate_batch(chunk, wants, device))
