@@ -408,8 +408,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": m.distinct / m.grams if m.grams else float("nan"),
-        "verify_forwards": stats.steps,
         # what the loop asked of the target: a prefill per prompt and a forward per verification
+        # (counts.steps; older summaries also wrote it as verify_forwards: reporting.summary_keys)
         # (a replay answers them from the trace; the live target runs them)
         "target_forwards": len(windows) + stats.steps,
         # the replayed trace (path, sha256 of its trace.json, its target, truncation, forwards); None: live
@@ -419,12 +419,10 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "prefill_seconds": stats.prefill_s,
         "draft_share": stats.draft_share,
         "wall_seconds": m.wall,
-        "lossless_greedy": None if lossless is None else not divergences,
         # The output's grammar (DESIGN.md §10): kind, sha256 of its text, origin, how the drafter
         # drafted (grammar.drafts); None without one. forbidden_drafts: drafts the grammar forbade
         # (per propose, the first forbidden draft and those after it; 0 with masked drafts).
         "grammar": None if m.grammars is None else m.grammars.record(),
-        "grammar_drafts": None if m.grammars is None else m.grammars.drafts,
         # sha256 of every prompt's generated tokens: greedy runs with equal digests emitted the same
         # text (masked and unmasked drafts under one grammar do: the target's verify decides).
         "outputs_sha256": m.outputs_sha256,
