@@ -536,8 +536,9 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
 
 
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:
-    """Run the experiment of ``cfg`` (conf/config.yaml): measure, summarise, write its files
-    into ``run_dir``. Returns the summary. Each prompt's counts are written to ``run_dir`` as it
+    """Run the experiment of ``cfg`` (conf/config.yaml; it has passed
+    ``settings.validate.check_acceptance``): measure, summarise, write its files into ``run_dir``.
+    Returns the summary. Each prompt's counts are written to ``run_dir`` as it
     finishes (``reporting.measured``); a failure once one is measured is a ``LateFailure``
     naming that file."""
     measured = MeasuredFile(run_dir)
