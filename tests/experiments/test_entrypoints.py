@@ -12,10 +12,12 @@ from hydra import compose, initialize_config_module
 
 from glm_mtp.reference import MtpWeights
 from glm_mtp.experiments import acceptance, report, train
+from glm_mtp.experiments.settings.validate import check_acceptance
 from glm_mtp.experiments.targets import provenance
 from glm_mtp.experiments.targets.checkpoint import shipped_checkpoint
 from glm_mtp.experiments.targets.target import TargetWeights
 from glm_mtp.experiments.reporting.wandb_log import read_offline_run
+from glm_mtp.experiments.reporting.summary_keys import lossless_greedy
 
 
 def config(name, overrides):
@@ -32,7 +34,7 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch, 
     for key in ("acceptance_per_position", "mean_accepted_length", "num_drafts", "policy", "backend", "temperature",
                 "prompts", "generated_tokens"):
         assert key in on_disk
-    assert on_disk["lossless_greedy"] is True and on_disk["generated_tokens"] == 2 * 16
+    assert lossless_greedy(on_disk) is True and on_disk["generated_tokens"] == 2 * 16
     assert (tmp_path / "acceptance.png").stat().st_size > 0 and (tmp_path / "speedup.png").stat().st_size > 0
     sp = on_disk["speedup"]  # the speedup model: one prediction per k, costs measured on this run's models
     assert len(sp["predicted"]) == len(sp["v"]) == len(sp["predicted_ci"]) == 2
@@ -86,8 +88,8 @@ def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):
     run = read_offline_run(str(tmp_path))
     assert run["summary"]["checkpoint_sha256"] == s["checkpoint_sha256"] and run["summary"]["group"] == "g1"
     assert run["summary"]["git_commit"] == s["git_commit"]
-    with pytest.raises(ValueError, match="mode"):
-        acceptance.run(config("config", ["experiment=smoke", "logger=none", "mode=forced"]), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="mode"):  # validation refuses it; the run itself re-checks nothing
+        check_acceptance(config("config", ["experiment=smoke", "logger=none", "mode=forced"]))
 
 
 def test_sweep_and_report(tmp_path):
@@ -128,12 +130,12 @@ def test_train_writes_a_loadable_checkpoint(tmp_path):
     # The acceptance experiment runs on it, prompts from its recorded held-out items.
     acfg = config("config", ["model=shipped", "logger=none", "experiment=smoke", f"model.path={out}"])
     s = acceptance.run(acfg, str(tmp_path / "acc"))
-    assert s["lossless_greedy"] is True and s["checkpoint"] == str(out)
+    assert lossless_greedy(s) is True and s["checkpoint"] == str(out)
 
 
 def test_shipped_checkpoint_smoke(tmp_path):
     path = shipped_checkpoint()
     assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
     s = acceptance.run(config("config", ["model=shipped", "logger=none", "experiment=smoke"]), str(tmp_path))
-    assert s["lossless_greedy"] is True
+    assert lossless_greedy(s) is True
     assert s["checkpoint"] == str(path) and s["samples"]

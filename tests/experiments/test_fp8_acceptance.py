@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import acceptance, report
 from glm_mtp.experiments.settings import validate
+from glm_mtp.experiments.settings.model import load_model
 
 
 def config(overrides):
@@ -28,8 +29,8 @@ def test_fp8_weights_run_and_pair_with_plain(tmp_path):
 
 
 def test_fp8_model_is_block_scaled():
-    model = acceptance.load_model(config(COMMON + ["model.weights_dtype=fp8"]).model)
-    assert model.mtp.block_scaled and not acceptance.load_model(config(COMMON).model).mtp.block_scaled
+    model = load_model(config(COMMON + ["model.weights_dtype=fp8"]).model)
+    assert model.mtp.block_scaled and not load_model(config(COMMON).model).mtp.block_scaled
 
 
 def test_bad_weights_dtype_is_refused_before_work(tmp_path):

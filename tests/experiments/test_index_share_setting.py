@@ -7,6 +7,7 @@ from hydra import compose, initialize_config_module
 
 from glm_mtp.experiments import acceptance
 from glm_mtp.experiments.settings import validate
+from glm_mtp.experiments.settings.model import load_model
 
 
 def config(overrides):
@@ -22,7 +23,7 @@ COMMON = ["model=tiny_random", "experiment=smoke", "run.max_new_tokens=6", "run.
                                                         ("glm5next_tiny", None, True), ("glm5next_tiny", False, False)])
 def test_the_drafter_follows_the_setting(preset, setting, drafts_with):
     over = [f"model.preset={preset}"] + ([] if setting is None else [f"model.index_share={str(setting).lower()}"])
-    model = acceptance.load_model(config(COMMON + over).model)
+    model = load_model(config(COMMON + over).model)
     assert model.mtp.config.index_share_for_mtp_iteration is drafts_with
     assert model.target.config.num_hidden_layers >= 1  # the target is untouched: sharing is the drafter's
 

@@ -91,7 +91,7 @@ def test_summary_records_the_trace(next_trace, tmp_path):
     assert summary["trace"]["sha256"] == meta["sha256"]
     assert summary["trace"]["target"]["numerics"] == "pinned"
     assert summary["target"] == meta["target"]
-    assert summary["target_forwards"] == summary["prompts"] + summary["verify_forwards"]
+    assert summary["target_forwards"] == summary["prompts"] + summary["counts"]["steps"]
     assert summary["speedup"]["cost_details"]["target_step_ms"] == meta["costs"]["target_step_ms"]
     assert summary["prompts_sha256"] == meta["prompts"]["windows_sha256"]
 
@@ -325,7 +325,7 @@ def test_trace_grid_reports_forwards_recorded_against_live(tmp_path, acceptance_
     rows = read_grid(str(tmp_path / "grid"))
     f = forwards(rows)
     assert f["recorded"] == meta["forwards"]["total"] and f["traces"] == 1
-    assert f["live"] == sum(s["prompts"] + s["verify_forwards"] for s in summaries.values())
+    assert f["live"] == sum(s["prompts"] + s["counts"]["steps"] for s in summaries.values())
     assert f"the target ran {f['recorded']} forwards to record" in format_grid(rows)
 
 

@@ -47,7 +47,6 @@ the batched loop draws from the generator in another order, so its samples diffe
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -56,95 +55,25 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from .loop import speedup as spd
 from .loop import stats as acc_stats
-from glm_mtp.registry import parse_dtype
-
-from .targets.checkpoint import (SHIPPED, LoadedModel, load_checkpoint, load_hf_checkpoint, random_model,
-                                 shipped_checkpoint)
-from .settings.prompts import (WINDOW_SOURCES, check_prompt_lengths, cut_windows, path_sha256, prompts_path,
-                               read_text, text_files, user_prompts)
+from .targets.checkpoint import LoadedModel
+from .settings.model import apply_drafter_settings, load_model, make_target
+from .settings.prompts import check_prompt_lengths, path_sha256, prompts_path
+from .settings.windows import run_prompts
 from .reporting.measured import LateFailure, MeasuredFile
 from .targets.provenance import provenance
 from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
-from .loop.stop_rules import StopRule
-from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
-from .targets.target import Target, class_path
-from .settings.validate import (MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share,
+from .loop.stop_rules import stop_rule
+from .loop.speculative import (SpecStats, SpeculativeDecoder, make_proposer, speculative_results, target_decode,
+                               teacher_forced)
+from .targets.target import class_path
+from .settings.validate import (check_acceptance, check_attention, index_share,
                                 weights_dtype)
-
-def stop_rule(cfg: Any) -> StopRule:
-    """The run's stop rule (``stop.rule`` / ``stop.threshold``; none without a ``stop`` node)."""
-    node = cfg.get("stop") or {}
-    return StopRule(node.get("rule", "none"), node.get("threshold"))
-
-
-def load_model(mcfg: Any) -> LoadedModel:
-    """The ``model`` config group: ``kind: checkpoint`` (``path`` or the shipped one), ``kind:
-    random``, or ``kind: hf`` (a checkpoint in the release layout: transformers runs its target,
-    the package drafts with its MTP layer); ``weights_dtype: fp8`` quantizes the drafter's §8
-    matrices (``MtpWeights.quantize_fp8``; the target keeps its weights); ``index_share: true |
-    false`` overrides the drafter's index sharing (DESIGN.md §9; ``null`` keeps the checkpoint's)."""
-    dtype = parse_dtype(mcfg.dtype)
-    if mcfg.kind == "checkpoint":  # path, or the shipped checkpoint model.shipped names (default: the GLM-5 one)
-        model = load_checkpoint(mcfg.path or shipped_checkpoint(mcfg.get("shipped") or SHIPPED), dtype)
-    elif mcfg.kind == "random":
-        model = random_model(mcfg.preset, mcfg.seed, dtype)
-    elif mcfg.kind == "hf":
-        model = load_hf_checkpoint(mcfg.path, mcfg.get("device", "cpu"), dtype)
-    else:
-        raise ValueError(f"model.kind must be 'checkpoint', 'random' or 'hf', got {mcfg.kind!r}")
-    return apply_drafter_settings(model, mcfg)
-
-
-def apply_drafter_settings(model: LoadedModel, mcfg: Any) -> LoadedModel:
-    """The drafter's settings of the ``model`` group: ``weights_dtype: fp8`` quantizes its §8
-    matrices; ``index_share`` overrides its index sharing (``null`` keeps the checkpoint's)."""
-    if weights_dtype(mcfg) == "fp8":
-        model = dataclasses.replace(model, mtp=model.mtp.quantize_fp8())
-    return dataclasses.replace(model, mtp=model.mtp.with_index_share(index_share(mcfg)))
-
-
-
-
-def source_texts(model: LoadedModel, source: str, path: str | None = None) -> list[str]:
-    """The texts of a window source: the checkpoint's held-out items, the OOD packages' files, or
-    the plain text files at ``path`` (source=text)."""
-    from .training.corpus import ood_items, read_item
-
-    if source == "text":
-        if path is None:
-            raise ValueError("source=text reads prompts.path (a text file or a folder of them); it is null")
-        return [read_text(f) for f in text_files(path)]
-    if source == "heldout":
-        names = list(model.heldout)
-    elif source == "ood":
-        names = ood_items()
-    else:
-        raise ValueError(f"source must be one of {WINDOW_SOURCES} to be cut into windows, got {source!r}")
-    texts = []
-    for name in names:
-        try:
-            texts.append(read_item(name))
-        except (OSError, KeyError):  # another Python version may lack a file or topic
-            continue
-    return texts
-
-
-def build_prompts(model: LoadedModel, num_prompts: int, prompt_tokens: int, seed: int, source: str = "heldout",
-                  path: str | None = None) -> list[list[int]]:
-    """``num_prompts`` windows of ``prompt_tokens`` tokens, evenly spaced over the source's texts
-    (joined as in training); random tokens for a model without a tokenizer."""
-    if model.tokenizer is None:
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, model.mtp.config.vocab_size, (num_prompts, prompt_tokens), generator=gen).tolist()
-    stream = model.tokenizer.encode("\n\n".join(source_texts(model, source, path)))
-    return cut_windows(stream, num_prompts, prompt_tokens, source)
-
 
 def fmt_ci(x: float, ci: list[float]) -> str:
     """``0.612 [0.55, 0.67]``; an em dash where undefined."""
@@ -210,23 +139,6 @@ def plot_acceptance(summary: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: list[int],
-                        batch_size: int, device: torch.device | str = "cpu",
-                        grammars: RunGrammars | None = None) -> Iterator[tuple[list[int], SpecResult]]:
-    """``(prompt, result)`` of the speculative loop per prompt, in order, made lazily: one
-    ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
-    ``batch_size`` prompts (the last batch may be shorter); ``max_new_tokens`` per prompt;
-    drafter states on ``device``. ``grammars``: each prompt's output constrained by its grammar,
-    if it has one (batch_size 1)."""
-    for i in range(0, len(prompts), batch_size):
-        chunk, wants = prompts[i : i + batch_size], max_new_tokens[i : i + batch_size]
-        if batch_size == 1:
-            matcher = None if grammars is None else grammars.matcher(i)
-            yield chunk[0], decoder.generate(chunk[0], wants[0], device, matcher=matcher)
-        else:
-            yield from zip(chunk, decoder.generate_batch(chunk, wants, device))
 
 
 @dataclass
@@ -317,33 +229,6 @@ def run_grammars(cfg: Any, model: LoadedModel, num_prompts: int) -> RunGrammars 
     return RunGrammars(specs, spec, node.get("drafts", "masked"), compiler)
 
 
-def run_prompts(cfg: Any, model: LoadedModel, source: str) -> tuple[list[list[int]], list[list[int]]]:
-    """The run's token windows and the loop's prompts. Window sources give windows of
-    prompt_tokens + max_new_tokens tokens in both modes, so the two modes see the same prompts
-    (paired in the report): teacher forcing scores a window's last max_new_tokens positions, the
-    loop starts from its first prompt_tokens and generates its own continuation. ``jsonl`` gives
-    the user's prompts, whole, as both (``prompts.user_prompts``, which validation read first)."""
-    run, path = cfg.run, prompts_path(cfg)
-    if source in ("jsonl", "text"):
-        if model.tokenizer is None:
-            raise ValueError(f"source={source} needs the checkpoint's tokenizer; this model has none")
-        return user_prompts(source, path, model.tokenizer, run.num_prompts, run.prompt_tokens, run.max_new_tokens)
-    windows = build_prompts(model, run.num_prompts, run.prompt_tokens + run.max_new_tokens, cfg.seed, source, path)
-    return windows, [w[: run.prompt_tokens] for w in windows]
-
-
-def make_target(cfg: Any, model: LoadedModel, max_seq_len: int, numerics: str) -> tuple[Any, torch.device | str]:
-    """The run's target (the package's ``Target``, or ``HfTarget`` for model=hf) and the device
-    the drafter's states live on (beside the target's hidden rows)."""
-    if model.hf is None:
-        return Target(model.target, max_seq_len, numerics=numerics), "cpu"
-    from .targets.hf_target import HfTarget
-
-    target = HfTarget(model.hf.model, cfg.num_drafts + 1, max_seq_len, model.mtp.device,
-                      cfg.model.get("topk_ties", "lower_index"))
-    return target, model.mtp.device
-
-
 def target_record(m: Measurement) -> dict[str, Any]:
     """What the target was: transformers' model (version, class, config sha256, device map,
     dtype, top-k ties) or the package's own."""
@@ -356,14 +241,11 @@ def target_record(m: Measurement) -> dict[str, Any]:
 
 def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     """Load the model, build the prompts and run the loop (or teacher forcing) over them;
-    each prompt's counts go to ``measured`` as it finishes."""
+    each prompt's counts go to ``measured`` as it finishes. ``cfg`` has passed
+    ``settings.validate.check_acceptance``."""
+    # cfg passed settings.validate.check_acceptance (the entry point runs it first): read, not re-checked
     mode, source = cfg.get("mode", "speculative"), cfg.get("source", "heldout")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    batch_size = check_batch_size(cfg.get("batch_size", 1), mode, cfg.policy, cfg.get("draft", "argmax"))
-    weights_dtype(cfg.model)
+    batch_size = cfg.get("batch_size", 1)
     torch.set_num_threads(cfg.threads)
     # The drafter logs every prefill at INFO; one line per prompt drowns the table.
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
@@ -448,11 +330,13 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
         per_prompt.append(st)
         if measured is not None:
             measured.append(st, generated - before)
-    return Measurement(mode, source, batch_size, draft, numerics, model, target, proposer, windows, stats, per_prompt,
-                       generated,
-                       grams, distinct, check_lossless, divergences, samples, time.perf_counter() - t0, attention,
-                       None if probe is None else probe.records, grammars,
-                       hashlib.sha256(json.dumps(outputs).encode()).hexdigest() if outputs else None, trace)
+    return Measurement(mode=mode, source=source, batch_size=batch_size, draft=draft, numerics=numerics, model=model,
+                       target=target, proposer=proposer, windows=windows, stats=stats, per_prompt=per_prompt,
+                       generated=generated, grams=grams, distinct=distinct, check_lossless=check_lossless,
+                       divergences=divergences, samples=samples, wall=time.perf_counter() - t0, attention=attention,
+                       recall=None if probe is None else probe.records, grammars=grammars,
+                       outputs_sha256=hashlib.sha256(json.dumps(outputs).encode()).hexdigest() if outputs else None,
+                       trace=trace)
 
 
 def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
@@ -537,8 +421,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         # Distinct 4-grams / 4-grams within each generation: low values flag the repetition loops
         # a small model's greedy decoding falls into, which are easy to draft.
         "distinct_4gram_ratio": m.distinct / m.grams if m.grams else float("nan"),
-        "verify_forwards": stats.steps,
         # what the loop asked of the target: a prefill per prompt and a forward per verification
+        # (counts.steps; older summaries also wrote it as verify_forwards: reporting.summary_keys)
         # (a replay answers them from the trace; the live target runs them)
         "target_forwards": len(windows) + stats.steps,
         # the replayed trace (path, sha256 of its trace.json, its target, truncation, forwards); None: live
@@ -548,12 +432,10 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "prefill_seconds": stats.prefill_s,
         "draft_share": stats.draft_share,
         "wall_seconds": m.wall,
-        "lossless_greedy": None if lossless is None else not divergences,
         # The output's grammar (DESIGN.md §10): kind, sha256 of its text, origin, how the drafter
         # drafted (grammar.drafts); None without one. forbidden_drafts: drafts the grammar forbade
         # (per propose, the first forbidden draft and those after it; 0 with masked drafts).
         "grammar": None if m.grammars is None else m.grammars.record(),
-        "grammar_drafts": None if m.grammars is None else m.grammars.drafts,
         # sha256 of every prompt's generated tokens: greedy runs with equal digests emitted the same
         # text (masked and unmasked drafts under one grammar do: the target's verify decides).
         "outputs_sha256": m.outputs_sha256,
@@ -683,8 +565,9 @@ def _echo(lines: list[str]) -> Any:
 
 
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:
-    """Run the experiment of ``cfg`` (conf/config.yaml): measure, summarise, write its files
-    into ``run_dir``. Returns the summary. Each prompt's counts are written to ``run_dir`` as it
+    """Run the experiment of ``cfg`` (conf/config.yaml; it has passed
+    ``settings.validate.check_acceptance``): measure, summarise, write its files into ``run_dir``.
+    Returns the summary. Each prompt's counts are written to ``run_dir`` as it
     finishes (``reporting.measured``); a failure once one is measured is a ``LateFailure``
     naming that file."""
     measured = MeasuredFile(run_dir)

@@ -97,6 +97,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     from omegaconf import OmegaConf, open_dict
 
     from . import acceptance, train
+    from .settings.model import load_model
+    from .settings.windows import build_prompts
     from .targets.provenance import file_sha256, git_commit
     from .loop.speculative import make_proposer
     from .targets.target import Target
@@ -123,10 +125,9 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
                                          "counts_per_prompt", "prompts", "prompts_sha256", "speedup")}
     # The feed ablation: do the two feeds draft different tokens at all on these weights?
     first = next(iter(eval_configs(cfg, checkpoint).values()))
-    model = acceptance.load_model(first.model)
+    model = load_model(first.model)
     exp = first.run
-    windows = acceptance.build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, first.seed,
-                                       first.source)
+    windows = build_prompts(model, exp.num_prompts, exp.prompt_tokens + exp.max_new_tokens, first.seed, first.source)
     windows = windows[: cfg.eval.feed_prompts]
     max_seq_len = min(first.model.max_seq_len, model.target.config.max_position_embeddings)
     proposers = {f: make_proposer(first.backend.name, model.mtp, max_seq_len, f) for f in FEEDS}

@@ -143,7 +143,7 @@ def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_toke
     ``prompts`` of the acceptance experiment's held-out windows (the same windows as its runs)."""
     import torch
 
-    from .acceptance import build_prompts
+    from .settings.windows import build_prompts
     from .targets.checkpoint import load_checkpoint
     from .grid import FEEDS, feed_agreement
     from .loop.speculative import make_proposer

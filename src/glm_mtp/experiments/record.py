@@ -80,7 +80,8 @@ def progress_bar(total: int, desc: str) -> Any:
 
 def record(cfg: Any) -> dict[str, Any]:
     """Record the trace of ``cfg`` into ``cfg.trace.out``. Returns its metadata (with ``sha256``)."""
-    from .acceptance import load_model, run_prompts
+    from .settings.model import load_model
+    from .settings.windows import run_prompts
     from .settings.prompts import path_sha256, prompts_path
     from .targets.provenance import git_commit, provenance
     from .targets.target import Target, class_path

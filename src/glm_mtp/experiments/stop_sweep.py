@@ -40,12 +40,13 @@ from typing import Any
 import torch
 
 from .loop import speedup as spd
-from .acceptance import apply_drafter_settings, load_model, make_target, run_prompts, speculative_results
+from .settings.model import apply_drafter_settings, load_model, make_target
+from .settings.windows import run_prompts
 from .settings.prompts import check_prompt_lengths
 from .loop.calibration import MARGIN_EDGES, PROB_EDGES, calibration, depth_correlation
 from .loop.oracle import oracle_per_prompt
 from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
-from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, teacher_forced
+from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, speculative_results, teacher_forced
 
 SWEPT_RULES = tuple(r for r in STOP_RULES if r != "none")
 # v(s) beside the run's costs, c kept: ``flat`` a verify of any width as cheap as a decode step

@@ -68,6 +68,13 @@ class StopRule:
 NO_STOP = StopRule()
 
 
+def stop_rule(cfg: Any) -> StopRule:
+    """A run's stop rule from its config (``stop.rule`` / ``stop.threshold``; none without a
+    ``stop`` node)."""
+    node = cfg.get("stop") or {}
+    return StopRule(node.get("rule", "none"), node.get("threshold"))
+
+
 def verify_width(stop: StopRule, prob: Sequence[float], margin: Sequence[float]) -> int:
     """``s``: the longest prefix of the drafts on which ``stop`` holds (module docstring).
 

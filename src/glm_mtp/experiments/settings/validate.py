@@ -25,7 +25,7 @@ from glm_mtp.registry import BACKENDS, backend_class
 from ..loop.stop_rules import check_stop_rule
 from .prompts import MIN_PROMPT_TOKENS
 from .prompts import SOURCES as PROMPT_SOURCES
-from ..loop.speculative import DRAFTS, POLICIES
+from ..loop.round import DRAFTS, POLICIES
 from ..targets.target import TARGET_NUMERICS
 
 FEED_HIDDEN = ("post_norm", "pre_norm")
