@@ -212,7 +212,7 @@ def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: T
     if draft == "argmax":
         return proposer.propose(last_token, hidden, position, k, state, **under), None
     noise = exponential_noise(k, proposer.config.vocab_size, gen, acc_dtype(hidden.dtype), hidden.device)
-    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,  # type: ignore[attr-defined]
+    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,
                                    **under)
     return out.drafts, out.q
 

@@ -68,7 +68,7 @@ __all__ = ["DRAFTS", "POLICIES", "SpecResult", "SpecStats", "SpeculativeDecoder"
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
                   kpool: KPoolRowsFn | None = None) -> DraftProposer:
     """A drafter of the named backend (a key of ``glm_mtp.registry.BACKENDS``), imported only when
-    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.recall``), which only
+    asked for. ``kpool``: another KPool selection (glm5_next; ``experiments.loop.recall``), which only
     the reference drafter takes (the optimized one fuses its own)."""
     if kpool is None:
         return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden)
@@ -466,7 +466,7 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
     while len(tokens) < max_new_tokens:
         if tokens:
             out = target.verify(tokens[-1:], state)
-        allowed = None if matcher is None else matcher_row(matcher, vocab_size)  # type: ignore[arg-type]
+        allowed = None if matcher is None else matcher_row(matcher, vocab_size)
         token = pick(out.logits[-1], temperature, gen, allowed)
         if token is None:
             break
