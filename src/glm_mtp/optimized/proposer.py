@@ -31,6 +31,7 @@ loop, which runs from the static buffers as a captured program too.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -58,6 +59,23 @@ from .step import StepKernels, fusable, step_kernels
 def read_back(t: Tensor) -> list[int]:
     """The one device-to-host read of a propose: ``t`` (n,) int64 as Python ints."""
     return t.tolist()
+
+
+def commit(st: OptimizedState, call: str, position: int, n: int, k: int,
+           kept_rows: Callable[[], Tensor] | None = None) -> None:
+    """The counters of a propose at ``position`` that kept ``n`` of its ``k`` draft steps:
+    ``seq_len = position + n``, pending, ``last_drafted = n``. One that stopped early (``n < k``:
+    a grammar's walk) is made exactly a propose asked for ``n`` drafts: ``x`` the last kept
+    step's row (``kept_rows()`` (k, H), read only then) or as found (``x_prev``), the device row
+    count, and the KPool pools past the rows kept incomplete. ``call`` names the writing call."""
+    if n < k:
+        assert kept_rows is not None, "a propose that stopped early needs its kept rows"
+        with writing(st, call):
+            st.x.copy_(kept_rows()[n - 1] if n else st.x_prev)
+            st.seq_dev.fill_(position + n)
+            if st.cache.kpool is not None:
+                st.cache.kpool.forget_from(position + n)
+    st.seq_len, st.pending, st.last_drafted = position + n, True, n
 
 
 class OptimizedProposer:
@@ -380,14 +398,7 @@ class OptimizedProposer:
         early is made exactly one asked for ``walk.n`` drafts: ``x`` the last kept step's (or as
         found), the device row count, the KPool pools past the rows kept incomplete."""
         n = walk.n
-        if n < k:
-            with writing(st, "propose"):
-                bufs = st.draft_buffers(k, self.config.vocab_size)
-                st.x.copy_(bufs.xs[n - 1] if n else st.x_prev)
-                st.seq_dev.fill_(position + n)
-                if st.cache.kpool is not None:
-                    st.cache.kpool.forget_from(position + n)
-        st.seq_len, st.pending, st.last_drafted = position + n, True, n
+        commit(st, "propose", position, n, k, lambda: st.draft_buffers(k, self.config.vocab_size).xs)
         self._pending_confidence(st, k, n, masks=walk.masks)
         return walk.drafts
 
@@ -431,13 +442,7 @@ class OptimizedProposer:
             if code != SAMPLED_CHECK_OK:
                 raise ValueError(self._refusal(code, st.tok_in))
         q = st.sample_buffers(k, V)[1][:n].clone()
-        if n < k:
-            with writing(st, "propose_sampled"):
-                st.x.copy_(bufs.xs[n - 1] if n else st.x_prev)
-                st.seq_dev.fill_(position + n)
-                if st.cache.kpool is not None:
-                    st.cache.kpool.forget_from(position + n)
-        st.seq_len, st.pending, st.last_drafted = position + n, True, n
+        commit(st, "propose_sampled", position, n, k, lambda: bufs.xs)
         self._pending_confidence(st, k, n, masks=masks[:n], q=q)
         return SampledDrafts(drafts, q)
 
@@ -484,7 +489,7 @@ class OptimizedProposer:
         """``propose`` after its read-back: the refusal of bad data (nothing was written), or the counters."""
         if values[0] != (SAMPLED_CHECK_OK if sampled and k else CHECK_OK):
             raise ValueError(self._refusal(values[0], st.tok_in))
-        st.seq_len, st.pending, st.last_drafted = position + k, True, k
+        commit(st, "propose", position, k, k)
         return values[1:]
 
     def _refusal(self, code: int, tok_in: Tensor) -> str:
@@ -516,7 +521,7 @@ class OptimizedProposer:
             position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
             with writing(st, "propose_device"):
                 self.programs.run_draft(st, k)
-            st.seq_len, st.pending, st.last_drafted = position + k, True, k
+            commit(st, "propose_device", position, k, k)
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
             self._pending_confidence(st, k, k)
             return st.out[1 : k + 1]
@@ -644,14 +649,9 @@ class OptimizedProposer:
             n = k if walk is None else walk.n
             if walk is not None:
                 drafts[b] = walk.drafts
-            if n < k:  # stopped early: exactly a propose of n drafts
-                with writing(st, call):
-                    own = st.draft_buffers(k, V).xs if walk.redos else steps.xs[b]
-                    st.x.copy_(own[n - 1] if n else st.x_prev)
-                    st.seq_dev.fill_(a.position + n)
-                    if st.cache.kpool is not None:
-                        st.cache.kpool.forget_from(a.position + n)
-            st.seq_len, st.pending, st.last_drafted = a.position + n, True, n
+            # a redone state's rows are in its own buffers, else in its batch row
+            commit(st, call, a.position, n, k,
+                   lambda st=st, walk=walk, b=b: st.draft_buffers(k, V).xs if walk.redos else steps.xs[b])
         self._batch_confidence(bb, states, walks, k)
         return drafts
 
@@ -746,7 +746,7 @@ class OptimizedProposer:
                 values = read_back(st.out[: k + 1])
             if a.grammar is None or k == 0:
                 drafts.append(values[1:])
-                st.seq_len, st.pending, st.last_drafted = a.position + k, True, k
+                commit(st, call, a.position, k, k)
                 self._pending_confidence(st, k, k)
                 continue
             try:

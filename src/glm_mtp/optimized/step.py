@@ -135,56 +135,22 @@ class StepKernels:
 PIECES = tuple(f.name for f in fields(StepKernels) if f.name != "triton")
 
 
-def triton_kernels() -> StepKernels:
-    """The step's Triton kernels. Read from ``kernels`` when called, so a drafter built after a
+def kernels_named(suffix: str) -> StepKernels:
+    """Every piece of ``PIECES`` bound to ``kernels.<piece><suffix>`` (``_triton`` the Triton
+    kernel, ``_torch`` its twin). Read from ``kernels`` when called, so a drafter built after a
     test wraps a kernel calls the wrapper."""
-    return StepKernels(
-        triton=True,
-        block_input=kernels.block_input_triton,
-        norm_linear=kernels.norm_linear_triton,
-        cache_rows_write=kernels.cache_rows_write_triton,
-        absorbed_query=kernels.absorbed_query_triton,
-        index_scores=kernels.index_scores_triton,
-        select_rows=kernels.select_rows_triton,
-        pool_keys_write=kernels.pool_keys_write_triton,
-        pool_scores=kernels.pool_scores_triton,
-        select_pool_rows=kernels.select_pool_rows_triton,
-        sparse_mla=kernels.sparse_mla_triton,
-        linear_residual=kernels.linear_residual_triton,
-        route=kernels.route_triton,
-        experts_gate_up=kernels.experts_gate_up_triton,
-        experts_down_combine=kernels.experts_down_combine_triton,
-        head_partials=kernels.head_partials_triton,
-        argmax_reduce=kernels.argmax_reduce_triton,
-        scatter_rows=kernels.scatter_rows_triton,
-        pools_forget=kernels.pools_forget_triton,
-    )
+    return StepKernels(triton=suffix == "_triton", **{piece: getattr(kernels, piece + suffix) for piece in PIECES})
+
+
+def triton_kernels() -> StepKernels:
+    """The step's Triton kernels (``kernels.<piece>_triton``)."""
+    return kernels_named("_triton")
 
 
 def torch_twins() -> StepKernels:
-    """The step's torch twins, each byte-equal to its kernel (tests/optimized/test_kernels_*);
-    read from ``kernels`` when called, like ``triton_kernels``."""
-    return StepKernels(
-        triton=False,
-        block_input=kernels.block_input_torch,
-        norm_linear=kernels.norm_linear_torch,
-        cache_rows_write=kernels.cache_rows_write_torch,
-        absorbed_query=kernels.absorbed_query_torch,
-        index_scores=kernels.index_scores_torch,
-        select_rows=kernels.select_rows_torch,
-        pool_keys_write=kernels.pool_keys_write_torch,
-        pool_scores=kernels.pool_scores_torch,
-        select_pool_rows=kernels.select_pool_rows_torch,
-        sparse_mla=kernels.sparse_mla_torch,
-        linear_residual=kernels.linear_residual_torch,
-        route=kernels.route_torch,
-        experts_gate_up=kernels.experts_gate_up_torch,
-        experts_down_combine=kernels.experts_down_combine_torch,
-        head_partials=kernels.head_partials_torch,
-        argmax_reduce=kernels.argmax_reduce_torch,
-        scatter_rows=kernels.scatter_rows_torch,
-        pools_forget=kernels.pools_forget_torch,
-    )
+    """The step's torch twins (``kernels.<piece>_torch``), each byte-equal to its kernel
+    (tests/optimized/test_kernels_*)."""
+    return kernels_named("_torch")
 
 
 def step_kernels(triton: bool) -> StepKernels:
