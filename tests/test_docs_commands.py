@@ -38,6 +38,15 @@ RUN = {
     "python -m glm_mtp.experiments.acceptance -m experiment=trace_grid trace.path=T":
         ["num_drafts=1", "policy=refeed", "model.index_share=true", "model.weights_dtype=plain", "speedup.repeats=1"],
     "python -m glm_mtp.experiments.traces grid-report multirun/trace-grid/<time>": [],
+    # docs/finetune.md: record, tune, replay the tuned head (6 prompts, 2 steps)
+    "python -m glm_mtp.experiments.record trace.out=TRACE run.num_prompts=64 trace.max_drafts=3 trace.cost_repeats=0":
+        ["run.num_prompts=6", "run.max_new_tokens=8"],
+    "python -m glm_mtp.experiments.finetune trace.path=TRACE finetune.out=OUT": ["finetune.steps=2", "logger=none"],
+    "python -m glm_mtp.experiments.acceptance model.path=OUT trace.path=TRACE": ["logger=none", "speedup.repeats=1"],
+    # docs/costs.md
+    "python -m glm_mtp.experiments.costs list": [],
+    "python -m glm_mtp.experiments.costs show glm53flash-m5max-ds4": [],
+    "python -m glm_mtp.experiments.costs check": [],
 }
 
 # doc command -> why CI does not run it here
@@ -73,6 +82,8 @@ SKIP = {
     "python -m glm_mtp.experiments.record model=hf model.path=CKPT model.dtype=bfloat16 source=jsonl "
     "prompts.path=P.jsonl trace.out=T": "needs a released-layout checkpoint",
     "python -m glm_mtp.experiments.traces drafter-only CKPT D": "needs a released-layout checkpoint",
+    "python -m glm_mtp.experiments.finetune model=hf model.path=CKPT trace.path=TRACE finetune.out=OUT":
+        "needs a released-layout checkpoint (tests/experiments/test_finetune.py tunes package-layout ones)",
 }
 
 
