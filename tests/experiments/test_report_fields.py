@@ -86,12 +86,15 @@ def spoiled_reports(summaries, tmp_path, cases, seed):
 
 def test_drawn_spoiled_summaries_are_refused_by_field_or_reported(summaries, tmp_path):
     """Drawn: 30 spoiled summaries (``slow``: 400 more)."""
-    assert spoiled_reports(summaries, tmp_path, 30, seed=45) > 10  # most spoils are refused
+    # Every case is refused cleanly or reported (spoiled_reports asserts which); the count only shows
+    # the refusals happen: seeds 40..47 refuse 5..14 of 30 (a third on average; the optional fields
+    # the report tolerates when null or missing take the rest).
+    assert spoiled_reports(summaries, tmp_path, 30, seed=45) >= 4
 
 
 @pytest.mark.slow
 def test_drawn_spoiled_summaries_long(summaries, tmp_path):
-    assert spoiled_reports(summaries, tmp_path, 400, seed=46) > 150
+    assert spoiled_reports(summaries, tmp_path, 400, seed=46) > 80
 
 
 @pytest.mark.parametrize("change, field", [

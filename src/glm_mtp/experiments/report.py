@@ -61,8 +61,9 @@ OPTIONAL_FIELDS = {"draft": TEXT, "target_numerics": TEXT, "weights_dtype": TEXT
 # An object field's own fields, when the object is present and not empty: (required, optional).
 INNER_FIELDS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "speedup": ({"best_k": COUNT, "predicted": NUMBERS, "costs": TEXT, "c": NUMBER},
-                {"predicted_ci": PAIRS, "glm5": OBJECT}),
+                {"predicted_ci": PAIRS, "glm5": OBJECT, "released": OBJECT}),
     "speedup.glm5": ({"predicted": NUMBERS, "best_k": COUNT}, {}),
+    "speedup.released": ({"predicted": NUMBERS, "best_k": COUNT}, {"model": TEXT}),
     "recall": ({"rows": NUMBER, "median": NUMBER, "p10": NUMBER, "selection_real_share": NUMBER,
                 "mean_attended": NUMBER, "mean_visible": NUMBER, "per_position": OBJECTS},
                {"oracle_median": NUMBER, "oracle_p10": NUMBER, "entropy_median": NUMBER}),
@@ -199,7 +200,7 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
         if view != "cumulative":
             cells += [_cell(s["acceptance_per_position"], s.get("alpha_ci"), i) for i in range(K)]
         if view != "conditional":
-            cum = s.get("cumulative", s.get("acceptance_cumulative", []))
+            cum = s.get("cumulative") or s.get("acceptance_cumulative") or []  # either may be null (optional)
             cells += [_cell(cum, s.get("cumulative_ci"), i) for i in range(K)]
         tokens = s.get("scored_positions") or s["generated_tokens"]
         backend = s["backend"] + (" fp8" if s.get("weights_dtype", "plain") == "fp8" else "")  # block-scaled weights
