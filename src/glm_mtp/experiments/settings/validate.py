@@ -24,6 +24,7 @@ from glm_mtp.registry import BACKENDS, backend_class
 
 from ..loop.stop_rules import check_stop_rule
 from .prompts import MIN_PROMPT_TOKENS
+from .sampling import check_sampling
 from .prompts import SOURCES as PROMPT_SOURCES
 from ..loop.speculative import DRAFTS, POLICIES
 from ..targets.target import TARGET_NUMERICS
@@ -179,6 +180,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_int(cfg, "num_drafts", 1)
     need_choice(cfg, "policy", POLICIES)
     temperature = need_float(cfg, "temperature", 0.0)
+    check_sampling(cfg)  # top_p, top_k, verify (settings/sampling.py)
     if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
         raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax "
                          "at the temperature: draft=sampled needs temperature > 0)")
