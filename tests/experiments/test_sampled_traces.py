@@ -1,0 +1,55 @@
+"""Sampled traces (DESIGN.md §14): recorded with the seeded sampler, they hold ``sample`` and the
+sampler's settings; a replay takes the trace's settings and ``verify=match`` (another value
+refused naming the key) and, for the package's target under pinned numerics, equals the live
+``verify=match`` run per prompt. One fast case per family here; the sweep is ``-m slow``."""
+
+import pytest
+import torch
+
+from glm_mtp.experiments.traces.format import open_trace
+from glm_mtp.experiments.loop.sampler import NAME, VERSION
+
+from .test_traces import record_trace, refusal
+
+TINY = ["model=tiny_random", "target_numerics=pinned", "run.num_prompts=3", "run.prompt_tokens=8",
+        "run.max_new_tokens=6"]
+SAMPLING = ["temperature=1", "top_p=0.9", "seed=4"]
+
+
+@pytest.fixture(scope="module")
+def sampled_tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampled-tiny")
+    meta = record_trace(root / "trace", [*TINY, *SAMPLING, "trace.max_drafts=2", "trace.cost_repeats=0"])
+    return root / "trace", meta
+
+
+def test_a_sampled_trace_records_its_sampler_and_samples(sampled_tiny):
+    path, meta = sampled_tiny
+    g = meta["generation"]
+    assert (g["temperature"], g["top_p"], g["top_k"], g["seed"]) == (1.0, 0.9, None, 4)
+    assert g["sampler"] == {"name": NAME, "version": VERSION}
+    trace = open_trace(str(path))
+    for it in trace.items:
+        P = it.prompt_len
+        assert torch.equal(it.tokens[P:], it.sample[P - 1 : -1])  # the path follows the seeded samples
+    # at temperature 1 the samples leave the argmax somewhere (else this trace says nothing new)
+    assert any(bool((it.sample != it.argmax).any()) for it in trace.items)
+    assert meta["truncation"]["items"] == 0  # pinned numerics: pass 2 samples what pass 1 did
+
+
+def test_replay_refuses_other_settings_naming_the_key(sampled_tiny, tmp_path):
+    path, _ = sampled_tiny
+    base = ["model=tiny_random", "run.max_new_tokens=6", "num_drafts=2", "verify=match", *SAMPLING]
+    for override, key in (("temperature=0.5", "temperature"), ("top_p=0.8", "top_p"), ("top_k=3", "top_k"),
+                          ("seed=5", "seed"), ("verify=rejection", "verify")):
+        message = refusal(path, [*base, override])
+        assert message.startswith(f"{key}:"), (override, message)
+        assert "\n" not in message
+
+
+def test_a_greedy_trace_refuses_match_at_temperature(tmp_path):
+    greedy = tmp_path / "greedy"
+    record_trace(greedy, [*TINY, "trace.max_drafts=2", "trace.cost_repeats=0"])
+    message = refusal(greedy, ["model=tiny_random", "run.max_new_tokens=6", "num_drafts=2", "verify=match",
+                               "temperature=1"])
+    assert message.startswith("temperature:") and "greedy" in message, message
