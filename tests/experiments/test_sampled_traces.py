@@ -53,3 +53,19 @@ def test_a_greedy_trace_refuses_match_at_temperature(tmp_path):
     message = refusal(greedy, ["model=tiny_random", "run.max_new_tokens=6", "num_drafts=2", "verify=match",
                                "temperature=1"])
     assert message.startswith("temperature:") and "greedy" in message, message
+
+
+@pytest.mark.slow  # ~9 s: a transformers checkpoint written and loaded
+def test_hf_sampled_record_counts_its_cuts(tmp_path, capsys):
+    """transformers' tiny glm5_next checkpoint, its batched pass 1 sampled per row: the trace is
+    valid, follows its samples, and counts the items pass 2 cut (near-ties of the two passes)."""
+    from .hf_checkpoints import write_hf_checkpoint
+
+    write_hf_checkpoint(tmp_path / "ck", "glm5_next")
+    meta = record_trace(tmp_path / "trace", ["model=hf", f"model.path={tmp_path / 'ck'}", "run.num_prompts=3",
+                                             "run.prompt_tokens=12", "run.max_new_tokens=8", "trace.max_drafts=2",
+                                             "trace.batch_size=3", "trace.cost_repeats=0", *SAMPLING])
+    t = meta["truncation"]
+    trace = open_trace(str(tmp_path / "trace"))
+    assert len(trace.items) == 3 - t["items_dropped"] and meta["generation"]["sampler"]["name"] == NAME
+    assert f"{t['items']} items cut" in capsys.readouterr().out
