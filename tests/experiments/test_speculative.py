@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
-from glm_mtp.experiments.loop import speculative
-from glm_mtp.experiments.loop.speculative import (
-    POLICIES, SpecStats, SpeculativeDecoder, make_proposer, stochastic_verify, target_decode, target_probs,
-)
+from glm_mtp.experiments.loop import verify
+from glm_mtp.experiments.loop.speculative import POLICIES, SpecStats, SpeculativeDecoder, make_proposer, target_decode
+from glm_mtp.experiments.loop.verify import stochastic_verify, target_probs
 
 
 class OracleProposer(ReferenceProposer):
@@ -161,10 +160,10 @@ def test_rejection_sampling_reproduces_the_target_distribution(bigram, temperatu
 
 
 def test_chi_square_catches_a_lossy_verifier(bigram, monkeypatch):
-    def accept_all(logits, drafts, temperature, gen, q=None):
+    def accept_all(logits, drafts, temperature, gen, q=None, allowed=None):
         return len(drafts), int(torch.multinomial(target_probs(logits[-1], temperature), 1, generator=gen))
 
-    monkeypatch.setattr(speculative, "stochastic_verify", accept_all)
+    monkeypatch.setattr(verify, "stochastic_verify", accept_all)
     seqs, _ = sample_sequences(bigram, 1.0, n_seqs=20)
     assert chi_square_p(seqs, target_probs(bigram[0].logp, 1.0)) < 1e-6
 
@@ -175,15 +174,15 @@ def test_chi_square_catches_a_lossy_sampled_verifier(bigram, monkeypatch):
     norm(max(0, p - q)): the output is no longer the target's distribution, and the test sees it.
     (Verifying sampled drafts as if one-hot is not such a mistake: accept with p(d), else draw
     from p without d, gives p for any draft distribution; it only accepts less.)"""
-    real = speculative.stochastic_verify
+    real = verify.stochastic_verify
 
-    def resample_from_p(logits, drafts, temperature, gen, q=None):
-        a, bonus = real(logits, drafts, temperature, gen, q)
+    def resample_from_p(logits, drafts, temperature, gen, q=None, allowed=None):
+        a, bonus = real(logits, drafts, temperature, gen, q, allowed)
         if a < len(drafts):  # rejected: redraw from p itself
             bonus = int(torch.multinomial(target_probs(logits[a], temperature), 1, generator=gen))
         return a, bonus
 
-    monkeypatch.setattr(speculative, "stochastic_verify", resample_from_p)
+    monkeypatch.setattr(verify, "stochastic_verify", resample_from_p)
     seqs, _ = sample_sequences(bigram, 1.0, draft="sampled")
     assert chi_square_p(seqs, target_probs(bigram[0].logp, 1.0)) < 1e-4
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from glm_mtp.reference import ReferenceProposer
-from glm_mtp.experiments.loop import speculative
-from glm_mtp.experiments.loop.speculative import POLICIES, greedy_verify, target_decode, teacher_forced
+from glm_mtp.experiments.loop import verify
+from glm_mtp.experiments.loop.speculative import POLICIES, target_decode, teacher_forced
+from glm_mtp.experiments.loop.verify import greedy_verify
 
 
 class RecordingProposer(ReferenceProposer):
@@ -85,7 +86,7 @@ def test_a_target_left_on_the_drafts_is_caught(tiny64, target64, random_prompt, 
     text, n, k = random_prompt(96, 40, 4), 8, 3
     good = GreedyOracle(tiny64.mtp, 128, target64, text, 0.3, seed=5)
     ok = teacher_forced(target64, good, text, n, k)
-    real_verify = speculative.greedy_verify
+    real_verify = verify.greedy_verify
     last = {}
 
     def remember(logits, drafts):
@@ -93,7 +94,7 @@ def test_a_target_left_on_the_drafts_is_caught(tiny64, target64, random_prompt, 
         return real_verify(logits, drafts)
 
     real_rollback = target64.rollback
-    monkeypatch.setattr(speculative, "greedy_verify", remember)
+    monkeypatch.setattr(verify, "greedy_verify", remember)
     monkeypatch.setattr(target64, "rollback", lambda state, length: real_rollback(state, length + last["a"]))
     bad = GreedyOracle(tiny64.mtp, 128, target64, text, 0.3, seed=5)
     mutant = teacher_forced(target64, bad, text, n, k)

@@ -1,5 +1,4 @@
-"""Speculative decoding with an MTP drafter: the loop of DESIGN.md §4, its rollback policies and
-its acceptance metrics.
+"""Speculative decoding with an MTP drafter: the loop of DESIGN.md §4 and its acceptance metrics.
 
 With ``t_m`` the newest committed token (not yet fed to the target) and ``h_{m-1}`` the target's
 hidden at the position before it, one step is
@@ -9,27 +8,13 @@ hidden at the position before it, one step is
     a, b   = verify(logits, drafts)                       a drafts accepted, bonus token b
     commit d_1..d_a, b;  target keeps positions < m+a+1;  drafter per the policy;  m += a + 1
 
-Rollback policies (what the drafter keeps of the rows its propose wrote):
-
-- ``first_row_kept`` (the engine's drafter's, default): ``after_verify(a)`` keeps rows [m-1, m-1+min(k, a+1));
-  kept rows past the first hold the drafter's own ``x`` instead of the target's hidden; when all
-  k were accepted the drafter is one row behind and catches up ``(d_k, h_{m+k-1})``.
-- ``refeed``: ``after_verify(0)`` keeps only the first row, then a catch-up re-writes rows
-  [m, m+a) from the accepted drafts and the target's own hiddens ``h_m..h_{m+a-1}``.
-- ``trim_all``: every row of the propose goes, the first too (a zero-draft propose rewinds to
-  m-1), and one catch-up rebuilds [m-1, m+a) from the target's hiddens: ``refeed`` with the first
-  row recomputed in a batch, so equal to it up to rounding.
-
-Verification:
-
-- greedy (``temperature == 0``): accept while the draft equals the target's argmax; the bonus is
-  the target's argmax after the last accepted draft. The output is the target's greedy decode.
-- stochastic (``temperature > 0``), speculative sampling by rejection (Leviathan et al. 2023;
-  Chen et al. 2023): with target probabilities ``p = softmax(logits / T)`` and draft distribution
-  ``q``, draft ``d`` is accepted with probability ``min(1, p(d) / q(d))``; on rejection the token is
-  drawn from ``normalise(max(0, p - q))``; after k acceptances the bonus is drawn from ``p``. The
-  emitted tokens are distributed exactly as sampling from the target alone, for either way of
-  drafting (``draft``):
+Each step is one round (``loop/round.py``, ``play_round``: draft, width, verify, rollback,
+timing), written once for ``SpeculativeDecoder.generate``, ``generate_batch`` and
+``teacher_forced``. The rollback policies (``first_row_kept``, the default; ``refeed``;
+``trim_all``) are the round's ``keep_rows``; the verification rules (``greedy`` at
+``temperature == 0``, ``rejection`` sampling above it) are ``loop/verify.py``'s. The emitted
+tokens are distributed exactly as sampling from the target alone, for either way of drafting
+(``draft``):
 
   - ``argmax`` (default, as production engines do): the drafter drafts its argmax, so
     ``q`` is one-hot at the draft: accept with probability ``p(d)``, and on rejection draw from
@@ -48,7 +33,7 @@ forbidden draft and those after it waste their verify slots and count as ``forbi
 
 Stop rules (``stop``, ``loop/stop_rules.py``): after the propose the loop reads the drafts'
 confidences and verifies only ``[t_m, d_1..d_s]``, ``s`` the longest prefix on which the rule
-holds; ``after_verify(a)`` gets ``a <= s`` and the policies run as above (a catch-up only when
+holds; ``after_verify(a)`` gets ``a <= s`` and the policies run as without one (a catch-up only when
 every one of the k drafts was accepted). The choice of s reads the drafter only, so both
 verifications stay lossless.
 
@@ -61,61 +46,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from glm_mtp.reference.attention import KPoolRowsFn
-from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.reference.weights import MtpWeights
 from glm_mtp.registry import backend_class
 
-from .grammar_verify import (commit_tokens, masked_argmax, masked_greedy_verify, masked_target_probs,
-                             matcher_row, output_finished, verify_masks)
-from .stop_rules import NO_STOP, RoundRecord, StopRule, round_width
+from .grammar_verify import commit_tokens, masked_argmax, masked_target_probs, matcher_row, output_finished
+from .round import (DRAFTS, POLICIES, Draft, GrammarDrafts, Policy, Round, RoundRules, TargetModel, play_round)
+from .stop_rules import NO_STOP, RoundRecord, StopRule
+from .verify import default_verify_rule, target_probs
 
-Policy = Literal["first_row_kept", "refeed", "trim_all"]
-POLICIES = ("first_row_kept", "refeed", "trim_all")
-Draft = Literal["argmax", "sampled"]
-DRAFTS = ("argmax", "sampled")
-GrammarDrafts = Literal["masked", "unmasked"]
-
-
-class TargetModel(Protocol):
-    """What the loop and teacher forcing need of a target. The package's toy target
-    (``experiments.target.Target``) and transformers' model of a released checkpoint
-    (``experiments.hf_target.HfTarget``) are two.
-
-    - ``prefill(tokens, state)``: the prompt, positions ``[0, n)`` of a fresh state;
-    - ``verify(tokens, state)``: ``[t_m, d_1..d_k]`` at positions ``[m, m + k + 1)``;
-    - ``rollback(state, length)``: keep positions ``< length``. The loop rolls back only into
-      the last verify, and a target may refuse anything else (``HfTarget`` does: its linear
-      layers restore recorded states only).
-
-    Both forwards return ``.logits`` (T, V) and ``.hidden`` (T, H): the hidden rows after the
-    final norm, what the head and the drafter read.
-    """
-
-    def alloc_state(self) -> object: ...
-    def prefill(self, tokens: list[int], state: object) -> Any: ...
-    def verify(self, tokens: list[int], state: object) -> Any: ...
-    def rollback(self, state: object, length: int) -> None: ...
-
-
-def check_draft(draft: str, temperature: float, proposer: DraftProposer | None = None) -> None:
-    """``draft`` is ``argmax`` or ``sampled``; ``sampled`` needs ``temperature > 0`` and a drafter
-    with ``propose_sampled``. ``ValueError`` otherwise."""
-    if draft not in DRAFTS:
-        raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
-    if draft == "sampled":
-        if not temperature > 0:
-            raise ValueError("draft='sampled' draws from the drafter's softmax at the temperature: it needs "
-                             f"temperature > 0, got {temperature!r}")
-        if proposer is not None and not hasattr(proposer, "propose_sampled"):
-            raise ValueError(f"draft='sampled' needs a drafter with propose_sampled; {type(proposer).__name__} "
-                             "has none")
+__all__ = ["DRAFTS", "POLICIES", "SpecResult", "SpecStats", "SpeculativeDecoder", "TargetModel", "make_proposer",
+           "pick", "target_decode", "teacher_forced"]
 
 
 def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidden: str = "post_norm",
@@ -129,85 +76,6 @@ def make_proposer(backend: str, weights: MtpWeights, max_seq_len: int, feed_hidd
         raise ValueError("attention=dense and the recall probe swap the reference drafter's KPool selection; "
                          f"backend={backend} fuses its own (use backend=reference)")
     return backend_class(backend)(weights, max_seq_len=max_seq_len, feed_hidden=feed_hidden, kpool=kpool)
-
-
-# ------------------------------------------------------------------------------------------------
-# Verification
-
-
-def greedy_verify(logits: Tensor, drafts: list[int]) -> tuple[int, int]:
-    """``logits`` (k+1, V) at positions m..m+k. Returns (drafts accepted, bonus token)."""
-    best = torch.argmax(logits, dim=-1).tolist()  # ties to the lower id, as the drafter's
-    a = 0
-    while a < len(drafts) and drafts[a] == best[a]:
-        a += 1
-    return a, best[a]
-
-
-def target_probs(logits: Tensor, temperature: float) -> Tensor:
-    """``softmax(logits / temperature)`` in float64, so acceptance tests do not round."""
-    return torch.softmax(logits.double() / temperature, dim=-1)
-
-
-def stochastic_verify(logits: Tensor, drafts: list[int], temperature: float, gen: torch.Generator,
-                      q: Tensor | None = None, allowed: Tensor | None = None) -> tuple[int, int | None]:
-    """Rejection sampling (see the module docstring): against one-hot drafts when ``q`` is None
-    (argmax drafts), else against the drafter's distributions ``q`` (k, V) (sampled drafts):
-    accept draft i with probability ``min(1, p(d) / q(d))``, else draw from ``norm(max(0, p - q))``.
-    ``allowed`` (legal+1, V) bool: a grammar's masks (``grammar_verify.verify_masks``); then ``p``
-    is the target's distribution over each position's allowed tokens (a forbidden draft has
-    ``p(d) = 0`` and is always rejected), and a position that allows nothing ends the output
-    there (the token returned is None)."""
-    if allowed is None:
-        p, live = target_probs(logits, temperature), None  # (k+1, V)
-    else:
-        live = allowed.any(dim=-1)  # (legal+1,); a row that allows nothing is never drawn from
-        p = masked_target_probs(logits[: allowed.shape[0]], temperature, allowed | ~live[:, None])
-    if q is not None:
-        q = q.detach().to(device="cpu", dtype=torch.float64)
-    for i, d in enumerate(drafts):
-        if live is not None and not bool(live[i]):
-            return i, None
-        u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        if q is None:
-            if u < float(p[i, d]):
-                continue
-            residual = p[i].clone()
-            residual[d] = 0.0
-        else:
-            if u * float(q[i, d]) < float(p[i, d]):  # u < p(d) / q(d); q(d) > 0 for a drawn draft
-                continue
-            residual = torch.clamp(p[i] - q[i], min=0.0)
-            if not float(residual.sum()) > 0:  # p <= q everywhere only when they are equal up to rounding
-                residual = p[i]
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
-    if live is not None and not bool(live[len(drafts)]):
-        return len(drafts), None
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
-
-
-def exponential_noise(num_drafts: int, vocab_size: int, gen: torch.Generator, dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> Tensor:
-    """(num_drafts, vocab_size) i.i.d. Exponential(1) draws from ``gen`` in ``dtype`` (float64
-    first, then rounded; a rounded 0 becomes the smallest normal), on ``device``: the noise of a
-    sampled propose."""
-    e = torch.empty(num_drafts, vocab_size, dtype=torch.float64).exponential_(generator=gen).to(dtype)
-    return torch.clamp(e, min=torch.finfo(dtype).tiny).to(device)
-
-
-def draft_tokens(proposer: DraftProposer, draft: str, last_token: int, hidden: Tensor, position: int, k: int,
-                 state: object,
-                 temperature: float, gen: torch.Generator, grammar: Any = None) -> tuple[list[int], Tensor | None]:
-    """One propose: argmax drafts (``q`` None) or sampled drafts with their ``q`` (noise from ``gen``).
-    ``grammar``: a matcher the drafts obey (DESIGN.md §10; fewer than k drafts when it stops them),
-    or None (drafted freely; the propose is called without the argument)."""
-    under = {} if grammar is None else {"grammar": grammar}
-    if draft == "argmax":
-        return proposer.propose(last_token, hidden, position, k, state, **under), None
-    noise = exponential_noise(k, proposer.config.vocab_size, gen, acc_dtype(hidden.dtype), hidden.device)
-    out = proposer.propose_sampled(last_token, hidden, position, k, temperature, noise, state,  # type: ignore[attr-defined]
-                                   **under)
-    return out.drafts, out.q
 
 
 def pick(logits: Tensor, temperature: float, gen: torch.Generator, allowed: Tensor | None = None) -> int | None:
@@ -284,6 +152,15 @@ class SpecStats:
         self.wasted += s - a
         self.forbidden += forbidden
 
+    def add_round(self, r: Round) -> None:
+        """Count one ``round.Round``: its verification (``record``), its seconds, and its
+        confidences, width and accepted count when the stats keep ``rounds``."""
+        self.record(r.accepted, r.width, r.bonus is not None, r.forbidden)
+        self.draft_s += r.draft_s
+        self.verify_s += r.verify_s
+        if self.rounds is not None:
+            self.rounds.append(r.record)
+
     def merge(self, other: SpecStats) -> None:
         self.reached = [x + y for x, y in zip(self.reached, other.reached)]
         self.accepted = [x + y for x, y in zip(self.accepted, other.accepted)]
@@ -337,7 +214,7 @@ class SpeculativeDecoder:
         target: the target model (``Target``); its hiddens must be the drafter's dtype and device.
         proposer: any ``DraftProposer`` backend.
         num_drafts: k >= 1 drafts per step.
-        policy: ``first_row_kept`` | ``refeed`` | ``trim_all`` (module docstring).
+        policy: ``first_row_kept`` | ``refeed`` | ``trim_all`` (``loop/round.py``).
         temperature: 0 for greedy verification, > 0 for rejection sampling at that temperature.
         seed: the sampling generator's seed (rejection sampling and the sampled drafts' noise).
         draft: ``argmax`` (default) or ``sampled`` (drafts drawn from the drafter's ``q`` at
@@ -353,52 +230,20 @@ class SpeculativeDecoder:
                  temperature: float = 0.0, seed: int = 0, draft: Draft = "argmax",
                  grammar_drafts: GrammarDrafts = "masked", stop: StopRule = NO_STOP,
                  record_rounds: bool = False) -> None:
-        if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
-            raise ValueError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-        check_draft(draft, temperature, proposer)
-        if grammar_drafts not in ("masked", "unmasked"):
-            raise ValueError(f"grammar_drafts must be masked or unmasked, got {grammar_drafts!r}")
         self.target, self.proposer = target, proposer
-        self.k, self.policy, self.temperature, self.draft = num_drafts, policy, float(temperature), draft
-        self.grammar_drafts = grammar_drafts
         self.gen = torch.Generator().manual_seed(seed)
-        self.stop, self.record_rounds = stop, record_rounds
-        if (stop.trims or record_rounds) and not hasattr(proposer, "draft_confidence"):
-            raise ValueError(f"stop.rule={stop.rule} (or recording rounds) reads the drafts' confidences: "
-                             f"{type(proposer).__name__} has no draft_confidence")
+        self.rules = RoundRules(num_drafts, default_verify_rule(temperature), self.gen, policy, float(temperature),
+                                draft, stop, record_rounds, grammar_drafts)
+        self.rules.check_drafter(proposer)
 
     def _new_stats(self) -> SpecStats:
-        return SpecStats(self.k, rounds=[] if self.record_rounds else None)
-
-    def _record(self, stats: SpecStats, a: int, width: int, prob: list[float], margin: list[float],
-                bonus: bool = True, forbidden: int = 0) -> None:
-        stats.record(a, width, bonus, forbidden)
-        if stats.rounds is not None:
-            stats.rounds.append(RoundRecord(prob, margin, width, a))
-
-    def _verify(self, logits: Tensor, drafts: list[int], q: Tensor | None = None,
-                allowed: Tensor | None = None) -> tuple[int, int | None]:
-        """(drafts accepted, bonus): greedy or by rejection; under a grammar's ``allowed`` masks
-        when given (the bonus None where the grammar allows nothing)."""
-        if self.temperature == 0:
-            return greedy_verify(logits, drafts) if allowed is None else masked_greedy_verify(logits, drafts, allowed)
-        if allowed is None:
-            return stochastic_verify(logits, drafts, self.temperature, self.gen, q)
-        return stochastic_verify(logits, drafts, self.temperature, self.gen, q, allowed)
-
-    def _drafter_grammar(self, matcher: Any) -> Any:
-        """The matcher the drafter drafts under: the run's with masked drafts, else None."""
-        return matcher if self.grammar_drafts == "masked" else None
+        return SpecStats(self.rules.num_drafts, rounds=[] if self.rules.record_rounds else None)
 
     def _first_token(self, logits: Tensor, matcher: Any) -> int | None:
         """The prefill's token after the prompt, under the matcher's mask when there is one (None:
         the grammar allows nothing)."""
         allowed = None if matcher is None else matcher_row(matcher, self.proposer.config.vocab_size)
-        return pick(logits, self.temperature, self.gen, allowed)
+        return pick(logits, self.rules.temperature, self.gen, allowed)
 
     def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu",
                  free_state: bool = True, matcher: Any = None) -> SpecResult:
@@ -415,7 +260,7 @@ class SpeculativeDecoder:
             raise ValueError("prompt must hold at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        tg, prop, k = self.target, self.proposer, self.k
+        tg, prop = self.target, self.proposer
         stats = self._new_stats()
         clock = time.perf_counter
 
@@ -435,44 +280,13 @@ class SpeculativeDecoder:
         m, h_prev = len(prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
 
         while not finished and len(tokens) - len(prompt) < max_new_tokens:
-            t0 = clock()
-            drafts, q = draft_tokens(prop, self.draft, tokens[m], h_prev, m - 1, k, dstate, self.temperature, self.gen,
-                                     self._drafter_grammar(matcher))
-            n = len(drafts)  # k, or fewer where a grammar stopped the propose
-            width, prob, margin = round_width(self.stop, prop, dstate, n, self.record_rounds)
-            verified = drafts[:width]  # a stop rule verifies the confident prefix only
-            t1 = clock()  # the verify's masks count as the verify's time
-            allowed, legal = (None, width) if matcher is None else verify_masks(matcher, verified,
-                                                                                prop.config.vocab_size)
-            out = tg.verify([tokens[m], *verified], tstate)  # positions m..m+width
-            a, bonus = self._verify(out.logits, verified, None if q is None else q[:width], allowed)
-            tg.rollback(tstate, m + a + 1)
-            t2 = clock()
-            if self.policy == "first_row_kept":
-                prop.after_verify(a, dstate)
-                if n and a == n:  # the drafter is one row behind: (d_n, h_{m+n-1}) at row m+n-1
-                    prop.catchup_drafter(drafts[-1:], out.hidden[n - 1 : n], m + n - 1, m + n - 1, dstate)
-            elif self.policy == "refeed":
-                prop.after_verify(0, dstate)
-                if a:
-                    prop.catchup_drafter(drafts[:a], out.hidden[:a], m, m, dstate)
-            else:  # trim_all
-                prop.after_verify(0, dstate)
-                prop.propose(tokens[m], h_prev, m - 1, 0, dstate)  # only rewinds, to m-1
-                prop.after_verify(0, dstate)
-                prop.catchup_drafter([tokens[m], *drafts[:a]], torch.cat((h_prev, out.hidden[:a])), m - 1, m - 1,
-                                     dstate)
-            t3 = clock()
-            stats.draft_s += (t1 - t0) + (t3 - t2)
-            stats.verify_s += t2 - t1
-            self._record(stats, a, width, prob, margin, bonus is not None, width - legal)
-            committed = [*drafts[:a], *([] if bonus is None else [bonus])]
+            r = play_round(self.rules, tg, prop, tstate, dstate, tokens[m], h_prev, m, matcher=matcher)
+            stats.add_round(r)
             if matcher is not None:
-                commit_tokens(matcher, committed)
-                finished = output_finished(matcher, bonus)
-            tokens += committed
-            h_prev = out.hidden[a : a + 1]  # h_{m+a}
-            m += a + 1
+                commit_tokens(matcher, r.committed)
+                finished = output_finished(matcher, r.bonus)
+            tokens += r.committed
+            h_prev, m = r.next_hidden, m + r.accepted + 1  # h_{m+a}; t_{m+a+1} is the bonus
         if free_state:
             prop.free_state(dstate)
         return SpecResult(tokens[len(prompt) : len(prompt) + max_new_tokens], stats, tokens,
@@ -528,11 +342,11 @@ class SpeculativeDecoder:
                       max_new_tokens: int | Sequence[int]) -> list[tuple[list[int], int]]:
         """(prompt, tokens wanted) per prompt, checked: a batched policy and draft, at least one
         prompt of at least one token, a count >= 1 for each."""
-        if self.policy != "first_row_kept":
-            raise ValueError(f"generate_batch runs policy='first_row_kept' only, got policy={self.policy!r} "
+        if self.rules.policy != "first_row_kept":
+            raise ValueError(f"generate_batch runs policy='first_row_kept' only, got policy={self.rules.policy!r} "
                              "(refeed and trim_all are single-sequence: use generate)")
-        if self.draft != "argmax":
-            raise ValueError(f"generate_batch runs draft='argmax' only, got draft={self.draft!r} "
+        if self.rules.draft != "argmax":
+            raise ValueError(f"generate_batch runs draft='argmax' only, got draft={self.rules.draft!r} "
                              "(sampled drafts are single-sequence: use generate)")
         prompts = [list(p) for p in prompts]
         B = len(prompts)
@@ -555,7 +369,7 @@ class SpeculativeDecoder:
         t0 = clock()
         s.tstate = self.target.alloc_state()
         out = self.target.prefill(s.tokens, s.tstate)
-        s.tokens.append(pick(out.logits[-1], self.temperature, self.gen))
+        s.tokens.append(pick(out.logits[-1], self.rules.temperature, self.gen))
         s.stats.prefill_s += clock() - t0
         t0 = clock()
         s.dstate = self.proposer.alloc_state(device)
@@ -571,33 +385,23 @@ class SpeculativeDecoder:
             part = live[i : i + cap]
             t0 = clock()
             drafts += self.proposer.propose_batch([s.tokens[s.m] for s in part], torch.cat([s.h_prev for s in part]),
-                                                  [s.m - 1 for s in part], self.k, [s.dstate for s in part])
+                                                  [s.m - 1 for s in part], self.rules.num_drafts,
+                                                  [s.dstate for s in part])
             share = (clock() - t0) / len(part)
             for s in part:
                 s.stats.draft_s += share
         return drafts
 
     def _verify_one(self, s: _Seq, d: list[int]) -> tuple[_Seq, int, Tensor, int] | None:
-        """The target verifies ``[t_m, d_1..d_s]`` (s: the stop rule's width, k without one),
-        rolls back past the accepted drafts and the drafter keeps its rows; commits. Returns the
-        row a fully accepted sequence owes, ``(seq, d_k, h_{m+k-1}, row m+k-1)``, for the round's
-        catch-up (None otherwise)."""
-        clock, k = time.perf_counter, self.k
-        width, prob, margin = round_width(self.stop, self.proposer, s.dstate, len(d), self.record_rounds)
-        t1 = clock()
-        out = self.target.verify([s.tokens[s.m], *d[:width]], s.tstate)  # positions m..m+width
-        a, bonus = self._verify(out.logits, d[:width])
-        self.target.rollback(s.tstate, s.m + a + 1)
-        t2 = clock()
-        self.proposer.after_verify(a, s.dstate)
-        s.stats.verify_s += t2 - t1
-        s.stats.draft_s += clock() - t2
-        owed = (s, d[-1], out.hidden[k - 1 : k], s.m + k - 1) if a == k else None
-        self._record(s.stats, a, width, prob, margin)
-        s.tokens += [*d[:a], bonus]
-        s.h_prev = out.hidden[a : a + 1]  # h_{m+a}
-        s.m += a + 1
-        return owed
+        """The rest of ``s``'s round (``round.play_round`` on the drafts ``d`` the batch proposed)
+        and its commit. Returns the row a fully accepted sequence owes, ``(seq, d_k, h_{m+k-1},
+        row m+k-1)``, for the round's catch-up (None otherwise)."""
+        r = play_round(self.rules, self.target, self.proposer, s.tstate, s.dstate, s.tokens[s.m], s.h_prev, s.m,
+                       drafts=d, defer_catchup=True)
+        s.stats.add_round(r)
+        s.tokens += r.committed
+        s.h_prev, s.m = r.next_hidden, s.m + r.accepted + 1  # h_{m+a}
+        return None if r.owed is None else (s, *r.owed)
 
     def _catch_up_round(self, owed: list[tuple[_Seq, int, Tensor, int]], cap: int) -> None:
         """One ``catchup_batch`` per ``cap`` owed rows; each must write exactly its one row."""
@@ -704,11 +508,11 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     """
     if not 1 <= prompt_len < len(text):
         raise ValueError(f"prompt_len must be in [1, len(text)) = [1, {len(text)}), got {prompt_len}")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    check_draft(draft, temperature, proposer)
     gen = gen or torch.Generator().manual_seed(0)
-    stats, clock, k = SpecStats(num_drafts, rounds=[] if record_rounds else None), time.perf_counter, num_drafts
+    rules = RoundRules(num_drafts, default_verify_rule(temperature), gen, policy, float(temperature), draft, stop,
+                       record_rounds)
+    rules.check_drafter(proposer)
+    stats, clock = SpecStats(num_drafts, rounds=[] if record_rounds else None), time.perf_counter
     t0 = clock()
     tstate = target.alloc_state()
     out = target.prefill(list(text[:prompt_len]), tstate)  # h_0..h_{n-1}
@@ -719,28 +523,9 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     stats.draft_s += clock() - t0
     h_prev = out.hidden[-1:]  # h_{m-1}
     for m in range(prompt_len, len(text)):
-        t0 = clock()
-        drafts, q = draft_tokens(proposer, draft, text[m], h_prev, m - 1, k, dstate, temperature, gen)
-        width, prob, margin = round_width(stop, proposer, dstate, len(drafts), record_rounds)
-        drafts, q = drafts[:width], None if q is None else q[:width]
-        t1 = clock()
-        out = target.verify([text[m], *drafts], tstate)  # positions m..m+width
-        if temperature == 0:
-            a, _ = greedy_verify(out.logits, drafts)
-        else:
-            a, _ = stochastic_verify(out.logits, drafts, temperature, gen, q)
-        target.rollback(tstate, m + 1)
-        t2 = clock()
-        proposer.after_verify(0, dstate)  # keeps row m-1: (t_m, h_{m-1})
-        if policy == "trim_all":
-            proposer.propose(text[m], h_prev, m - 1, 0, dstate)  # only rewinds, to m-1
-            proposer.after_verify(0, dstate)
-            proposer.catchup_drafter([text[m]], h_prev, m - 1, m - 1, dstate)
-        stats.draft_s += (t1 - t0) + (clock() - t2)
-        stats.verify_s += t2 - t1
-        stats.record(a, width)
-        if stats.rounds is not None:
-            stats.rounds.append(RoundRecord(prob, margin, width, a))
-        h_prev = out.hidden[:1]  # h_m, the text's own
+        # the target rewinds to m + 1 (row m holds t_m) and the drafter keeps its row m-1, (t_m, h_{m-1})
+        r = play_round(rules, target, proposer, tstate, dstate, text[m], h_prev, m, keep_accepted=False)
+        stats.add_round(r)
+        h_prev = r.next_hidden  # h_m, the text's own
     proposer.free_state(dstate)
     return stats
