@@ -9,7 +9,9 @@ import torch
 from glm_mtp.experiments.traces.format import open_trace
 from glm_mtp.experiments.loop.sampler import NAME, VERSION
 
-from .test_traces import record_trace, refusal
+from glm_mtp.experiments.settings.validate import check_acceptance
+
+from .test_traces import compose, record_trace, refusal
 
 TINY = ["model=tiny_random", "target_numerics=pinned", "run.num_prompts=3", "run.prompt_tokens=8",
         "run.max_new_tokens=6"]
@@ -45,6 +47,9 @@ def test_replay_refuses_other_settings_naming_the_key(sampled_tiny, tmp_path):
         message = refusal(path, [*base, override])
         assert message.startswith(f"{key}:"), (override, message)
         assert "\n" not in message
+    assert refusal(path, base).startswith("verify=match: the loop does not run")  # not wired into the round yet
+    with pytest.raises(ValueError, match="^verify=match: the loop does not run"):  # live: refused, one line
+        check_acceptance(compose(["model=tiny_random", "verify=match", "temperature=1", "logger=none"]))
 
 
 def test_a_greedy_trace_refuses_match_at_temperature(tmp_path):
