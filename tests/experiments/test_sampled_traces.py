@@ -11,7 +11,10 @@ from glm_mtp.experiments.loop.sampler import NAME, VERSION
 
 from glm_mtp.experiments.settings.validate import check_acceptance
 
-from .test_traces import compose, record_trace, refusal
+from glm_mtp.experiments.targets.checkpoint import SHIPPED_NEXT, shipped_checkpoint
+from glm_mtp.experiments.traces.drafter_only import write_drafter_only
+
+from .test_traces import compose, per_prompt, record_trace, refusal
 
 TINY = ["model=tiny_random", "target_numerics=pinned", "run.num_prompts=3", "run.prompt_tokens=8",
         "run.max_new_tokens=6"]
@@ -47,9 +50,55 @@ def test_replay_refuses_other_settings_naming_the_key(sampled_tiny, tmp_path):
         message = refusal(path, [*base, override])
         assert message.startswith(f"{key}:"), (override, message)
         assert "\n" not in message
-    assert refusal(path, base).startswith("verify=match: the loop does not run")  # not wired into the round yet
-    with pytest.raises(ValueError, match="^verify=match: the loop does not run"):  # live: refused, one line
-        check_acceptance(compose(["model=tiny_random", "verify=match", "temperature=1", "logger=none"]))
+    check_acceptance(compose([*base, f"trace.path={path}", "logger=none"]))  # the trace's own settings run
+
+
+def live_and_replay(model, trace, run, replay_model=()):
+    """The live ``verify=match`` run (checked against the target's own seeded decode) and the
+    trace's replay of the same settings: each one's per-prompt counts and its outputs' sha256."""
+    live, lm = per_prompt([*model, *run, "verify=match", *SAMPLING, "run.check_lossless=true"])
+    assert lm.check_lossless and lm.divergences == [], lm.divergences  # live match == the seeded decode
+    replay, rm = per_prompt([*model, *replay_model, *run, "verify=match", *SAMPLING, f"trace.path={trace}"])
+    return (live, lm.outputs_sha256), (replay, rm.outputs_sha256)
+
+
+def test_sampled_replay_equals_live_tiny(sampled_tiny):
+    path, _ = sampled_tiny
+    for extra in (["num_drafts=2"], ["num_drafts=1", "policy=trim_all", "draft=sampled"]):
+        live, replay = live_and_replay(TINY[:2], path, [*TINY[2:], *extra])
+        assert replay == live, extra
+
+
+NEXT = ["model=next_shipped", "target_numerics=pinned"]
+NEXT_RUN = ["run.num_prompts=2", "run.prompt_tokens=16", "run.max_new_tokens=10"]
+
+
+def test_sampled_replay_equals_live_next(tmp_path):
+    """The shipped glm5_next model: a sampled trace replayed from the drafter's tensors alone."""
+    record_trace(tmp_path / "trace", [*NEXT, *NEXT_RUN, *SAMPLING, "trace.max_drafts=2", "trace.cost_repeats=0"])
+    write_drafter_only(str(shipped_checkpoint(SHIPPED_NEXT)), str(tmp_path / "drafter"))
+    live, replay = live_and_replay(NEXT, tmp_path / "trace", [*NEXT_RUN, "num_drafts=2"],
+                                   [f"model.path={tmp_path / 'drafter'}"])
+    assert replay == live
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_random", "next_shipped"])
+def test_sampled_replay_equals_live_sweep(model, tmp_path):
+    """k = 1..3, the three policies, sampled drafts, and the batched loop."""
+    m = [f"model={model}", "target_numerics=pinned"]
+    run = ["run.num_prompts=3", "run.prompt_tokens=16", "run.max_new_tokens=10"]
+    record_trace(tmp_path / "trace", [*m, *run, *SAMPLING, "trace.max_drafts=3", "trace.cost_repeats=0"])
+    replay_model = []
+    if model == "next_shipped":
+        write_drafter_only(str(shipped_checkpoint(SHIPPED_NEXT)), str(tmp_path / "drafter"))
+        replay_model = [f"model.path={tmp_path / 'drafter'}"]
+    cases = [[f"num_drafts={k}", f"policy={p}", f"draft={d}"] for k in (1, 2, 3)
+             for p in ("first_row_kept", "refeed", "trim_all") for d in ("argmax", "sampled")]
+    cases.append(["num_drafts=3", "batch_size=2"])
+    for case in cases:
+        live, replay = live_and_replay(m, tmp_path / "trace", [*run, *case], replay_model)
+        assert replay == live, case
 
 
 def test_a_greedy_trace_refuses_match_at_temperature(tmp_path):

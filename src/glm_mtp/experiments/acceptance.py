@@ -72,6 +72,7 @@ from .reporting.measured import LateFailure, MeasuredFile
 from .targets.provenance import provenance
 from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .loop.stop_rules import StopRule
+from .settings.sampling import decoder_sampling
 from .loop.speculative import SpecResult, SpecStats, SpeculativeDecoder, make_proposer, target_decode, teacher_forced
 from .targets.target import Target
 from .settings.validate import (MODES, SOURCES, check_acceptance, check_attention, check_batch_size, index_share,
@@ -390,14 +391,17 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     drafter = proposer if probe is None else ProbedProposer(proposer, probe)
     grammars = run_grammars(cfg, model, len(starts))
     stop = stop_rule(cfg)
+    sampling = decoder_sampling(cfg)
     decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft,
-                                 "masked" if grammars is None else grammars.drafts, stop)
+                                 "masked" if grammars is None else grammars.drafts, stop, **sampling)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
     generated, grams, distinct = 0, 0, 0
-    check_lossless = bool(run.check_lossless) and mode == "speculative" and cfg.temperature == 0
-    divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
+    # greedy: against the target's greedy decode; verify=match: against its own seeded sampling
+    seeded = decoder.rules.sampler if decoder.seeded else None
+    check_lossless = bool(run.check_lossless) and mode == "speculative" and (cfg.temperature == 0 or seeded is not None)
+    divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own (seeded) decode
     samples = []
     outputs: list[list[int]] = []  # each prompt's generated tokens
     decode = model.tokenizer.decode if model.tokenizer is not None else str
@@ -408,7 +412,7 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
         if mode == "teacher_forced":
             st = teacher_forced(target, drafter, w, plen, cfg.num_drafts, cfg.policy, cfg.temperature,
                                 decoder.gen,
-                                device=device, draft=draft, stop=stop)
+                                device=device, draft=draft, stop=stop, **sampling, seed=cfg.seed)
             if len(samples) < 2:
                 samples.append({"prompt": decode(w[:plen]),
                                 "continuation": decode(w[plen:]),
@@ -420,9 +424,9 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
             outputs.append(res.tokens)
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
-            if check_lossless:  # the target's own (constrained, under a grammar) greedy decode
+            if check_lossless:  # the target's own (constrained, under a grammar) greedy or seeded decode
                 if grammars is None:
-                    plain = target_decode(target, p, want)
+                    plain = target_decode(target, p, want, seeded=seeded)
                 else:
                     plain = target_decode(target, p, want, matcher=grammars.matcher(len(per_prompt)),
                                           vocab_size=model.mtp.config.vocab_size)

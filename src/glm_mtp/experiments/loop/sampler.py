@@ -90,6 +90,12 @@ class SamplerSettings:
                 "sampler": {"name": NAME, "version": VERSION}}
 
 
+def truncates(settings: SamplerSettings | None) -> bool:
+    """Whether ``settings`` truncate (top_p below 1 or a top_k): the kept set may be smaller than
+    the vocabulary."""
+    return settings is not None and ((settings.top_p is not None and settings.top_p < 1) or settings.top_k is not None)
+
+
 def race_noise(seed: int, prompt_sha256: str, positions: Tensor, vocab_size: int) -> Tensor:
     """``E`` (T, V) float64, Exponential(1) from the counter-based hash of (seed, prompt, position,
     token): ``key = mix64(mix64(mix64(seed + G) ^ h64 + G) ^ p + G)``, ``bits_j = mix64(key + (j + 1)

@@ -11,8 +11,6 @@ from typing import Any
 from ..loop.sampler import SamplerSettings
 
 VERIFIES = ("rejection", "match")
-NOT_WIRED = ("verify=match: the loop does not run seeded exact match at temperature > 0 yet (the sampler, sampled "
-             "traces and their checks are in; the round's match rule is not): use verify=rejection")
 
 
 def sampler_settings(cfg: Any) -> SamplerSettings:
@@ -26,6 +24,12 @@ def verify_kind(cfg: Any) -> str:
     return cfg.get("verify", "rejection")
 
 
+def decoder_sampling(cfg: Any) -> dict[str, Any]:
+    """The loop's sampling arguments of ``cfg`` (``SpeculativeDecoder`` / ``teacher_forced``):
+    ``verify``, ``top_p``, ``top_k``."""
+    return {"verify": verify_kind(cfg), "top_p": cfg.get("top_p"), "top_k": cfg.get("top_k")}
+
+
 def check_sampling(cfg: Any) -> None:
     """``top_p``, ``top_k`` and ``verify`` (``temperature`` and ``seed`` are checked beside the
     other keys): each its own rule, then truncation needs temperature > 0 (it truncates the
@@ -33,8 +37,6 @@ def check_sampling(cfg: Any) -> None:
     v = verify_kind(cfg)
     if v not in VERIFIES:
         raise ValueError(f"verify must be one of {', '.join(VERIFIES)}; got {v!r}")
-    if v == "match" and float(cfg.temperature) > 0 and (cfg.get("trace") or {}).get("path") is None:
-        raise ValueError(NOT_WIRED)
     top_p, top_k = cfg.get("top_p"), cfg.get("top_k")
     SamplerSettings(1.0, top_p, top_k)  # each key's own rule, naming it
     if float(cfg.temperature) == 0 and (top_p is not None or top_k is not None):

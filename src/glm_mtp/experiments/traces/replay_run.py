@@ -99,7 +99,7 @@ def check_replay_sampling(cfg: Any, trace: Trace) -> None:
     needs the target's seeded samples or its distribution, which it does not hold). A sampled trace
     (DESIGN.md §14) replays ``verify=match`` at its own temperature, top_p, top_k and seed only
     (another value would sample another trajectory); argmax or sampled drafts."""
-    from ..settings.sampling import NOT_WIRED, verify_kind
+    from ..settings.sampling import verify_kind
 
     g = trace.meta["generation"]
     run = {"temperature": float(cfg.temperature), "top_p": cfg.get("top_p"), "top_k": cfg.get("top_k"),
@@ -119,7 +119,6 @@ def check_replay_sampling(cfg: Any, trace: Trace) -> None:
     if verify_kind(cfg) != "match":
         raise ValueError(f"verify: a sampled trace replays verify=match (seeded exact match); verify="
                          f"{verify_kind(cfg)} needs the target's distribution, which a trace does not hold")
-    raise ValueError(NOT_WIRED)  # every rule above holds; the loop cannot run the replay yet
 
 
 @dataclass
