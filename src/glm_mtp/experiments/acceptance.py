@@ -24,9 +24,11 @@ no tracker).
 ``draft``: ``argmax`` (default) or ``sampled`` (each draft drawn from the drafter's softmax at the
 temperature, verified by full rejection sampling; needs ``temperature > 0``). ``target_numerics``:
 ``vendor`` (torch's kernels, default) or ``pinned`` (DESIGN.md §5: batch-invariant). With
-``run.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
+``run.check_lossless=true`` (the greedy loop, and ``verify=match`` at temperature > 0, against
+the target's own seeded sampling of the prompt) every prompt is also decoded by the target
 alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
-diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
+diverged}`` (``diverged``: each parting prompt's index and first differing generated token) and
+``lossless_greedy`` (greedy) or ``lossless_seeded`` (match): whether none parted.
 
 ``stop.rule`` / ``stop.threshold`` (``loop/stop_rules.py``): each round verifies only the drafts
 1..s on which the rule holds (from the drafter's ``draft_confidence``); ``summary.json`` records the
@@ -426,7 +428,8 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
             grams, distinct = grams + len(four), distinct + len(set(four))
             if check_lossless:  # the target's own (constrained, under a grammar) greedy or seeded decode
                 if grammars is None:
-                    plain = target_decode(target, p, want, seeded=seeded)
+                    plain = (target_decode(target, p, want) if seeded is None
+                             else target_decode(target, p, want, seeded=seeded))
                 else:
                     plain = target_decode(target, p, want, matcher=grammars.matcher(len(per_prompt)),
                                           vocab_size=model.mtp.config.vocab_size)
@@ -540,7 +543,8 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "prefill_seconds": stats.prefill_s,
         "draft_share": stats.draft_share,
         "wall_seconds": m.wall,
-        "lossless_greedy": None if lossless is None else not divergences,
+        "lossless_greedy": None if lossless is None or cfg.temperature > 0 else not divergences,
+        "lossless_seeded": None if lossless is None or cfg.temperature == 0 else not divergences,
         # The output's grammar (DESIGN.md §10): kind, sha256 of its text, origin, how the drafter
         # drafted (grammar.drafts); None without one. forbidden_drafts: drafts the grammar forbade
         # (per propose, the first forbidden draft and those after it; 0 with masked drafts).
@@ -596,8 +600,8 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
             else f"{summary['generated_tokens']} tokens")
     print(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} "
           f"prompts in {summary['wall_seconds']:.1f}s (drafting {summary['draft_share']:.0%} of the loop)"
-          + ("" if lossless is None else "; greedy output equals the target's on "
-                                         f"{lossless['identical']}/{lossless['prompts']} prompts"))
+          + ("" if lossless is None else f"; {'greedy' if cfg.temperature == 0 else 'seeded'} output equals the "
+                                         f"target's on {lossless['identical']}/{lossless['prompts']} prompts"))
     if lossless is not None and lossless["diverged"]:
         print("diverged (prompt, first differing "
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))

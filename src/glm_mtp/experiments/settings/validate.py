@@ -371,6 +371,10 @@ def check_grammar(cfg: Any) -> None:
     if (cfg.get("trace") or {}).get("path") is not None:
         raise ValueError(f"{what} constrains the target's greedy path, and trace.path holds the unconstrained one (a "
                          "trace records the target's own argmax): run a grammar against the live target")
+    if float(_get(cfg, "temperature")) > 0 and (cfg.get("verify") == "match" or cfg.get("top_p") is not None
+                                                or cfg.get("top_k") is not None):
+        raise ValueError(f"{what} runs greedy or verify=rejection without top_p / top_k: verify=match's seeded "
+                         "samples and the sampler's kept set are the unconstrained target's")
     if _get(cfg, "model.kind") == "random":
         raise ValueError(f"{what} is compiled against the model's tokenizer; model.kind=random has none (use "
                          "model=shipped, next_shipped or hf)")
