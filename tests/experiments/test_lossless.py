@@ -98,6 +98,7 @@ def test_match_runs_check_lossless_against_the_seeded_decode(tmp_path, monkeypat
     s = acceptance.run(config([*base, "draft=sampled"]), str(tmp_path / "sampled"))
     assert s["lossless"] == {"prompts": 2, "identical": 2, "diverged": []}
     assert s["lossless_seeded"] is True and s["lossless_greedy"] is None
+    assert (s["verify"], s["temperature"], s["top_p"], s["top_k"]) == ("match", 1.0, 0.9, None)
     real = acceptance.target_decode
 
     def parting(target, prompt, n, seeded=None):

@@ -506,6 +506,11 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "policy": cfg.policy,
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
+        # the verification rule (greedy at temperature 0; rejection | match, DESIGN.md §14) and the
+        # seeded sampler's truncation (null: off)
+        "verify": "greedy" if cfg.temperature == 0 else decoder_sampling(cfg)["verify"],
+        "top_p": cfg.get("top_p"),
+        "top_k": cfg.get("top_k"),
         "feed_hidden": cfg.feed_hidden,
         "attention": m.attention,  # sparse (the drafter's KPool selection) | dense (every visible row)
         # The indexer's recall per drafted row (experiments.recall): median, p10, per position; None
