@@ -370,3 +370,23 @@ def test_match_and_truncation_refusals(tiny64, target64):
         SpeculativeDecoder(target64, prop, 2, temperature=1.0, verify="exact")
     with pytest.raises(ValueError, match="grammar"):
         match_decoder(target64, prop, 2).generate([1, 2, 3], 4, matcher=object())
+
+
+def test_match_with_top_k_1_is_greedy_live_and_teacher_forced(tiny64, target64, random_prompt):
+    """The seeded sampler's top_k = 1 is the argmax exactly, so match at T = 1 then counts and
+    commits what greedy verification does, in the loop and in teacher forcing."""
+    from glm_mtp.experiments.loop.speculative import teacher_forced
+
+    prompt = random_prompt(96, 9, 8)
+
+    def prop():  # greedy's drafts, some wrong; a fresh one per run draws the same wrong ones
+        return oracle(tiny64, target64, prompt, 12, p_wrong=0.3)[0]
+
+    greedy = SpeculativeDecoder(target64, prop(), 2).generate(prompt, 12)
+    match = SpeculativeDecoder(target64, prop(), 2, temperature=1.0, verify="match", top_k=1).generate(prompt, 12)
+    assert match.tokens == greedy.tokens and match.stats.accepted == greedy.stats.accepted
+    text = prompt + greedy.tokens
+    tf_greedy = teacher_forced(target64, prop(), text, 9, 2)
+    tf_match = teacher_forced(target64, prop(), text, 9, 2, temperature=1.0, verify="match", top_k=1)
+    assert (tf_match.reached, tf_match.accepted) == (tf_greedy.reached, tf_greedy.accepted)
+    assert 0 < sum(tf_greedy.accepted) < sum(tf_greedy.reached)  # some drafts accepted, some not
