@@ -98,7 +98,7 @@ class RoundRules:
     Args:
         num_drafts: k >= 1 drafts per round.
         verify: the verification rule, one of ``verify.VERIFY_RULES`` (``greedy`` needs
-            ``temperature == 0``; ``rejection`` ``temperature > 0``).
+            ``temperature == 0``; ``rejection`` and ``match`` ``temperature > 0``).
         policy: ``first_row_kept`` | ``refeed`` | ``trim_all`` (module docstring).
         temperature: the target's sampling temperature (0: greedy).
         gen: the generator of sampled verification and of sampled drafts' noise.

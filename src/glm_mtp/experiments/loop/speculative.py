@@ -12,7 +12,8 @@ Each step is one round (``loop/round.py``, ``play_round``: draft, width, verify,
 timing), written once for ``SpeculativeDecoder.generate``, ``generate_batch`` and
 ``teacher_forced``. The rollback policies (``first_row_kept``, the default; ``refeed``;
 ``trim_all``) are the round's ``keep_rows``; the verification rules (``greedy`` at
-``temperature == 0``, ``rejection`` sampling above it) are ``loop/verify.py``'s. The emitted
+``temperature == 0``, ``rejection`` sampling or ``match``, seeded exact match, above it) are
+``loop/verify.py``'s. The emitted
 tokens are distributed exactly as sampling from the target alone, for either way of drafting
 (``draft``):
 
