@@ -15,7 +15,7 @@ from glm_mtp.experiments import acceptance
 from glm_mtp.experiments.targets.checkpoint import random_model
 from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, target_decode
 from glm_mtp.experiments.targets.target import Target
-from glm_mtp.experiments.reporting.summary_keys import lossless_greedy
+from glm_mtp.experiments.reporting.summary_keys import lossless_greedy, lossless_seeded
 
 
 def config(overrides):
@@ -88,3 +88,26 @@ def test_sampled_drafts_through_the_entry_point(tmp_path):
                   "backend=optimized"])
     s = acceptance.run(cfg, str(tmp_path))
     assert s["draft"] == "sampled" and s["lossless"] is None and s["counts"]["steps"] > 0
+
+
+def test_match_runs_check_lossless_against_the_seeded_decode(tmp_path, monkeypatch):
+    """verify=match at T = 1, top_p = 0.9 through the entry point (sampled drafts; argmax drafts
+    and the loop's own checks are test_speculative's): each prompt's output equals the target's
+    own seeded sampling of it; a seeded decode that parts is recorded as parting."""
+    base = ["model=tiny_random", "experiment=smoke", "logger=none", "target_numerics=pinned", "temperature=1",
+            "top_p=0.9", "verify=match", "run.check_lossless=true", "speedup.costs=glm5"]
+    s = acceptance.run(config([*base, "draft=sampled"]), str(tmp_path / "sampled"))
+    assert s["lossless"] == {"prompts": 2, "identical": 2, "diverged": []}
+    assert lossless_seeded(s) is True and lossless_greedy(s) is None
+    assert (s["verify"], s["temperature"], s["top_p"], s["top_k"]) == ("match", 1.0, 0.9, None)
+    real = acceptance.target_decode
+
+    def parting(target, prompt, n, seeded=None):
+        assert seeded is not None and seeded.top_p == 0.9  # the run's sampler, not a greedy decode
+        out = real(target, prompt, n, seeded=seeded)
+        out[2] = (out[2] + 1) % target.config.vocab_size
+        return out
+
+    monkeypatch.setattr(acceptance, "target_decode", parting)
+    s = acceptance.run(config(base), str(tmp_path / "parted"))
+    assert s["lossless"]["identical"] == 0 and lossless_seeded(s) is False

@@ -8,6 +8,7 @@ from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.experiments.loop import verify
 from glm_mtp.experiments.loop.speculative import POLICIES, SpecStats, SpeculativeDecoder, make_proposer, target_decode
 from glm_mtp.experiments.loop.verify import stochastic_verify, target_probs
+from glm_mtp.experiments.loop.sampler import SamplerSettings
 
 
 class OracleProposer(ReferenceProposer):
@@ -279,3 +280,113 @@ def test_backends_draft_alike_through_the_loop(tiny64, target64, random_prompt, 
         for b in ("reference", "optimized")
     ]
     assert runs[0].tokens == runs[1].tokens and runs[0].stats.accepted == runs[1].stats.accepted
+
+
+# ------------------------------------------------------------------------------------------------
+# verify=match (DESIGN.md §14): the output is the target's own seeded sampling, whatever the drafter
+
+MATCH = SamplerSettings(1.0, 0.9, None, 7)  # temperature, top_p, top_k, seed
+
+
+def match_decoder(target64, proposer, k, policy="first_row_kept", draft="argmax"):
+    return SpeculativeDecoder(target64, proposer, k, policy, MATCH.temperature, MATCH.seed, draft, verify="match",
+                              top_p=MATCH.top_p)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_match_output_is_the_targets_seeded_sampling(tiny64, target64, random_prompt, policy):
+    """Drafts from the seeded decode itself, each wrong with probability 0.3: every accept count
+    is reached, and the output is that decode token for token (greedy's oracle, at T = 1)."""
+    prompt = random_prompt(96, 9, 3)
+    seeded = target_decode(target64, prompt, 24, seeded=MATCH)
+    assert seeded != target_decode(target64, prompt, 24)  # at T = 1 the samples leave the argmax
+    prop = OracleProposer(tiny64.mtp, 128, prompt + seeded + [0] * 8, 0.3, 1)
+    res = match_decoder(target64, prop, 3, policy).generate(prompt, 24)
+    assert res.tokens == seeded
+    assert 0 < res.stats.accepted[2] < res.stats.steps  # some rounds accepted all, some not
+
+
+def test_match_is_drafter_invariant_for_argmax_and_sampled_drafts(tiny64, target64, random_prompt):
+    """Two different drafters (the oracle, the real one with argmax and with sampled drafts) give
+    the same tokens; their acceptance differs. A verifier that commits the draft at the first
+    mismatch instead of the sample would part (``test_match_catches_a_lossy_rule``)."""
+    prompt = random_prompt(96, 8, 11)
+    seeded = target_decode(target64, prompt, 16, seeded=MATCH)
+    oracle_prop = OracleProposer(tiny64.mtp, 128, prompt + seeded + [0] * 8, 0.2, 2)
+    outs = [match_decoder(target64, oracle_prop, 2).generate(prompt, 16),
+            match_decoder(target64, ReferenceProposer(tiny64.mtp, 128), 2).generate(prompt, 16),
+            match_decoder(target64, ReferenceProposer(tiny64.mtp, 128), 2, draft="sampled").generate(prompt, 16)]
+    assert all(r.tokens == seeded for r in outs)
+    assert outs[0].stats.accepted != outs[1].stats.accepted
+
+
+def test_match_catches_a_lossy_rule(tiny64, target64, random_prompt, monkeypatch):
+    """The broken rule: at the first mismatch commit the draft, not the target's sample."""
+    from glm_mtp.experiments.loop import match_verify
+
+    def lossy(samples, drafts):
+        a = 0
+        while a < len(drafts) and drafts[a] == samples[a]:
+            a += 1
+        return a, drafts[a] if a < len(drafts) else samples[a]
+
+    prompt = random_prompt(96, 8, 11)
+    seeded = target_decode(target64, prompt, 16, seeded=MATCH)
+    monkeypatch.setattr(verify, "match_verify", lossy)
+    res = match_decoder(target64, ReferenceProposer(tiny64.mtp, 128), 2).generate(prompt, 16)
+    assert res.tokens != seeded
+    assert match_verify.match_verify([5, 6], [4]) == (0, 5)  # the real rule, untouched
+
+
+def test_match_batch_equals_each_prompt_alone(tiny64, target64, random_prompt):
+    """Match's samples are keyed by prompt and position, not drawn from a generator: a batch's
+    sequences equal their single runs, tokens and counts."""
+    prompts = [random_prompt(96, 9, 21), random_prompt(96, 6, 22)]
+    prop = ReferenceProposer(tiny64.mtp, 128)
+    batch = match_decoder(target64, prop, 2).generate_batch(prompts, 10)
+    for p, b in zip(prompts, batch):
+        alone = match_decoder(target64, prop, 2).generate(p, 10)
+        assert b.tokens == alone.tokens == target_decode(target64, p, 10, seeded=MATCH)
+        assert (b.stats.reached, b.stats.accepted, b.stats.steps) == (alone.stats.reached, alone.stats.accepted,
+                                                                      alone.stats.steps)
+
+
+def test_rejection_samples_from_the_truncated_target(tiny64, target64, random_prompt):
+    """top_k / top_p restrict rejection's p to the sampler's kept set: top_k = 1 keeps the
+    argmax alone, so the output is the greedy decode (ignoring top_k would sample at T = 1)."""
+    prompt = random_prompt(96, 9, 5)
+    res = SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 2, temperature=1.0, seed=3,
+                             top_k=1).generate(prompt, 16)
+    assert res.tokens == target_decode(target64, prompt, 16)
+    free = SpeculativeDecoder(target64, ReferenceProposer(tiny64.mtp, 128), 2, temperature=1.0, seed=3)
+    assert free.generate(prompt, 16).tokens != res.tokens
+
+
+def test_match_and_truncation_refusals(tiny64, target64):
+    prop = ReferenceProposer(tiny64.mtp, 128)
+    with pytest.raises(ValueError, match="top_p / top_k"):
+        SpeculativeDecoder(target64, prop, 2, top_p=0.9)  # temperature 0
+    with pytest.raises(ValueError, match="verify must be"):
+        SpeculativeDecoder(target64, prop, 2, temperature=1.0, verify="exact")
+    with pytest.raises(ValueError, match="grammar"):
+        match_decoder(target64, prop, 2).generate([1, 2, 3], 4, matcher=object())
+
+
+def test_match_with_top_k_1_is_greedy_live_and_teacher_forced(tiny64, target64, random_prompt):
+    """The seeded sampler's top_k = 1 is the argmax exactly, so match at T = 1 then counts and
+    commits what greedy verification does, in the loop and in teacher forcing."""
+    from glm_mtp.experiments.loop.speculative import teacher_forced
+
+    prompt = random_prompt(96, 9, 8)
+
+    def prop():  # greedy's drafts, some wrong; a fresh one per run draws the same wrong ones
+        return oracle(tiny64, target64, prompt, 12, p_wrong=0.3)[0]
+
+    greedy = SpeculativeDecoder(target64, prop(), 2).generate(prompt, 12)
+    match = SpeculativeDecoder(target64, prop(), 2, temperature=1.0, verify="match", top_k=1).generate(prompt, 12)
+    assert match.tokens == greedy.tokens and match.stats.accepted == greedy.stats.accepted
+    text = prompt + greedy.tokens
+    tf_greedy = teacher_forced(target64, prop(), text, 9, 2)
+    tf_match = teacher_forced(target64, prop(), text, 9, 2, temperature=1.0, verify="match", top_k=1)
+    assert (tf_match.reached, tf_match.accepted) == (tf_greedy.reached, tf_greedy.accepted)
+    assert 0 < sum(tf_greedy.accepted) < sum(tf_greedy.reached)  # some drafts accepted, some not

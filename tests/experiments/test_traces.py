@@ -277,6 +277,7 @@ def test_commands_refuse_a_hostile_trace_in_one_line(tiny_trace, tmp_path):
                        timeout=300, env=env)
     assert r.returncode == 1 and r.stdout.startswith("items[1].sha256"), r.stdout
     r = subprocess.run([PY, "-m", "glm_mtp.experiments.record", "model=tiny_random", "temperature=1",
+                        "mode=teacher_forced",
                         f"trace.out={tmp_path / 'new'}", f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 2 and "temperature" in r.stderr.strip().splitlines()[-1], r.stderr

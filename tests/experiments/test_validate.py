@@ -150,6 +150,9 @@ def test_exit_on_bad_config_removes_only_what_hydra_wrote(tmp_path, capsys):
 # ---- settings whose rule needs another setting or a file: checked before any work ---------------
 
 
+GRAMMAR_SAMPLING = r"^grammar=regex runs greedy or verify=rejection without top_p / top_k"
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["model=shipped", "num_drafts=100000"],
      r"^num_drafts must fit model.max_seq_len: .* = 100113 exceeds model.max_seq_len=256"),
@@ -159,6 +162,8 @@ def test_exit_on_bad_config_removes_only_what_hydra_wrote(tmp_path, capsys):
     (["model=tiny_random", "model.preset=huge"], r"^model.preset must be a preset name"),
     (["draft=sampled", "temperature=1e-45"], r"^temperature must suit draft=sampled: .*too small"),
     (["draft=sampled", "temperature=1e39"], r"^temperature must suit draft=sampled"),
+    (["grammar=regex", "grammar.pattern=abc", "temperature=1", "verify=match"], GRAMMAR_SAMPLING),
+    (["grammar=regex", "grammar.pattern=abc", "temperature=1", "top_k=5"], GRAMMAR_SAMPLING),
 ])
 def test_a_setting_that_breaks_another_or_a_file_is_refused_up_front(overrides, match):
     with pytest.raises(ValueError, match=match):

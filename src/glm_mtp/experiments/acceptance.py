@@ -24,9 +24,12 @@ no tracker).
 ``draft``: ``argmax`` (default) or ``sampled`` (each draft drawn from the drafter's softmax at the
 temperature, verified by full rejection sampling; needs ``temperature > 0``). ``target_numerics``:
 ``vendor`` (torch's kernels, default) or ``pinned`` (DESIGN.md §5: batch-invariant). With
-``run.check_lossless=true`` (greedy loop only) every prompt is also decoded by the target
+``run.check_lossless=true`` (the greedy loop, and ``verify=match`` at temperature > 0, against
+the target's own seeded sampling of the prompt) every prompt is also decoded by the target
 alone, one token per forward, and ``summary.json`` records ``lossless: {prompts, identical,
-diverged}`` (``diverged``: each parting prompt's index and first differing generated token).
+diverged}`` (``diverged``: each parting prompt's index and first differing generated token),
+against the greedy decode or, under ``verify: match``, the seeded one
+(``reporting.summary_keys.lossless_greedy`` / ``lossless_seeded`` read it).
 
 ``stop.rule`` / ``stop.threshold`` (``loop/stop_rules.py``): each round verifies only the drafts
 1..s on which the rule holds (from the drafter's ``draft_confidence``); ``summary.json`` records the
@@ -69,6 +72,7 @@ from .reporting.measured import LateFailure, MeasuredFile
 from .targets.provenance import provenance
 from .loop.recall import ProbedProposer, RecallProbe, recall_summary, selection
 from .loop.stop_rules import stop_rule
+from .settings.sampling import decoder_sampling
 from .loop.speculative import (SpecStats, SpeculativeDecoder, make_proposer, speculative_results, target_decode,
                                teacher_forced)
 from .targets.target import class_path
@@ -283,14 +287,17 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     drafter = proposer if probe is None else ProbedProposer(proposer, probe)
     grammars = run_grammars(cfg, model, len(starts))
     stop = stop_rule(cfg)
+    sampling = decoder_sampling(cfg)
     decoder = SpeculativeDecoder(target, drafter, cfg.num_drafts, cfg.policy, cfg.temperature, cfg.seed, draft,
-                                 "masked" if grammars is None else grammars.drafts, stop)
+                                 "masked" if grammars is None else grammars.drafts, stop, **sampling)
 
     stats = SpecStats(cfg.num_drafts)
     per_prompt: list[SpecStats] = []
     generated, grams, distinct = 0, 0, 0
-    check_lossless = bool(run.check_lossless) and mode == "speculative" and cfg.temperature == 0
-    divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own greedy decode
+    # greedy: against the target's greedy decode; verify=match: against its own seeded sampling
+    seeded = decoder.rules.sampler if decoder.seeded else None
+    check_lossless = bool(run.check_lossless) and mode == "speculative" and (cfg.temperature == 0 or seeded is not None)
+    divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own (seeded) decode
     samples = []
     outputs: list[list[int]] = []  # each prompt's generated tokens
     decode = model.tokenizer.decode if model.tokenizer is not None else str
@@ -301,7 +308,7 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
         if mode == "teacher_forced":
             st = teacher_forced(target, drafter, w, plen, cfg.num_drafts, cfg.policy, cfg.temperature,
                                 decoder.gen,
-                                device=device, draft=draft, stop=stop)
+                                device=device, draft=draft, stop=stop, **sampling, seed=cfg.seed)
             if len(samples) < 2:
                 samples.append({"prompt": decode(w[:plen]),
                                 "continuation": decode(w[plen:]),
@@ -313,9 +320,10 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
             outputs.append(res.tokens)
             four = [tuple(res.tokens[i : i + 4]) for i in range(len(res.tokens) - 3)]
             grams, distinct = grams + len(four), distinct + len(set(four))
-            if check_lossless:  # the target's own (constrained, under a grammar) greedy decode
+            if check_lossless:  # the target's own (constrained, under a grammar) greedy or seeded decode
                 if grammars is None:
-                    plain = target_decode(target, p, want)
+                    plain = (target_decode(target, p, want) if seeded is None
+                             else target_decode(target, p, want, seeded=seeded))
                 else:
                     plain = target_decode(target, p, want, matcher=grammars.matcher(len(per_prompt)),
                                           vocab_size=model.mtp.config.vocab_size)
@@ -395,6 +403,11 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "policy": cfg.policy,
         "backend": cfg.backend.name,
         "temperature": float(cfg.temperature),
+        # the verification rule (greedy at temperature 0; rejection | match, DESIGN.md §14) and the
+        # seeded sampler's truncation (null: off)
+        "verify": "greedy" if cfg.temperature == 0 else decoder_sampling(cfg)["verify"],
+        "top_p": cfg.get("top_p"),
+        "top_k": cfg.get("top_k"),
         "feed_hidden": cfg.feed_hidden,
         "attention": m.attention,  # sparse (the drafter's KPool selection) | dense (every visible row)
         # The indexer's recall per drafted row (experiments.loop.recall): median, p10, per position; None
@@ -488,8 +501,8 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
             else f"{summary['generated_tokens']} tokens")
     say(f"τ = {summary['mean_accepted_length']:.3f} tokens per target forward; {what} from {summary['prompts']} "
           f"prompts in {summary['wall_seconds']:.1f}s (drafting {summary['draft_share']:.0%} of the loop)"
-          + ("" if lossless is None else "; greedy output equals the target's on "
-                                         f"{lossless['identical']}/{lossless['prompts']} prompts"))
+          + ("" if lossless is None else f"; {'greedy' if cfg.temperature == 0 else 'seeded'} output equals the "
+                                         f"target's on {lossless['identical']}/{lossless['prompts']} prompts"))
     if lossless is not None and lossless["diverged"]:
         say("diverged (prompt, first differing "
               "token): " + ", ".join(f"({d['prompt']}, {d['token']})" for d in lossless["diverged"]))

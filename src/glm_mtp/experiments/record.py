@@ -41,9 +41,9 @@ def check_record(cfg: Any) -> None:
     check_recording_settings(cfg)
     check_acceptance(cfg)
     check_recorded_prompts(cfg)
-    if _get(cfg, "temperature") != 0:
-        raise ValueError(f"temperature: a trace records the target's greedy path (temperature 0), got "
-                         f"{_get(cfg, 'temperature')}")
+    if _get(cfg, "temperature") != 0 and _get(cfg, "mode") != "speculative":
+        raise ValueError(f"temperature: mode={_get(cfg, 'mode')} records the target's greedy chains (temperature 0); "
+                         f"a sampled trace (temperature > 0) is mode=speculative, got {_get(cfg, 'temperature')}")
     out = _get(cfg, "trace.out")
     if not isinstance(out, str) or not out:
         raise ValueError(f"trace.out must be the new trace's directory, got {out!r}")
@@ -90,6 +90,7 @@ def record(cfg: Any) -> dict[str, Any]:
     from .traces.recorder import (measure_target_costs, record_speculative, record_teacher_forced,
                                   sequential_continue)
     from .traces.replay_run import drafter_path
+    from .settings.sampling import sampler_settings
 
     torch.set_num_threads(cfg.threads)
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)
@@ -98,17 +99,18 @@ def record(cfg: Any) -> dict[str, Any]:
     windows, starts = run_prompts(cfg, model, source)
     max_seq_len = min(cfg.model.max_seq_len, model.mtp.config.max_position_embeddings)
     numerics = cfg.target_numerics
+    settings = sampler_settings(cfg)
     if model.hf is not None:
         from .targets.hf_target import HfTarget
         from .traces.hf_record import batched_continue
 
         numerics = "transformers"
         target: Any = HfTarget(model.hf.model, K + 1, max_seq_len, "cpu", cfg.model.get("topk_ties", "lower_index"))
-        continue_fn = batched_continue(model.hf.model, target.topk_ties)
+        continue_fn = batched_continue(model.hf.model, target.topk_ties, settings)
         target_info = {**model.hf.info, "topk_ties": target.topk_ties}
     else:
         target = Target(model.target, max_seq_len, numerics=numerics)
-        continue_fn = sequential_continue(target)
+        continue_fn = sequential_continue(target, settings)
         target_info = {"implementation": class_path(target), "numerics": numerics}
     identity = model_identity(cfg.model, drafter_path(cfg.model))
     target_info = {**target_info, "numerics": numerics, "target_config_sha256": identity["target_config_sha256"],
@@ -120,7 +122,8 @@ def record(cfg: Any) -> dict[str, Any]:
                                              progress_bar(len(windows), "recording items"), source)
     else:
         items, stats = record_speculative(target, starts, run.max_new_tokens + K - 1, continue_fn, batch,
-                                          progress_bar(-(-len(starts) // batch), "recording batches"), source)
+                                          progress_bar(-(-len(starts) // batch), "recording batches"), source,
+                                          settings)
     if not items:
         raise RuntimeError("every item was cut at its first generated token (near-ties of the two passes): no trace")
     costs = None
@@ -140,8 +143,7 @@ def record(cfg: Any) -> dict[str, Any]:
                     "windows_sha256": _sha256_json(windows),
                     "path": prompts_path(cfg) if source in ("jsonl", "text") else None,
                     "file_sha256": path_sha256(prompts_path(cfg)) if source in ("jsonl", "text") else None},
-        "generation": {"temperature": 0, "top_p": None, "top_k": None, "seed": None, "sampler": None,
-                       "max_new_tokens": run.max_new_tokens,
+        "generation": {**generation_record(settings), "max_new_tokens": run.max_new_tokens,
                        "continuation": run.max_new_tokens + K - 1 if mode == "speculative" else None,
                        "batch_size": batch},
         "truncation": stats.truncation(),
@@ -151,10 +153,19 @@ def record(cfg: Any) -> dict[str, Any]:
     }
     sha = write_trace(cfg.trace.out, meta, items)
     t = stats.truncation()
-    print(f"recorded {len(items)} items ({mode}, {source}) into {cfg.trace.out}: {stats.forwards()['total']} target "
+    print(f"recorded {len(items)} items ({mode}, {source}, temperature {settings.temperature:g}) into {cfg.trace.out}: "
+          f"{stats.forwards()['total']} target "
           f"forwards; {t['items']} items cut at a near-tie ({t['positions_dropped']} positions dropped, "
           f"{t['items_dropped']} items dropped whole); trace.json sha256 {sha}")
     return {**meta, "sha256": sha}
+
+
+def generation_record(settings: Any) -> dict[str, Any]:
+    """The trace's sampler fields: the seeded sampler's settings and name at temperature > 0;
+    temperature 0 and the rest null for a greedy trace."""
+    if settings.temperature == 0:
+        return {"temperature": 0, "top_p": None, "top_k": None, "seed": None, "sampler": None}
+    return settings.record()
 
 
 def _sha256_json(x: Any) -> str:

@@ -47,6 +47,7 @@ from .loop.calibration import MARGIN_EDGES, PROB_EDGES, calibration, depth_corre
 from .loop.oracle import oracle_per_prompt
 from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
 from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, speculative_results, teacher_forced
+from .settings.sampling import decoder_sampling
 
 SWEPT_RULES = tuple(r for r in STOP_RULES if r != "none")
 # v(s) beside the run's costs, c kept: ``flat`` a verify of any width as cheap as a decode step
@@ -150,11 +151,12 @@ class Runner:
     def run(self, k: int, stop: StopRule = NO_STOP, record_rounds: bool = False) -> list[SpecStats]:
         cfg = self.cfg
         draft = cfg.get("draft", "argmax")
+        sampling = decoder_sampling(cfg)
         decoder = SpeculativeDecoder(self.target, self.proposer, k, cfg.policy, cfg.temperature, cfg.seed, draft,
-                                     stop=stop, record_rounds=record_rounds)
+                                     stop=stop, record_rounds=record_rounds, **sampling)
         if cfg.mode == "teacher_forced":
             return [teacher_forced(self.target, self.proposer, w, plen, k, cfg.policy, cfg.temperature, decoder.gen,
-                                   self.device, draft, stop, record_rounds)
+                                   self.device, draft, stop, record_rounds, **sampling, seed=cfg.seed)
                     for w, plen in zip(self.windows, self.prompt_lens)]
         results = speculative_results(decoder, self.starts, self.budgets, cfg.get("batch_size", 1), self.device)
         return [res.stats for _, res in results]

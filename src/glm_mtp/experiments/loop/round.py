@@ -42,6 +42,8 @@ from glm_mtp.reference.contract import DraftProposer
 from glm_mtp.reference.numerics import acc_dtype
 
 from .grammar_verify import verify_masks
+from .match_verify import target_samples
+from .sampler import SamplerSettings, kept_tokens, truncates
 from .stop_rules import NO_STOP, RoundRecord, StopRule, round_width
 from .verify import VERIFY_RULES, verify
 
@@ -96,7 +98,7 @@ class RoundRules:
     Args:
         num_drafts: k >= 1 drafts per round.
         verify: the verification rule, one of ``verify.VERIFY_RULES`` (``greedy`` needs
-            ``temperature == 0``; ``rejection`` ``temperature > 0``).
+            ``temperature == 0``; ``rejection`` and ``match`` ``temperature > 0``).
         policy: ``first_row_kept`` | ``refeed`` | ``trim_all`` (module docstring).
         temperature: the target's sampling temperature (0: greedy).
         gen: the generator of sampled verification and of sampled drafts' noise.
@@ -104,6 +106,10 @@ class RoundRules:
         stop: the stop rule (``loop/stop_rules.py``).
         record_rounds: read every round's confidences (for ``Round.record``) even without a stop rule.
         grammar_drafts: with a matcher, ``masked`` (the drafter drafts under it) or ``unmasked``.
+        sampler: the seeded sampler's settings (``loop/sampler.py``; temperature equal to
+            ``temperature``): ``match`` draws the target's samples with it (it needs one);
+            ``rejection`` takes its top_p / top_k kept set as the target's support. None: no
+            truncation (``match`` refused).
     """
 
     num_drafts: int
@@ -115,6 +121,7 @@ class RoundRules:
     stop: StopRule = NO_STOP
     record_rounds: bool = False
     grammar_drafts: GrammarDrafts = "masked"
+    sampler: SamplerSettings | None = None
 
     def __post_init__(self) -> None:
         k = self.num_drafts
@@ -134,6 +141,24 @@ class RoundRules:
         if self.verify == "rejection" and not self.temperature > 0:
             raise ValueError(f"verify=rejection samples at the temperature: it needs temperature > 0, got "
                              f"{self.temperature!r}")
+        if self.verify == "match" and not (self.temperature > 0 and self.sampler is not None):
+            raise ValueError("verify=match compares drafts with the target's seeded samples: it needs temperature > 0 "
+                             f"and the sampler's settings: temperature={self.temperature!r}, sampler={self.sampler}")
+        if self.sampler is not None and self.sampler.temperature != self.temperature:
+            raise ValueError(f"sampler.temperature must be the run's temperature {self.temperature!r}, got "
+                             f"{self.sampler.temperature!r}")
+        if self.truncates and self.verify == "greedy":
+            raise ValueError("top_p / top_k truncate the sampled distribution: verify=greedy (temperature 0) has none")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampler's top_p / top_k keep fewer tokens than the whole vocabulary (may)."""
+        return truncates(self.sampler)
+
+    def support(self, logits: Tensor) -> Tensor | None:
+        """(T, V) bool, the tokens ``rejection`` may emit after each row of ``logits`` (T, V): the
+        sampler's kept set (top_k then top_p, exactly the seeded sampler's); None without truncation."""
+        return kept_tokens(logits, self.sampler) if self.truncates else None
 
     def check_drafter(self, proposer: DraftProposer) -> None:
         """What the rules need of ``proposer``: ``propose_sampled`` for sampled drafts,
@@ -259,7 +284,7 @@ def keep_rows(proposer: DraftProposer, state: object, policy: str, token: int, h
 
 def play_round(rules: RoundRules, target: TargetModel, proposer: DraftProposer, tstate: object, dstate: object,
                token: int, h_prev: Tensor, m: int, *, drafts: list[int] | None = None, matcher: Any = None,
-               keep_accepted: bool = True, defer_catchup: bool = False) -> Round:
+               keep_accepted: bool = True, defer_catchup: bool = False, prompt_sha256: str | None = None) -> Round:
     """One round at ``m`` (module docstring): draft, width, verify, rollback, timing.
 
     Args:
@@ -274,6 +299,9 @@ def play_round(rules: RoundRules, target: TargetModel, proposer: DraftProposer, 
         keep_accepted: False for teacher forcing: the target and the drafter keep none of the
             accepted drafts (the text moves on).
         defer_catchup: ``first_row_kept``'s owed row is returned in ``Round.owed``, not written.
+        prompt_sha256: the prompt's sha256 (``traces/prompt_id.py``), the key of ``match``'s seeded
+            samples (row t of the verify at item position m + t); a target that answers its own
+            samples (a sampled trace's replay) is not asked.
     """
     if defer_catchup and rules.policy != "first_row_kept":
         raise ValueError(f"a deferred catch-up is first_row_kept's one owed row; policy={rules.policy}")
@@ -290,8 +318,19 @@ def play_round(rules: RoundRules, target: TargetModel, proposer: DraftProposer, 
     t1 = clock()  # the verify's masks count as the verify's time
     allowed, legal = (None, width) if matcher is None else verify_masks(matcher, verified, proposer.config.vocab_size)
     out = target.verify([token, *verified], tstate)  # positions m..m+width
+    samples = None
+    if rules.verify == "match":
+        if matcher is not None:
+            raise ValueError("verify=match runs without a grammar (its samples are the unconstrained target's)")
+        if prompt_sha256 is None and getattr(out, "sample", None) is None:
+            raise ValueError("verify=match keys the target's seeded samples by the prompt: prompt_sha256 is None")
+        samples = target_samples(out, rules.sampler, prompt_sha256, m, width + 1)
+    elif rules.verify == "rejection" and rules.truncates:
+        if matcher is not None:
+            raise ValueError("top_p / top_k with a grammar: the two supports are not combined; run one of them")
+        allowed = rules.support(out.logits[: width + 1])  # (width+1, V): p over the sampler's kept set
     a, bonus = verify(rules.verify, out.logits, verified, rules.temperature, rules.gen,
-                      None if q is None else q[:width], allowed)
+                      None if q is None else q[:width], allowed, samples)
     kept = a if keep_accepted else 0
     target.rollback(tstate, m + kept + 1)
     t2 = clock()

@@ -12,7 +12,8 @@ Each step is one round (``loop/round.py``, ``play_round``: draft, width, verify,
 timing), written once for ``SpeculativeDecoder.generate``, ``generate_batch`` and
 ``teacher_forced``. The rollback policies (``first_row_kept``, the default; ``refeed``;
 ``trim_all``) are the round's ``keep_rows``; the verification rules (``greedy`` at
-``temperature == 0``, ``rejection`` sampling above it) are ``loop/verify.py``'s. The emitted
+``temperature == 0``, ``rejection`` sampling or ``match``, seeded exact match, above it) are
+``loop/verify.py``'s. The emitted
 tokens are distributed exactly as sampling from the target alone, for either way of drafting
 (``draft``):
 
@@ -58,6 +59,8 @@ from glm_mtp.registry import backend_class
 
 from .grammar_verify import commit_tokens, masked_argmax, masked_target_probs, matcher_row, output_finished
 from .round import (DRAFTS, POLICIES, Draft, GrammarDrafts, Policy, Round, RoundRules, TargetModel, play_round)
+from ..traces.prompt_id import prompt_sha256
+from .sampler import SamplerSettings, kept_tokens, seeded_sample, truncates
 from .stop_rules import NO_STOP, RoundRecord, StopRule
 from .verify import default_verify_rule, target_probs
 
@@ -91,6 +94,51 @@ def pick(logits: Tensor, temperature: float, gen: torch.Generator, allowed: Tens
     if temperature == 0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(target_probs(logits, temperature), 1, generator=gen))
+
+
+def next_token(out: Any, temperature: float, gen: torch.Generator, sampler: SamplerSettings | None = None,
+               seeded: bool = False, key: tuple[str | None, int] = (None, 0),
+               allowed: Tensor | None = None) -> int | None:
+    """The target's own token after the last row of a forward's ``out``.
+
+    Args:
+        temperature / gen / allowed: as ``pick``'s (``rejection`` and greedy).
+        sampler: the seeded sampler's settings: ``seeded`` draws the seeded sample with them;
+            otherwise their top_p / top_k kept set is the support ``pick`` draws from.
+        seeded: the seeded sample (``verify=match``): the target's own (``out.sample``, a sampled
+            trace's replay) where it answers one, else ``seeded_sample`` keyed by ``key``.
+        key: (the prompt's sha256, the last row's item position).
+    """
+    if seeded:
+        given = getattr(out, "sample", None)
+        if given is not None:
+            return int(given[-1])
+        sha, position = key
+        if sha is None or sampler is None:
+            raise ValueError("a seeded sample needs the sampler's settings and the prompt's sha256")
+        row = out.logits[-1:]  # (1, V)
+        return int(seeded_sample(row, sampler, sha, torch.tensor([position], device=row.device))[0])
+    if temperature > 0 and truncates(sampler):
+        if allowed is not None:
+            raise ValueError("top_p / top_k with a grammar: the two supports are not combined; run one of them")
+        allowed = kept_tokens(out.logits[-1:], sampler)[0]
+    return pick(out.logits[-1], temperature, gen, allowed)
+
+
+def decode_rule(temperature: float, verify: str | None, top_p: float | None, top_k: int | None,
+                seed: int) -> tuple[str, SamplerSettings | None]:
+    """The verification rule and the sampler's settings of a run: ``greedy`` and no sampler at
+    ``temperature == 0`` (top_p / top_k refused there), else ``verify`` (``rejection`` when None)
+    with the seeded sampler at ``(temperature, top_p, top_k, seed)``."""
+    if temperature == 0:
+        if top_p is not None or top_k is not None:
+            raise ValueError(f"top_p / top_k truncate the sampled distribution: they need temperature > 0 (got top_p="
+                             f"{top_p!r}, top_k={top_k!r} at temperature 0)")
+        return "greedy", None
+    rule = default_verify_rule(temperature) if verify is None else verify
+    if rule not in ("rejection", "match"):
+        raise ValueError(f"verify must be rejection or match at temperature > 0, got {verify!r}")
+    return rule, SamplerSettings(float(temperature), top_p, top_k, int(seed))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,26 +272,41 @@ class SpeculativeDecoder:
         stop: the stop rule (``loop/stop_rules.py``; default: verify every draft).
         record_rounds: keep every round's confidences, width and accepted count in the stats'
             ``rounds`` (reads the confidences even without a stop rule).
+        verify: at ``temperature > 0``, ``rejection`` (default) or ``match`` (seeded exact match,
+            DESIGN.md §14: the output is the target's seeded sampling of each prompt, the first
+            token after the prompt included, whatever the drafter); ignored at temperature 0
+            (greedy, where the seeded sampler is the argmax).
+        top_p / top_k: the seeded sampler's truncation (None: off; ``temperature > 0`` only):
+            ``match``'s samples are drawn with it, ``rejection`` samples from the truncated target.
     """
 
     def __init__(self, target: TargetModel, proposer: DraftProposer, num_drafts: int, policy: Policy = "first_row_kept",
                  temperature: float = 0.0, seed: int = 0, draft: Draft = "argmax",
                  grammar_drafts: GrammarDrafts = "masked", stop: StopRule = NO_STOP,
-                 record_rounds: bool = False) -> None:
+                 record_rounds: bool = False, verify: str | None = None, top_p: float | None = None,
+                 top_k: int | None = None) -> None:
         self.target, self.proposer = target, proposer
         self.gen = torch.Generator().manual_seed(seed)
-        self.rules = RoundRules(num_drafts, default_verify_rule(temperature), self.gen, policy, float(temperature),
-                                draft, stop, record_rounds, grammar_drafts)
+        rule, sampler = decode_rule(float(temperature), verify, top_p, top_k, seed)
+        self.rules = RoundRules(num_drafts, rule, self.gen, policy, float(temperature),
+                                draft, stop, record_rounds, grammar_drafts, sampler)
         self.rules.check_drafter(proposer)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the target's tokens are its seeded samples (``verify=match``)."""
+        return self.rules.verify == "match"
 
     def _new_stats(self) -> SpecStats:
         return SpecStats(self.rules.num_drafts, rounds=[] if self.rules.record_rounds else None)
 
-    def _first_token(self, logits: Tensor, matcher: Any) -> int | None:
-        """The prefill's token after the prompt, under the matcher's mask when there is one (None:
-        the grammar allows nothing)."""
+    def _first_token(self, out: Any, matcher: Any, sha: str | None, n: int) -> int | None:
+        """The prefill's token after the prompt of ``n`` tokens (sha256 ``sha``), under the
+        matcher's mask when there is one (None: the grammar allows nothing); the seeded sample at
+        position n - 1 under ``match``."""
         allowed = None if matcher is None else matcher_row(matcher, self.proposer.config.vocab_size)
-        return pick(logits, self.rules.temperature, self.gen, allowed)
+        r = self.rules
+        return next_token(out, r.temperature, self.gen, r.sampler, self.seeded, (sha, n - 1), allowed)
 
     def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device | str = "cpu",
                  free_state: bool = True, matcher: Any = None) -> SpecResult:
@@ -260,14 +323,18 @@ class SpeculativeDecoder:
             raise ValueError("prompt must hold at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if matcher is not None and (self.seeded or self.rules.truncates):
+            raise ValueError("a grammar runs with verify=rejection without top_p / top_k (or greedy): the seeded "
+                             "sampler's samples and kept set are the unconstrained target's")
         tg, prop = self.target, self.proposer
+        sha = prompt_sha256(list(prompt)) if self.seeded else None
         stats = self._new_stats()
         clock = time.perf_counter
 
         t0 = clock()
         tstate = tg.alloc_state()
         out = tg.prefill(list(prompt), tstate)  # h_0..h_{n-1}
-        first = self._first_token(out.logits[-1], matcher)
+        first = self._first_token(out, matcher, sha, len(prompt))
         tokens, finished = list(prompt) + ([] if first is None else [first]), first is None
         if matcher is not None and first is not None:
             commit_tokens(matcher, [first])
@@ -280,7 +347,8 @@ class SpeculativeDecoder:
         m, h_prev = len(prompt), out.hidden[-1:]  # t_m newest, h_{m-1}
 
         while not finished and len(tokens) - len(prompt) < max_new_tokens:
-            r = play_round(self.rules, tg, prop, tstate, dstate, tokens[m], h_prev, m, matcher=matcher)
+            r = play_round(self.rules, tg, prop, tstate, dstate, tokens[m], h_prev, m, matcher=matcher,
+                           prompt_sha256=sha)
             stats.add_round(r)
             if matcher is not None:
                 commit_tokens(matcher, r.committed)
@@ -305,9 +373,10 @@ class SpeculativeDecoder:
         the live sequences in calls of at most that many states (still one call per round when
         they fit).
 
-        Greedy verification (``temperature == 0``): each sequence's tokens and counters (every
-        ``SpecStats`` field but the seconds) equal ``generate`` on its prompt alone, bit for bit
-        (the drafter's batch invariance). At ``temperature > 0`` the loop's one generator is
+        Greedy verification (``temperature == 0``) and ``verify=match``: each sequence's tokens
+        and counters (every ``SpecStats`` field but the seconds) equal ``generate`` on its prompt
+        alone, bit for bit (the drafter's batch invariance; match's samples are keyed by prompt and
+        position, not drawn from a generator). Under ``rejection`` the loop's one generator is
         drawn from sequence by sequence within each round: the emitted tokens are still
         distributed as the target's, but they are not the draws ``generate`` makes prompt
         after prompt (with one prompt they are). Time in a batched drafter call is split
@@ -316,7 +385,8 @@ class SpeculativeDecoder:
         Only ``policy='first_row_kept'`` and ``draft='argmax'`` are batched; others raise
         ``ValueError`` (use ``generate``).
         """
-        seqs = [_Seq(p, n, self._new_stats()) for p, n in self._batch_inputs(prompts, max_new_tokens)]
+        seqs = [_Seq(p, n, self._new_stats(), prompt_sha256(p) if self.seeded else None)
+                for p, n in self._batch_inputs(prompts, max_new_tokens)]
         cap = getattr(self.proposer, "max_batch", None) or len(seqs)  # the most states one batched call takes
         try:
             for s in seqs:  # prompt by prompt (the order generate draws from the generator in)
@@ -369,7 +439,9 @@ class SpeculativeDecoder:
         t0 = clock()
         s.tstate = self.target.alloc_state()
         out = self.target.prefill(s.tokens, s.tstate)
-        s.tokens.append(pick(out.logits[-1], self.rules.temperature, self.gen))
+        first = self._first_token(out, None, s.sha, len(s.prompt))
+        assert first is not None  # no grammar in the batch path
+        s.tokens.append(first)
         s.stats.prefill_s += clock() - t0
         t0 = clock()
         s.dstate = self.proposer.alloc_state(device)
@@ -397,7 +469,7 @@ class SpeculativeDecoder:
         and its commit. Returns the row a fully accepted sequence owes, ``(seq, d_k, h_{m+k-1},
         row m+k-1)``, for the round's catch-up (None otherwise)."""
         r = play_round(self.rules, self.target, self.proposer, s.tstate, s.dstate, s.tokens[s.m], s.h_prev, s.m,
-                       drafts=d, defer_catchup=True)
+                       drafts=d, defer_catchup=True, prompt_sha256=s.sha)
         s.stats.add_round(r)
         s.tokens += r.committed
         s.h_prev, s.m = r.next_hidden, s.m + r.accepted + 1  # h_{m+a}
@@ -435,6 +507,7 @@ class _Seq:
     prompt: list[int]
     want: int
     stats: SpecStats
+    sha: str | None = None  # the prompt's sha256 under verify=match (its samples' key), else None
     tokens: list[int] = field(init=False)
     m: int = 0
     h_prev: Tensor | None = None
@@ -451,8 +524,13 @@ class _Seq:
 
 
 def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                  gen: torch.Generator | None = None, matcher: Any = None, vocab_size: int | None = None) -> list[int]:
+                  gen: torch.Generator | None = None, matcher: Any = None, vocab_size: int | None = None,
+                  seeded: SamplerSettings | None = None) -> list[int]:
     """The target alone, one token per forward: the reference speculative decoding must match.
+
+    ``seeded``: the target's own seeded sampling with these settings (``loop/sampler.py``; what
+    ``verify=match`` must equal token for token): each token the seeded sample of its row, keyed
+    by the prompt's sha256 and the row's position (``temperature`` and ``gen`` unread).
 
     ``matcher`` (with ``vocab_size``, the bitmask's width): the target's constrained decode, each
     token picked over the matcher's mask and accepted into it (the matcher is left after the last
@@ -460,6 +538,9 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
     gen = gen or torch.Generator().manual_seed(0)
     if matcher is not None and vocab_size is None:
         raise ValueError("target_decode with a matcher needs vocab_size (the width of its bitmask)")
+    if seeded is not None and matcher is not None:
+        raise ValueError("target_decode: a seeded decode runs without a grammar")
+    sha = prompt_sha256(list(prompt)) if seeded is not None else None
     state = target.alloc_state()
     out = target.prefill(list(prompt), state)
     tokens: list[int] = []
@@ -467,7 +548,10 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
         if tokens:
             out = target.verify(tokens[-1:], state)
         allowed = None if matcher is None else matcher_row(matcher, vocab_size)
-        token = pick(out.logits[-1], temperature, gen, allowed)
+        if seeded is not None:  # the row of the newest token, at position len(prompt) + len(tokens) - 1
+            token = next_token(out, seeded.temperature, gen, seeded, True, (sha, len(prompt) + len(tokens) - 1))
+        else:
+            token = pick(out.logits[-1], temperature, gen, allowed)
         if token is None:
             break
         tokens.append(token)
@@ -481,7 +565,8 @@ def target_decode(target: TargetModel, prompt: list[int], max_new_tokens: int, t
 def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int], prompt_len: int, num_drafts: int,
                    policy: Policy = "first_row_kept", temperature: float = 0.0, gen: torch.Generator | None = None,
                    device: torch.device | str = "cpu", draft: Draft = "argmax", stop: StopRule = NO_STOP,
-                   record_rounds: bool = False) -> SpecStats:
+                   record_rounds: bool = False, verify: str | None = None, top_p: float | None = None,
+                   top_k: int | None = None, seed: int = 0) -> SpecStats:
     """Acceptance on natural text: at every position ``m`` in ``[prompt_len, len(text))`` the
     drafter proposes k drafts after the text ``t_0..t_m`` (its first row reads the target's
     hidden ``h_{m-1}``, later rows its own post-norm ``x``, as in the loop), and one verification
@@ -504,13 +589,17 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
         draft: ``argmax`` or ``sampled`` (as ``SpeculativeDecoder``'s).
         stop / record_rounds: the stop rule (each position verifies its rule's prefix of the
             drafts) and whether to record each round (as ``SpeculativeDecoder``'s).
+        verify / top_p / top_k / seed: as ``SpeculativeDecoder``'s (``match``'s samples keyed by
+            ``seed``, ``text[:prompt_len]``'s sha256 and the position; ``gen`` draws none of them).
     Returns the counters (``steps`` = positions scored).
     """
     if not 1 <= prompt_len < len(text):
         raise ValueError(f"prompt_len must be in [1, len(text)) = [1, {len(text)}), got {prompt_len}")
     gen = gen or torch.Generator().manual_seed(0)
-    rules = RoundRules(num_drafts, default_verify_rule(temperature), gen, policy, float(temperature), draft, stop,
-                       record_rounds)
+    rule, sampler = decode_rule(float(temperature), verify, top_p, top_k, seed)
+    rules = RoundRules(num_drafts, rule, gen, policy, float(temperature), draft, stop, record_rounds,
+                       sampler=sampler)
+    sha = prompt_sha256(list(text[:prompt_len])) if rule == "match" else None
     rules.check_drafter(proposer)
     stats, clock = SpecStats(num_drafts, rounds=[] if record_rounds else None), time.perf_counter
     t0 = clock()
@@ -524,7 +613,8 @@ def teacher_forced(target: TargetModel, proposer: DraftProposer, text: list[int]
     h_prev = out.hidden[-1:]  # h_{m-1}
     for m in range(prompt_len, len(text)):
         # the target rewinds to m + 1 (row m holds t_m) and the drafter keeps its row m-1, (t_m, h_{m-1})
-        r = play_round(rules, target, proposer, tstate, dstate, text[m], h_prev, m, keep_accepted=False)
+        r = play_round(rules, target, proposer, tstate, dstate, text[m], h_prev, m, keep_accepted=False,
+                       prompt_sha256=sha)
         stats.add_round(r)
         h_prev = r.next_hidden  # h_m, the text's own
     proposer.free_state(dstate)

@@ -11,11 +11,18 @@ Rules (``VERIFY_RULES``):
   ``d`` is accepted with probability ``min(1, p(d) / q(d))``; on rejection the token is drawn from
   ``normalise(max(0, p - q))``; after every draft is accepted the bonus is drawn from ``p``. For
   argmax drafts ``q`` is one-hot at the draft (accept with ``p(d)``, else draw from ``p`` without
-  ``d``). The emitted tokens are distributed as sampling from the target alone.
+  ``d``). The emitted tokens are distributed as sampling from the target alone. With top_p /
+  top_k (``loop/sampler.py``) ``p`` is the target's distribution over the sampler's kept set
+  (the round passes that set as ``allowed``), so the output is distributed as the truncated
+  target's sampling.
+- ``match`` (``temperature > 0``), seeded exact match (DESIGN.md §14, ``loop/match_verify.py``):
+  accept the longest prefix of drafts equal to the target's own seeded samples ``y_m..y_{m+s}``
+  (``samples``), commit ``y`` at the first mismatch (the bonus after s). The output is the
+  target's seeded sampling of the prompt whatever the drafter drafted.
 
-Under a grammar (DESIGN.md §10) both take the per-position masks of ``grammar_verify.verify_masks``:
+Under a grammar (DESIGN.md §10) greedy and rejection take the per-position masks of ``grammar_verify.verify_masks``:
 greedy takes the best allowed token, rejection draws from ``p`` over the allowed tokens, and a
-position that allows nothing ends the output (the bonus is None).
+position that allows nothing ends the output (the bonus is None); ``match`` runs without one.
 
 A new rule is one more name in ``VERIFY_RULES`` and one more branch in ``verify``, with the same
 arguments and the same ``(accepted, bonus)`` answer.
@@ -27,8 +34,9 @@ import torch
 from torch import Tensor
 
 from .grammar_verify import masked_greedy_verify, masked_target_probs
+from .match_verify import match_verify
 
-VERIFY_RULES = ("greedy", "rejection")
+VERIFY_RULES = ("greedy", "rejection", "match")
 
 
 def default_verify_rule(temperature: float) -> str:
@@ -38,7 +46,8 @@ def default_verify_rule(temperature: float) -> str:
 
 
 def verify(rule: str, logits: Tensor, drafts: list[int], temperature: float, gen: torch.Generator,
-           q: Tensor | None = None, allowed: Tensor | None = None) -> tuple[int, int | None]:
+           q: Tensor | None = None, allowed: Tensor | None = None,
+           samples: list[int] | None = None) -> tuple[int, int | None]:
     """``(drafts accepted, bonus token)`` of one round by the rule named ``rule``.
 
     Args:
@@ -49,8 +58,13 @@ def verify(rule: str, logits: Tensor, drafts: list[int], temperature: float, gen
             reads neither).
         q: (s, V) the drafter's distributions of sampled drafts; None for argmax drafts.
         allowed: (legal+1, V) bool, a grammar's masks; None without a grammar. The bonus is None
-            where the grammar allows nothing.
+            where the grammar allows nothing. (``rejection``: the sampler's kept set too.)
+        samples: (s+1) the target's seeded samples y_m..y_{m+s} (``match``; the others read none).
     """
+    if rule == "match":
+        if samples is None or allowed is not None:
+            raise ValueError("verify=match needs the target's seeded samples and runs without a grammar's masks")
+        return match_verify(samples, drafts)
     if rule == "greedy":
         return greedy_verify(logits, drafts) if allowed is None else masked_greedy_verify(logits, drafts, allowed)
     if rule == "rejection":

@@ -14,10 +14,20 @@ from typing import Any
 
 
 def lossless_greedy(summary: dict[str, Any]) -> bool | None:
-    """Whether the run's greedy output equalled the target's on every prompt (None: not checked)."""
+    """Whether the run's greedy output equalled the target's on every prompt (None: not checked,
+    or checked against the seeded decode: ``verify: match``)."""
     lossless = summary.get("lossless")
     if lossless is None:
         return summary.get("lossless_greedy")  # an older summary may hold the flag alone
+    return None if summary.get("verify") == "match" else not lossless["diverged"]
+
+
+def lossless_seeded(summary: dict[str, Any]) -> bool | None:
+    """Whether a ``verify: match`` run's output equalled the target's own seeded sampling on every
+    prompt (None: not checked, or not a match run)."""
+    lossless = summary.get("lossless")
+    if lossless is None or summary.get("verify") != "match":
+        return None
     return not lossless["diverged"]
 
 

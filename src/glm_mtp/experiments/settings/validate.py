@@ -24,6 +24,7 @@ from glm_mtp.registry import BACKENDS, backend_class
 
 from ..loop.stop_rules import check_stop_rule
 from .prompts import MIN_PROMPT_TOKENS
+from .sampling import check_sampling
 from .prompts import SOURCES as PROMPT_SOURCES
 from ..loop.round import DRAFTS, POLICIES
 from ..targets.target import TARGET_NUMERICS
@@ -185,6 +186,7 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
     need_int(cfg, "num_drafts", 1)
     need_choice(cfg, "policy", POLICIES)
     temperature = need_float(cfg, "temperature", 0.0)
+    check_sampling(cfg)  # top_p, top_k, verify (settings/sampling.py)
     if need_choice(cfg, "draft", DRAFTS) == "sampled" and not temperature > 0:
         raise ValueError("draft must be argmax at temperature 0 (sampled drafts are drawn from the drafter's softmax "
                          "at the temperature: draft=sampled needs temperature > 0)")
@@ -377,6 +379,10 @@ def check_grammar(cfg: Any) -> None:
     if (cfg.get("trace") or {}).get("path") is not None:
         raise ValueError(f"{what} constrains the target's greedy path, and trace.path holds the unconstrained one (a "
                          "trace records the target's own argmax): run a grammar against the live target")
+    if float(_get(cfg, "temperature")) > 0 and (cfg.get("verify") == "match" or cfg.get("top_p") is not None
+                                                or cfg.get("top_k") is not None):
+        raise ValueError(f"{what} runs greedy or verify=rejection without top_p / top_k: verify=match's seeded "
+                         "samples and the sampler's kept set are the unconstrained target's")
     if _get(cfg, "model.kind") == "random":
         raise ValueError(f"{what} is compiled against the model's tokenizer; model.kind=random has none (use "
                          "model=shipped, next_shipped or hf)")

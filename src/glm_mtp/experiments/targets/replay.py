@@ -11,8 +11,10 @@ logits are zeros and their hidden NaN, so a reader that did use them would not p
 The logits of an answered row are one-hot (1 at the recorded token, 0 elsewhere, float32): the
 loop takes their argmax. The hidden rows are the recorded bytes. A state may match several items
 that share a prompt; ``verify`` narrows them by the fed token and answers from the first left.
-Temperature > 0 needs the target's distribution, which a trace does not hold: the acceptance
-experiment refuses it before any work.
+A sampled trace (DESIGN.md §14) answers the same way along its seeded-sampled path: the chain is
+``sample[m .. m + j - 1]``, the one-hot logits sit at the recorded samples and ``sample`` carries
+them (-1 in the unread rows), which ``verify=match`` commits. Rejection sampling needs the target's
+distribution, which a trace does not hold: the acceptance experiment refuses it before any work.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class ReplayTarget:
     def __init__(self, trace: Trace, device: torch.device | str = "cpu") -> None:
         self.trace, self.device = trace, torch.device(device)
         self.vocab_size = trace.meta["vocab_size"]
+        self.sampled = trace.meta["generation"]["temperature"] > 0  # the path follows `sample`
         self.by_prompt: dict[tuple[int, ...], list[int]] = {}
         for i, it in enumerate(trace.items):
             self.by_prompt.setdefault(tuple(it.tokens[: it.prompt_len].tolist()), []).append(i)
@@ -76,7 +79,7 @@ class ReplayTarget:
         self.forwards += 1
         it = self.trace.items[found[0]]
         P = len(tokens)
-        return self._output(it.hidden[:P], it.argmax[:P])
+        return self._output(it.hidden[:P], self._next(it)[:P])
 
     def verify(self, tokens: list[int], state: ReplayState) -> TargetOutput:
         """``[t_m, d_1 .. d_k]`` at positions ``[m, m + k + 1)``: rows on the target's path
@@ -107,7 +110,11 @@ class ReplayTarget:
         hidden[:known] = it.hidden[m : m + known]
         state.length += T
         self.forwards += 1
-        return TargetOutput(logits=logits, hidden=hidden.to(self.device))
+        sample = None
+        if self.sampled:
+            sample = torch.full((T,), -1, dtype=torch.int64)
+            sample[:on_path] = torch.tensor(answered, dtype=torch.int64)
+        return TargetOutput(logits=logits, hidden=hidden.to(self.device), sample=sample)
 
     def rollback(self, state: ReplayState, length: int) -> None:
         """Keep positions ``< length``."""
@@ -119,10 +126,18 @@ class ReplayTarget:
         """The target's greedy tokens after positions m, m + 1, .. along its own path from m (as
         many of the T as the record holds)."""
         if it.greedy is None:
-            return it.argmax[m : m + T].tolist()
+            return self._next(it)[m : m + T].tolist()
         return [t for t in it.greedy[m, :T].tolist() if t >= 0]
 
-    def _output(self, hidden: Tensor, argmax: Tensor) -> TargetOutput:
+    def _next(self, it: TraceItem) -> Tensor:
+        """The item's next token after each position along its path: ``sample`` or ``argmax``."""
+        if self.sampled:
+            assert it.sample is not None  # a sampled trace's every item holds sample (format.py checks it)
+            return it.sample
+        return it.argmax
+
+    def _output(self, hidden: Tensor, nxt: Tensor) -> TargetOutput:
         logits = torch.zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)  # (T, V)
-        logits[torch.arange(hidden.shape[0]), argmax.long()] = 1.0
-        return TargetOutput(logits=logits, hidden=hidden.to(self.device))
+        logits[torch.arange(hidden.shape[0]), nxt.long()] = 1.0
+        return TargetOutput(logits=logits, hidden=hidden.to(self.device),
+                            sample=nxt.long() if self.sampled else None)

@@ -174,10 +174,14 @@ class TargetState:
 
 @dataclass
 class TargetOutput:
-    """Per new position: ``logits`` (T, V) in acc dtype, ``hidden`` (T, H) the final-normed hidden."""
+    """Per new position: ``logits`` (T, V) in acc dtype, ``hidden`` (T, H) the final-normed hidden;
+    ``sample`` (T,) int64 the target's seeded samples (DESIGN.md §14) where the target answers them
+    itself (a replay of a sampled trace; -1 in rows it does not answer), None where the loop draws
+    them from the logits."""
 
     logits: Tensor
     hidden: Tensor
+    sample: Tensor | None = None
 
 
 TARGET_NUMERICS = {"vendor": VENDOR, "pinned": PINNED}

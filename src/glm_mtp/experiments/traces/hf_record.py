@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
-from .recorder import ContinueFn
+from ..loop.sampler import SamplerSettings
+from .recorder import ContinueFn, next_tokens, sampled
 
 
-def batched_continue(model: Any, topk_ties: str) -> ContinueFn:
+def batched_continue(model: Any, topk_ties: str, settings: SamplerSettings | None = None) -> ContinueFn:
     """``(prompts, n) -> (continuations, forwards)``: n greedy tokens after each prompt, the prompts
-    of each length batched (``topk_ties`` as ``HfTarget``'s)."""
+    of each length batched (``topk_ties`` as ``HfTarget``'s); with ``settings`` at temperature > 0
+    each row's seeded sample (its own prompt's key and position: the sampler is per row)."""
     from transformers import DynamicCache
 
     from ..targets.hf_target import pinned_topk
@@ -38,7 +40,13 @@ def batched_continue(model: Any, topk_ties: str) -> ContinueFn:
             with torch.no_grad(), pinned_topk(topk_ties):
                 while len(toks[0]) < n:
                     hidden = model.model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[:, -1]  # (B, H)
-                    nxt = torch.argmax(model.lm_head(hidden).float(), dim=-1)  # (B,)
+                    logits = model.lm_head(hidden).float()  # (B, V)
+                    if sampled(settings):
+                        P = len(prompts[rows[0]]) + len(toks[0]) - 1  # every row's newest position
+                        nxt = torch.tensor([next_tokens(logits[b : b + 1], settings, prompts[i], P)[0]
+                                            for b, i in enumerate(rows)], device=device)
+                    else:
+                        nxt = torch.argmax(logits, dim=-1)  # (B,)
                     forwards += 1
                     for t, x in zip(toks, nxt.tolist()):
                         t.append(int(x))

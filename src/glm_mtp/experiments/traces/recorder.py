@@ -1,11 +1,14 @@
 """Recording a trace from a target, in two passes (DESIGN.md §11).
 
-Speculative traces: pass 1 runs the target's greedy continuation of every prompt (``continue_fn``:
+Speculative traces: pass 1 runs the target's greedy (or, with sampler settings at temperature > 0,
+seeded-sampled: DESIGN.md §14) continuation of every prompt (``continue_fn``:
 the package's target one token per forward, transformers' model batched); pass 2 runs one
 teacher-forced forward per item over prompt + continuation (``target.prefill``), which gives the
 ``hidden`` and ``argmax`` of every position. Where pass 2's argmax parts from pass 1's next token
 (a near-tie the two passes rounded apart), the item ends at that position and the positions cut
-are counted, so every item satisfies ``tokens[p + 1] == argmax[p]`` after its prompt.
+are counted, so every item satisfies ``tokens[p + 1] == argmax[p]`` after its prompt. A sampled
+recording also computes pass 2's seeded ``sample`` at every position and cuts where it parts from
+pass 1's token instead (``tokens[p + 1] == sample[p]``).
 
 Teacher-forced traces (natural text, the package's target): one forward over each window gives
 ``hidden`` and ``argmax``; then at every scored position p the target's greedy chain of K + 1
@@ -25,8 +28,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..loop.sampler import SamplerSettings, seeded_sample
 from .format import NOT_RECORDED, TraceItem
-from .prompt_id import prompt_identity
+from .prompt_id import prompt_identity, prompt_sha256
 
 ContinueFn = Callable[[list[list[int]], int], tuple[list[list[int]], int]]
 
@@ -60,20 +64,37 @@ def first_disagreement(prompt_len: int, tokens: list[int], argmax: list[int]) ->
     return None
 
 
-def sequential_continue(target: Any) -> ContinueFn:
-    """Pass 1 on a target with the loop's interface: each prompt's greedy continuation, one token
-    per forward (a prefill, then one-token verifies). Returns ``(continuations, forwards)``."""
+def sampled(settings: SamplerSettings | None) -> bool:
+    """Whether ``settings`` sample (temperature > 0); None and temperature 0 are greedy."""
+    return settings is not None and settings.temperature > 0
+
+
+def next_tokens(logits: torch.Tensor, settings: SamplerSettings | None, prompt: list[int], first: int) -> list[int]:
+    """The target's next token after each row of ``logits`` (T, V), row t at item position
+    ``first + t``: the argmax (greedy) or the seeded sample keyed by ``prompt``'s sha256."""
+    if not sampled(settings):
+        return torch.argmax(logits, dim=-1).tolist()
+    assert settings is not None  # sampled() is False for None
+    positions = torch.arange(first, first + logits.shape[0], device=logits.device)
+    return seeded_sample(logits, settings, prompt_sha256(prompt), positions).tolist()
+
+
+def sequential_continue(target: Any, settings: SamplerSettings | None = None) -> ContinueFn:
+    """Pass 1 on a target with the loop's interface: each prompt's greedy (or seeded-sampled)
+    continuation, one token per forward (a prefill, then one-token verifies). Returns
+    ``(continuations, forwards)``."""
 
     def run(prompts: list[list[int]], n: int) -> tuple[list[list[int]], int]:
         out, forwards = [], 0
         for p in prompts:
             state = target.alloc_state()
             res = target.prefill(list(p), state)
-            toks = [int(torch.argmax(res.logits[-1]))]
+            toks = next_tokens(res.logits[-1:], settings, p, len(p) - 1)
             forwards += 1
             while len(toks) < n:
                 res = target.verify(toks[-1:], state)
-                toks.append(int(torch.argmax(res.logits[-1])))
+                # toks[-1] sits at position P + len(toks) - 1: its row's key
+                toks += next_tokens(res.logits[-1:], settings, p, len(p) + len(toks) - 1)
                 forwards += 1
             out.append(toks)
         return out, forwards
@@ -83,7 +104,8 @@ def sequential_continue(target: Any) -> ContinueFn:
 
 def record_speculative(target: Any, prompts: list[list[int]], continuation: int, continue_fn: ContinueFn,
                        batch: int = 8, progress: Callable[[Iterable[Any]], Iterable[Any]] = iter,
-                       source: str = "unknown") -> tuple[list[TraceItem], RecordStats]:
+                       source: str = "unknown", settings: SamplerSettings | None = None
+                       ) -> tuple[list[TraceItem], RecordStats]:
     """Record ``prompts`` with ``continuation`` greedy tokens each.
 
     Args:
@@ -94,6 +116,8 @@ def record_speculative(target: Any, prompts: list[list[int]], continuation: int,
         batch: prompts handed to ``continue_fn`` at once.
         progress: wraps the iteration over batches (a progress bar).
         source: the prompts' source, each item's prompt identity with its index in ``prompts``.
+        settings: the seeded sampler's (temperature > 0: a sampled trace, which ``continue_fn``
+            must have sampled with the same settings); None or temperature 0: greedy.
     Returns the items (those left with no generated position are dropped, counted) and the stats.
     """
     stats, items = RecordStats(), []
@@ -106,7 +130,8 @@ def record_speculative(target: Any, prompts: list[list[int]], continuation: int,
             out = target.prefill(tokens, target.alloc_state())
             stats.teacher_forced_forwards += 1
             argmax = torch.argmax(out.logits, dim=-1).tolist()
-            cut = first_disagreement(len(p), tokens, argmax)
+            sample = next_tokens(out.logits, settings, p, 0) if sampled(settings) else None
+            cut = first_disagreement(len(p), tokens, argmax if sample is None else sample)
             length = len(tokens) if cut is None else cut + 1
             if cut is not None:
                 stats.truncated_items += 1
@@ -117,7 +142,8 @@ def record_speculative(target: Any, prompts: list[list[int]], continuation: int,
             items.append(TraceItem(torch.tensor(tokens[:length], dtype=torch.int32),
                                    torch.tensor(argmax[:length], dtype=torch.int32),
                                    out.hidden[:length].detach().cpu().contiguous(), len(p),
-                                   dropped=len(tokens) - length, prompt=prompt_identity(source, i + j, p)))
+                                   dropped=len(tokens) - length, prompt=prompt_identity(source, i + j, p),
+                                   sample=None if sample is None else torch.tensor(sample[:length], dtype=torch.int32)))
     return items, stats
 
 

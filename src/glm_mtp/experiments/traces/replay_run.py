@@ -62,19 +62,17 @@ def load_drafter(mcfg: Any) -> Any:
 
 def open_for_replay(cfg: Any, drafter_config: Any) -> Trace:
     """Open and check the trace at ``trace.path`` for this run: the whole trace (``open_trace``),
-    then the run against it: greedy verification, the trace's mode, ``num_drafts <= max_drafts``,
-    and the drafter against its metadata (``identity.check_drafter``). ``ValueError`` naming the
-    field."""
+    then the run against it: its sampling (``check_replay_sampling``), the trace's mode,
+    ``num_drafts <= max_drafts``, and the drafter against its metadata
+    (``identity.check_drafter``). ``ValueError`` naming the field."""
     path = cfg.trace.path
     if not isinstance(path, str):
         raise ValueError(f"trace.path must be a trace directory or null, got {path!r}")
-    if cfg.temperature != 0:
-        raise ValueError(f"temperature: a trace replays greedy verification only (temperature > 0 needs the live "
-                         f"target's distribution), got temperature={cfg.temperature}")
     try:
         trace = open_trace(path)
     except TraceError as e:
         raise ValueError(f"trace.path: {path}: {e}") from None
+    check_replay_sampling(cfg, trace)
     if cfg.mode != trace.mode:
         raise ValueError(f"mode: the trace at {path} was recorded for mode={trace.mode}, this run is mode={cfg.mode}")
     if cfg.num_drafts > trace.max_drafts:
@@ -94,6 +92,33 @@ def open_for_replay(cfg: Any, drafter_config: Any) -> Trace:
         raise ValueError(f"model.max_seq_len: the trace's longest item + num_drafts + 1 = {longest} exceeds "
                          f"model.max_seq_len={cap}")
     return trace
+
+
+def check_replay_sampling(cfg: Any, trace: Trace) -> None:
+    """A greedy trace replays temperature 0 only (``verify=match`` or rejection at temperature > 0
+    needs the target's seeded samples or its distribution, which it does not hold). A sampled trace
+    (DESIGN.md §14) replays ``verify=match`` at its own temperature, top_p, top_k and seed only
+    (another value would sample another trajectory); argmax or sampled drafts."""
+    from ..settings.sampling import verify_kind
+
+    g = trace.meta["generation"]
+    run = {"temperature": float(cfg.temperature), "top_p": cfg.get("top_p"), "top_k": cfg.get("top_k"),
+           "seed": cfg.seed}
+    if g["temperature"] == 0:
+        if run["temperature"] != 0:
+            raise ValueError(f"temperature: the trace at {cfg.trace.path} is greedy (recorded at temperature 0): it "
+                             f"replays temperature 0 only (verify={verify_kind(cfg)} at temperature "
+                             f"{run['temperature']:g} needs a trace recorded at that temperature with the seeded "
+                             "sampler: record ... temperature=T seed=S)")
+        return
+    for key, value in run.items():
+        recorded = float(g[key]) if key == "temperature" else g[key]
+        if value != recorded:
+            raise ValueError(f"{key}: the trace at {cfg.trace.path} was sampled with {key}={recorded!r}; a replay "
+                             f"takes the trace's settings, got {key}={value!r}")
+    if verify_kind(cfg) != "match":
+        raise ValueError(f"verify: a sampled trace replays verify=match (seeded exact match); verify="
+                         f"{verify_kind(cfg)} needs the target's distribution, which a trace does not hold")
 
 
 @dataclass
