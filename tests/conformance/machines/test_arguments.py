@@ -1,4 +1,4 @@
-"""The hostile-argument machine (``conformance.arguments``): random sequences of valid and
+"""The hostile-argument machine (``conformance.machines.arguments``): random sequences of valid and
 invalid calls on the reference and the optimized drafter (its torch twins on CPU), checked
 after every step. The default run is bounded to seconds; ``slow`` runs thousands of examples."""
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from glm_mtp.conformance.arguments import argument_machine
+from glm_mtp.conformance.machines.arguments import argument_machine
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
