@@ -553,14 +553,14 @@ class OptimizedProposer:
         call = "propose_batch"
         states = self._batch_states(call, states)
         with contract_batch.guard_all(call, states, self._use), refusal_as_value_error():
-            fused = self.step is not None
+            has_step_kernels = self.step is not None  # the fused step's kernel set takes this layer
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
                                                       self.weights, self.capacity, self._check_live,
-                                                      device_checks=fused, grammars=grammars)
+                                                      device_checks=has_step_kernels, grammars=grammars)
             k = batch.num_drafts
             if not states:
                 return []
-            if not fused:
+            if not has_step_kernels:
                 return self._propose_each(states, batch.args, k, call)
             constrained = k > 0 and any(a.grammar is not None for a in batch.args)
             bb = self._batch_on(states[0].device, call)
