@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from glm_mtp.conformance import run
-from glm_mtp.conformance.machine import lockstep_machine
+from glm_mtp.conformance.machines.machine import lockstep_machine
 from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.reference import ReferenceProposer
 

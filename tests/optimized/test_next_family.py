@@ -85,8 +85,8 @@ def test_mutant_per_primitive_ungated_pool_writes_are_caught(next_weights, monke
     writes that ignore the device check: caught the same way."""
     real = opt_block.gated_pool_writes
 
-    def ungated(ix, cfg, gates, slots, cache, ok, fused=None):
-        return real(ix, cfg, gates, slots, cache, torch.ones_like(ok), fused)
+    def ungated(ix, cfg, gates, slots, cache, ok, kernel_set=None):
+        return real(ix, cfg, gates, slots, cache, torch.ones_like(ok), kernel_set)
 
     monkeypatch.setattr(opt_block, "gated_pool_writes", ungated)
     monkeypatch.setattr(proposer, "fusable", lambda w: False)

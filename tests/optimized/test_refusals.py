@@ -172,7 +172,7 @@ def test_triton_kernels_that_cannot_run_are_refused_at_construction(tmp_path):
     assert "auto 32" in out.stdout
 
 
-# ---- found by the hostile-argument machine (conformance/arguments.py) ---------------------------
+# ---- found by the hostile-argument machine (conformance/machines/arguments.py) ---------------------------
 
 def _nan_hidden(weights):
     h = torch.randn(weights.config.hidden_size).to(weights.dtype)

@@ -11,7 +11,8 @@ import torch
 
 import glm_mtp.optimized.programs as opt_programs
 from glm_mtp.optimized.graphs import GraphKey
-from glm_mtp.reference import SampledDrafts
+from glm_mtp.reference import MtpWeights, ReferenceProposer, SampledDrafts
+from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference.numerics import acc_dtype, softmax, up
 
 
@@ -53,6 +54,31 @@ def test_lockstep_sampled_with_triton_kernels(weights, inputs, lockstep):
     """The head through the GEMV kernel (Triton's CPU interpreter): the same drafts and q."""
     ls = lockstep(weights, kernels="triton")
     play(ls, inputs, weights, 2, 0.8, seed=6)
+
+
+@pytest.fixture(scope="module")
+def weights_f64(tiny_cfg):
+    return MtpWeights.random(tiny_cfg, seed=11, dtype=torch.float64)
+
+
+def test_sampled_confidence_at_float64_is_the_references_bytes(weights_f64, make_inputs):
+    """DESIGN.md §12: ``draft_confidence`` is in A (float64 for float64 weights); after a sampled
+    propose ``prob`` is ``q[d]``, read from q in A, not cast to float32 (the bug this catches)."""
+    from glm_mtp.optimized import OptimizedProposer
+
+    inputs = make_inputs(weights_f64, seed=3)
+    ref, opt = ReferenceProposer(weights_f64, 64), OptimizedProposer(weights_f64, 64)
+    rs, os_ = ref.alloc_state("cpu"), opt.alloc_state("cpu")
+    tokens, hiddens = inputs.tokens(12), inputs.hiddens(12)
+    token, hidden, eps = inputs.token(), inputs.hiddens(1), noise(weights_f64, 3, torch.Generator().manual_seed(4))
+    for prop, st in ((ref, rs), (opt, os_)):
+        prop.prefill_drafter(tokens, hiddens, st)
+    r_out = ref.propose_sampled(token, hidden, 11, 3, 0.8, eps, rs)
+    o_out = opt.propose_sampled(token, hidden, 11, 3, 0.8, eps, os_)
+    assert r_out.drafts == o_out.drafts and same_bytes(r_out.q, o_out.q)
+    for name, r, o in zip(("prob", "margin"), ref.draft_confidence(rs), opt.draft_confidence(os_)):
+        assert r.dtype == torch.float64 and o.dtype == r.dtype, (name, o.dtype, r.dtype)
+        assert same_bytes(r, o), (name, r, o)
 
 
 def test_argmax_propose_is_unchanged_between_sampled_ones(weights, inputs, lockstep):

@@ -33,7 +33,7 @@ def assert_same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert not diff.any(), f"{name}: {int(diff.sum())} of {diff.numel()} values differ"
 
 
-def run_both(w: MtpWeights, fused: StepKernels, context: int, new_rows: int, seed: int) -> None:
+def run_both(w: MtpWeights, kernel_set: StepKernels, context: int, new_rows: int, seed: int) -> None:
     """Write ``context`` rows with the reference into both caches, then ``new_rows`` more rows
     (one call) with the reference on one and the fused step on the other; compare everything."""
     cfg = w.config
@@ -51,14 +51,14 @@ def run_both(w: MtpWeights, fused: StepKernels, context: int, new_rows: int, see
     new = slice(context, n)
     want = mtp_rows(w, tokens[new], hiddens[new], slots[new], ref_cache, rope)
     ok = torch.ones(1, dtype=torch.bool)
-    got = fused_rows(w, tokens[new], hiddens[new], slots[new], opt_cache, rope, ok, fused)
+    got = fused_rows(w, tokens[new], hiddens[new], slots[new], opt_cache, rope, ok, kernel_set)
     assert_same("pre_norm", got, want.pre_norm)
     assert_same("kv_pool", opt_cache.kv_pool, ref_cache.kv_pool)
     assert_same("index_pool", opt_cache.index_pool, ref_cache.index_pool)
     if cfg.is_next:  # the KPool cache: gates, pooled keys, complete flags
         for name in ("gates", "keys", "complete"):
             assert_same(f"kpool.{name}", getattr(opt_cache.kpool, name), getattr(ref_cache.kpool, name))
-    x, token = fused_head(w, got, fused)
+    x, token = fused_head(w, got, kernel_set)
     assert_same("x", x, want.x)
     assert torch.equal(token, greedy_token(draft_logits(w, want.x))), "drafts differ"
 

@@ -5,8 +5,8 @@
     assert report.ok, report.first_difference
 
 or ``python -m glm_mtp.conformance --candidate optimized --baseline reference``. Only torch (and
-the reference) is needed to import it; hypothesis only for ``machine.py``
-(``from glm_mtp.conformance.machine import lockstep_machine``); no Hydra, no W&B.
+the reference) is needed to import it; hypothesis only for ``machines/``
+(``from glm_mtp.conformance.machines.machine import lockstep_machine``); no Hydra, no W&B.
 
 It checks either family (GLM-5, and GLM-5.3-Flash's ``glm5_next``: KPool pools, index sharing
 across draft steps; ``--preset``), single and batched calls, on bf16 (or float16/32/64) weights;
@@ -18,8 +18,9 @@ loaded), ``choices`` (a ``Chooser`` and the argument helpers), ``single_state`` 
 (the generators), ``backends`` (names to proposers), ``side`` (one backend's half of a lockstep),
 ``lockstep`` (both halves compared after every call), ``report`` (findings and the run's table),
 ``runner`` (run and record), ``mutants/`` (drafters that each break one rule, the registry in its
-``__init__``), ``compare``, ``sharded``, ``machine`` (ops as data, hypothesis), ``arguments`` and
-``hostile_values`` (hostile arguments, hypothesis).
+``__init__``), ``compare``, ``sharded``, ``grammars`` (grammars as data and their matcher),
+``machines/`` (the hypothesis state machines: ``machine``, ops as data; ``arguments`` and
+``hostile_values``, hostile arguments).
 """
 
 from .backends import BackendError, resolve_backend

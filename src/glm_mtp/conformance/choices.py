@@ -21,7 +21,7 @@ MAX_DRAFTS = 4
 
 
 class Chooser(Protocol):
-    """A source of choices: a seeded ``random.Random`` here, hypothesis data in ``machine.py``."""
+    """A source of choices: a seeded ``random.Random`` here, hypothesis data in ``machines/machine.py``."""
 
     def int(self, lo: int, hi: int) -> int: ...  # inclusive
     def choice(self, options: Sequence[T]) -> T: ...

@@ -10,7 +10,7 @@ by family in ``single_state.py`` and ``batched.py``:
   propose -> verify (random acceptance) -> catch-up, with the refeed policy, engine rollbacks,
   capacity edges and double frees mixed in.
 - ``adversarial``: a walk over the rules in ``RULES`` (misuse, odd orders, bad inputs, capacity
-  edges). ``machine.py`` drives the same rules from hypothesis (a ``RuleBasedStateMachine``).
+  edges). ``machines/machine.py`` drives the same rules from hypothesis (a ``RuleBasedStateMachine``).
 - ``batched`` (not a default; ``--generators batched``): 2-6 states joining and leaving at very
   different lengths, drafted together by ``propose_batch`` and caught up by ``catchup_batch``,
   with single calls interleaved and batched misuse.

@@ -1,7 +1,7 @@
 """The single-state generators: ``realistic`` (the spec-decode loop of DESIGN.md §4 on one to
 three states, with the refeed policy, engine rollbacks, capacity edges and double frees mixed in)
 and ``adversarial`` (a walk over ``RULES``: misuse, odd orders, bad inputs, capacity edges;
-``machine.py`` drives the same rules from hypothesis)."""
+``machines/machine.py`` drives the same rules from hypothesis)."""
 
 from __future__ import annotations
 

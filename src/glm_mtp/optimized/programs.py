@@ -146,16 +146,16 @@ class DevicePrograms:
         x = None
         for i in range(begin, last):
             slot = st.pos + i  # (1,)
-            shared = sharing and i > 0
+            index_shared = sharing and i > 0
             if self.step is not None and not sampled:
                 pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step, kept,
-                                      shared)
+                                      index_shared)
                 # (1, H), (1,): the draft, on the device; the head's launch stores the logits and x
                 x, token = fused_head(self.weights, pre_norm, self.step, bufs.xs[i : i + 1], bufs.logits[i : i + 1])
             else:
                 if self.step is not None:  # sampled: the fused block, then the head's logits whole (q needs them)
                     pre_norm = fused_rows(self.weights, token, hidden, slot, st.row_table, rope, st.ok, self.step, kept,
-                                          shared)
+                                          index_shared)
                     x = rms_norm(pre_norm, self.weights.shared_head_norm, self.config.rms_norm_eps)
                 else:
                     x, pre_norm = block_rows(self.weights, token, hidden, slot, st.cache, rope, st.ok, self.primitives,

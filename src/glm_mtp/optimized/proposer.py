@@ -40,6 +40,7 @@ from glm_mtp.reference import contract, contract_batch
 from glm_mtp.reference.attention import Rope, rope_for
 from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
 from glm_mtp.reference.grammar import MatcherRefusedToken, refusal_as_value_error
+from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.contract_guards import Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
@@ -454,10 +455,11 @@ class OptimizedProposer:
         st.confidence_inputs = PendingConfidence(bufs.logits[:n] if bufs else None, st.out[1 : n + 1], masks, q)
 
     def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
-        """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two float32
-        tensors ``(last_drafted,)`` on the state's device, computed on first call from the logits
-        the head kept (one launch, ``kernels.draft_confidence_triton``; no host sync) and valid until
-        the next call that changes the state. ``prob[i]``: the pinned (masked, under a grammar)
+        """``(prob, margin)`` of the pending propose's drafts (DESIGN.md §12): two tensors
+        ``(last_drafted,)`` in A (float32; float64 for float64 weights) on the state's device,
+        computed on first call from the logits the head kept (one launch,
+        ``kernels.draft_confidence_triton``; no host sync) and valid until the next call that changes
+        the state. ``prob[i]``: the pinned (masked, under a grammar)
         softmax probability of draft i (a sampled propose: ``q_i[d_i]``); ``margin[i]``: its
         logit minus the best other allowed logit (``+inf`` when it is the only one allowed).
         ``RuntimeError`` when no propose is pending."""
@@ -473,15 +475,18 @@ class OptimizedProposer:
             return c.result
 
     def _confidence(self, c: PendingConfidence, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(prob, margin)`` in A, the reference's accumulation dtype (float32; float64 for
+        float64 weights, DESIGN.md §12), from ``c``'s kept logits (a sampled propose: prob from q)."""
+        A = acc_dtype(self.weights.dtype)
         if c.logits is None or c.logits.shape[0] == 0:
-            empty = torch.zeros(0, dtype=torch.float32, device=device)
+            empty = torch.zeros(0, dtype=A, device=device)
             return empty, empty.clone()
         masks = c.masks.to(device, non_blocking=True) if c.masks is not None else None
         triton = self.step.triton if self.step is not None else self.primitives.use_triton(c.logits)
         confidence = draft_confidence_triton if triton else draft_confidence_torch
         prob, margin = confidence(c.logits, c.tokens, masks)
         if c.q is not None:  # a sampled draft's probability is its q at the temperature drawn from
-            prob = c.q.gather(1, c.tokens[:, None])[:, 0].float()
+            prob = c.q.gather(1, c.tokens[:, None])[:, 0].to(A)  # q is in A already: no rounding
         return prob, margin
 
     def _finish_propose(self, st: OptimizedState, values: list[int], position: int, k: int,
@@ -548,14 +553,14 @@ class OptimizedProposer:
         call = "propose_batch"
         states = self._batch_states(call, states)
         with contract_batch.guard_all(call, states, self._use), refusal_as_value_error():
-            fused = self.step is not None
+            has_step_kernels = self.step is not None  # the fused step's kernel set takes this layer
             batch = contract_batch.batch_propose_args(call, last_tokens, target_hiddens, positions, num_drafts, states,
                                                       self.weights, self.capacity, self._check_live,
-                                                      device_checks=fused, grammars=grammars)
+                                                      device_checks=has_step_kernels, grammars=grammars)
             k = batch.num_drafts
             if not states:
                 return []
-            if not fused:
+            if not has_step_kernels:
                 return self._propose_each(states, batch.args, k, call)
             constrained = k > 0 and any(a.grammar is not None for a in batch.args)
             bb = self._batch_on(states[0].device, call)

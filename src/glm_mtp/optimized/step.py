@@ -159,23 +159,23 @@ def step_kernels(triton: bool) -> StepKernels:
 
 
 def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, caches: LayerCache | RowCaches,
-               rope: Rope, ok: Tensor, fused: StepKernels, kept: tuple[Tensor, Tensor] | None = None,
-               shared: bool = False) -> Tensor:
+               rope: Rope, ok: Tensor, kernel_set: StepKernels, kept: tuple[Tensor, Tensor] | None = None,
+               index_shared: bool = False) -> Tensor:
     """The block (launches 1-13) on rows pairing ``tokens`` (T,) with ``hiddens`` (T, H) at
     ``slots`` (T,), all on the device; cache rows are written only where ``ok`` (1,) bool is set.
     ``caches``: the paged cache of every row (a ``LayerCache``), or row t's in line t of a
     ``RowCaches`` (a batch of sequences; a capturable caller passes a ``RowCaches`` made once, as
     a lone ``LayerCache`` becomes a one-line address table by a host-to-device copy).
-    ``fused``: the step's kernels (``triton_kernels()`` or ``torch_twins()``).
-    ``kept`` and ``shared``: index sharing across a propose's draft steps (DESIGN.md §9), one row
-    per state. Without ``shared``, the selection is written into ``kept`` ((T, K) rows, (T,)
-    counts: ``KeptSelection.lines``) when given: draft step 1. A ``shared`` step runs none of the
+    ``kernel_set``: the step's kernels (``triton_kernels()`` or ``torch_twins()``).
+    ``kept`` and ``index_shared``: index sharing across a propose's draft steps (DESIGN.md §9), one
+    row per state. Without ``index_shared``, the selection is written into ``kept`` ((T, K) rows, (T,)
+    counts: ``KeptSelection.lines``) when given: draft step 1. An index-shared step runs none of the
     indexer's query side (no index ``wq_b`` or head weights, no scores, no selection) and attends
     the rows ``kept`` holds; it writes every cache entry of its rows all the same (latent, index
     key, KPool gate and the key of a pool it completes).
     Returns the layer output ``pre_norm`` (T, H)."""
-    if shared and kept is None:
-        raise ValueError("kept: a shared draft step attends draft step 1's kept selection, got None")
+    if index_shared and kept is None:
+        raise ValueError("kept: an index-shared draft step attends draft step 1's kept selection, got None")
     cfg, eps = w.config, w.config.rms_norm_eps
     layer = w.layer
     attn, moe = layer.attn, layer.mlp
@@ -183,74 +183,76 @@ def fused_rows(w: MtpWeights, tokens: Tensor, hiddens: Tensor, slots: Tensor, ca
     assert isinstance(moe, MoeWeights)
     rc = row_caches(caches)  # one address table for the call's cache kernels
 
-    u = fused.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
+    u = kernel_set.block_input(w.embed_tokens, tokens, slots, hiddens, w.enorm, w.hnorm, eps, w.eh_proj)  # (T, H)
     # The index key (wk) is written at every step; the head weights (weights_proj) and the index
-    # query (the indexer's wq_b) are the query side, which a shared step does not run.
-    query_side = not shared
+    # query (the indexer's wq_b) are the query side, which an index-shared step does not run.
+    query_side = not index_shared
     row_weights = [attn.q_a_proj, attn.kv_a_proj_with_mqa, ix.wk] + ([ix.weights_proj] if query_side else [])
     if cfg.is_next:  # the KPool gate reads the same normed row
         row_weights.append(ix.kpool_gate)
-    q_a, kv, k_raw, *rest = norm_linear_by_format(fused, u, layer.input_layernorm, eps, row_weights)
+    q_a, kv, k_raw, *rest = norm_linear_by_format(kernel_set, u, layer.input_layernorm, eps, row_weights)
     w_raw, gates = (rest[0], rest[1:]) if query_side else (None, rest)
     latent_weights = [attn.q_b_proj, ix.wq_b] if query_side else [attn.q_b_proj]
-    (q, *q_index), _ = fused.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, latent_weights)
-    fused.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
-                           rope.sin, rc, ok, gates=gates[0] if gates else None)
+    (q, *q_index), _ = kernel_set.norm_linear(q_a, attn.q_a_layernorm, cfg.latent_norm_eps, latent_weights)
+    kernel_set.cache_rows_write(cfg, kv, k_raw, attn.kv_a_layernorm, ix.k_norm_weight, ix.k_norm_bias, slots, rope.cos,
+                                rope.sin, rc, ok, gates=gates[0] if gates else None)
 
     # Attention over the rows the indexer lists: this call's rows are in the cache already.
     if cfg.is_next:  # NoPE: no angles; the KPool indexer lists whole pools and the tail
         no_angles = rope.cos[:1].expand(slots.shape[0], 0)  # (T, 0): a view, nothing gathered
-        q_abs, q_pe = fused.absorbed_query(cfg, q, attn.kv_b_proj, no_angles, no_angles)  # (T, nh, Lkv) A, (T, nh, 0)
-        fused.pool_keys_write(cfg, ix, slots, rc, ok)
+        # (T, nh, Lkv) A, (T, nh, 0)
+        q_abs, q_pe = kernel_set.absorbed_query(cfg, q, attn.kv_b_proj, no_angles, no_angles)
+        kernel_set.pool_keys_write(cfg, ix, slots, rc, ok)
         if query_side:
-            scores = fused.pool_scores(cfg, q_index[0], w_raw, rc, slots)  # (T, P) A, at the visible pools
-            rows, count = fused.select_pool_rows(cfg, scores, slots, kept)  # (T, Kp * kp + kp - 1), (T,)
+            scores = kernel_set.pool_scores(cfg, q_index[0], w_raw, rc, slots)  # (T, P) A, at the visible pools
+            rows, count = kernel_set.select_pool_rows(cfg, scores, slots, kept)  # (T, Kp * kp + kp - 1), (T,)
     else:
         cos, sin = rope.at(slots)  # (T, R/2)
-        q_abs, q_pe = fused.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
+        q_abs, q_pe = kernel_set.absorbed_query(cfg, q, attn.kv_b_proj, cos, sin)  # (T, nh, Lkv) A, (T, nh, R)
         if query_side:
-            scores = fused.index_scores(cfg, q_index[0], w_raw, cos, sin, rc, slots)  # (T, C) A
-            rows, count = fused.select_rows(scores, slots, cfg.index_topk, kept)  # (T, K), (T,)
-    if not query_side:  # a shared step: draft step 1's rows, its own row not among them
+            scores = kernel_set.index_scores(cfg, q_index[0], w_raw, cos, sin, rc, slots)  # (T, C) A
+            rows, count = kernel_set.select_rows(scores, slots, cfg.index_topk, kept)  # (T, K), (T,)
+    if not query_side:  # an index-shared step: draft step 1's rows, its own row not among them
         rows, count = kept
-    heads = fused.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
-    h = fused.linear_residual(heads, attn.o_proj, u)  # (T, H)
+    heads = kernel_set.sparse_mla(cfg, q_abs, q_pe, rc, rows, count, attn.kv_b_proj)  # (T, nh*v)
+    h = kernel_set.linear_residual(heads, attn.o_proj, u)  # (T, H)
 
     # MoE.
-    (logits,), m = fused.norm_linear(h, layer.post_attention_layernorm, eps, [moe.router], acc=True, store_normed=True)
-    experts, weights = fused.route(cfg, logits, moe.e_score_correction_bias)  # (T, k), (T, k)
+    (logits,), m = kernel_set.norm_linear(h, layer.post_attention_layernorm, eps, [moe.router], acc=True,
+                                          store_normed=True)
+    experts, weights = kernel_set.route(cfg, logits, moe.e_score_correction_bias)  # (T, k), (T, k)
     expert = moe.shared  # the shared expert
-    hidden, shared_hidden = fused.experts_gate_up(m, experts, moe.experts_gate, moe.experts_up,
-                                                  expert.gate_proj if expert else None,
-                                                  expert.up_proj if expert else None,
-                                                  limit=moe.swiglu_limit)  # clamped in glm5_next
-    return fused.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
-                                      expert.down_proj if expert else None, h)  # (T, H)
+    hidden, shared_hidden = kernel_set.experts_gate_up(m, experts, moe.experts_gate, moe.experts_up,
+                                                       expert.gate_proj if expert else None,
+                                                       expert.up_proj if expert else None,
+                                                       limit=moe.swiglu_limit)  # clamped in glm5_next
+    return kernel_set.experts_down_combine(hidden, shared_hidden, experts, weights, moe.experts_down,
+                                           expert.down_proj if expert else None, h)  # (T, H)
 
 
-def norm_linear_by_format(fused: StepKernels, x: Tensor, norm_weight: Tensor, eps: float,
+def norm_linear_by_format(kernel_set: StepKernels, x: Tensor, norm_weight: Tensor, eps: float,
                           weights: list[Tensor | BlockScaledWeight]) -> list[Tensor]:
-    """``fused.norm_linear`` of ``x`` over ``weights``, one launch per weight format: block-scaled
+    """``kernel_set.norm_linear`` of ``x`` over ``weights``, one launch per weight format: block-scaled
     fp8 weights beside a plain one (the input norm's q_a, kv_a, wk with the indexer's weights_proj,
     which DESIGN.md §8 keeps bf16) take two launches, one for each; else one."""
     fp8 = [is_block_scaled(w) for w in weights]
-    if len(set(fp8)) == 1 or not fused.triton:  # the torch twin takes any mix in one call
-        return fused.norm_linear(x, norm_weight, eps, weights)[0]
+    if len(set(fp8)) == 1 or not kernel_set.triton:  # the torch twin takes any mix in one call
+        return kernel_set.norm_linear(x, norm_weight, eps, weights)[0]
     outs: list[Tensor] = [x] * len(weights)
     for fmt in (True, False):
         idx = [i for i, f in enumerate(fp8) if f == fmt]
-        for i, y in zip(idx, fused.norm_linear(x, norm_weight, eps, [weights[i] for i in idx])[0]):
+        for i, y in zip(idx, kernel_set.norm_linear(x, norm_weight, eps, [weights[i] for i in idx])[0]):
             outs[i] = y
     return outs
 
 
-def fused_head(w: MtpWeights, pre_norm: Tensor, fused: StepKernels, x_out: Tensor | None = None,
+def fused_head(w: MtpWeights, pre_norm: Tensor, kernel_set: StepKernels, x_out: Tensor | None = None,
                logits_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The shared head on the layer outputs ``pre_norm`` (T, H) (launches 14-15): the post-norm
     rows ``x`` (T, H) and the drafts (T,) int64, the argmax of ``lm_head(x)``, which each
     vocabulary slice reduces to its own best. ``x_out`` (T, H): where ``x`` is stored;
     ``logits_out`` (T, V) S: where the head's launch also stores the logits (what the step's
     confidence and a grammar's redo read, DESIGN.md §10, §12); no launch is added for either."""
-    x, part_val, part_idx = fused.head_partials(pre_norm, w.shared_head_norm, w.config.rms_norm_eps, w.lm_head,
-                                                x_out, logits_out)
-    return x, fused.argmax_reduce(part_val, part_idx)
+    x, part_val, part_idx = kernel_set.head_partials(pre_norm, w.shared_head_norm, w.config.rms_norm_eps, w.lm_head,
+                                                     x_out, logits_out)
+    return x, kernel_set.argmax_reduce(part_val, part_idx)

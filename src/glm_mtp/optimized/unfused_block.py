@@ -184,9 +184,10 @@ class PrimitiveKernels:
     def kpool_hook(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
                    cache: LayerCache, ops: Numerics, *, ok: Tensor,
                    shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool (``shared``: a
-        shared draft step's kept selection, as ``reference.kpool.kpool_rows`` takes it)."""
-        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops, fused=self, shared=shared)
+        """``BlockHooks.kpool``: ``gated_kpool_rows`` gated by ``ok`` (1,) bool (``shared``, the
+        reference's name: an index-shared draft step's kept selection, as
+        ``reference.kpool.kpool_rows`` takes it)."""
+        return gated_kpool_rows(ix, cfg, a, q_latent, slots, cache, ok, ops, kernel_set=self, index_shared=shared)
 
     def hooks(self, ok: Tensor) -> BlockHooks:
         """The optimized pieces of ``reference.block.mtp_rows``, cache writes gated by ``ok``."""
@@ -205,15 +206,15 @@ def gated_write(cache: LayerCache, slots: Tensor, kv_rows: Tensor, index_rows: T
 
 
 def gated_pool_writes(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache, ok: Tensor,
-                      fused: PrimitiveKernels | None = None) -> None:
+                      kernel_set: PrimitiveKernels | None = None) -> None:
     """``reference.kpool.write_pools`` gated by ``ok`` (1,) bool, with no host read: the gates
     ``gates`` (T, D) at ``slots`` (T,), then the key of every pool a row completes
-    (``kernels.kpool``: the kernel or its twin, as ``fused`` chooses; the twin without one)."""
+    (``kernels.kpool``: the kernel or its twin, as ``kernel_set`` chooses; the twin without one)."""
     kpc = cache.kpool
     assert kpc is not None, "a glm5_next layer needs a KPool cache"
     kpc.gates[slots] = torch.where(ok, gates, kpc.gates[slots])
     args = (cfg, ix, slots, cache, ok)
-    if fused is not None and fused.use_triton(cache.index_pool) and cache.index_pool.dtype in KPOOL_DTYPES:
+    if kernel_set is not None and kernel_set.use_triton(cache.index_pool) and cache.index_pool.dtype in KPOOL_DTYPES:
         pool_keys_write_triton(*args)
     else:
         pool_keys_write_torch(*args)
@@ -231,23 +232,23 @@ def gated_forget(cache: LayerCache, n: Tensor, ok: Tensor) -> None:
 
 
 def gated_kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor, cache: LayerCache,
-                     ok: Tensor, ops: Numerics = PINNED, fused: PrimitiveKernels | None = None,
-                     shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                     ok: Tensor, ops: Numerics = PINNED, kernel_set: PrimitiveKernels | None = None,
+                     index_shared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``reference.kpool.kpool_rows`` with its writes gated by ``ok`` (1,) bool and the scores over
     every pool of the capacity (a static shape; ``kernels.kpool``'s pool scores, kernel or twin as
-    ``fused`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
+    ``kernel_set`` chooses): the pools a row cannot see are ``-inf`` (and loaded by no kernel program),
     as ``select_pool_rows`` masks them (the kernel writes no score there, and its selection reads
 none), and a list's values do not depend on its padded width.
-    ``shared``: a shared draft step's kept selection (DESIGN.md §9): the writes, then ``shared``
-    returned, none of the query side run.
+    ``index_shared``: an index-shared draft step's kept selection (DESIGN.md §9): the writes, then
+    ``index_shared`` returned, none of the query side run.
     Returns ``rows`` (T, K), ``count`` (T,)."""
-    gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, fused)
-    if shared is not None:
-        return shared
+    gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, kernel_set)
+    if index_shared is not None:
+        return index_shared
     # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
     q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)
     keys = cache.kpool.keys
-    if fused is not None and fused.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
+    if kernel_set is not None and kernel_set.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
         scores = pool_scores_triton(cfg, q_raw, w_raw, cache, slots)  # (T, P): written at the visible pools only
         return select_pool_rows_triton(cfg, scores, slots)
     scores = pool_scores_torch(cfg, q_raw, w_raw, cache, slots)

@@ -21,7 +21,7 @@ left as found either way) and ``draft_confidence`` is read and compared by bytes
 
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
-    from glm_mtp.conformance.arguments import argument_machine
+    from glm_mtp.conformance.machines.arguments import argument_machine
     run_state_machine_as_test(argument_machine(), settings=settings(max_examples=50, deadline=None))
 """
 
@@ -37,7 +37,7 @@ from torch import Tensor
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
 from glm_mtp.reference.contract import SampledDrafts, takes_grammars
 
-from .grammars import ENDS, FAULTS, Grammar
+from ..grammars import ENDS, FAULTS, Grammar
 from .hostile_values import Draws, devices
 
 # What a refusal may be: arguments (ValueError, TypeError) and the lifecycle (RuntimeError).

@@ -7,7 +7,7 @@ Every op runs in lockstep on both backends at once, with the same checks as ``ru
 
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
-    from glm_mtp.conformance.machine import lockstep_machine
+    from glm_mtp.conformance.machines.machine import lockstep_machine
     run_state_machine_as_test(lockstep_machine("optimized", "reference"), settings=settings(max_examples=50,
     deadline=None))
 
@@ -28,14 +28,14 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from .backends import Factory
-from .lockstep import Harness
-from .choices import Chooser
-from .runner import replay_command
-from .scenarios import GENERATORS, MAX_DRAFTS, save_scenario
-from .single_state import RULES
-from .ops import Op
-from .spec import SpecModel
+from ..backends import Factory
+from ..lockstep import Harness
+from ..choices import Chooser
+from ..runner import replay_command
+from ..scenarios import GENERATORS, MAX_DRAFTS, save_scenario
+from ..single_state import RULES
+from ..ops import Op
+from ..spec import SpecModel
 
 T = TypeVar("T")
 
@@ -105,7 +105,7 @@ def lockstep_machine(
             if finding is not None:
                 calls = "\n".join(f"  {i:3d}  {o.call()}  [spec: {o.expect}]" for i, o in enumerate(self.ops))
                 # Hypothesis replays the shrunk example last, so the file ends up holding it.
-                save_scenario(path, self.ops, origin="glm_mtp.conformance.machine", index_share=self.share)
+                save_scenario(path, self.ops, origin="glm_mtp.conformance.machines.machine", index_share=self.share)
                 replay = replay_command(harness, 0, 0, GENERATORS, max_drafts, scenario_file=path)
                 raise AssertionError(
                     f"{harness.candidate_name} vs {harness.baseline_name} differ at step {len(self.ops) - 1}: "

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from glm_mtp.conformance import run
-from glm_mtp.conformance.machine import lockstep_machine
+from glm_mtp.conformance.machines.machine import lockstep_machine
 
 SETTINGS = dict(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
