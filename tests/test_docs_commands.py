@@ -38,6 +38,11 @@ RUN = {
     "python -m glm_mtp.experiments.acceptance -m experiment=trace_grid trace.path=T":
         ["num_drafts=1", "policy=refeed", "model.index_share=true", "model.weights_dtype=plain", "speedup.repeats=1"],
     "python -m glm_mtp.experiments.traces grid-report multirun/trace-grid/<time>": [],
+    # docs/traces.md's sampled trace: record at T = 1, replay with seeded exact match
+    "python -m glm_mtp.experiments.record target_numerics=pinned temperature=1 top_p=0.95 seed=0 trace.out=TS":
+        ["run.num_prompts=2", "run.max_new_tokens=8", "trace.cost_repeats=1"],
+    "python -m glm_mtp.experiments.acceptance trace.path=TS verify=match temperature=1 top_p=0.95 seed=0 num_drafts=3":
+        ["logger=none", "speedup.repeats=1"],
     # docs/finetune.md: record, tune, replay the tuned head (6 prompts, 2 steps)
     "python -m glm_mtp.experiments.record trace.out=TRACE run.num_prompts=64 trace.max_drafts=3 trace.cost_repeats=0":
         ["run.num_prompts=6", "run.max_new_tokens=8"],

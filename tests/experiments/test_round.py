@@ -36,7 +36,7 @@ def test_verify_chooses_the_rule_by_name():
     ours = verify("rejection", logits, drafts, 1.0, torch.Generator().manual_seed(5))
     assert ours == stochastic_verify(logits, drafts, 1.0, torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="verify rule must be one of"):
-        verify("match", logits, drafts, 1.0, torch.Generator())
+        verify("exact", logits, drafts, 1.0, torch.Generator())
 
 
 @pytest.mark.parametrize("kw, message", [
