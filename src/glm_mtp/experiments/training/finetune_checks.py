@@ -49,6 +49,17 @@ def check_hyperparameters(f: Any) -> None:
             raise ValueError(f"finetune.{name} must be {rule}, got {f.get(name)!r}")
 
 
+def check_world(batch_size: int) -> None:
+    """Under ``torchrun`` (``finetune_dist``): ``WORLD_SIZE`` and ``RANK`` integers in range, and
+    ``finetune.batch_size`` >= ``WORLD_SIZE`` (every rank takes a non-empty share of each step)."""
+    from .finetune_dist import world_from_env
+
+    _, world = world_from_env()
+    if batch_size < world:
+        raise ValueError(f"finetune.batch_size={batch_size} is below WORLD_SIZE={world}: data parallel gives every "
+                         "rank a share of each step's batch, so the batch needs at least one item per rank")
+
+
 def check_out(out: Any) -> str:
     """``finetune.out``: a new or empty directory."""
     if not isinstance(out, str) or not out:
@@ -100,6 +111,7 @@ def check_finetune(cfg: Any) -> tuple[str, MtpConfig, dict[str, Any], PromptSpli
     config, the trace's metadata and the split."""
     f, mcfg = cfg.finetune, cfg.model
     check_hyperparameters(f)
+    check_world(f.batch_size)
     if f.feed_hidden not in FEEDS:
         raise ValueError(f"finetune.feed_hidden must be one of {FEEDS}, got {f.feed_hidden!r}")
     if mcfg.kind not in ("checkpoint", "hf"):

@@ -9,7 +9,9 @@ runs once its checks (``finetune_checks``) pass.
    logits (``mtp_train_forward.drafter_forward``, torch's kernels) against the target's own next
    token ``argmax[p + d]`` (self-distillation). Each step draws ``batch_size`` training items
    from a generator seeded with ``finetune.seed``; torch runs ``finetune.threads`` threads: the
-   same trace, seed and thread count give the same bytes.
+   same trace, seed and thread count give the same bytes. Under ``torchrun`` (``WORLD_SIZE`` > 1)
+   each rank backpropagates its share of the step's items and the gradients are summed over
+   ranks (``finetune_dist``: data parallel, gloo); only rank 0 goes on to 3 and 4.
 3. Write the tuned checkpoint in the input's layout (``finetune_io``), its model card, the loss
    curve and ``summary.json``.
 4. Judge it by replay (``finetune_judge``): the held-out prompts, base head against the written
@@ -32,6 +34,7 @@ from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.weights import MtpWeights
 
 from ..traces.format import Trace, open_trace
+from . import finetune_dist as dp
 from .finetune_io import input_tensors, master_copies, tuned_tensors, write_checkpoint
 from .finetune_split import PromptSplit
 from .mtp_train_forward import VENDOR, drafter_forward
@@ -100,9 +103,11 @@ def plot_losses(loss: list[dict[str, Any]], path: str) -> None:
 
 
 def train(cfg: Any, model_cfg: MtpConfig, stored: dict[str, Tensor], trace: Trace, split: PromptSplit,
-          log: Any) -> tuple[dict[str, Tensor], list[dict[str, Any]], int, bool]:
+          log: Any, rank: int = 0, world: int = 1) -> tuple[dict[str, Tensor], list[dict[str, Any]], int, bool]:
     """The training loop (module docstring, 2): the masters, the loss records, steps run and
-    whether ``finetune.max_minutes`` stopped it early."""
+    whether ``finetune.max_minutes`` stopped it early. ``rank`` of ``world`` data-parallel ranks
+    (``finetune_dist``; a joined process group when ``world`` > 1): this rank trains on its share
+    of each step's batch; the held-out loss, the records and the bar are rank 0's."""
     from tqdm import tqdm
 
     f = cfg.finetune
@@ -114,21 +119,24 @@ def train(cfg: Any, model_cfg: MtpConfig, stored: dict[str, Tensor], trace: Trac
     gen = torch.Generator().manual_seed(f.seed)
     deadline = time.perf_counter() + 60 * f.max_minutes
     records: list[dict[str, Any]] = []
-    bar = tqdm(range(f.steps), desc="finetune", dynamic_ncols=True, mininterval=2)
+    bar = tqdm(range(f.steps), desc="finetune", dynamic_ncols=True, mininterval=2, disable=rank != 0)
     step, stopped = 0, False
     for step in bar:
+        # Every rank draws the whole batch from the same generator, then takes its share.
         pick = torch.randint(0, len(train_items), (f.batch_size,), generator=gen).tolist()
         w = weights_of(model_cfg, stored, masters)
         opt.zero_grad(set_to_none=True)
-        loss = torch.stack([item_loss(w, train_items[i], f.depth, f.feed_hidden)[0] for i in pick]).mean()
-        loss.backward()
+        mine = dp.share(pick, rank, world)
+        local = torch.stack([item_loss(w, train_items[i], f.depth, f.feed_hidden)[0] for i in mine]).sum()
+        (local / f.batch_size).backward()  # this rank's part of the global batch's mean
+        dp.sum_gradients(params, world)  # the global mean's gradient on every rank
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, f.grad_clip))
         opt.step()
-        train_loss = float(loss.detach())
+        train_loss = dp.sum_over_ranks(float(local.detach()), world) / f.batch_size
         bar.set_postfix(loss=f"{train_loss:.3f}")
         log.log({"train/loss": train_loss, "train/grad_norm": gnorm}, step=step)
-        last = step == f.steps - 1 or time.perf_counter() >= deadline
-        if step % f.eval_every == 0 or last:
+        last = step == f.steps - 1 or dp.rank0_says(time.perf_counter() >= deadline, world)
+        if rank == 0 and (step % f.eval_every == 0 or last):
             held = mean_loss(weights_of(model_cfg, stored, masters), held_items, f.depth, f.feed_hidden)
             records.append({"step": step, "train": train_loss, "heldout": held})
             log.log({"heldout/loss": held}, step=step)
@@ -141,8 +149,8 @@ def train(cfg: Any, model_cfg: MtpConfig, stored: dict[str, Tensor], trace: Trac
 
 
 def model_card(cfg: Any, trace: Trace, split: PromptSplit, steps: int, stopped: bool, loss: list[dict[str, Any]],
-               replay: dict[str, Any], command: str, model_dir: str) -> str:
-    """The tuned checkpoint's README.md."""
+               replay: dict[str, Any], command: str, model_dir: str, world: int = 1) -> str:
+    """The tuned checkpoint's README.md (``world``: the data-parallel ranks that trained it)."""
     f = cfg.finetune
     b, t, d = replay["base"], replay["tuned"], replay["delta"]
     alphas = " / ".join(f"{a:.3f}" for a in t["alpha"])
@@ -157,28 +165,31 @@ def model_card(cfg: Any, trace: Trace, split: PromptSplit, steps: int, stopped: 
         "listed in summary.json; never trained on",
         f"- {steps} AdamW steps{' (stopped by finetune.max_minutes)' if stopped else ''}: lr {f.lr}, batch "
         f"{f.batch_size} items, depth {f.depth} (shared weights), weight decay {f.weight_decay}, clip {f.grad_clip}, "
-        f"seed {f.seed}, {f.threads} thread(s), labels: the target's argmax",
+        f"seed {f.seed}, {f.threads} thread(s), {world} data-parallel rank(s), labels: the target's argmax",
         f"- loss (train, held-out) at the first and last eval: {loss[0]['train']:.4f}, {loss[0]['heldout']:.4f} -> "
         f"{loss[-1]['train']:.4f}, {loss[-1]['heldout']:.4f}",
         "", f"## Held-out replay (k = {replay['num_drafts']}, greedy, {replay['prompts']} prompts)", "",
         "| head | tau | alpha_1.. |", "|---|---|---|",
         f"| base | {b['tau']:.3f} | {base_alphas} |", f"| tuned | {t['tau']:.3f} | {alphas} |", "",
         f"delta tau {d['tau'][0]:+.3f} [{d['tau'][1]:+.3f}, {d['tau'][2]:+.3f}] (paired bootstrap 95% over prompts).",
-        "", "Same trace, seed and thread count: byte-identical tensors.", ""]
+        "", "Same trace, seed, thread count and rank count: byte-identical tensors.", ""]
     return "\n".join(lines)
 
 
 def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], PromptSplit],
-        command: str) -> dict[str, Any]:
-    """Fine-tune, write and judge (module docstring); returns summary.json's record."""
+        command: str) -> dict[str, Any] | None:
+    """Fine-tune, write and judge (module docstring); returns summary.json's record, or
+    ``None`` on a data-parallel rank other than 0 (which writes nothing)."""
     from omegaconf import OmegaConf
 
     from glm_mtp.registry import parse_dtype
 
-    from ..reporting.wandb_log import make_logger
+    from ..reporting.wandb_log import NoLogger, make_logger
 
     model_dir, model_cfg, _, split = checked
     f, mcfg = cfg.finetune, cfg.model
+    rank, world = dp.world_from_env()
+    started = dp.start(world)
     torch.set_num_threads(f.threads)
     torch.manual_seed(f.seed)
     import logging
@@ -186,14 +197,26 @@ def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], P
     logging.getLogger("glm_mtp").setLevel(logging.WARNING)  # the drafter logs every prefill at INFO
     t0 = time.perf_counter()
     trace = open_trace(cfg.trace.path)
-    stored, files = input_tensors(model_dir)
-    os.makedirs(f.out, exist_ok=True)
-    os.makedirs(run_dir, exist_ok=True)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)  # the composed config is a mapping
-    log = make_logger(cfg.logger, run_dir, cast(dict[str, Any], config), job_type="finetune",
-                      group=cfg.get("group"))
-    masters, loss, steps, stopped = train(cfg, model_cfg, stored, trace, split, log)
+    # The ranks must train on the same items with the same draws: refuse before any work if not.
+    dp.check_agree("the trace, the split and finetune.*", (trace.sha256, split.record(), config["finetune"]), world)
+    stored, files = input_tensors(model_dir)
+    if world > 1:  # hashing the tensors costs a pass over them: only where there is another rank to agree with
+        dp.check_agree("the input checkpoint's tensors (sha256)", dp.digest(stored), world)
+    if rank == 0:
+        os.makedirs(f.out, exist_ok=True)
+        os.makedirs(run_dir, exist_ok=True)
+        log = make_logger(cfg.logger, run_dir, cast(dict[str, Any], config), job_type="finetune",
+                          group=cfg.get("group"))
+    else:
+        log = NoLogger()
+    masters, loss, steps, stopped = train(cfg, model_cfg, stored, trace, split, log, rank, world)
+    if world > 1:
+        dp.check_agree("the tuned masters (sha256)", dp.digest(masters), world)
+    dp.finish(started)
+    if rank != 0:
+        return None
     write_checkpoint(model_dir, f.out, tuned_tensors(stored, masters), files)
     train_minutes = (time.perf_counter() - t0) / 60
 
@@ -213,7 +236,7 @@ def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], P
     summary = {"command": command, "model": model_dir, "out": f.out, "trace": trace.record(),
                "split": split.record(), "steps": steps, "stopped_early": stopped,
                "settings": OmegaConf.to_container(f, resolve=True), "loss": loss, "replay": replay,
-               "eval_traces": evals, "train_minutes": train_minutes}
+               "eval_traces": evals, "train_minutes": train_minutes, "world_size": world}
     png = os.path.join(f.out, "loss_curve.png")
     plot_losses(loss, png)
     log.log_image("loss_curve", png)
@@ -221,7 +244,7 @@ def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], P
                  "replay/tuned_tau": replay["tuned"]["tau"]})
     log.finish()
     with open(os.path.join(f.out, "README.md"), "w") as fh:
-        fh.write(model_card(cfg, trace, split, steps, stopped, loss, replay, command, model_dir))
+        fh.write(model_card(cfg, trace, split, steps, stopped, loss, replay, command, model_dir, world))
     with open(os.path.join(f.out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     b, t, d = replay["base"], replay["tuned"], replay["delta"]
