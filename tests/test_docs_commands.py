@@ -76,7 +76,7 @@ SKIP = {
     "--max-position-embeddings 131072 --max-seq-len 131072": "a timed bench at long capacity",
     "python -m glm_mtp.tools.audit [--arch sm_90] [--presets tiny small glm5]": "compiles every kernel to PTX",
     "python -m glm_mtp.experiments.acceptance model=hf model.path=DIR run.check_lossless=true":
-        "needs a released-layout checkpoint (tests/experiments/test_hf_target.py runs model=hf)",
+        "needs a released-layout checkpoint (tests/experiments/targets/test_hf_target.py runs model=hf)",
     "python -m glm_mtp.experiments.acceptance model=hf model.path=DIR source=jsonl prompts.path=prompts.jsonl":
         "needs a released-layout checkpoint",
     "python -m glm_mtp.experiments.acceptance model=hf model.path=DIR source=text prompts.path=my_texts/ "
@@ -90,7 +90,7 @@ SKIP = {
     "python -m glm_mtp.experiments.finetune model=hf model.path=CKPT trace.path=TRACE finetune.out=OUT":
         "needs a released-layout checkpoint (tests/experiments/test_finetune.py tunes package-layout ones)",
     "torchrun --standalone --nproc_per_node=WORLD -m glm_mtp.experiments.finetune trace.path=TRACE finetune.out=OUT "
-    "finetune.batch_size=B hydra.run.dir=RUN": "several processes (tests/experiments/test_finetune_ddp.py runs it "
+    "finetune.batch_size=B hydra.run.dir=RUN": "several processes (tests/experiments/training/test_finetune_ddp.py runs it "
                                                "at world 2 against world 1)",
 }
 

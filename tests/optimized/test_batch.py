@@ -136,7 +136,7 @@ def test_glm5_next_batch_equals_each_state_alone(next_weights):
 def test_glm5_next_batch_with_interpreted_kernels():
     """The same with every piece a Triton kernel (the KPool ones through the per-row address
     table, pools_forget included): a round that rewinds, then one that completes pools. bf16 only
-    (the kernels' dtypes are proven apart in test_kernels_kpool.py; the interpreter is slow)."""
+    (the kernels' dtypes are proven apart in kernels/test_kpool.py; the interpreter is slow)."""
     w = MtpWeights.random(MtpConfig.preset("glm5next_tiny"), seed=8, dtype=torch.bfloat16)
     bt = Batched(w, kernels="triton", max_seq_len=32, seed=5)
     for n in (4, 11, 2):

@@ -1,7 +1,7 @@
 """The MTP block for new rows as fused kernels: the draft step's schedule.
 
 Same math as ``glm_mtp.reference.block.mtp_rows`` (every piece's twin is built from the
-reference's own functions and proven byte-equal to its kernel, tests/optimized/test_kernels_*),
+reference's own functions and proven byte-equal to its kernel, tests/optimized/kernels/),
 cut into the launches a GPU runs for one draft step::
 
      1  block_input         embedding row (zeroed at slot 0), enorm, hnorm, eh_proj       -> u
@@ -149,7 +149,7 @@ def triton_kernels() -> StepKernels:
 
 def torch_twins() -> StepKernels:
     """The step's torch twins (``kernels.<piece>_torch``), each byte-equal to its kernel
-    (tests/optimized/test_kernels_*)."""
+    (tests/optimized/kernels/)."""
     return kernels_named("_torch")
 
 

@@ -21,7 +21,7 @@ computes after a fresh prefill of rows ``[0, p)``:
 
 Numerics: ``ops=PINNED`` (with the reference's MoE) is the drafter's pinned order, and a row's
 value does not depend on the rows computed beside it, so the logits are the reference
-drafter's bytes (tests/experiments/test_mtp_train_forward.py). Training runs ``ops=VENDOR``
+drafter's bytes (tests/experiments/training/test_mtp_train_forward.py). Training runs ``ops=VENDOR``
 (torch's kernels, autograd; dense masked MLA over the same selection, ``grouped_moe``): the same
 math, rounded in another order, so its logits differ from the pinned ones by rounding only (the
 test bounds it).

@@ -4,7 +4,7 @@ Every kernel here is exact by construction (DESIGN.md §5): gathers, scatters, c
 float32 elementwise chains in the reference's operation order and sums in the ``psum`` tree
 (the GEMV, ``linear``), compiled without FMA contraction (``enable_fp_fusion=False``), casts
 rounded to nearest even. Each ``*_triton`` function has a ``*_torch`` twin made of the
-reference's own ops; tests/optimized/test_kernels*.py prove each pair byte-equal on fresh
+reference's own ops; tests/optimized/kernels/ prove each pair byte-equal on fresh
 random inputs through Triton's CPU interpreter. At run time the proposer calls the kernel on
 CUDA and, by default, the twin on CPU (the interpreter is slow).
 ``glm_mtp.tools.audit`` compiles every kernel in ``AUDITED`` for the GPU without one and

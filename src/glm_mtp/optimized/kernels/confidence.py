@@ -22,7 +22,7 @@ logits once, and these kernels read them back, one program per row.
 Both reduce with comparisons and integer min/max only, besides the one ``psum``: no ``tl.sum``,
 ``tl.exp`` or fused multiply-add (``enable_fp_fusion=False``). Each ``*_triton`` has a ``*_torch``
 twin written in the reference's primitives (``numerics.exp``, ``numerics.psum``), byte-equal to it
-(tests/optimized/test_kernels_confidence.py).
+(tests/optimized/kernels/test_confidence.py).
 """
 
 from __future__ import annotations

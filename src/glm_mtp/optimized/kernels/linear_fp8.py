@@ -18,7 +18,7 @@ device, including Triton's CPU interpreter, whose own float8 cast maps the NaN p
 The drafter does not launch this GEMV: the fused step's fp8 variants (``fused_linear``, ``moe``,
 ``mla``) import its decoder and block helpers and follow its order inside their own kernels. The
 GEMV is that order on its own, proven byte-equal to the reference by
-tests/optimized/test_kernels_linear_fp8.py and audited with the rest (``kernels.AUDITED``); it is
+tests/optimized/kernels/test_linear_fp8.py and audited with the rest (``kernels.AUDITED``); it is
 not among the kernels ``glm_mtp.optimized.kernels`` exports.
 """
 

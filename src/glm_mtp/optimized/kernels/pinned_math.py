@@ -15,7 +15,7 @@ same bits as the reference wherever the kernel is compiled with ``enable_fp_fusi
   order is the compiler's); ``psum_prefix_grid`` stops the tree at a level (MLA's prefix sums).
 
 ``exp_kernel`` applies ``exp_f32`` to a float32 buffer: the byte test's handle on the helper
-(tests/optimized/test_kernels_moe.py sweeps float32 bit patterns against ``numerics.exp``).
+(tests/optimized/kernels/test_moe.py sweeps float32 bit patterns against ``numerics.exp``).
 """
 
 from __future__ import annotations

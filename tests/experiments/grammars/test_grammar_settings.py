@@ -55,7 +55,7 @@ def test_transformers_tokenizer_compiles_a_json_schema(tmp_path):
 
     from glm_mtp.experiments.targets.hf_target import HfTokenizer
 
-    from .hf_checkpoints import write_tokenizer
+    from ..hf_checkpoints import write_tokenizer
 
     write_tokenizer(str(tmp_path))
     tok = HfTokenizer(AutoTokenizer.from_pretrained(str(tmp_path)))

@@ -17,7 +17,7 @@ from glm_mtp.experiments.training.finetune_run import run
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference.checkpoint import checkpoint_weight_map
 
-from .test_finetune import _checkpoint, _trace
+from ..test_finetune import _checkpoint, _trace
 
 OVERRIDES = ["model=shipped", "finetune.steps=3", "finetune.eval_every=2", "finetune.lr=0.01", "logger=none"]
 

@@ -290,7 +290,7 @@ def test_commands_refuse_a_hostile_trace_in_one_line(tiny_trace, tmp_path):
 
 @pytest.mark.parametrize("family", ["glm5_next", pytest.param("glm_moe_dsa", marks=pytest.mark.slow)])
 def test_hf_record_and_replay(family, tmp_path):
-    from .hf_checkpoints import write_hf_checkpoint
+    from ..hf_checkpoints import write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path / "ck", family)
     model = ["model=hf", f"model.path={tmp_path / 'ck'}", "run.num_prompts=3", "run.prompt_tokens=12",

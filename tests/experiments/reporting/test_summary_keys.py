@@ -25,7 +25,7 @@ def test_old_keys_alone():
 
 
 def test_every_stored_summary_reads_alike():
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "results")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "results")
     paths = glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)
     for path in paths:
         with open(path) as f:

@@ -12,7 +12,7 @@ from glm_mtp.experiments.loop.grammar_verify import (allowed_tokens, masked_argm
 from glm_mtp.experiments.loop.speculative import POLICIES, SpeculativeDecoder, target_decode
 from glm_mtp.reference import ReferenceProposer
 
-from .token_automaton import TokenAutomaton, pack_bitmask
+from ..token_automaton import TokenAutomaton, pack_bitmask
 
 V = 96  # the tiny preset's vocabulary
 

@@ -17,7 +17,7 @@ from glm_mtp.experiments import acceptance  # noqa: E402
 from glm_mtp.experiments.reporting.measured import MEASURED_FILE, LateFailure, read_measured  # noqa: E402
 from glm_mtp.experiments.settings import validate  # noqa: E402
 
-from .hf_checkpoints import write_hf_checkpoint  # noqa: E402
+from ..hf_checkpoints import write_hf_checkpoint  # noqa: E402
 
 SMALL = ["logger=none", "num_drafts=2", "run.num_prompts=2", "run.max_new_tokens=4", "speedup.costs=glm5"]
 
@@ -231,7 +231,7 @@ def test_a_late_failure_through_the_entry_point_is_one_line_and_exit_1(tmp_path)
     import sys
 
     run_dir = tmp_path / "run"
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
            "HYDRA_FULL_ERROR": "0"}
     proc = subprocess.run([sys.executable, "-c", LATE_FAILURE_DRIVER, "model=tiny_random", "experiment=smoke",

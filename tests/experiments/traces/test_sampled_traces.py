@@ -114,7 +114,7 @@ def test_a_greedy_trace_refuses_match_at_temperature(tmp_path):
 def test_hf_sampled_record_counts_its_cuts(tmp_path, capsys):
     """transformers' tiny glm5_next checkpoint, its batched pass 1 sampled per row: the trace is
     valid, follows its samples, and counts the items pass 2 cut (near-ties of the two passes)."""
-    from .hf_checkpoints import write_hf_checkpoint
+    from ..hf_checkpoints import write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path / "ck", "glm5_next")
     meta = record_trace(tmp_path / "trace", ["model=hf", f"model.path={tmp_path / 'ck'}", "run.num_prompts=3",

@@ -34,7 +34,7 @@ from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, target_deco
 from glm_mtp.reference import MtpWeights, ReferenceProposer  # noqa: E402
 from glm_mtp.reference.bytes import same_bytes  # noqa: E402
 
-from .hf_checkpoints import FAMILIES, write_hf_checkpoint  # noqa: E402
+from ..hf_checkpoints import FAMILIES, write_hf_checkpoint  # noqa: E402
 
 K = 3
 
