@@ -90,8 +90,8 @@ SKIP = {
     "python -m glm_mtp.experiments.finetune model=hf model.path=CKPT trace.path=TRACE finetune.out=OUT":
         "needs a released-layout checkpoint (tests/experiments/test_finetune.py tunes package-layout ones)",
     "torchrun --standalone --nproc_per_node=WORLD -m glm_mtp.experiments.finetune trace.path=TRACE finetune.out=OUT "
-    "finetune.batch_size=B hydra.run.dir=RUN": "several processes (tests/experiments/training/test_finetune_ddp.py runs it "
-                                               "at world 2 against world 1)",
+    "finetune.batch_size=B hydra.run.dir=RUN": "several processes (tests/experiments/training/test_finetune_ddp.py "
+                                               "runs it at world 2 against world 1)",
 }
 
 

@@ -231,7 +231,9 @@ def test_a_late_failure_through_the_entry_point_is_one_line_and_exit_1(tmp_path)
     import sys
 
     run_dir = tmp_path / "run"
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "src")
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[3] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
            "HYDRA_FULL_ERROR": "0"}
     proc = subprocess.run([sys.executable, "-c", LATE_FAILURE_DRIVER, "model=tiny_random", "experiment=smoke",
