@@ -18,7 +18,7 @@ row capacity. Pinned (DESIGN.md §5): every sum is a ``psum`` in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from einops import rearrange
@@ -118,7 +118,10 @@ WriteRowsFn = Callable[[AttentionWeights, MtpConfig, Tensor, Tensor, Tensor, Rop
 # ablation ``kpool.kpool_all_rows`` still lists every visible row). It must store and return
 # exactly ``kpool.kpool_rows``' values (the default); the optimized drafter passes one gated by a
 # device flag, with no host read.
-KPoolRowsFn = Callable[[IndexerWeights, MtpConfig, Tensor, Tensor, Tensor, LayerCache, Numerics], tuple[Tensor, Tensor]]
+class KPoolRowsFn(Protocol):
+    def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
+                 cache: LayerCache, ops: Numerics = ..., shared: tuple[Tensor, Tensor] | None = None,
+                 ) -> tuple[Tensor, Tensor]: ...
 
 
 def split_kv_b(attn: AttentionWeights, cfg: MtpConfig, acc: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 # The MTP layer of a checkpoint sits after the decoder layers: model.layers.{num_hidden_layers}.*
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
@@ -329,8 +329,8 @@ class MtpConfig:
                               ("first_k_dense_replace", 0), ("intermediate_size", 0)):
             kwargs[name] = hf_int(raw, name, default, where)
         # transformers' defaults where a file leaves a field out: GLM-5.3-Flash's eps is 1e-5
-        for name, default in (("routed_scaling_factor", 1.0), ("rms_norm_eps", 1e-5 if next_family else 1e-6)):
-            kwargs[name] = hf_float(raw, name, default, where)
+        for name, float_default in (("routed_scaling_factor", 1.0), ("rms_norm_eps", 1e-5 if next_family else 1e-6)):
+            kwargs[name] = hf_float(raw, name, float_default, where)
         for name in BOOL_FIELDS:
             kwargs[name] = hf_bool(raw, name, True, where)
         # absent = false: GLM-5 ships without it; the GLM-5.2/5.3 and GLM-5.3-Flash releases set it true
@@ -399,7 +399,7 @@ def read_tie_word_embeddings(path: str | os.PathLike[str] | dict[str, Any]) -> b
 # type (a quoted number, "false", 0/1 for a flag) is a mistake in the file, refused by name.
 
 
-def finite_number(value: object) -> bool:
+def finite_number(value: object) -> TypeGuard[int | float]:
     """An int or float (not a bool) that a float holds finitely (a 400-digit int does not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -424,7 +424,7 @@ def check_float32_setting(name: str, value: object, where: str = "") -> float:
     ``swiglu_limit`` of 0 zeroes every expert) and 1e300 to inf (a scaling of inf drafts
     garbage, a limit of inf clamps nothing). Returns the float32 value; ``ValueError`` naming
     ``MtpConfig.<name>`` otherwise."""
-    if not finite_number(value) or not value > 0:  # type: ignore[operator]  # value is any user input here; finite_number checked it is a number
+    if not finite_number(value) or not value > 0:
         raise ValueError(f"MtpConfig.{name} must be a finite number > 0{where}, got {value!r}")
     rounded = float32_value(float(value))
     if not (math.isfinite(rounded) and rounded >= FLOAT32_TINY):

@@ -194,8 +194,9 @@ def batch_catchup_args(
     for b, st in enumerate(states):
         with batch_item(call, b):
             check_live_state(st, call)
-            token = token_ids("tokens", [ids[b]] if not isinstance(ids[b], Tensor) else ids[b],
-                              weights.config.vocab_size, st.device)
+            id_b = ids[b]
+            token = token_ids("tokens", id_b if isinstance(id_b, Tensor) else [id_b], weights.config.vocab_size,
+                              st.device)
             base = check_int("row_base", bases[b])
             check_hiddens("hiddens", rows[b], 1, weights, st.device)
             check_capacity(call, base + 1, capacity)

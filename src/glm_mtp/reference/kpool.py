@@ -44,6 +44,7 @@ from .weights import IndexerWeights
 def pooled_keys(ix: IndexerWeights, keys: Tensor, gates: Tensor) -> Tensor:
     """The pooled keys of complete pools from their rows' index keys and gates, each
     ``(P, kp, D)`` in S: ``(P, D)`` in S (the module docstring's formula)."""
+    assert ix.kpool_ape is not None, "a KPool layer (glm5_next) has kpool_ape"
     logits = up(gates) + up(ix.kpool_ape)[None]  # (P, kp, D), A
     p = softmax(rearrange(logits, "p j c -> p c j"))  # (P, D, kp): over the pool's positions
     return psum(p * rearrange(up(keys), "p j c -> p c j")).to(keys.dtype)  # (P, D)
@@ -53,6 +54,7 @@ def pooled_keys_vendor(ix: IndexerWeights, keys: Tensor, gates: Tensor) -> Tenso
     """``pooled_keys`` with torch's kernels (differentiable; training and the target):
     ``(P, kp, D)`` keys and gates -> ``(P, D)`` in S."""
     A = acc_dtype(keys.dtype)
+    assert ix.kpool_ape is not None, "a KPool layer (glm5_next) has kpool_ape"
     p = torch.softmax(gates.to(A) + ix.kpool_ape.to(A)[None], dim=1)  # (P, kp, D): over the pool's positions
     return (p * keys.to(A)).sum(1).to(keys.dtype)
 
@@ -61,6 +63,12 @@ def complete_pools(slots: Tensor, kpool: int) -> Tensor:
     """The pools the rows at ``slots`` complete (a slot that is a pool's last row), ascending."""
     last = slots[(slots + 1) % kpool == 0]
     return (last // kpool).sort().values
+
+
+def kpool_gates(ix: IndexerWeights, a: Tensor, ops: Numerics = PINNED) -> Tensor:
+    """The KPool gates of new rows ``a`` (T, H): ``(T, D)``, ``a @ kpool_gate^T``."""
+    assert ix.kpool_gate is not None, "a KPool layer (glm5_next) has kpool_gate"
+    return ops.linear(a, ix.kpool_gate)
 
 
 def write_pools(ix: IndexerWeights, cfg: MtpConfig, gates: Tensor, slots: Tensor, cache: LayerCache,
@@ -145,7 +153,7 @@ def kpool_scores(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor
     are already in ``cache``: writes their gates and the keys of the pools they complete, then
     ``I(t, p)`` (T, P) over pools ``[0, P)``, ``P = (max(slots) + 1) // kp`` (pinned, or with
     torch's kernels when ``ops`` is not). ``q_latent`` (T, Lq) is the MLA's normed low-rank query."""
-    write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
+    write_pools(ix, cfg, kpool_gates(ix, a, ops), slots, cache, ops)
     kp = cache.kpool
     assert kp is not None
     P = int(((slots.max() + 1) // cfg.index_kpool).item()) if slots.numel() else 0
@@ -166,7 +174,7 @@ def kpool_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, 
     writes as always, none of the query side (no ``wq_b``, head weights, scores or top-k), and
     ``shared`` is the list returned."""
     if shared is not None:
-        write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
+        write_pools(ix, cfg, kpool_gates(ix, a, ops), slots, cache, ops)
         return shared
     return select_pool_rows(kpool_scores(ix, cfg, a, q_latent, slots, cache, ops), slots, cfg)
 
@@ -187,7 +195,7 @@ def kpool_all_rows(ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tens
     on it), but each new row attends to every visible row ``[0, t]`` (``visible_rows``). It
     selects nothing, so there is nothing to share: a shared step's ``shared`` is not read, and
     every draft step attends every visible row, its own included (DESIGN.md §9)."""
-    write_pools(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ops)
+    write_pools(ix, cfg, kpool_gates(ix, a, ops), slots, cache, ops)
     return visible_rows(slots)
 
 

@@ -183,6 +183,7 @@ class ReferenceProposer:
         with self.use(state, "propose_sampled"), refusal_as_value_error():
             drafts, q = self._propose(last_token, target_hidden, position, num_drafts, state, (temperature, noise),
                                       "propose_sampled", grammar)
+            assert q is not None  # a sampled propose stacks its q_i (empty at k = 0)
             return SampledDrafts(drafts, q)
 
     def draft_confidence(self, state: DrafterState) -> tuple[Tensor, Tensor]:
@@ -306,6 +307,7 @@ class ReferenceProposer:
                         token = greedy_token(logits, allowed)  # (1,)
                         dist = masked_softmax(up(logits), allowed)  # (1, V) in A: temperature 1
                     else:
+                        assert noise is not None  # set with temp, above
                         dist = draft_probs(logits, temp, allowed)  # (1, V) in A: q
                         qs.append(dist)
                         token = sampled_token(dist, noise[i : i + 1], allowed)  # (1,)
