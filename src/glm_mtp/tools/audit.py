@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 import torch
 import triton
@@ -88,8 +88,8 @@ def instruction_rule(instruction: str) -> str | None:
     """The §5 rule ``instruction`` (one PTX statement, e.g. ``add.f32 %f1, %f2, %f3``) breaks,
     or ``None`` when it is allowed."""
     opcode = instruction.split(None, 1)[0]
-    base, *mods = opcode.split(".")
-    mods = set(mods)
+    base, *parts = opcode.split(".")
+    mods = set(parts)
     is_float = bool(mods & FLOAT_TYPES)
     broken = []
     if base in ("fma", "mad") and is_float:
@@ -266,6 +266,7 @@ def format_row(row: Row) -> str:
     if row.error is not None:
         return f"{head} {'ERROR':<8}"
     r = row.resources
+    assert r is not None  # a compiled row has its resources
     spills = f"{r.spill_stores}/{r.spill_loads}"
     return f"{head} {'yes':<8} {r.registers:>4} {spills:>13} {r.stack:>7} {r.smem:>6} {len(row.findings):>9}"
 
@@ -288,7 +289,7 @@ def report(rows: Sequence[Row], arch: str, out=sys.stdout) -> int:
     """Print the errors and forbidden instructions after the table; the exit status."""
     errors = [r for r in rows if r.error is not None]
     for r in errors:
-        lines = r.error.splitlines()
+        lines = (r.error or "").splitlines()
         shown = lines if len(lines) <= 40 else lines[:20] + ["..."] + lines[-19:]
         print(f"\nERROR {r.name}: does not compile for {arch}:", file=out)
         print("\n".join("    " + s for s in shown), file=out)
@@ -302,7 +303,7 @@ def report(rows: Sequence[Row], arch: str, out=sys.stdout) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints the usage too)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -323,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [p for p in args.presets if p not in PRESETS]
     if unknown:
         parser.error(f"--presets: unknown preset {unknown[0]!r}; known: {' '.join(sorted(PRESETS))}")
-    modules = AUDITED
+    modules: list[Any] = list(AUDITED)
     if args.modules:
         modules = []
         for name in args.modules:

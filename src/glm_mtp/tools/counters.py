@@ -234,7 +234,7 @@ def torch_op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int,
         outs = [t for t in outs if t.data_ptr() != dst.data_ptr()]
         written_args = [t for t in written_args if t is not dst]
         src_pos = SCATTERS[name]
-        src = args[src_pos] if len(args) > src_pos and isinstance(args[src_pos], Tensor) else None
+        values = args[src_pos] if len(args) > src_pos and isinstance(args[src_pos], Tensor) else None
         if name in ("aten.index_put_", "aten._index_put_impl_"):
             idx = [t for t in (args[1] if len(args) > 1 else []) if isinstance(t, Tensor)]
             rows = torch.broadcast_shapes(*(t.shape for t in idx)).numel() if idx else 0
@@ -242,7 +242,7 @@ def torch_op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int,
             written_extra = min(rows * row * dst.element_size(), tensors_bytes([dst]))
         else:  # index_copy_ / scatter_: one element per source element, or per index for a scalar value
             index = args[2] if len(args) > 2 and isinstance(args[2], Tensor) else None
-            n = src.numel() if src is not None else (index.numel() if index is not None else 0)
+            n = values.numel() if values is not None else (index.numel() if index is not None else 0)
             written_extra = min(n * dst.element_size(), tensors_bytes([dst]))
     return tensors_bytes(read) + extra_read, tensors_bytes(outs + written_args) + written_extra
 
