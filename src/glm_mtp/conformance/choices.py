@@ -3,6 +3,7 @@ generator draws its token ids and hiddens with (valid, or broken with a given ch
 
 from __future__ import annotations
 
+import builtins
 import random
 from typing import Protocol, Sequence, TypeVar
 
@@ -23,10 +24,10 @@ MAX_DRAFTS = 4
 class Chooser(Protocol):
     """A source of choices: a seeded ``random.Random`` here, hypothesis data in ``machines/machine.py``."""
 
-    def int(self, lo: int, hi: int) -> int: ...  # inclusive
+    def int(self, lo: builtins.int, hi: builtins.int) -> builtins.int: ...  # inclusive
     def choice(self, options: Sequence[T]) -> T: ...
     def chance(self, p: float) -> bool: ...
-    def seed(self) -> int: ...
+    def seed(self) -> builtins.int: ...
 
 
 class RandomChooser:
@@ -35,7 +36,7 @@ class RandomChooser:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def int(self, lo: int, hi: int) -> int:
+    def int(self, lo: builtins.int, hi: builtins.int) -> builtins.int:
         return self.rng.randint(lo, hi)
 
     def choice(self, options: Sequence[T]) -> T:
@@ -44,7 +45,7 @@ class RandomChooser:
     def chance(self, p: float) -> bool:
         return self.rng.random() < p
 
-    def seed(self) -> int:
+    def seed(self) -> builtins.int:
         return self.rng.randrange(2**31)
 
 

@@ -78,8 +78,8 @@ class Hidden:
         if self.fault in ("nan", "inf") and v.numel():
             at = int(torch.randint(v.numel(), (1,), generator=gen))
             v.view(-1)[at] = float("nan") if self.fault == "nan" else float("-inf") if at % 2 else float("inf")
-        if self.bad_row() is not None:  # nan@b / inf@b: one element of row b
-            b, at = self.bad_row(), int(torch.randint(width, (1,), generator=gen))
+        if (b := self.bad_row()) is not None and self.fault is not None:  # nan@b / inf@b: one element of row b
+            at = int(torch.randint(width, (1,), generator=gen))
             v[b, at] = float("nan") if self.fault.startswith("nan") else float("-inf") if at % 2 else float("inf")
         if self.fault == "list":
             return v.tolist()

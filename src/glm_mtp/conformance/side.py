@@ -94,7 +94,7 @@ class Side:
 
     def batch_states(self, op: Op) -> list[Any]:
         """The states a batched op names (a ``FOREIGN`` entry: this side's state of another drafter)."""
-        out = []
+        out: list[Any] = []
         for i in op.args["states"]:
             if i == FOREIGN:
                 if self._foreign is None:
@@ -176,11 +176,12 @@ class Side:
         drafts = self.drafts[op.state] if 0 <= op.state < len(self.drafts) else []
         batch = op.kind in ("propose_batch", "catchup_batch")
         args = self._batch_args(op) if batch else {k: self._arg(v, drafts) for k, v in op.args.items()}
+        value: Any
         try:
             if batch:
                 value = self._call_batch(op, args)
             elif op.kind == "info":
-                value: Any = {
+                value = {
                     "prefill_hidden_rows": [p.prefill_hidden_rows(n) for n in args["lengths"]],
                     "prefill_uses_shared_buffers": p.prefill_uses_shared_buffers(),
                     "needs_comm": p.needs_comm(),
@@ -194,7 +195,8 @@ class Side:
             else:
                 st = self.states[op.state]
                 if op.kind == "free":
-                    value = p.free_state(st)
+                    # kept, not assumed None: a backend returning something differs from one that does not
+                    value = p.free_state(st)  # type: ignore[func-returns-value]
                 elif op.kind == "prefill":
                     value = p.prefill_drafter(args["prompt_tokens"], args["hiddens"], st)
                 elif op.kind == "catchup":
@@ -205,7 +207,7 @@ class Side:
                     if isinstance(drafts, list):
                         self.drafts[op.state] = list(drafts)
                 elif op.kind == "verify":
-                    value = p.after_verify(args["num_accepted"], st)
+                    value = p.after_verify(args["num_accepted"], st)  # type: ignore[func-returns-value]  # as free
                 else:
                     raise AssertionError(f"unknown op kind {op.kind!r}")
         except Exception as e:  # noqa: BLE001  the exception type is what we compare
@@ -216,9 +218,9 @@ class Side:
         out = []
         for st in self.states:
             try:
-                v = StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st),
-                              self.proposer.export_state(st))
-                if self.confidences and bool(v.export["pending"]):
+                export = self.proposer.export_state(st)
+                v = StateView(self.proposer.drafter_rows(st), self.proposer.last_pair_key(st), export)
+                if self.confidences and bool(export["pending"]):
                     v.confidence = self.proposer.draft_confidence(st)  # type: ignore[attr-defined]  # draft_confidence is not in the base contract; asked only with confidences on
                 out.append(v)
             except Exception as e:  # noqa: BLE001

@@ -120,7 +120,7 @@ WriteRowsFn = Callable[[AttentionWeights, MtpConfig, Tensor, Tensor, Tensor, Rop
 # device flag, with no host read.
 class KPoolRowsFn(Protocol):
     def __call__(self, ix: IndexerWeights, cfg: MtpConfig, a: Tensor, q_latent: Tensor, slots: Tensor,
-                 cache: LayerCache, ops: Numerics = ..., shared: tuple[Tensor, Tensor] | None = None,
+                 cache: LayerCache, ops: Numerics, shared: tuple[Tensor, Tensor] | None = None,
                  ) -> tuple[Tensor, Tensor]: ...
 
 
