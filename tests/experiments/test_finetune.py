@@ -301,8 +301,6 @@ def test_a_forward_that_disagrees_with_the_drafter_exits_2_in_one_line(tiny, tmp
     """The training forward checked against the reference drafter before any work: one value of
     depth 2's output moved, the entry point (in-process, so the forward can be broken) names the
     item, the depth and the row in one line, exits 2 and writes nothing."""
-    from glm_mtp.experiments import finetune
-
     root, _ = tiny
     real = finetune_agree.drafter_forward
 
@@ -312,15 +310,41 @@ def test_a_forward_that_disagrees_with_the_drafter_exits_2_in_one_line(tiny, tmp
         return outs
 
     monkeypatch.setattr(finetune_agree, "drafter_forward", broken)
-    monkeypatch.setattr(sys, "argv", ["finetune", f"model.path={root / 'ck'}", "model=shipped",
-                                      f"trace.path={root / 'tr'}", f"finetune.out={tmp_path / 'o'}", "finetune.depth=2",
-                                      "logger=none", f"hydra.run.dir={tmp_path / 'run'}"])
+    err = _refused_in_process(root / "ck", root / "tr", tmp_path, monkeypatch, capsys)
+    assert "disagrees with the reference drafter" in err and "depth 2, row 3: 1 of" in err, err
+
+
+def _refused_in_process(ck, trace, tmp_path, monkeypatch, capsys):
+    """The entry point run in this process: it exits 2 with one line on stderr and writes neither
+    ``finetune.out`` nor its run directory; the line."""
+    from glm_mtp.experiments import finetune
+
+    monkeypatch.setattr(sys, "argv", ["finetune", f"model.path={ck}", "model=shipped", f"trace.path={trace}",
+                                      f"finetune.out={tmp_path / 'o'}", "finetune.depth=2", "logger=none",
+                                      f"hydra.run.dir={tmp_path / 'run'}"])
     with pytest.raises(SystemExit) as e:
         finetune.main()
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "disagrees with the reference drafter" in err and "depth 2, row 3: 1 of" in err, err
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "run")
+    return err
+
+
+def test_a_damaged_shard_is_refused_before_work_in_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """The shard-by-shard check before training: one byte of shard 2's hiddens flipped (trace.json,
+    which ``check_finetune`` reads, unchanged) is refused naming the item, exit 2, nothing written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root, _ = tiny
+    shutil.copytree(root / "tr", tmp_path / "tr")
+    shard = tmp_path / "tr" / trace_format.shard_name(2)
+    arrays = load_file(shard)
+    arrays["hidden"].view(torch.uint8)[0, 3] ^= 1
+    save_file(arrays, shard)
+    err = _refused_in_process(root / "ck", tmp_path / "tr", tmp_path, monkeypatch, capsys)
+    assert "items[6].sha256" in err, err  # shard 2 begins with item 6 (3 items a shard)
 
 
 def test_fp8_layers_are_requantized_on_write(tmp_path):
