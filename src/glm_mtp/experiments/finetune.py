@@ -9,19 +9,27 @@ The library is ``experiments/training/finetune_*.py``; the settings are conf/fin
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def main() -> None:
     from .settings.entry import command_line, hydra_main
+    from .settings.validate import exit_on_bad_config
     from .training.finetune_checks import check_finetune
-    from .training.finetune_run import run
+    from .training.finetune_run import Prepared, prepare, run
 
     prog = "python -m glm_mtp.experiments.finetune"
 
-    def check(cfg) -> None:
+    def check(cfg: Any) -> None:
         check_finetune(cfg)
 
-    def body(cfg, hc) -> None:
-        run(cfg, hc.runtime.output_dir, check_finetune(cfg), command_line(prog, hc))
+    def body(cfg: Any, hc: Any) -> None:
+        checked = check_finetune(cfg)
+        ready: list[Prepared] = []
+        # What reading the trace's shards and the weights, and the forward's agreement with the
+        # drafter, refuse is refused as a bad config is: one line, exit 2, nothing written.
+        exit_on_bad_config(lambda c: ready.append(prepare(c, checked)), cfg, hc.runtime.output_dir, prog)
+        run(cfg, hc.runtime.output_dir, checked, command_line(prog, hc), ready[0])
 
     hydra_main("finetune", prog, check, body)
 
