@@ -211,10 +211,10 @@ def read_trace_json(directory: str) -> tuple[dict[str, Any], str]:
     field (``check_meta``); with the sha256 of the bytes checked. ``TraceError`` otherwise."""
     if not isinstance(directory, str) or not os.path.isdir(directory):
         raise TraceError("trace.path", f"{directory} is not a directory")
-    size = _regular_file(directory, META, META)
+    size = _regular_file(directory, META, "the record")
     if size > MAX_META_BYTES:
         raise TraceError("the record", f"holds {size} bytes, past the bound of {MAX_META_BYTES}", file=META)
-    data = _read(directory, META, META, 0, size)
+    data = _read(directory, META, "the record", 0, size)
     meta = parse_bounded_json(data, META)
     check_meta(meta)
     return meta, hashlib.sha256(data).hexdigest()
