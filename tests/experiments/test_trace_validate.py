@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from glm_mtp.experiments.settings.validate import check_acceptance
 from glm_mtp.experiments.traces import validate
 from glm_mtp.experiments.traces.__main__ import main
-from glm_mtp.experiments.traces.format import META, TraceError, open_trace, problems
+from glm_mtp.experiments.traces.format import META, TraceError
+from glm_mtp.experiments.traces.validate import open_trace, problems
 
 from .test_traces import compose, record_trace
 
@@ -156,14 +157,14 @@ def test_every_field_by_type_range_and_key(trace, record, tmp_path):
         "null shards": (lambda r: r.update(shards=None), "shards: must be a non-empty list, got None"),
         "not hex": (lambda r: r["items"][1].update(sha256="A" * 64), "items[1].sha256: must be a sha256 hex"),
         "prompt index": (lambda r: r["items"][1]["prompt"].update(index=-1), "items[1].prompt.index: must be"),
-        "forwards sum": (lambda r: r["forwards"].update(total=1), "forwards.total: must be generation + teacher_forced"),
+        "forwards sum": (lambda r: r["forwards"].update(total=1), "forwards.total: must be generation +"),
         "costs per k": (lambda r: r["costs"].update(verify_ms=[1.0]), "costs.verify_ms: must be max_drafts=2"),
         "costs zero": (lambda r: r["costs"].update(target_step_ms=0), "costs.target_step_ms: must be a finite number"),
         "recorded items": (lambda r: r["prompts"].update(recorded_items=3), "prompts.recorded_items: must be the"),
         "continuation": (lambda r: r["generation"].update(continuation=9), "generation.continuation: must be"),
         "another length": (item0(length=14), "items[0].dropped: length + dropped must be prompt_len + "
                                              "generation.continuation = 15, got 14 + 0"),
-        "not tiling": (lambda r: r["items"][1].update(start=14), "items[1].start: items must tile their shard in order"),
+        "not tiling": (lambda r: r["items"][1].update(start=14), "items[1].start: items must tile their"),
         "past its shard": (lambda r: r["items"][1].update(length=99), "items[1].length: runs past shards[0].rows"),
         "shard index": (item0(shard=1), "items[0].shard: must name one of the 1 shards"),
         "sampled tf": (lambda r: r.update(mode="teacher_forced"), "generation.continuation: must be null"),
@@ -350,7 +351,7 @@ def agree(trace, record, damage, replay):
 
 
 def test_drawn_corruptions_check_agrees_with_open(trace, record):
-    @settings(max_examples=30, deadline=None, database=None, derandomize=True)
+    @settings(max_examples=20, deadline=None, database=None, derandomize=True)
     @given(corruptions(record))
     def run(damage):
         agree(trace, record, damage, replay=False)

@@ -22,7 +22,8 @@ from glm_mtp.experiments.targets.replay import ReplayTarget
 from glm_mtp.experiments.targets.target import Target
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.experiments.traces.drafter_only import write_drafter_only
-from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, open_trace, problems, write_trace
+from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, write_trace
+from glm_mtp.experiments.traces.validate import open_trace, problems
 from glm_mtp.experiments.settings.validate import check_acceptance
 
 PY = sys.executable

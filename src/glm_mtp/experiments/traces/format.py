@@ -16,9 +16,9 @@ is read by slicing, without the rest of the shard.
 A trace is untrusted input: every rule of the format is checked in one module, ``validate``
 (``trace.json`` within size, depth and number bounds before it is parsed into objects, every
 field by its type and range, each shard's header before its arrays, each item's bytes).
-``problems`` lists what is wrong with one, one line per problem naming the file, the field and
-the rule, and ``open_trace`` refuses the first of them before any work: ``traces check`` and
-the replay run the same walk.
+``validate.problems`` lists what is wrong with one, one line per problem naming the file, the
+field and the rule, and ``validate.open_trace`` refuses the first of them before any work:
+``traces check`` and the replay run the same walk.
 
 Version 2 adds, per item, its prompt identity (``items[i].prompt``: source, index, sha256) and, in a
 sampled trace, the ``sample`` array with the sampler's settings in ``generation``. Version 1 is
@@ -185,14 +185,6 @@ def is_sampled(meta: dict[str, Any]) -> bool:
     return meta["generation"]["temperature"] > 0
 
 
-def read_meta(directory: str) -> dict[str, Any]:
-    """``trace.json`` of ``directory``, read within its bounds and every field checked
-    (``validate.read_meta``; ``TraceError``)."""
-    from .validate import read_meta as read
-
-    return read(directory)
-
-
 @dataclass
 class Trace:
     """A checked trace: its directory, metadata, the sha256 of its ``trace.json`` and the items
@@ -219,19 +211,3 @@ class Trace:
                 "tokenizer_sha256": m.get("tokenizer_sha256"), "hidden_dtype": m["hidden_dtype"],
                 "truncation": m.get("truncation"), "forwards": m.get("forwards"), "prompts": m.get("prompts"),
                 "generation": m.get("generation")}
-
-
-def open_trace(directory: str) -> Trace:
-    """Read and check the whole trace at ``directory`` (``validate.open_trace``): ``TraceError``, a
-    ``ValueError`` naming the file and field of the first problem ``problems`` reports."""
-    from .validate import open_trace as read
-
-    return read(directory)
-
-
-def problems(directory: str) -> list[str]:
-    """What is wrong with the trace at ``directory``, one line per problem (``validate.problems``;
-    empty: a valid trace)."""
-    from .validate import problems as check
-
-    return check(directory)

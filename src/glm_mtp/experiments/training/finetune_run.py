@@ -33,7 +33,8 @@ from torch import Tensor
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.weights import MtpWeights
 
-from ..traces.format import Trace, open_trace
+from ..traces.format import Trace
+from ..traces.validate import open_trace
 from . import finetune_dist as dp
 from .finetune_io import input_tensors, master_copies, tuned_tensors, write_checkpoint
 from .finetune_split import PromptSplit
