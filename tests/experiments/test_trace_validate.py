@@ -227,6 +227,18 @@ def test_shards_by_their_headers(trace, tmp_path, capsys):
     assert out == problems(str(missing))
 
 
+def test_a_recording_refuses_what_the_format_would(tmp_path):
+    """``trace.max_drafts`` past the format's bound is refused before recording (else the trace
+    written would be refused on every read)."""
+    from glm_mtp.experiments import record as record_entry
+
+    cfg = compose(["model=tiny_random", f"trace.max_drafts={validate.MAX_DRAFTS + 1}", f"trace.out={tmp_path / 't'}",
+                   "logger=none"])
+    with pytest.raises(ValueError, match="^trace.max_drafts"):
+        record_entry.check_record(cfg)
+    assert not (tmp_path / "t").exists()
+
+
 def header_edited(trace, dst, edit):
     """A copy whose shard header is ``edit(header)`` (the data bytes kept), re-padded."""
     path = copy_of(trace, dst)
