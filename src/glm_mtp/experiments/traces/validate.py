@@ -155,8 +155,8 @@ def parse_bounded_json(data: bytes, file: str, depth: int = MAX_DEPTH) -> Any:
     except UnicodeDecodeError as e:
         raise TraceError("the record", f"is not UTF-8 (byte {e.start})", file=file) from None
     if json_depth(text, depth) > depth:
-        raise TraceError("the record", f"nests deeper than {depth} levels (the format nests at most "
-                         f"{depth // 2})", file=file)
+        raise TraceError("the record", f"nests deeper than {depth} levels (the bound: the format nests less)",
+                         file=file)
     try:
         value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant,
                            object_pairs_hook=_object)
