@@ -16,9 +16,11 @@ from safetensors import safe_open
 
 import glm_mtp.experiments.traces.format as trace_format
 import glm_mtp.experiments.traces.shard_reader as shard_reader
+import glm_mtp.experiments.traces.validate as trace_validate
 import glm_mtp.experiments.training.finetune_agree as finetune_agree
 import glm_mtp.experiments.training.finetune_run as finetune_run
-from glm_mtp.experiments.traces.format import Trace, TraceItem, open_trace, write_trace
+from glm_mtp.experiments.traces.format import Trace, TraceItem, write_trace
+from glm_mtp.experiments.traces.validate import open_trace
 from glm_mtp.experiments.traces.identity import target_config_sha256
 from glm_mtp.experiments.traces.prompt_id import prompt_identity
 from glm_mtp.experiments.training.finetune_checks import check_finetune
@@ -89,9 +91,10 @@ class HiddenBytes:
 
     def wrap(self, read):
         def tracked(*args, **kwargs):
-            arrays = read(*args, **kwargs)
-            if "hidden" in arrays:
-                storage = arrays["hidden"].untyped_storage()
+            arrays = read(*args, **kwargs)  # a dict of arrays, or a TraceItem
+            hidden = arrays.get("hidden") if isinstance(arrays, dict) else arrays.hidden
+            if hidden is not None:
+                storage = hidden.untyped_storage()
                 self.live += storage.nbytes()
                 self.peak = max(self.peak, self.live)
                 weakref.finalize(storage, self._drop, storage.nbytes())
@@ -102,15 +105,14 @@ class HiddenBytes:
         self.live -= n
 
     def watch(self, mp):
-        """Wrap every shard reader (``format``'s, which ``open_trace`` reads with, and
-        ``shard_reader``'s)."""
-        mp.setattr(trace_format, "read_shard", self.wrap(trace_format.read_shard))
-        mp.setattr(shard_reader, "read_shard", self.wrap(shard_reader.read_shard))
+        """Wrap every shard reader (the validator's, which ``open_trace`` and ``open_items``
+        check with, and ``shard_reader``'s)."""
+        mp.setattr(trace_validate, "read_item", self.wrap(trace_validate.read_item))
         mp.setattr(shard_reader, "read_rows", self.wrap(shard_reader.read_rows))
 
 
 class WholeRead:
-    """The trace read whole (``format.open_trace``: every shard held), behind
+    """The trace read whole (``validate.open_trace``: every item held), behind
     ``shard_reader.TraceItems``' interface: how fine-tuning read it before."""
 
     def __init__(self, path):

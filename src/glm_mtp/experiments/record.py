@@ -52,7 +52,9 @@ def check_record(cfg: Any) -> None:
     why = unwritable_dir(os.path.dirname(os.path.abspath(out)))
     if why is not None:
         raise ValueError(f"trace.out must be in a writable folder: {why}")
-    K = need_int(cfg, "trace.max_drafts", 1)
+    from .traces.validate import MAX_DRAFTS
+
+    K = need_int(cfg, "trace.max_drafts", 1, MAX_DRAFTS)  # the format's bound: a trace the validator reads
     need_int(cfg, "trace.batch_size", 1)
     need_int(cfg, "trace.cost_repeats", 0)
     if _get(cfg, "mode") == "teacher_forced" and _get(cfg, "model.kind") == "hf":

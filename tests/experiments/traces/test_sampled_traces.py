@@ -6,7 +6,7 @@ refused naming the key) and, for the package's target under pinned numerics, equ
 import pytest
 import torch
 
-from glm_mtp.experiments.traces.format import open_trace
+from glm_mtp.experiments.traces.validate import open_trace
 from glm_mtp.experiments.loop.sampler import NAME, VERSION
 
 from glm_mtp.experiments.settings.validate import check_acceptance

@@ -22,7 +22,8 @@ from glm_mtp.experiments.targets.replay import ReplayTarget
 from glm_mtp.experiments.targets.target import Target
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.experiments.traces.drafter_only import write_drafter_only
-from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, open_trace, problems, write_trace
+from glm_mtp.experiments.traces.format import META, TraceItem, item_sha256, write_trace
+from glm_mtp.experiments.traces.validate import open_trace, problems
 from glm_mtp.experiments.settings.validate import check_acceptance
 
 PY = sys.executable
@@ -241,7 +242,11 @@ def test_hostile_traces_are_refused_naming_the_field(tiny_trace, tmp_path):
     cases["missing shard"] = (missing, "shards[0].file")
     for name, (path, field) in cases.items():
         message = refusal(path)
-        assert f"trace.path: {path}: {field}" in message, (name, message)
+        # one line: the trace, then the file (trace.json or the shard), the field and the rule
+        # (the drafter's identity against the trace's is the replay's check, not the format's: no file)
+        file = {"version": f"{META}: ", "items[1].prompt": f"{META}: ", "generation.top_p": f"{META}: ",
+                "tokenizer_sha256": "", "target.target_config_sha256": ""}.get(field, "items-00000.safetensors: ")
+        assert message.startswith(f"trace.path: {path}: {file}{field}"), (name, message)
         assert "\n" not in message
     assert ": hidden_size" in refusal(tiny_trace, ["model=next_shipped", "model.dtype=float64", "num_drafts=2"])
     assert ": hidden_dtype" in refusal(tiny_trace, [*REPLAY, "model.dtype=float32"])
@@ -249,7 +254,8 @@ def test_hostile_traces_are_refused_naming_the_field(tiny_trace, tmp_path):
     assert "max_drafts" in refusal(tiny_trace, ["model=tiny_random", "num_drafts=3"])
     assert "mode" in refusal(tiny_trace, [*REPLAY, "mode=teacher_forced"])
     lines = problems(str(cases["flipped byte"][0]))
-    assert lines == ["items[0].sha256: does not match the item's bytes (a changed or damaged shard)"]
+    assert lines == ["items-00000.safetensors: items[0].sha256: does not match the item's bytes (a changed or damaged "
+                     "shard)"]
 
 
 def test_item_sha256_covers_every_array(tiny_trace):
@@ -275,7 +281,7 @@ def test_commands_refuse_a_hostile_trace_in_one_line(tiny_trace, tmp_path):
     assert not run_dir.exists()
     r = subprocess.run([PY, "-m", "glm_mtp.experiments.traces", "check", str(bad)], capture_output=True, text=True,
                        timeout=300, env=env)
-    assert r.returncode == 1 and r.stdout.startswith("items[1].sha256"), r.stdout
+    assert r.returncode == 1 and r.stdout.startswith("items-00000.safetensors: items[1].sha256"), r.stdout
     r = subprocess.run([PY, "-m", "glm_mtp.experiments.record", "model=tiny_random", "temperature=1",
                         "mode=teacher_forced",
                         f"trace.out={tmp_path / 'new'}", f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
@@ -378,8 +384,9 @@ def test_sampled_format_rules(tiny_trace, tmp_path):
            "generation.top_p": write("c", top_p=1.5), "generation.top_k": write("d", top_k=0),
            "items[0].sample": write("e", lambda it: it.sample.__setitem__(9, (int(it.sample[9]) + 1) % 96))}
     for field, path in bad.items():
-        with pytest.raises(ValueError, match=f"^{field.replace('[', '.').replace(']', '.')}"):
+        file = "items-00000.safetensors" if field.startswith("items") else META
+        with pytest.raises(ValueError, match=f"^{file}: {field.replace('[', '.').replace(']', '.')}"):
             open_trace(str(path))
     no_sample = damaged(tmp_path / "ok", tmp_path / "f", shard=lambda t: t.pop("sample"))
-    with pytest.raises(ValueError, match="^shards.0.: .* must hold exactly"):
+    with pytest.raises(ValueError, match="^items-00000.safetensors: shards.0.: .* must hold exactly"):
         open_trace(str(no_sample))

@@ -50,7 +50,7 @@ class ReplayTarget:
     """The loop's target (``speculative.TargetModel``) answered from a trace.
 
     Args:
-        trace: a checked trace (``traces.format.open_trace``).
+        trace: a checked trace (``traces.validate.open_trace``).
         device: where the hidden rows go (the drafter's device).
     """
 

@@ -1,7 +1,9 @@
 """Traces (DESIGN.md §11): the target recorded once, replayed for every drafter.
 
-- ``format``: the file format (safetensors shards + ``trace.json``), writing and reading, and the
-  checks that refuse a damaged or foreign trace naming the field (docs/traces.md);
+- ``format``: the file format (safetensors shards + ``trace.json``) and its writer;
+- ``validate``: a trace read as untrusted data, every rule of the format (bounds before parsing,
+  every field, shard headers before arrays, each item's bytes), the one walk both ``check`` and
+  the replay run (docs/traces.md "A trace is input");
 - ``recorder``: recording one from a target in two passes (greedy continuation, then one
   teacher-forced forward per item), near-ties truncated and counted;
 - ``hf_record``: the recording's first pass on transformers' model (``model=hf``), batched;

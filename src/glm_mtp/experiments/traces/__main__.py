@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from .format import problems, read_meta
+from .validate import problems, read_meta
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,8 @@ def take_trace_settings(cfg: Any, meta: dict[str, Any], path: str) -> dict[str, 
 def take_replay_settings(cfg: Any) -> dict[str, Any]:
     """A replay's config (``trace.path`` set) takes its trace's settings (``take_trace_settings``),
     the trace's ``trace.json`` read and checked first. ``ValueError`` naming the key or the field."""
-    from .format import TraceError, read_meta
+    from .format import TraceError
+    from .validate import read_meta
 
     path = cfg.trace.path
     if not isinstance(path, str) or not path:

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .format import Trace, TraceError, open_trace
+from .format import Trace, TraceError
+from .validate import open_trace
 from .identity import check_drafter, model_identity
 
 

@@ -1,16 +1,15 @@
 """A trace read shard by shard and item by item, never whole (DESIGN.md §11, §13 "Scale"): what
-fine-tuning reads instead of ``format.open_trace``, which keeps every shard in memory.
+fine-tuning reads instead of ``validate.open_trace``, which keeps every item in memory.
 
-``open_items(directory)`` checks the trace exactly as ``open_trace`` does (the metadata, then each
-shard's names, dtypes and shapes, then every item's rules: ``format.read_shard``,
-``format.check_item``) but keeps nothing of it: one shard is in memory at a time, dropped before the
-next is read. So a damaged trace is still refused before any work, and the memory is a shard's,
-not the trace's.
+``open_items(directory)`` checks the trace with the one validator (``validate.walk``, the walk
+``traces check`` and the replay run: ``trace.json``, each shard's header, then every item's rules,
+one item's rows in memory at a time) and keeps nothing of it but ``trace.json``. So a damaged
+trace is still refused before any work, and the memory is an item's, not the trace's.
 
 Afterwards ``TraceItems.item(i)`` reads item i's rows of its shard on demand (safetensors slices:
-the item's bytes, never the rest of the shard) and checks the item again (``check_item``: its
-sha256 among the rest, so a shard changed since the first check is refused naming the item). An
-item read is its own tensors: holding it holds no shard. ``prompt_tokens(i)`` reads only the
+the item's bytes, never the rest of the shard) and checks the item again (``validate.check_item``:
+its sha256 among the rest, so a shard changed since the first check is refused naming the item).
+An item read is its own tensors: holding it holds no shard. ``prompt_tokens(i)`` reads only the
 item's prompt tokens.
 """
 
@@ -22,8 +21,8 @@ from typing import Any
 
 from torch import Tensor
 
-from .format import (META, Trace, TraceError, TraceItem, check_item, file_sha256, item_from_shard, read_meta,
-                     read_shard, shard_name)
+from .format import Trace, TraceError, TraceItem, shard_name
+from .validate import Reading, check_item, item_from_rows, walk
 
 
 def read_rows(directory: str, shard: int, start: int, stop: int, names: tuple[str, ...] | None = None
@@ -55,10 +54,9 @@ class TraceItems:
         return len(self.meta["items"])
 
     def item(self, i: int) -> TraceItem:
-        """Item ``i``, read from its shard and checked (``format.check_item``)."""
+        """Item ``i``, read from its shard and checked (``validate.check_item``)."""
         e = self.meta["items"][i]
-        rows = read_rows(self.path, e["shard"], e["start"], e["start"] + e["length"])
-        item = item_from_shard(rows, {**e, "start": 0})
+        item = item_from_rows(read_rows(self.path, e["shard"], e["start"], e["start"] + e["length"]), e)
         check_item(self.meta, i, item)
         return item
 
@@ -80,16 +78,11 @@ class TraceItems:
 
 
 def open_items(directory: str) -> TraceItems:
-    """Check the trace at ``directory`` shard by shard (module docstring; ``TraceError``, a
-    ``ValueError``, naming the field of the first problem, as ``open_trace``) and return it with
-    its items left in their shards."""
-    meta = read_meta(directory)
-    by_shard: dict[int, list[int]] = {}
-    for i, e in enumerate(meta["items"]):
-        by_shard.setdefault(e["shard"], []).append(i)
-    for s in range(len(meta["shards"])):
-        arrays = read_shard(directory, meta, s)
-        for i in by_shard.get(s, []):
-            check_item(meta, i, item_from_shard(arrays, meta["items"][i]))
-        del arrays  # before the next shard is read: one shard in memory at a time
-    return TraceItems(directory, meta, file_sha256(os.path.join(directory, META)))
+    """Check the trace at ``directory`` (module docstring; ``TraceError``, a ``ValueError``: the
+    first line ``validate.problems`` reports, as ``open_trace``) and return it with its items left
+    in their shards."""
+    reading = Reading(keep=False)
+    for e in walk(directory, reading):
+        raise e
+    assert reading.meta is not None and reading.sha256 is not None
+    return TraceItems(directory, reading.meta, reading.sha256)

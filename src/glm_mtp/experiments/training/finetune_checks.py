@@ -12,7 +12,8 @@ from typing import Any
 
 from glm_mtp.reference.config import MtpConfig
 
-from ..traces.format import TraceError, is_sampled, read_meta
+from ..traces.format import TraceError, is_sampled
+from ..traces.validate import read_meta
 from ..traces.identity import check_drafter, model_identity
 from ..traces.replay_run import drafter_path
 from .finetune_split import PromptSplit, split_by_prompt
