@@ -25,7 +25,7 @@ from glm_mtp.reference.config import MtpConfig  # noqa: E402
 from glm_mtp.reference.weights import MtpWeights  # noqa: E402
 
 from .hf_checkpoints import FAMILIES, write_hf_checkpoint  # noqa: E402
-from .test_traces import per_prompt, record_trace  # noqa: E402
+from .traces.test_traces import per_prompt, record_trace  # noqa: E402
 
 K = 2  # the trace's max_drafts, the replay's k and the unrolled depth
 

@@ -80,7 +80,7 @@ def test_a_recorded_trace_and_the_committed_version_1_records_are_valid(trace, c
     link = trace.parent / "alias"  # the trace's folder itself may be a link: its files are inside it
     os.symlink(trace, link)
     assert problems(str(link)) == []
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "results", "stop-rules")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "results", "stop-rules")
     for model in ("glm5", "glm5next"):  # version 1 (greedy, no prompt identity), recorded by an older package
         with open(os.path.join(root, model, META), "rb") as f:
             validate.check_meta(validate.parse_bounded_json(f.read(), META))
