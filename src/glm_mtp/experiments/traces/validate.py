@@ -559,7 +559,9 @@ def read_item(f: Any, meta: dict[str, Any], i: int) -> TraceItem:
     only the item's rows are read)."""
     entry = meta["items"][i]
     a, b = entry["start"], entry["start"] + entry["length"]
-    return item_from_rows({n: f.get_slice(n)[a:b].contiguous() for n in f.keys()}, entry)
+    # cloned: a safetensors slice may be a view of the whole shard's buffer, which an item kept
+    # (or the last one read, while the next shard is opened) would hold alive
+    return item_from_rows({n: f.get_slice(n)[a:b].clone() for n in f.keys()}, entry)
 
 
 def item_from_rows(rows: dict[str, torch.Tensor], entry: dict[str, Any]) -> TraceItem:
