@@ -9,6 +9,8 @@ The loss, the expert balancing and the indexer's training are ``experiments.trai
 
 from __future__ import annotations
 
+from typing import Any
+
 from .training.train_run import run
 
 
@@ -17,7 +19,11 @@ def main() -> None:
     from .settings.validate import check_train
 
     prog = "python -m glm_mtp.experiments.train"
-    hydra_main("train", prog, check_train, lambda cfg, hc: run(cfg, hc.runtime.output_dir, command_line(prog, hc)))
+
+    def body(cfg: Any, hc: Any) -> None:
+        run(cfg, hc.runtime.output_dir, command_line(prog, hc))
+
+    hydra_main("train", prog, check_train, body)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     run = cfg.run
     draft, numerics = cfg.get("draft", "argmax"), cfg.get("target_numerics", "vendor")
     trace = None
+    # Target | HfTarget | ReplayTarget: each takes its own state type, which loop.round.TargetModel's
+    # ``state: object`` parameters cannot name (a method's parameter types are contravariant)
+    target: Any
+    device: torch.device | str
     if (cfg.get("trace") or {}).get("path") is not None:  # a replay: the drafter alone, the trace's prompts
         from ..targets.replay import ReplayTarget
         from ..traces.replay_run import load_drafter, open_for_replay, replay_prompts
@@ -84,7 +88,7 @@ def measure(cfg: Any, measured: MeasuredFile | None = None) -> Measurement:
     seeded = decoder.rules.sampler if decoder.seeded else None
     check_lossless = bool(run.check_lossless) and mode == "speculative" and (cfg.temperature == 0 or seeded is not None)
     divergences: list[dict[str, int]] = []  # per prompt that parts from the target's own (seeded) decode
-    samples = []
+    samples: list[dict[str, Any]] = []
     outputs: list[list[int]] = []  # each prompt's generated tokens
     decode = model.tokenizer.decode if model.tokenizer is not None else str
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..grammars import jsonl_schemas, run_grammar
+from ..loop.round import GrammarDrafts
 from ..settings.prompts import prompts_path
 from ..targets.checkpoint import LoadedModel
 
@@ -27,7 +28,7 @@ class RunGrammars:
 
     specs: list[Any]
     run_spec: Any
-    drafts: str
+    drafts: GrammarDrafts
     compiler: Any
 
     def matcher(self, i: int) -> Any:
@@ -55,8 +56,9 @@ def run_grammars(cfg: Any, model: LoadedModel, num_prompts: int) -> RunGrammars 
     node = cfg.get("grammar")
     spec = run_grammar(node)
     specs: list[Any] = [spec] * num_prompts
-    if spec is None and cfg.get("source") == "jsonl":
-        specs = jsonl_schemas(prompts_path(cfg), num_prompts)
+    path = prompts_path(cfg)
+    if spec is None and cfg.get("source") == "jsonl" and path is not None:  # validation required the path
+        specs = jsonl_schemas(path, num_prompts)
     if all(s is None for s in specs):
         return None
     if model.tokenizer is None:
@@ -67,4 +69,4 @@ def run_grammars(cfg: Any, model: LoadedModel, num_prompts: int) -> RunGrammars 
     for s in specs:
         if s is not None:
             compiler.compile(s)  # every grammar compiles before the loop starts
-    return RunGrammars(specs, spec, node.get("drafts", "masked"), compiler)
+    return RunGrammars(specs, spec, node.get("drafts", "masked"), compiler)  # grammar.drafts checked by validation

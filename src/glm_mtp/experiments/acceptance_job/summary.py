@@ -112,7 +112,9 @@ def settings_section(cfg: Any, m: Measurement) -> dict[str, Any]:
 def prompts_section(cfg: Any, m: Measurement) -> dict[str, Any]:
     """The prompts: how many, batched how, their length, what was scored or generated after them,
     and their identity (sha256 of the token ids; of the file read for ``source=jsonl | text``)."""
-    from_file = m.source in ("jsonl", "text") and m.trace is None  # a replay's files are in its trace record
+    path = prompts_path(cfg)
+    # source=jsonl / text read prompts.path (validation required it); a replay's files are in its trace record
+    from_file = m.source in ("jsonl", "text") and m.trace is None and path is not None
     return {
         "prompts": len(m.windows),
         "batch_size": m.batch_size,
@@ -127,8 +129,8 @@ def prompts_section(cfg: Any, m: Measurement) -> dict[str, Any]:
         "prompts_sha256": (hashlib.sha256(json.dumps(m.windows).encode()).hexdigest() if m.trace is None
                            else m.trace.meta["prompts"].get("windows_sha256")),
         # source=jsonl / text: the sha256 of the file read (of its files' names and sha256s for a folder)
-        "prompts_file_sha256": path_sha256(prompts_path(cfg)) if from_file else None,
-        "prompts_path": prompts_path(cfg) if from_file else None,
+        "prompts_file_sha256": path_sha256(path) if from_file and path is not None else None,
+        "prompts_path": path if from_file else None,
     }
 
 

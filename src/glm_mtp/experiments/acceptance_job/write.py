@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 from ..loop import speedup as spd
 from .lines import run_lines
@@ -40,7 +40,8 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
                      f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs "
                      f"{speedup['costs']}", released=speedup["released"])
 
-    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="acceptance",
+    config = cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))  # a composed config: str keys
+    log = make_logger(cfg.logger, run_dir, config, job_type="acceptance",
                       name=f"{mode}-{source}-k{k}-{cfg.policy}-{cfg.feed_hidden}-T{cfg.temperature:g}",
                       group=summary["group"])
     log.log_acceptance(summary["acceptance_per_position"], f"alpha per position (k={k}, {cfg.policy}, {mode})",
