@@ -141,3 +141,25 @@ def test_shipped_checkpoint_smoke(tmp_path):
     s = run_acceptance(config("config", ["model=shipped", "logger=none", "experiment=smoke"]), str(tmp_path))
     assert lossless_greedy(s) is True
     assert s["checkpoint"] == str(path) and s["samples"]
+
+
+def test_source_text_names_the_users_text(tmp_path, capsys):
+    """``source=text`` on a folder of the user's files, teacher-forced: the summary records the
+    folder and its digest, and the τ line names the text as prompts.path's (it once printed the
+    source's name twice, "positions of text text")."""
+    from glm_mtp.experiments.settings.prompts import path_sha256
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 4)
+    (texts / "b.txt").write_text("import os\nprint(os.path.join('a', 'b'))\n" * 4)
+    cfg = config("config", ["model=shipped", "logger=none", "experiment=smoke", "source=text", f"prompts.path={texts}",
+                            "mode=teacher_forced", "speedup.costs=glm5"])
+    check_acceptance(cfg)
+    s = run_acceptance(cfg, str(tmp_path / "run"))
+    assert (s["source"], s["prompts"], s["prompts_path"]) == ("text", 2, str(texts))
+    assert s["prompts_file_sha256"] == path_sha256(str(texts)) and s["scored_positions"] == 2 * 16
+    tau = [line for line in capsys.readouterr().out.splitlines() if line.startswith("τ = ")]
+    assert len(tau) == 1 and "32 positions of prompts.path's text from 2 prompts" in tau[0], tau
+    assert "text text" not in tau[0]
+    assert (tmp_path / "run" / "acceptance.log").read_text().count(tau[0]) == 1  # the log holds what was printed
