@@ -44,7 +44,7 @@ def _acceptance_jobs(root, jobs):
     entry point checks it, in its own directory under ``root``; key -> its summary.json."""
     from hydra import compose, initialize_config_module
 
-    from glm_mtp.experiments import acceptance
+    from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
     from glm_mtp.experiments.settings.validate import check_acceptance
 
     summaries = {}
@@ -53,7 +53,7 @@ def _acceptance_jobs(root, jobs):
             cfg = compose("config", overrides=overrides)
         check_acceptance(cfg)
         run_dir = root / "_".join(str(k) for k in key)
-        acceptance.run(cfg, str(run_dir))
+        run_acceptance(cfg, str(run_dir))
         summaries[key] = json.loads((run_dir / "summary.json").read_text())
     return summaries
 

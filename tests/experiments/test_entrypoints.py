@@ -11,7 +11,9 @@ import torch
 from hydra import compose, initialize_config_module
 
 from glm_mtp.reference import MtpWeights
-from glm_mtp.experiments import acceptance, report, train
+from glm_mtp.experiments import report
+from glm_mtp.experiments.training import train_run as train
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.settings.validate import check_acceptance
 from glm_mtp.experiments.targets import provenance
 from glm_mtp.experiments.targets.checkpoint import shipped_checkpoint
@@ -29,7 +31,7 @@ def test_acceptance_logs_to_wandb_offline_and_reads_back(tmp_path, monkeypatch, 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = config("config", ["model=tiny_random", "experiment=smoke", "num_drafts=2", "policy=refeed"])
     assert cfg.logger.name == "wandb" and cfg.logger.mode == "offline"  # the default
-    summary = acceptance.run(cfg, str(tmp_path))
+    summary = run_acceptance(cfg, str(tmp_path))
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     for key in ("acceptance_per_position", "mean_accepted_length", "num_drafts", "policy", "backend", "temperature",
                 "prompts", "generated_tokens"):
@@ -77,7 +79,7 @@ def test_teacher_forced_mode_and_provenance(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = config("config", ["model=shipped", "experiment=smoke", "mode=teacher_forced", "source=ood", "num_drafts=3",
                             "group=g1"])
-    s = acceptance.run(cfg, str(tmp_path))
+    s = run_acceptance(cfg, str(tmp_path))
     assert s["mode"] == "teacher_forced" and s["source"] == "ood" and s["scored_positions"] == 2 * 16
     assert s["counts"]["steps"] == 32 and s["counts"]["reached"][0] == 32 and len(s["alpha_ci"]) == 3
     for x, (lo, hi) in zip(s["cumulative"], s["cumulative_ci"]):
@@ -129,13 +131,35 @@ def test_train_writes_a_loadable_checkpoint(tmp_path):
     assert (tmp_path / "run" / "loss_curve.png").exists() and (out / "tokenizer.json").exists()
     # The acceptance experiment runs on it, prompts from its recorded held-out items.
     acfg = config("config", ["model=shipped", "logger=none", "experiment=smoke", f"model.path={out}"])
-    s = acceptance.run(acfg, str(tmp_path / "acc"))
+    s = run_acceptance(acfg, str(tmp_path / "acc"))
     assert lossless_greedy(s) is True and s["checkpoint"] == str(out)
 
 
 def test_shipped_checkpoint_smoke(tmp_path):
     path = shipped_checkpoint()
     assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
-    s = acceptance.run(config("config", ["model=shipped", "logger=none", "experiment=smoke"]), str(tmp_path))
+    s = run_acceptance(config("config", ["model=shipped", "logger=none", "experiment=smoke"]), str(tmp_path))
     assert lossless_greedy(s) is True
     assert s["checkpoint"] == str(path) and s["samples"]
+
+
+def test_source_text_names_the_users_text(tmp_path, capsys):
+    """``source=text`` on a folder of the user's files, teacher-forced: the summary records the
+    folder and its digest, and the τ line names the text as prompts.path's (it once printed the
+    source's name twice, "positions of text text")."""
+    from glm_mtp.experiments.settings.prompts import path_sha256
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 4)
+    (texts / "b.txt").write_text("import os\nprint(os.path.join('a', 'b'))\n" * 4)
+    cfg = config("config", ["model=shipped", "logger=none", "experiment=smoke", "source=text", f"prompts.path={texts}",
+                            "mode=teacher_forced", "speedup.costs=glm5"])
+    check_acceptance(cfg)
+    s = run_acceptance(cfg, str(tmp_path / "run"))
+    assert (s["source"], s["prompts"], s["prompts_path"]) == ("text", 2, str(texts))
+    assert s["prompts_file_sha256"] == path_sha256(str(texts)) and s["scored_positions"] == 2 * 16
+    tau = [line for line in capsys.readouterr().out.splitlines() if line.startswith("τ = ")]
+    assert len(tau) == 1 and "32 positions of prompts.path's text from 2 prompts" in tau[0], tau
+    assert "text text" not in tau[0]
+    assert (tmp_path / "run" / "acceptance.log").read_text().count(tau[0]) == 1  # the log holds what was printed

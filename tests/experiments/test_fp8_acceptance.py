@@ -4,7 +4,8 @@ matrices block-scaled (``MtpWeights.quantize_fp8``), and report.py pairs it with
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, report
+from glm_mtp.experiments import report
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.settings import validate
 from glm_mtp.experiments.settings.model import load_model
 
@@ -18,8 +19,8 @@ COMMON = ["logger=none", "model=tiny_random", "experiment=smoke", "run.max_new_t
 
 
 def test_fp8_weights_run_and_pair_with_plain(tmp_path):
-    plain = acceptance.run(config(COMMON), str(tmp_path / "plain"))
-    quant = acceptance.run(config(COMMON + ["model.weights_dtype=fp8"]), str(tmp_path / "fp8"))
+    plain = run_acceptance(config(COMMON), str(tmp_path / "plain"))
+    quant = run_acceptance(config(COMMON + ["model.weights_dtype=fp8"]), str(tmp_path / "fp8"))
     assert plain["weights_dtype"] == "plain" and quant["weights_dtype"] == "fp8"
     assert quant["prompts_sha256"] == plain["prompts_sha256"]
     table = report.paired_table([plain, quant], "weights_dtype")
@@ -38,7 +39,7 @@ def test_bad_weights_dtype_is_refused_before_work(tmp_path):
     with pytest.raises(ValueError, match=match):
         validate.check_acceptance(config(COMMON + overrides))
     with pytest.raises(ValueError, match=match):
-        acceptance.run(config(COMMON + overrides), str(tmp_path / "run"))
+        run_acceptance(config(COMMON + overrides), str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
@@ -51,5 +52,5 @@ def test_fp8_on_the_optimized_backend_in_float64_is_refused(tmp_path):
         validate.check_acceptance(config(overrides))
     validate.check_acceptance(config(overrides + ["model.dtype=bfloat16"]))
     with pytest.raises(ValueError, match="run in the fused step only"):
-        acceptance.run(config(COMMON + ["model.weights_dtype=fp8", "backend=optimized"]), str(tmp_path / "run"))
+        run_acceptance(config(COMMON + ["model.weights_dtype=fp8", "backend=optimized"]), str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()

@@ -9,7 +9,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import grid, grid_report, train
+from glm_mtp.experiments import grid, grid_report
+from glm_mtp.experiments.loop.feed_agreement import FEEDS, feed_agreement
+from glm_mtp.experiments.training import train_run as train
 from glm_mtp.experiments.targets.checkpoint import random_model, shipped_checkpoint
 from glm_mtp.experiments.loop.speculative import make_proposer
 from glm_mtp.experiments.targets.target import Target, TargetWeights
@@ -28,18 +30,18 @@ def windows(vocab, n, length, seed):
 def test_feed_agreement_counts_what_differs(tiny64):
     target = Target(tiny64.target, 64)
     ws = windows(tiny64.target.config.vocab_size, 2, 14, 5)
-    same = {f: make_proposer("reference", tiny64.mtp, 64, "post_norm") for f in grid.FEEDS}
-    a = grid.feed_agreement(target, same, ws, 8, 3)
+    same = {f: make_proposer("reference", tiny64.mtp, 64, "post_norm") for f in FEEDS}
+    a = feed_agreement(target, same, ws, 8, 3)
     assert a["same_per_position"] == [1.0, 1.0, 1.0] and a["all_same"] == 1.0 and a["positions"] == 12
     assert a["differing_per_prompt"] == [0, 0]
-    feeds = {f: make_proposer("reference", tiny64.mtp, 64, f) for f in grid.FEEDS}
-    b = grid.feed_agreement(target, feeds, ws, 8, 3)
+    feeds = {f: make_proposer("reference", tiny64.mtp, 64, f) for f in FEEDS}
+    b = feed_agreement(target, feeds, ws, 8, 3)
     assert b["same_per_position"][0] == 1.0  # draft 1 reads the target's hidden under both feeds
     # The comparison sees a different drafter: another head's first drafts differ.
     other = random_model("tiny", seed=11, dtype=torch.float64).mtp
     other.embed_tokens, other.lm_head = tiny64.mtp.embed_tokens, tiny64.mtp.lm_head
     mixed = {"post_norm": feeds["post_norm"], "pre_norm": make_proposer("reference", other, 64, "post_norm")}
-    c = grid.feed_agreement(target, mixed, ws, 8, 3)
+    c = feed_agreement(target, mixed, ws, 8, 3)
     assert c["same_per_position"][0] < 1.0 and sum(c["differing_per_prompt"]) > 0
 
 

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_module
 from glm_mtp.reference import ReferenceProposer
 from glm_mtp.reference.bytes import bits
 from glm_mtp.reference.numerics import PINNED, VENDOR
-from glm_mtp.experiments import acceptance
+from glm_mtp.experiments.acceptance_job import measure as measuring
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.targets.checkpoint import random_model
 from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, target_decode
 from glm_mtp.experiments.targets.target import Target
@@ -61,11 +62,11 @@ def test_pinned_greedy_speculation_is_the_greedy_decode_in_bf16(tiny_bf16, rando
 def test_acceptance_records_lossless_per_prompt(tmp_path, monkeypatch):
     cfg = config(["model=tiny_random", "model.dtype=bfloat16", "experiment=smoke", "logger=none",
                   "target_numerics=pinned"])
-    s = acceptance.run(cfg, str(tmp_path / "pinned"))
+    s = run_acceptance(cfg, str(tmp_path / "pinned"))
     assert s["lossless"] == {"prompts": 2, "identical": 2, "diverged": []}
     assert s["target_numerics"] == "pinned" and s["draft"] == "argmax" and s["dtype"] == "bfloat16"
     # A target decode that parts at token 3 of the second prompt: recorded as such (the check can fail).
-    real = acceptance.target_decode
+    real = measuring.target_decode
     calls = []
 
     def parting(target, prompt, n):
@@ -75,8 +76,8 @@ def test_acceptance_records_lossless_per_prompt(tmp_path, monkeypatch):
             out[3] = (out[3] + 1) % target.config.vocab_size
         return out
 
-    monkeypatch.setattr(acceptance, "target_decode", parting)
-    s = acceptance.run(cfg, str(tmp_path / "parted"))
+    monkeypatch.setattr(measuring, "target_decode", parting)
+    s = run_acceptance(cfg, str(tmp_path / "parted"))
     assert s["lossless"] == {"prompts": 2, "identical": 1, "diverged": [{"prompt": 1, "token": 3}]}
     assert lossless_greedy(s) is False and s["lossless"]["diverged"]
     on_disk = json.loads((tmp_path / "parted" / "summary.json").read_text())
@@ -86,7 +87,7 @@ def test_acceptance_records_lossless_per_prompt(tmp_path, monkeypatch):
 def test_sampled_drafts_through_the_entry_point(tmp_path):
     cfg = config(["model=tiny_random", "experiment=smoke", "logger=none", "temperature=1", "draft=sampled",
                   "backend=optimized"])
-    s = acceptance.run(cfg, str(tmp_path))
+    s = run_acceptance(cfg, str(tmp_path))
     assert s["draft"] == "sampled" and s["lossless"] is None and s["counts"]["steps"] > 0
 
 
@@ -96,11 +97,11 @@ def test_match_runs_check_lossless_against_the_seeded_decode(tmp_path, monkeypat
     own seeded sampling of it; a seeded decode that parts is recorded as parting."""
     base = ["model=tiny_random", "experiment=smoke", "logger=none", "target_numerics=pinned", "temperature=1",
             "top_p=0.9", "verify=match", "run.check_lossless=true", "speedup.costs=glm5"]
-    s = acceptance.run(config([*base, "draft=sampled"]), str(tmp_path / "sampled"))
+    s = run_acceptance(config([*base, "draft=sampled"]), str(tmp_path / "sampled"))
     assert s["lossless"] == {"prompts": 2, "identical": 2, "diverged": []}
     assert lossless_seeded(s) is True and lossless_greedy(s) is None
     assert (s["verify"], s["temperature"], s["top_p"], s["top_k"]) == ("match", 1.0, 0.9, None)
-    real = acceptance.target_decode
+    real = measuring.target_decode
 
     def parting(target, prompt, n, seeded=None):
         assert seeded is not None and seeded.top_p == 0.9  # the run's sampler, not a greedy decode
@@ -108,6 +109,6 @@ def test_match_runs_check_lossless_against_the_seeded_decode(tmp_path, monkeypat
         out[2] = (out[2] + 1) % target.config.vocab_size
         return out
 
-    monkeypatch.setattr(acceptance, "target_decode", parting)
-    s = acceptance.run(config(base), str(tmp_path / "parted"))
+    monkeypatch.setattr(measuring, "target_decode", parting)
+    s = run_acceptance(config(base), str(tmp_path / "parted"))
     assert s["lossless"]["identical"] == 0 and lossless_seeded(s) is False

@@ -46,3 +46,23 @@ def test_pairs_on_the_draft_and_never_across_it():
         )
         == 1
     )
+
+
+def test_the_table_says_what_alpha_and_cumulative_count():
+    """Under the table, after a blank line (Markdown ends the table there), the legend of the
+    acceptance columns it shows: α_i over the rounds that verified draft i, P(acc ≥ i) over all
+    rounds, and that a stop rule makes them differ; each view only its own columns'."""
+    from glm_mtp.experiments.reporting.legend import ALPHA_LEGEND, CUMULATIVE_LEGEND, STOP_RULE_NOTE
+
+    run = {"mode": "speculative", "source": "heldout", "backend": "reference", "temperature": 0.0,
+           "feed_hidden": "post_norm", "policy": "first_row_kept", "num_drafts": 2, "prompts": 3,
+           "acceptance_per_position": [1.0, 0.5], "cumulative": [0.2, 0.1], "mean_accepted_length": 1.3,
+           "generated_tokens": 30}  # a stop rule's row: α_1 1.000 beside P(acc ≥ 1) 0.200
+    table, legend = report.markdown_table([run]).split("\n\n")
+    assert all(line.startswith("|") for line in table.splitlines())
+    assert legend == f"{ALPHA_LEGEND}; {CUMULATIVE_LEGEND}; {STOP_RULE_NOTE}"
+    assert "the rounds that verified draft i" in legend and "of all rounds" in legend and "stop rule" in legend
+    conditional = report.markdown_table([run], "conditional").split("\n\n")[1]
+    cumulative = report.markdown_table([run], "cumulative").split("\n\n")[1]
+    assert conditional == ALPHA_LEGEND and "P(acc" not in conditional
+    assert cumulative == CUMULATIVE_LEGEND and "α_i" not in cumulative

@@ -7,7 +7,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import train
+from glm_mtp.experiments.training import train_run as train
 from glm_mtp.experiments.settings.validate import check_train
 from glm_mtp.reference.config import MtpConfig
 

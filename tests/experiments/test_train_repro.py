@@ -7,7 +7,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import train
+from glm_mtp.experiments.training import train_run as train
 
 TINY = [
     "logger=none", "tokenizer.limit_items=8", "tokenizer.vocab_size=280", "tokenizer.sample_every=1",

@@ -14,10 +14,13 @@ by concern:
   run by transformers, a trace replayed), finding and loading checkpoints, provenance;
 - ``traces``: a trace's file format and checks, recording one, replaying one in an acceptance run
   (DESIGN.md §11, docs/traces.md);
-- ``training``: the corpus, its BPE tokenizer, the model card, the KPool indexer's loss;
+- ``acceptance_job``: the acceptance experiment as a library (measure, summarise, write), which
+  ``acceptance`` and ``grid`` call;
+- ``training``: the training job (``train_run``), the corpus, its BPE tokenizer, the model card,
+  the KPool indexer's loss, fine-tuning;
 - ``loop``: the speculative loop of DESIGN.md §4, its statistics, the speedup model
-  S(k) = tau(k) / (1 + k c + v(k)), the indexer's recall;
-- ``reporting``: W&B (offline by default) or no logger, sweep bookkeeping;
+  S(k) = tau(k) / (1 + k c + v(k)), the indexer's recall, the grid's feed agreement;
+- ``reporting``: W&B (offline by default) or no logger, sweep bookkeeping, the tables' legend;
 - ``settings``: the checks of a run's config before any work, the prompts, the Hydra entry shape;
 - ``grammars``: grammars compiled with xgrammar (the ``grammar`` extra) for constrained output
   (DESIGN.md §10); the loop's masked verification is ``loop.grammar_verify``.

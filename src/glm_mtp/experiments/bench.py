@@ -63,12 +63,10 @@ from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import BACKENDS, backend_class, parse_dtype
 from glm_mtp.tools.counters import LaunchCounter
 from glm_mtp.tools.floor import H200_BYTES_PER_S, GRAPH_LAUNCH_S, floor_bytes_per_draft, project_step
-from glm_mtp.tools.timing import copy_bandwidth, state_nbytes, timed
+from glm_mtp.tools.timing import BENCH_DTYPES, copy_bandwidth, state_nbytes, timed
 
 from .settings.validate import unwritable_dir
 
-# The weight dtypes the bench runs (names of glm_mtp.registry.DTYPES).
-BENCH_DTYPES = ("bfloat16", "float16", "float32")
 # Presets whose draft step the launch counters measure by default (the interpreter is slow).
 COUNTER_PRESETS = ("tiny", "small", "glm5next_tiny", "glm5next_small")
 # The counter fields each record gains (None where a preset was not counted).

@@ -38,9 +38,8 @@ from glm_mtp.optimized import OptimizedProposer
 from glm_mtp.ranges import SEED_MAX, ranged_int
 from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import parse_dtype
-from glm_mtp.tools.timing import timed
+from glm_mtp.tools.timing import BENCH_DTYPES, timed
 
-from .bench import BENCH_DTYPES
 from .settings.validate import unwritable_dir
 
 

@@ -11,7 +11,7 @@ One job (``run``):
    target, frozen, ``train.base=shipped``) and writes the checkpoint into ``<run dir>/checkpoint``;
 2. runs the acceptance experiment on it once per entry of ``cfg.eval.runs`` (each a list of
    overrides of ``conf/config.yaml`` after ``cfg.eval.common``), into ``<run dir>/acceptance-<name>``;
-3. compares the drafts of the two feeds (``feed_agreement``): at every teacher-forced position of
+3. compares the drafts of the two feeds (``loop.feed_agreement``): at every teacher-forced position of
    the first ``cfg.eval.feed_prompts`` held-out windows, the post-norm and the pre-norm drafter
    propose k drafts after the same text and hiddens; the share of positions where draft i is the
    same token under both feeds, per i (i = 1 reads the target's hidden under either feed, so it
@@ -27,11 +27,9 @@ import os
 import time
 from typing import Any
 
-import torch
-
-from glm_mtp.reference.contract import DraftProposer
-
-FEEDS = ("post_norm", "pre_norm")
+from .acceptance_job.run import run as run_acceptance
+from .loop.feed_agreement import FEEDS, feed_agreement
+from .training.train_run import run as run_training
 
 
 def compose_config(name: str, overrides: list[str]) -> Any:
@@ -57,46 +55,10 @@ def quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-@torch.no_grad()
-def feed_agreement(target: Any, proposers: dict[str, DraftProposer], windows: list[list[int]], prompt_len: int,
-                   k: int) -> dict[str, Any]:
-    """How often the two feeds' drafts agree: at every position m in ``[prompt_len, len(w))`` of
-    each window w, each proposer proposes k drafts after ``w[:m+1]`` with the target's hiddens of
-    the window (one forward of the whole window), as in ``speculative.teacher_forced``; then the
-    text moves on. Returns ``same_per_position`` (share of positions where draft i is equal
-    under both feeds, i = 1..k), ``all_same`` (all k equal), ``positions`` and, per prompt,
-    the positions where any draft differed (``differing_per_prompt``)."""
-    a, b = (proposers[f] for f in FEEDS)
-    same, all_same, positions, per_prompt = [0] * k, 0, 0, []
-    for w in windows:
-        out = target.forward(torch.tensor(w), target.alloc_state())
-        sa, sb = a.alloc_state("cpu"), b.alloc_state("cpu")
-        a.prefill_drafter(w[:prompt_len], out.hidden[:prompt_len], sa)
-        b.prefill_drafter(w[:prompt_len], out.hidden[:prompt_len], sb)
-        differing = 0
-        for m in range(prompt_len, len(w)):
-            h = out.hidden[m - 1 : m]
-            da, db = a.propose(w[m], h, m - 1, k, sa), b.propose(w[m], h, m - 1, k, sb)
-            a.after_verify(0, sa)
-            b.after_verify(0, sb)
-            eq = [x == y for x, y in zip(da, db)]
-            same = [s + int(e) for s, e in zip(same, eq)]
-            all_same += int(all(eq))
-            differing += int(not all(eq))
-            positions += 1
-        a.free_state(sa)
-        b.free_state(sb)
-        per_prompt.append(differing)
-    return {"same_per_position": [s / positions for s in same], "all_same": all_same / positions,
-            "positions": positions,
-            "differing_per_prompt": per_prompt, "num_drafts": k}
-
-
 def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.grid") -> dict[str, Any]:
     """One grid job (module docstring); returns what it writes to ``grid.json``."""
     from omegaconf import OmegaConf, open_dict
 
-    from . import acceptance, train
     from .settings.model import load_model
     from .settings.windows import build_prompts
     from .targets.provenance import file_sha256, git_commit
@@ -112,12 +74,12 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
     with open_dict(cfg):
         cfg.out = checkpoint
     t0 = time.perf_counter()
-    final = train.run(cfg, os.path.join(run_dir, "train"), command)
+    final = run_training(cfg, os.path.join(run_dir, "train"), command)
     train_minutes = (time.perf_counter() - t0) / 60
     t1 = time.perf_counter()
     evals = {}
     for name, acfg in eval_configs(cfg, checkpoint).items():
-        s = acceptance.run(acfg, os.path.join(run_dir, f"acceptance-{name}"))
+        s = run_acceptance(acfg, os.path.join(run_dir, f"acceptance-{name}"))
         evals[name] = {k: s[k] for k in ("mode", "source", "feed_hidden", "policy", "num_drafts", "temperature",
                                          "acceptance_per_position",
                                          "alpha_ci", "cumulative", "cumulative_ci", "mean_accepted_length", "tau_ci",

@@ -139,13 +139,13 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
 
 def checkpoint_feeds(checkpoint: str, prompts: int, num_drafts: int, prompt_tokens: int = 48,
                      new_tokens: int = 64) -> dict[str, Any]:
-    """``grid.feed_agreement`` of one checkpoint (``shipped`` or a directory) on the first
+    """``loop.feed_agreement.feed_agreement`` of one checkpoint (``shipped`` or a directory) on the first
     ``prompts`` of the acceptance experiment's held-out windows (the same windows as its runs)."""
     import torch
 
     from .settings.windows import build_prompts
     from .targets.checkpoint import load_checkpoint
-    from .grid import FEEDS, feed_agreement
+    from .loop.feed_agreement import FEEDS, feed_agreement
     from .loop.speculative import make_proposer
     from .targets.target import Target
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from glm_mtp.reference.config import read_json_object
 
+from .reporting.legend import acceptance_legend
 from .reporting.sweep_jobs import refuse_incomplete
 from .settings.validate import unwritable_dir
 from .loop.stats import paired_difference, paired_ratio_difference
@@ -186,7 +187,9 @@ def _cell(values: list[float], cis: list[list[float]] | None, i: int) -> str:
 def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
     """One row per run: settings, conditional α_1..α_K and/or cumulative P(acc ≥ 1..K) with their
     intervals (K the largest k), τ with its interval, and the positions scored (teacher-forced) or
-    tokens generated (loop). ``view``: ``conditional``, ``cumulative`` or ``both``."""
+    tokens generated (loop), and under it (after a blank line, so Markdown ends the table) the
+    legend of the acceptance columns shown (``reporting.legend``: what α_i and P(acc ≥ i) count).
+    ``view``: ``conditional``, ``cumulative`` or ``both``."""
     if view not in ("conditional", "cumulative", "both"):
         raise ValueError(f"view must be 'conditional', 'cumulative' or 'both', got {view!r}")
     K = max(s["num_drafts"] for s in runs)
@@ -214,7 +217,7 @@ def markdown_table(runs: list[dict[str, Any]], view: str = "both") -> str:
                      f"{s['num_drafts']} | " + " | ".join(cells)
                      + f" | {_cell([s['mean_accepted_length']], [s['tau_ci']] if 'tau_ci' in s else None, 0)} | "
                        f"{_best(s)} | {s['prompts']} | {tokens} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + acceptance_legend(view)
 
 
 def _best(s: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Timing on this machine: seconds a call takes (CUDA events on a GPU, the wall clock elsewhere),
-the device's copy bandwidth, and the bytes a drafter state holds."""
+the device's copy bandwidth, the bytes a drafter state holds, and the dtypes the benches time."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import time
 from typing import Any, Callable
 
 import torch
+
+# The weight dtypes the benches (experiments/bench.py, bench_batch.py) time: names of glm_mtp.registry.DTYPES.
+BENCH_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 9) -> float:

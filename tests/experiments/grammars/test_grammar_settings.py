@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 
 pytest.importorskip("xgrammar")
 
-from glm_mtp.experiments import acceptance  # noqa: E402
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance  # noqa: E402
 from glm_mtp.experiments.grammars import GrammarSpec  # noqa: E402
 from glm_mtp.experiments.grammars.compile import GrammarCompiler  # noqa: E402
 from glm_mtp.experiments.loop.grammar_verify import matcher_row  # noqa: E402
@@ -124,7 +124,7 @@ def test_a_run_under_a_grammar_records_it_and_counts_forbidden_drafts(tmp_path, 
     cfg = config(["model=shipped", "grammar=regex", f"grammar.path={path}", "grammar.drafts=unmasked",
                   "experiment=smoke", "logger=wandb", "speedup.costs=glm5"])
     check_acceptance(cfg)
-    s = acceptance.run(cfg, str(tmp_path / "run"))
+    s = run_acceptance(cfg, str(tmp_path / "run"))
     assert s["grammar"] == {"kind": "regex", "sha256": hashlib.sha256(TIGHT.encode()).hexdigest(), "origin": path,
                             "drafts": "unmasked"}
     assert s["lossless"]["identical"] == 2 and s["forbidden_drafts"] > 0

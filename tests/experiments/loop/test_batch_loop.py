@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.settings import validate
 from glm_mtp.experiments.targets.checkpoint import load_checkpoint
 from glm_mtp.experiments.loop.speculative import SpeculativeDecoder, make_proposer, target_decode
@@ -248,8 +248,8 @@ def test_entry_point_batch_size_keeps_the_summary(tmp_path):
     # Five held-out prompts of the shipped GLM-5 model: batches of 4 and 1 against one at a time.
     common = ["model=shipped", "logger=none", "experiment=smoke", "run.num_prompts=5", "run.max_new_tokens=12",
               "speedup.costs=glm5"]
-    one = acceptance.run(config(common), str(tmp_path / "b1"))
-    four = acceptance.run(config(common + ["batch_size=4"]), str(tmp_path / "b4"))
+    one = run_acceptance(config(common), str(tmp_path / "b1"))
+    four = run_acceptance(config(common + ["batch_size=4"]), str(tmp_path / "b4"))
     assert one["batch_size"] == 1 and four["batch_size"] == 4
     assert one["counts"]["accepted"][-1] > 0 and lossless_greedy(one) is True
     keep = lambda s: json.dumps({k: v for k, v in s.items() if k not in TIMINGS}, sort_keys=True)  # noqa: E731

@@ -7,7 +7,8 @@ import math
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, report
+from glm_mtp.experiments import report
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.loop.recall import quantile, recall_summary
 from glm_mtp.experiments.settings.validate import check_acceptance
 from glm_mtp.experiments.reporting.wandb_log import read_offline_run
@@ -81,7 +82,7 @@ def test_the_shipped_next_model_drafts_past_index_topk(tmp_path):
                   "run.max_new_tokens=6",
                   "run.check_lossless=false", "logger=none", "speedup.repeats=1"])
     check_acceptance(cfg)
-    s = acceptance.run(cfg, str(tmp_path))
+    s = run_acceptance(cfg, str(tmp_path))
     assert s["checkpoint"].endswith("glm5next-mtp-stdlib") and s["attention"] == "sparse"
     assert s["index_share"] is True and s["index_share_setting"] is None  # the release's sharing, from its config.json
     r = s["recall"]
@@ -93,7 +94,7 @@ def test_the_recall_reaches_the_wandb_run(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = config(["experiment=sparse_smoke", "logger=wandb", "run.num_prompts=1"])
     assert cfg.logger.mode == "offline"
-    summary = acceptance.run(cfg, str(tmp_path))
+    summary = run_acceptance(cfg, str(tmp_path))
     run = read_offline_run(str(tmp_path))["summary"]
     r = summary["recall"]
     assert run["recall/median"] == pytest.approx(r["median"]) and run["recall/p10"] == pytest.approx(r["p10"])
@@ -105,9 +106,9 @@ def test_the_recall_reaches_the_wandb_run(tmp_path, monkeypatch):
 def test_a_batched_loop_records_the_same_rows(tmp_path):
     """batch_size=2: one propose_batch per round drafts both prompts; the drafts are those of
     batch_size=1 (batch invariance), and so is every recorded row's recall."""
-    one = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept"]),
+    one = run_acceptance(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept"]),
                          str(tmp_path / "one"))
-    two = acceptance.run(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept",
+    two = run_acceptance(config(["experiment=sparse_smoke", "attention=sparse", "policy=first_row_kept",
                                  "batch_size=2"]),
                          str(tmp_path / "two"))
     assert two["counts"] == one["counts"]

@@ -8,7 +8,8 @@ import json
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance, stop_sweep
+from glm_mtp.experiments import stop_sweep
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.loop import speedup as spd
 from glm_mtp.experiments.loop.speculative import POLICIES, SpeculativeDecoder, target_decode, teacher_forced
 from glm_mtp.experiments.loop.stop_rules import StopRule, verify_width
@@ -107,7 +108,7 @@ def test_acceptance_records_the_rule_and_the_widths(tmp_path, monkeypatch):
                         "above": ["stop.rule=prob", "stop.threshold=1.5"]}.items():
         cfg = config("config", base + extra)
         check_acceptance(cfg)
-        acceptance.run(cfg, str(tmp_path / name))
+        run_acceptance(cfg, str(tmp_path / name))
         out[name] = json.loads((tmp_path / name / "summary.json").read_text())
     assert out["zero"]["stop"] == {"rule": "prob", "threshold": 0.0} and out["none"]["stop"]["rule"] == "none"
     assert out["zero"]["counts"] == out["none"]["counts"]

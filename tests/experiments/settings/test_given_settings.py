@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from glm_mtp.experiments import acceptance, record
+from glm_mtp.experiments import record
+from glm_mtp.experiments.acceptance_job.measure import measure
 from glm_mtp.experiments.settings.explicit import config_defaults, given_keys, value_at
 from glm_mtp.experiments.settings.validate import check_acceptance
 from glm_mtp.experiments.traces.replay_keys import FIXED, NOT_READ, RECORD_NOT_READ
@@ -66,10 +67,10 @@ def test_replay_without_max_new_tokens_uses_the_traces(traces):
     assert cfg.run.max_new_tokens == 64
     check_acceptance(cfg)
     assert (cfg.run.max_new_tokens, cfg.run.num_prompts, cfg.run.prompt_tokens) == (5, 2, 8)
-    replay = acceptance.measure(cfg)
+    replay = measure(cfg)
     live_cfg = compose([*TINY, "target_numerics=pinned", "num_drafts=2", "speedup.costs=glm5"])
     check_acceptance(live_cfg)
-    live = acceptance.measure(live_cfg)
+    live = measure(live_cfg)
     assert [(s.reached, s.accepted, s.steps) for s in replay.per_prompt] == \
         [(s.reached, s.accepted, s.steps) for s in live.per_prompt]
     assert replay.outputs_sha256 == live.outputs_sha256

@@ -5,7 +5,7 @@ W&B run checks the record)."""
 import pytest
 from hydra import compose, initialize_config_module
 
-from glm_mtp.experiments import acceptance
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
 from glm_mtp.experiments.settings import validate
 from glm_mtp.experiments.settings.model import load_model
 
@@ -33,5 +33,5 @@ def test_bad_setting_is_refused_before_work(tmp_path):
     with pytest.raises(ValueError, match=match):
         validate.check_acceptance(config(COMMON + ["model.index_share=yes"]))
     with pytest.raises(ValueError, match=match):
-        acceptance.run(config(COMMON + ["logger=none", "model.index_share=2"]), str(tmp_path / "run"))
+        run_acceptance(config(COMMON + ["logger=none", "model.index_share=2"]), str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from hydra import compose, initialize_config_module  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from glm_mtp.experiments import acceptance  # noqa: E402
+from glm_mtp.experiments.acceptance_job import run as job  # noqa: E402
 from glm_mtp.experiments.reporting.measured import MEASURED_FILE, LateFailure, read_measured  # noqa: E402
 from glm_mtp.experiments.settings import validate  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_model_dtype_float64_runs_the_hf_target(dsa, tmp_path):
     cfg = config(SMALL + ["model=hf", f"model.path={dsa}", "model.dtype=float64", "source=jsonl",
                           f"prompts.path={path}"])
     validate.check_acceptance(cfg)
-    s = acceptance.run(cfg, str(tmp_path / "run"))
+    s = job.run(cfg, str(tmp_path / "run"))
     assert s["target"]["dtype"] == "float64" and s["prompts"] == 2 and s["generated_tokens"] == 8
 
 
@@ -199,10 +199,10 @@ def test_a_failure_after_the_loop_keeps_the_counts_and_is_one_line(monkeypatch, 
         measured["counts"] = [(s.reached, s.accepted, s.steps) for s in m.per_prompt]
         raise KeyError("speedup")
 
-    monkeypatch.setattr(acceptance, "summarise", failing_summary)
+    monkeypatch.setattr(job, "summarise", failing_summary)  # the name the job calls
     run_dir = tmp_path / "run"
     with pytest.raises(LateFailure) as e:
-        acceptance.run(cfg, str(run_dir))
+        job.run(cfg, str(run_dir))
     message = str(e.value)
     assert "\n" not in message and f"{run_dir / MEASURED_FILE}" in message and "after 3 prompt(s)" in message
     records = read_measured(str(run_dir / MEASURED_FILE))
@@ -213,11 +213,12 @@ def test_a_failure_after_the_loop_keeps_the_counts_and_is_one_line(monkeypatch, 
 LATE_FAILURE_DRIVER = """
 import sys
 from glm_mtp.experiments import acceptance
+from glm_mtp.experiments.acceptance_job import run as job
 
 def failing_summary(cfg, m):
     raise KeyError("speedup")
 
-acceptance.summarise = failing_summary
+job.summarise = failing_summary
 sys.argv = ["acceptance", *sys.argv[1:]]
 acceptance.main()
 """

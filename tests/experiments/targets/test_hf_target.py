@@ -250,7 +250,7 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
     teacher forcing on a folder of plain text. Both record the target and the prompts' file."""
     import transformers
 
-    from glm_mtp.experiments import acceptance
+    from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
     from glm_mtp.experiments.settings import validate
     from glm_mtp.experiments.targets.provenance import file_sha256
 
@@ -274,7 +274,7 @@ def test_acceptance_runs_model_hf_on_the_users_prompts(tiny, tmp_path):
                                "policy=trim_all"])
         sha = path_sha256(str(path))
     validate.check_acceptance(cfg)
-    s = acceptance.run(cfg, str(tmp_path / "run"))
+    s = run_acceptance(cfg, str(tmp_path / "run"))
     assert s["prompts"] == 2 and s["prompts_file_sha256"] == sha and s["prompts_path"] == str(path)
     assert s["target"] == {"implementation": "transformers", "transformers_version": transformers.__version__,
                            "class": CLASSES[family], "model_type": family,

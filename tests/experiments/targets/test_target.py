@@ -10,7 +10,7 @@ from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.bytes import same_bytes
 from glm_mtp.reference.weights import MlpWeights, MoeWeights
 from glm_mtp.experiments.targets.target import Target, TargetWeights, grouped_moe
-from glm_mtp.experiments.train import build_models, mtp_forward, sequence_losses, trainable
+from glm_mtp.experiments.training.train_run import build_models, mtp_forward, sequence_losses, trainable
 
 
 

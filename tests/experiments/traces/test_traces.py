@@ -16,7 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm_mtp.experiments import acceptance, record
+from glm_mtp.experiments import record
+from glm_mtp.experiments.acceptance_job.run import run as run_acceptance
+from glm_mtp.experiments.acceptance_job.measure import measure
+from glm_mtp.experiments.acceptance_job.measurement import target_record
 from glm_mtp.experiments.targets.checkpoint import SHIPPED, SHIPPED_NEXT, shipped_checkpoint
 from glm_mtp.experiments.targets.replay import ReplayTarget
 from glm_mtp.experiments.targets.target import Target
@@ -48,7 +51,7 @@ def per_prompt(overrides):
     """The acceptance run's per-prompt counts, measured in-process (checked first)."""
     cfg = compose([*overrides, "logger=none", "speedup.costs=glm5"])
     check_acceptance(cfg)
-    m = acceptance.measure(cfg)
+    m = measure(cfg)
     return [(s.reached, s.accepted, s.steps) for s in m.per_prompt], m
 
 
@@ -80,7 +83,7 @@ def test_replay_from_drafter_only_equals_live(next_trace):
         replay, m = per_prompt([f"model.path={root / 'drafter'}", f"trace.path={root / 'trace'}", *common])
         assert replay == live, (policy, k)
         # A live run records the same implementation as the trace (one class path, from the class).
-        assert acceptance.target_record(live_m)["implementation"] == meta["target"]["implementation"]
+        assert target_record(live_m)["implementation"] == meta["target"]["implementation"]
         assert m.target.forwards == 2 + sum(s[2] for s in live)  # every prefill and verify answered from the trace
 
 
@@ -88,7 +91,7 @@ def test_summary_records_the_trace(next_trace, tmp_path):
     root, meta = next_trace
     cfg = compose([f"trace.path={root / 'trace'}", *SMALL, "num_drafts=2", "logger=none", "speedup.repeats=2"])
     check_acceptance(cfg)
-    summary = acceptance.run(cfg, str(tmp_path / "run"))
+    summary = run_acceptance(cfg, str(tmp_path / "run"))
     assert summary["trace"]["sha256"] == meta["sha256"]
     assert summary["trace"]["target"]["numerics"] == "pinned"
     assert summary["target"] == meta["target"]

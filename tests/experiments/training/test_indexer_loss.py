@@ -7,7 +7,7 @@ import torch
 
 from glm_mtp.experiments.training.indexer_loss import pool_kl
 from glm_mtp.experiments.targets.target import Target, TargetWeights, grouped_moe
-from glm_mtp.experiments.train import build_models, mtp_forward, sequence_losses
+from glm_mtp.experiments.training.train_run import build_models, mtp_forward, sequence_losses
 from glm_mtp.reference.attention import Rope
 from glm_mtp.reference.block import mtp_rows
 from glm_mtp.reference.config import MtpConfig

@@ -628,7 +628,8 @@ def speculative_results(decoder: SpeculativeDecoder, prompts: list[list[int]], m
     ``generate`` per prompt when ``batch_size`` is 1, else one ``generate_batch`` per
     ``batch_size`` prompts (the last batch may be shorter); ``max_new_tokens`` per prompt;
     drafter states on ``device``. ``grammars``: each prompt's output constrained by its grammar,
-    if it has one (batch_size 1; ``experiments.acceptance.RunGrammars``: ``matcher(i)``, None for none)."""
+    if it has one (batch_size 1; ``experiments.acceptance_job.run_grammars.RunGrammars``:
+    ``matcher(i)``, None for none)."""
     for i in range(0, len(prompts), batch_size):
         chunk, wants = prompts[i : i + batch_size], max_new_tokens[i : i + batch_size]
         if batch_size == 1:
