@@ -20,7 +20,7 @@ from torch import Tensor
 
 from glm_mtp.reference import layers as _layers
 from glm_mtp.reference import proposer as _proposer
-from glm_mtp.reference.grammar import GrammarWalk, allowed_tokens
+from glm_mtp.reference.grammar import FirstStep, GrammarWalk, allowed_tokens
 from glm_mtp.reference.numerics import up
 
 from .base import Mutant, swapped
@@ -44,11 +44,12 @@ def walking_with(walk_type: type[GrammarWalk]) -> Callable[..., Any]:
     """``grammar.walking`` with another kind of walk."""
 
     @contextmanager
-    def walking(matcher: object | None, vocab_size: int, device: torch.device) -> Iterator[GrammarWalk | None]:
+    def walking(matcher: object | None, vocab_size: int, device: torch.device,
+                first: FirstStep | None = None) -> Iterator[GrammarWalk | None]:
         if matcher is None:
             yield None
             return
-        walk = walk_type(matcher, vocab_size, device)
+        walk = walk_type(matcher, vocab_size, device, first)
         try:
             yield walk
         finally:
