@@ -100,6 +100,7 @@ class HostileCalls(RuleBasedStateMachine):
     weights: MtpWeights
     candidate: Callable[[MtpWeights, int], Any]
     grammars: bool  # both drafters take grammars and report confidences (DESIGN.md §10, §12)
+    grammar_kinds: tuple[str, ...]  # the grammar arguments drawn (GRAMMAR_KINDS, or a test's few)
 
     def __init__(self) -> None:
         super().__init__()
@@ -330,10 +331,10 @@ class HostileCalls(RuleBasedStateMachine):
         """A drawn grammar argument: a function making a fresh one per backend (kept in ``made``)
         and its description. ``breaks``: a matcher whose own code fails on its n-th fill or
         accept (n = 1: among the checks, a refusal; later: midway, after rows were written)."""
-        kind = d.draw(st.sampled_from(GRAMMAR_KINDS))
+        kind = d.draw(st.sampled_from(self.grammar_kinds))
         g = Grammar(d.draw(st.integers(0, 2**31 - 1)), d.draw(st.sampled_from([None, 0, 1, 3])), 0,
                     d.draw(st.sampled_from(ENDS)), 0 if kind == "liar" else None, kind if kind in FAULTS else None)
-        at = d.draw(st.integers(1, 4)) if kind == "breaks" else 0
+        at = d.draw(st.sampled_from((2, 3, 1, 4))) if kind == "breaks" else 0  # midway first: 1 is the refusal
         V = self.cfg.vocab_size
 
         def grammar() -> Any:
@@ -417,14 +418,20 @@ class HostileCalls(RuleBasedStateMachine):
 
 
 def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, dtype: torch.dtype = torch.bfloat16,
-                     max_seq_len: int = 32, weights_seed: int = 0) -> type[RuleBasedStateMachine]:
+                     max_seq_len: int = 32, weights_seed: int = 0,
+                     grammar_kinds: tuple[str, ...] = GRAMMAR_KINDS) -> type[RuleBasedStateMachine]:
     """A machine class playing hostile calls on ``candidate(weights, max_seq_len)`` (default: the
     optimized drafter, which takes its kernels' torch twins on CPU) and the reference.
 
     Args:
         candidate: a drafter factory; its states must be on the weights' device (the CPU here).
         dtype, max_seq_len, weights_seed: the tiny preset's weights and the drafters' length.
+        grammar_kinds: the grammar arguments a propose draws from (``GRAMMAR_KINDS``, each kind
+            as often as it is listed); a test aimed at one rule names the few that reach it.
     """
+    unknown = set(grammar_kinds) - set(GRAMMAR_KINDS)
+    if not grammar_kinds or unknown:
+        raise ValueError(f"grammar_kinds must be some of {sorted(set(GRAMMAR_KINDS))}, got {grammar_kinds!r}")
     if candidate is None:
         from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
     weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
@@ -433,7 +440,7 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
     return type("ArgumentMachine", (HostileCalls,),
                 {"sides": sides, "others": others, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
                  "weights": weights, "candidate": staticmethod(candidate),
-                 "grammars": all(takes_grammars(p) for p in sides)})
+                 "grammars": all(takes_grammars(p) for p in sides), "grammar_kinds": tuple(grammar_kinds)})
 
 
 def short(value: Any) -> str:
