@@ -114,7 +114,8 @@ def test_the_machine_catches_a_drafter_that_asks_its_matcher_after_writing():
                                                     phases=[Phase.generate], report_multiple_bugs=False, **SETTINGS))
 
 
-@pytest.mark.slow  # 2-35 s, by what ran before (derandomized draws); tests/optimized/test_failing_matchers.py is the fast check
+# 2-35 s, by what ran before (derandomized draws); tests/optimized/test_failing_matchers.py is the fast check
+@pytest.mark.slow
 def test_the_machine_catches_an_optimized_drafter_that_does_not_poison_on_a_failing_matcher():
     """An optimized drafter whose proposes never poison (the host walk outside ``writing``, as it
     was before the rule): a matcher failing midway leaves its states unpoisoned, with the rows its
