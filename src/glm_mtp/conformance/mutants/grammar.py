@@ -172,6 +172,7 @@ class AsksMatcherAfterWriting(Mutant):
     name = "grammar_asked_after_writing"
     rule = ("§4, §10: a propose asks its matcher for step 1 among its checks, before any write: one that cannot "
             "answer (another vocabulary's bitmask width) is a ValueError naming grammar, the state as found")
+    generators = ("adversarial",)  # the generator that draws broken grammar arguments
 
     def _propose(self, *args, **kwargs):
         with swapped(_contract, "ask_first_step", _not_asked):
