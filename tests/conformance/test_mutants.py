@@ -60,6 +60,9 @@ SHOWS_AT = {
     "grammar_no_rollback": ("matcher", "grammar", "propose"),  # the matcher is left with the drafts accepted
     "grammar_finite_sentinel": ("confidence", "margin", "propose"),  # one allowed token: a finite margin, not +inf
     "grammar_terminated_drafts_on": ("return", "drafts", "propose"),  # drafts past the walk's end
+    # another vocabulary's matcher asked for step 1 after the rewind: its own RuntimeError (and a poisoning),
+    # not the ValueError before any write
+    "grammar_asked_after_writing": ("outcome", None, "propose"),
     # draft confidence (§12)
     "confidence_margin_unmasked": ("confidence", "margin", "propose"),  # the best other logit is a forbidden one
     "confidence_prob_at_temperature_one": ("confidence", "prob", "propose"),  # a sampled draft's prob at T = 1

@@ -14,8 +14,11 @@ many drafts a propose returns follows from the automaton alone: ``min(num_drafts
 A matcher starts at depth ``start`` (a state drawn from the seed) and keeps the states it
 walked, so ``rollback`` is exact and ``as_found`` says whether it is back where it started.
 ``liar`` is a depth at which ``accept_token`` refuses every token its own mask allows (a matcher
-that breaks its contract); ``fault`` makes the argument no matcher at all (for the refusal).
-Every bitmask word it fills past V has its bits set, so a drafter that reads past V is caught.
+that breaks its contract); ``fault`` makes the argument no matcher at all, or a matcher of another
+vocabulary (for the refusal, DESIGN.md §10's checks). Every bitmask word it fills past V has its
+bits set, so a drafter that reads past V is caught. A matcher's fill checks the bitmask's width
+as xgrammar's does (a ``RuntimeError`` for another vocabulary's). ``Breaks`` is a matcher whose
+own code fails on its n-th fill or accept (a grammar process that dies midway).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from torch import Tensor
 
 # How a bounded automaton's last depth ends a walk.
 ENDS = ("terminated", "empty")
-# How a grammar argument is broken, or None: an object with no ``rollback``, or one whose
-# ``accept_token`` is not callable.
-FAULTS = ("no_rollback", "not_callable")
+# How a grammar argument is broken, or None: an object with no ``rollback``, one whose
+# ``accept_token`` is not callable, the matcher class itself (not an instance), or a matcher of
+# another vocabulary (32 tokens more: its bitmask rows are one word wider than the drafter's).
+FAULTS = ("no_rollback", "not_callable", "class", "other_vocab")
 # States per depth: small, so drafts of different tokens often meet again.
 WIDTH = 3
 
@@ -73,8 +77,22 @@ class Grammar:
     def valid(self) -> bool:
         return self.fault is None
 
+    def refused(self, num_drafts: int) -> bool:
+        """Whether a propose asked for ``num_drafts`` refuses this argument among its checks
+        (DESIGN.md §10): no matcher at all (a class, an object missing a method) always; a matcher
+        of another vocabulary when the propose asks it for step 1's mask, before any write: it
+        drafts (``num_drafts >= 1``) and the matcher is not terminated at its start."""
+        if self.fault == "other_vocab":
+            terminated_at_start = self.depth is not None and self.start >= self.depth and self.end == "terminated"
+            return num_drafts >= 1 and not terminated_at_start
+        return self.fault is not None
+
     def matcher(self, vocab_size: int) -> Any:
         """The argument as a call receives it: a fresh ``AutomatonMatcher`` (or the broken object)."""
+        if self.fault == "class":
+            return AutomatonMatcher
+        if self.fault == "other_vocab":
+            return AutomatonMatcher(self, vocab_size + 32)
         if self.fault == "no_rollback":
             return NoRollback(self, vocab_size)
         if self.fault == "not_callable":
@@ -165,7 +183,9 @@ class AutomatonMatcher:
     def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> bool:
         assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu", "the bitmask is CPU int32"
         row = self.automaton.allowed(self.state)[1]
-        assert bitmask.shape[-1] == row.shape[0], f"bitmask rows hold {row.shape[0]} words for V={self.vocab}"
+        if bitmask.shape[-1] != row.shape[0]:  # xgrammar's check, a RuntimeError too
+            raise RuntimeError(f"the provided bitmask's shape is not valid: rows of {row.shape[0]} words for "
+                               f"V={self.vocab}, got {bitmask.shape[-1]}")
         bitmask[index] = row
         return True
 
@@ -189,6 +209,40 @@ class AutomatonMatcher:
     def where(self) -> str:
         """Where it stands, for reports: the state and the tokens accepted since it was made."""
         return f"state {self.state} after {len(self.walked)} accepted token(s)"
+
+
+def is_matcher(value: Any) -> bool:
+    """Whether ``value`` is one of this module's matchers (an instance, so ``as_found`` answers)."""
+    return isinstance(value, AutomatonMatcher)
+
+
+class MatcherFailure(Exception):
+    """What a ``Breaks`` matcher raises: its own code failing (not a refusal of the drafter's)."""
+
+
+class Breaks(AutomatonMatcher):
+    """A matcher whose own code fails: its ``at``-th call of ``fill_next_token_bitmask`` or
+    ``accept_token`` (counted together, from 1) raises ``MatcherFailure`` and changes nothing.
+    A propose asks step 1's mask among its checks, so ``at = 1`` is a refusal before any write;
+    a later call comes after the propose wrote rows, so the propose fails midway (the state is
+    poisoned, DESIGN.md §4). ``rollback`` and ``is_terminated`` never fail."""
+
+    def __init__(self, grammar: Grammar, vocab_size: int, at: int) -> None:
+        super().__init__(grammar, vocab_size)
+        self.at, self.calls = at, 0
+
+    def _count(self, method: str) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise MatcherFailure(f"the grammar's process died in {method} (call {self.calls})")
+
+    def fill_next_token_bitmask(self, bitmask: Tensor, index: int = 0) -> bool:
+        self._count("fill_next_token_bitmask")
+        return super().fill_next_token_bitmask(bitmask, index)
+
+    def accept_token(self, token: int) -> bool:
+        self._count("accept_token")
+        return super().accept_token(token)
 
 
 class NoRollback(AutomatonMatcher):

@@ -32,6 +32,7 @@ from glm_mtp.registry import parse_dtype
 
 from .backends import BackendError, Factory, resolve_backend
 from .compare import EXPORT_KEYS, export_keys, first_mismatch, snapshots_equal
+from .grammars import is_matcher
 from .report import Finding
 from .scenarios import Scenario
 from .side import Outcome, Side, StateView, _same_value
@@ -119,7 +120,7 @@ class Lockstep:
     def _inputs_intact(self, side: Side, op: Op, args: dict[str, Any]) -> Finding | None:
         matchers = [args["grammar"]] if "grammar" in args else list(args.get("grammars") or ())
         for m in matchers:
-            if m is not None and hasattr(m, "as_found") and not m.as_found():
+            if is_matcher(m) and not m.as_found():
                 return Finding("matcher", side=side.label, tensor="grammar", candidate=m.where(),
                                baseline="as the call found it",
                                detail=f"{side.label} left its grammar's matcher moved: a propose rolls back every "

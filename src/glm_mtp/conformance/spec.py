@@ -148,7 +148,8 @@ class SpecModel:
                          grammar: Grammar | None = None) -> str | None:
         """A propose's refusal on one state, in the contract's order: lifecycle, ``position``, the
         rows held, then the arguments (``data_valid``: its token and hidden), ``num_drafts``, the
-        capacity and the grammar (no matcher at all, §10); None when it is valid."""
+        capacity and the grammar (no matcher at all, or one of another vocabulary asked for step 1, §10);
+        None when it is valid."""
         out = self._lifecycle(s)
         if out is None and not valid_int(position):
             out = "ValueError"
@@ -156,7 +157,7 @@ class SpecModel:
             out = "RuntimeError"
         if out is None and (not data_valid or not valid_int(num_drafts) or position + num_drafts > self.capacity):
             out = "ValueError"
-        if out is None and grammar is not None and not grammar.valid():
+        if out is None and grammar is not None and grammar.refused(num_drafts):
             out = "ValueError"
         return out
 

@@ -12,7 +12,11 @@ grammar draws each step from its own masked ``q`` (the reference's ``layers.draf
 ``sampled_token`` with the step's allowed tokens), one step per program.
 
 The matcher is any object with xgrammar's ``GrammarMatcher`` methods; this module imports
-nothing of xgrammar.
+nothing of xgrammar. Draft step 1's question was asked among the propose's checks, before the
+program wrote anything (``reference.grammar.ask_first_step``); the walk takes that answer
+(``first_row``) and asks the matcher only from step 2 on, so a matcher that raises here fails a
+propose that has written rows: its caller runs the walk inside ``writing``, which poisons the
+state as the reference's does (DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from torch import Tensor
 
 from glm_mtp.reference.contract import Matcher
-from glm_mtp.reference.grammar import MatcherRefusedToken
+from glm_mtp.reference.grammar import FirstStep, MatcherRefusedToken
 
 from .kernels.confidence import MASK_BITS, mask_words
 
@@ -43,6 +47,22 @@ def fill_row(matcher: Matcher, masks: Tensor, i: int, vocab_size: int) -> bool:
     words = masks.numpy()
     words[i] = 0
     matcher.fill_next_token_bitmask(masks, i)
+    return _within_vocab(words, i, vocab_size)
+
+
+def first_row(first: FirstStep, masks: Tensor, vocab_size: int) -> bool:
+    """Row 0 of the host bitmask ``masks`` from step 1's answer, asked before any write
+    (``FirstStep``), bits at or past ``vocab_size`` cleared. Returns whether any token is allowed
+    (False when the matcher was terminated: the walk stops before step 1)."""
+    words = masks.numpy()
+    if first.bitmask is None:
+        return False
+    words[0] = first.bitmask.numpy()[0]
+    return _within_vocab(words, 0, vocab_size)
+
+
+def _within_vocab(words: np.ndarray, i: int, vocab_size: int) -> bool:
+    """Clear row ``i``'s bits at or past ``vocab_size`` (never allowed); whether any bit is left."""
     tail = vocab_size % MASK_BITS
     if tail:  # bits past V in the last word
         words[i, -1] &= np.int32((1 << tail) - 1)
@@ -79,14 +99,16 @@ class Walk:
 
 
 def walk_greedy(matcher: Matcher, drafts: list[int], vocab_size: int,
-                redo: Callable[[int, Tensor], list[int]]) -> Walk:
+                redo: Callable[[int, Tensor], list[int]], first: FirstStep | None = None) -> Walk:
     """Walk ``matcher`` over the unmasked ``drafts`` (k of them, read back from the device), in
     the reference's order (``reference.grammar.GrammarWalk``): before draft i, accept ``d_{i-1}``
     (only to find ``A_i``), then stop when the matcher is terminated or ``A_i`` is empty (the
     walk's drafts are ``d_1 .. d_{i-1}``); a forbidden ``d_i`` calls ``redo(i, masks)`` (0-based
     ``i``), which returns drafts ``i ..`` of the redone steps (the masked ``d_i`` first). A
     refusal of a draft its own mask allowed raises ``MatcherRefusedToken`` naming the draft's
-    step. The matcher is rolled back by every token the walk accepted, on return and on raise."""
+    step. The matcher is rolled back by every token the walk accepted, on return and on raise.
+    ``first``: step 1's answer, asked before any write (``ask_first_step``); None: step 1 asks
+    the matcher itself."""
     k = len(drafts)
     masks = host_masks(k, vocab_size)
     drafts = list(drafts)
@@ -97,7 +119,11 @@ def walk_greedy(matcher: Matcher, drafts: list[int], vocab_size: int,
                 if not matcher.accept_token(drafts[i - 1]):
                     raise refused(matcher, i, drafts[i - 1])
                 accepted += 1
-            if matcher.is_terminated() or not fill_row(matcher, masks, i, vocab_size):
+            if i == 0 and first is not None:
+                stop = not first_row(first, masks, vocab_size)
+            else:
+                stop = matcher.is_terminated() or not fill_row(matcher, masks, i, vocab_size)
+            if stop:
                 drafts = drafts[:i]
                 break
             if not allows(masks, i, drafts[i]):
@@ -109,4 +135,4 @@ def walk_greedy(matcher: Matcher, drafts: list[int], vocab_size: int,
     return Walk(drafts, masks[: len(drafts)], redos)
 
 
-__all__ = ["Walk", "allows", "fill_row", "host_masks", "refused", "walk_greedy"]
+__all__ = ["Walk", "allows", "fill_row", "first_row", "host_masks", "refused", "walk_greedy"]

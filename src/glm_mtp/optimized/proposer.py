@@ -39,14 +39,14 @@ from torch import Tensor
 from glm_mtp.reference import contract, contract_batch
 from glm_mtp.reference.attention import Rope, rope_for
 from glm_mtp.reference.contract import NOISE_MESSAGE, FeedHidden, Matcher, SampledDrafts, Tokens, sampling_inputs
-from glm_mtp.reference.grammar import MatcherRefusedToken, refusal_as_value_error
+from glm_mtp.reference.grammar import FirstStep, MatcherRefusedToken, refusal_as_value_error
 from glm_mtp.reference.numerics import acc_dtype
 from glm_mtp.reference.contract_guards import Owner, check_sound, use_state, writing, writing_all
 from glm_mtp.reference.state import DrafterState, snapshot
 from glm_mtp.reference.weights import MtpWeights
 
 from .batch import BatchBuffers
-from .grammar import Walk, fill_row, host_masks, refused, walk_greedy
+from .grammar import Walk, fill_row, first_row, host_masks, refused, walk_greedy
 from .kernels.confidence import draft_confidence_torch, draft_confidence_triton
 from .unfused_block import KernelMode, PrimitiveKernels, takes_triton, triton_runs_on
 from .kernels import KERNEL_DTYPES
@@ -240,11 +240,13 @@ class OptimizedProposer:
 
     def _propose_inputs(self, st: OptimizedState, call: str, last_token: int | Tensor, target_hidden: Tensor,
                         position: int, num_drafts: int, sample: tuple[object, object] | None = None,
-                        grammar: object = None) -> tuple[int, int]:
+                        grammar: object = None) -> tuple[int, int, FirstStep | None]:
         """The contract's propose checks (``contract.propose_args``), minus the ones that read
         the data (a token tensor's range, the hidden's finiteness, a sampled propose's noise
         values): those run on the device. Fills the static inputs (with ``sample = (temperature,
-        noise)``, the temperature and the noise too). Returns ``(position, num_drafts)``."""
+        noise)``, the temperature and the noise too). Returns ``(position, num_drafts, first)``,
+        ``first`` the grammar's answer for draft step 1, asked with the checks, before any write
+        (None without a grammar or drafts)."""
         self._check_live(st, call)
         args = contract.propose_args(call, last_token, target_hidden, position, num_drafts, st, self.weights,
                                      self.capacity, device_checks=True, grammar=grammar)
@@ -264,7 +266,7 @@ class OptimizedProposer:
                 st.temp.fill_(temperature)  # already rounded to A by the check: exact
                 if args.num_drafts:
                     st.sample_buffers(args.num_drafts, self.config.vocab_size)[0].copy_(noise)
-        return args.position, args.num_drafts
+        return args.position, args.num_drafts, args.first
 
     @staticmethod
     def _fill_inputs(st: OptimizedState, args: contract.ProposeArgs) -> None:
@@ -300,8 +302,8 @@ class OptimizedProposer:
 
         Raises what the reference raises for the same input, leaving the state byte-identical."""
         with self._use(state, "propose") as st, refusal_as_value_error():
-            position, k = self._propose_inputs(st, "propose", last_token, target_hidden, position, num_drafts,
-                                               grammar=grammar)
+            position, k, first = self._propose_inputs(st, "propose", last_token, target_hidden, position,
+                                                      num_drafts, grammar=grammar)
             constrained = grammar is not None and k > 0
             with writing(st, "propose"):
                 restore = self._keep_for_restore(st, position, k) if constrained else None
@@ -311,7 +313,7 @@ class OptimizedProposer:
                 drafts = self._finish_propose(st, values, position, k)
                 self._pending_confidence(st, k, k)
                 return drafts
-            walk = self._walk(st, grammar, values[1:], position, k, restore)
+            walk = self._walk(st, grammar, values[1:], position, k, restore, first)
             return self._finish_walk(st, walk, position, k)
 
     def propose_sampled(self, last_token: int | Tensor, target_hidden: Tensor, position: int, num_drafts: int,
@@ -326,10 +328,11 @@ class OptimizedProposer:
         over the step's allowed tokens, so the steps run one per program, each read back (draft
         i's mask needs draft i - 1); ``q`` covers the drafts produced."""
         with self._use(state, "propose_sampled") as st, refusal_as_value_error():
-            position, k = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position, num_drafts,
-                                               (temperature, noise), grammar=grammar)
+            position, k, first = self._propose_inputs(st, "propose_sampled", last_token, target_hidden, position,
+                                                      num_drafts, (temperature, noise), grammar=grammar)
             if grammar is not None and k > 0:
-                return self._propose_sampled_masked(st, grammar, position, k)
+                assert first is not None  # asked with the checks of every propose that drafts under a grammar
+                return self._propose_sampled_masked(st, grammar, position, k, first)
             with writing(st, "propose_sampled"):
                 self.programs.run_draft(st, k, sampled=True)
                 q = (
@@ -375,10 +378,12 @@ class OptimizedProposer:
         return restore
 
     def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
-              restore) -> Walk:
-        """Walk the matcher over the read-back ``drafts``; a forbidden draft redoes its step and
-        the later ones (``programs.draft`` with ``first``) and reads them back. A refusal by the
-        matcher puts the state back as found (``restore``) before the ``ValueError``."""
+              restore, first: FirstStep | None, call: str = "propose") -> Walk:
+        """Walk the matcher over the read-back ``drafts`` (step 1 answered by ``first``); a
+        forbidden draft redoes its step and the later ones (``programs.draft`` with ``first``) and
+        reads them back. A refusal by the matcher puts the state back as found (``restore``)
+        before the ``ValueError``; any other failure of the matcher comes after the program wrote
+        the rows, so it poisons the state (``writing``), as in the reference."""
         bufs = st.draft_buffers(k, self.config.vocab_size)
 
         def redo(i: int, masks: Tensor) -> list[int]:
@@ -388,9 +393,10 @@ class OptimizedProposer:
                 return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
         try:
-            return walk_greedy(grammar, drafts, self.config.vocab_size, redo)
+            with writing(st, call):
+                return walk_greedy(grammar, drafts, self.config.vocab_size, redo, first)
         except MatcherRefusedToken:
-            with writing(st, "propose"):
+            with writing(st, call):
                 restore()
             raise
 
@@ -403,10 +409,13 @@ class OptimizedProposer:
         self._pending_confidence(st, k, n, masks=walk.masks)
         return walk.drafts
 
-    def _propose_sampled_masked(self, st: OptimizedState, grammar: Matcher, position: int, k: int) -> SampledDrafts:
+    def _propose_sampled_masked(self, st: OptimizedState, grammar: Matcher, position: int, k: int,
+                                first: FirstStep) -> SampledDrafts:
         """``propose_sampled`` under a grammar: before step i the host stops on a terminated
-        matcher or an empty mask, else copies step i's mask to the device and runs the step
-        (``programs.draft``, sampled and masked), reads its draft back and accepts it."""
+        matcher or an empty mask (step 1: ``first``, asked with the checks), else copies step i's
+        mask to the device and runs the step (``programs.draft``, sampled and masked), reads its
+        draft back and accepts it. The matcher is asked from step 2 on, after step 1 wrote its
+        row: a failure of it then poisons the state (``writing``), as in the reference."""
         V = self.config.vocab_size
         bufs = st.draft_buffers(k, V)
         masks = host_masks(k, V)
@@ -416,13 +425,15 @@ class OptimizedProposer:
             restore = self._keep_for_restore(st, position, k)
         try:
             for i in range(k):
-                if i:  # d_{i-1}, accepted only to find A_i (the reference's walk)
-                    if not grammar.accept_token(drafts[-1]):
-                        with writing(st, "propose_sampled"):
+                with writing(st, "propose_sampled"):  # a refusal (MatcherRefusedToken) restores, never poisons
+                    if i:  # d_{i-1}, accepted only to find A_i (the reference's walk)
+                        if not grammar.accept_token(drafts[-1]):
                             restore()
-                        raise refused(grammar, i, drafts[-1])
-                    accepted += 1
-                if grammar.is_terminated() or not fill_row(grammar, masks, i, V):
+                            raise refused(grammar, i, drafts[-1])
+                        accepted += 1
+                    go = (first_row(first, masks, V) if i == 0
+                          else not grammar.is_terminated() and fill_row(grammar, masks, i, V))
+                if not go:
                     break
                 with writing(st, "propose_sampled"):
                     bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
@@ -523,7 +534,8 @@ class OptimizedProposer:
         with self._use(state, "propose_device") as st:
             self._settle(st)
             before = st.seq_len
-            position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
+            position, k, _ = self._propose_inputs(st, "propose_device", last_token, target_hidden, position,
+                                                  num_drafts)
             with writing(st, "propose_device"):
                 self.programs.run_draft(st, k)
             commit(st, "propose_device", position, k, k)
@@ -693,7 +705,8 @@ class OptimizedProposer:
                     return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
             try:
-                walks[b] = walk_greedy(a.grammar, drafts[b], V, redo)
+                with writing_all(states, call):  # a matcher failing after the batch wrote every state poisons them all
+                    walks[b] = walk_greedy(a.grammar, drafts[b], V, redo, a.first)
             except MatcherRefusedToken as e:
                 with writing_all(states, call):
                     for restore in restores:
@@ -755,7 +768,8 @@ class OptimizedProposer:
                 self._pending_confidence(st, k, k)
                 continue
             try:
-                walk = self._walk(st, a.grammar, values[1:], a.position, k, restore)
+                with writing_all(states, call):  # a matcher failing midway poisons every state of the batch
+                    walk = self._walk(st, a.grammar, values[1:], a.position, k, restore, a.first, call)
             except MatcherRefusedToken as e:
                 with writing_all(states, call):
                     for earlier, put_back, c in zip(states[:b], restores, counters):

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .bytes import hidden_fingerprint, same_bytes
 from .contract_guards import check_sound, writing
-from .grammar import MATCHER_METHODS, missing_method
+from .grammar import MATCHER_METHODS, FirstStep, ask_first_step, missing_method
 from .numerics import acc_dtype
 from .state import DrafterState, Sizes, rewind_rows
 from .weights import MtpWeights
@@ -199,11 +199,16 @@ def check_token_dtype(name: str, tokens: Tensor) -> None:
 
 
 def check_grammar(name: str, grammar: object) -> object:
-    """A propose's grammar (DESIGN.md §10): None, or a matcher with the four methods of
-    ``Matcher`` (``MATCHER_METHODS``), each callable; else ``ValueError`` naming the argument
-    and the method it lacks. Returns it."""
+    """A propose's grammar (DESIGN.md §10): None, or a matcher, an instance with the four methods
+    of ``Matcher`` (``MATCHER_METHODS``), each callable; else ``ValueError`` naming the argument
+    and the rule: a class (its methods are callable, but unbound: the first call would fail
+    midway), or the method the object lacks. Returns it."""
     if grammar is None:
         return None
+    if isinstance(grammar, type):
+        raise ValueError(f"{name} must be None or a grammar matcher (an instance with the methods "
+                         f"{', '.join(MATCHER_METHODS)}, as xgrammar's GrammarMatcher); got the class "
+                         f"{grammar.__name__} itself, not an instance of it")
     missing = missing_method(grammar)
     if missing is not None:
         raise ValueError(f"{name} must be None or a grammar matcher with the methods {', '.join(MATCHER_METHODS)} "
@@ -441,6 +446,7 @@ class ProposeArgs:
     hidden: Tensor
     num_drafts: int
     grammar: Matcher | None = None
+    first: FirstStep | None = None  # the grammar's answer for draft step 1, asked before any write
 
 
 def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, position: object, num_drafts: object,
@@ -448,7 +454,9 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
                  grammar: object = None, grammar_name: str = "grammar") -> ProposeArgs:
     """A propose's argument checks, in the contract's order, after its lifecycle checks:
     ``position``, the rows held, ``last_token``, ``target_hidden``, ``num_drafts``, the capacity,
-    the ``grammar`` (``check_grammar``, named ``grammar_name``: ``grammars[b]`` in a batch).
+    the ``grammar`` (``check_grammar``, named ``grammar_name``: ``grammars[b]`` in a batch), and,
+    when the propose drafts, the grammar's answer for draft step 1 (``grammar.ask_first_step``,
+    kept as ``first``): a matcher that fails it is refused here, before any write.
 
     ``device_checks``: leave the two checks that read the data (a token tensor's range, the
     hidden's finiteness) to the caller, which runs them on the device. When a later check
@@ -465,6 +473,8 @@ def propose_args(call: str, last_token: int | Tensor, target_hidden: Tensor, pos
         args = _propose_args(call, last_token, target_hidden, position, num_drafts, state, weights, capacity, False)
     try:
         args.grammar = check_grammar(grammar_name, grammar)  # type: ignore[assignment]  # check_grammar returns the checked grammar, typed wider than the field
+        if args.grammar is not None and args.num_drafts:  # §10: a propose of 0 drafts never reads its matcher
+            args.first = ask_first_step(grammar_name, args.grammar, weights.config.vocab_size)
     except ValueError:
         if device_checks:
             check_args_data(args, weights)  # the data checks left to the device come first in the contract's order

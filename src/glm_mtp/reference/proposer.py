@@ -288,7 +288,7 @@ class ReferenceProposer:
         share = share_selection(self.config.index_share_for_mtp_iteration)
         # A matcher that refuses a token its mask allowed leaves the state as found (§10): kept here.
         backup = RowsBackup.take(state, position, position + num_drafts) if args.grammar is not None else None
-        with walking(args.grammar, self.config.vocab_size, state.device) as walk, writing(state, call):
+        with walking(args.grammar, self.config.vocab_size, state.device, args.first) as walk, writing(state, call):
             rewind_rows(state, min(state.seq_len, position))  # rows past position become unreachable
             try:
                 for i in range(num_drafts):

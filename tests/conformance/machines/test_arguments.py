@@ -3,6 +3,7 @@ invalid calls on the reference and the optimized drafter (its torch twins on CPU
 after every step. The default run is bounded to seconds; ``slow`` runs thousands of examples."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -92,4 +93,59 @@ def test_the_machine_catches_batch_buffers_only_its_own_states_have():
     with pytest.raises(KeyError):
         run_state_machine_as_test(argument_machine(OwnBuffersOnly), settings=settings(
             max_examples=60, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
+            report_multiple_bugs=False, **SETTINGS))
+
+
+# The grammar arguments that reach the failing-matcher rule, so
+# a derandomized run meets them within a few examples whatever ran before.
+FAILING = ("breaks", "other_vocab")
+
+
+def test_the_machine_catches_a_drafter_that_asks_its_matcher_after_writing():
+    """The mutant ``grammar_asked_after_writing`` leaves step 1's question to its walk, after the
+    rewind wrote: a matcher of another vocabulary (or one whose fill fails at once) then raises
+    its own error and poisons the state, where the reference refuses it before any write
+    (DESIGN.md §4, §10). The machine must see the two backends end differently."""
+    from glm_mtp.conformance.mutants import MUTANTS
+
+    with pytest.raises(AssertionError, match="different refusals|one backend refused|poisoned"):
+        run_state_machine_as_test(argument_machine(MUTANTS["grammar_asked_after_writing"], grammar_kinds=FAILING),
+                                  settings=settings(max_examples=200, stateful_step_count=12, derandomize=True,
+                                                    phases=[Phase.generate], report_multiple_bugs=False, **SETTINGS))
+
+
+# 2-35 s, by what ran before (derandomized draws); tests/optimized/test_failing_matchers.py is the fast check
+@pytest.mark.slow
+def test_the_machine_catches_an_optimized_drafter_that_does_not_poison_on_a_failing_matcher():
+    """An optimized drafter whose proposes never poison (the host walk outside ``writing``, as it
+    was before the rule): a matcher failing midway leaves its states unpoisoned, with the rows its
+    program wrote, where the reference's are poisoned. The machine must say the backends poisoned
+    different states."""
+    from contextlib import contextmanager
+
+    import glm_mtp.optimized.proposer as opt_proposer
+    from glm_mtp.conformance.mutants.base import swapped
+    from glm_mtp.optimized import OptimizedProposer
+
+    @contextmanager
+    def never_poisons(*states, **kwargs):
+        with torch.no_grad():
+            yield
+
+    class NeverPoisons(OptimizedProposer):
+        def propose(self, *args, **kwargs):
+            with swapped(opt_proposer, "writing", never_poisons):
+                return super().propose(*args, **kwargs)
+
+        def propose_sampled(self, *args, **kwargs):
+            with swapped(opt_proposer, "writing", never_poisons):
+                return super().propose_sampled(*args, **kwargs)
+
+        def propose_batch(self, *args, **kwargs):
+            with swapped(opt_proposer, "writing", never_poisons), swapped(opt_proposer, "writing_all", never_poisons):
+                return super().propose_batch(*args, **kwargs)
+
+    with pytest.raises(AssertionError, match="poisoned"):
+        run_state_machine_as_test(argument_machine(NeverPoisons, grammar_kinds=FAILING), settings=settings(
+            max_examples=200, stateful_step_count=12, derandomize=True, phases=[Phase.generate],
             report_multiple_bugs=False, **SETTINGS))

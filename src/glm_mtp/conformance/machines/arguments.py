@@ -12,12 +12,17 @@ promise about bad input after every step:
   ``TypeError`` naming an argument (or a ``RuntimeError`` of the lifecycle), and every state
   is byte-identical to before and still usable (not poisoned);
 - or both return the same result (drafts, ``q`` and row counts compared by bytes) and hold
-  byte-identical states.
+  byte-identical states;
+- or, only where the call's grammar's own code failed (``grammars.MatcherFailure``) once the
+  propose had begun writing, both raise that failure and poison the same states with the same
+  message (DESIGN.md §4: a failure midway). A poisoned pair's rows and counters are what the
+  failure left (unspecified), so they are not compared; every later call refuses them alike.
 
-Where both drafters take grammars (``contract.takes_grammars``), proposes also get a grammar
-(a matcher, a matcher that refuses an allowed token, or no matcher at all; each backend its own,
-left as found either way) and ``draft_confidence`` is read and compared by bytes (DESIGN.md §10,
-§12).
+Where both drafters take grammars (``contract.takes_grammars``), proposes and batches also get
+grammars (a matcher, a matcher that refuses an allowed token, one whose own code fails on its
+n-th fill or accept, one of another vocabulary, the matcher class itself, or no matcher at all;
+each backend its own, left as found either way) and ``draft_confidence`` is read and compared by
+bytes (DESIGN.md §10, §12). States are compared through ``reference.bytes.keyed_bytes``.
 
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
@@ -35,21 +40,22 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from torch import Tensor
 
 from glm_mtp.reference import MtpConfig, MtpWeights, ReferenceProposer
+from glm_mtp.reference.bytes import keyed_bytes, raw_bytes
 from glm_mtp.reference.contract import SampledDrafts, takes_grammars
 
-from ..grammars import ENDS, FAULTS, Grammar
+from ..grammars import ENDS, FAULTS, Breaks, Grammar, MatcherFailure, is_matcher
 from .hostile_values import Draws, devices
 
 # What a refusal may be: arguments (ValueError, TypeError) and the lifecycle (RuntimeError).
 REFUSALS = (ValueError, TypeError, RuntimeError)
 STATES = 3
+# The grammars a propose draws (``grammar_factory``): mostly honest matchers.
+GRAMMAR_KINDS = ("matcher", "matcher", "matcher", "liar", "breaks", *FAULTS, "text", "int")
 
 
 def state_bytes(prop: Any, state: Any) -> dict[str, tuple]:
-    """``export_state`` as (shape, dtype, bytes) per key."""
-    return {k: (tuple(t.shape), str(t.dtype),
-                t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-            for k, t in prop.export_state(state).items()}
+    """``export_state`` as (shape, dtype, bytes) per key (``keyed_bytes``, the one helper)."""
+    return keyed_bytes(prop.export_state(state))
 
 
 def result_bytes(value: Any) -> Any:
@@ -57,22 +63,22 @@ def result_bytes(value: Any) -> Any:
     if isinstance(value, SampledDrafts):
         return ("sampled", value.drafts, result_bytes(value.q))
     if isinstance(value, Tensor):
-        return (tuple(value.shape), str(value.dtype),
-                value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return (tuple(value.shape), str(value.dtype), raw_bytes(value))
     if isinstance(value, (list, tuple)):
         return [result_bytes(v) for v in value]
     return value
 
 
 class Outcome:
-    """What a call did on one backend: its result (by bytes) or its refusal."""
+    """What a call did on one backend: its result (by bytes), its refusal, or its grammar's own
+    failure (``MatcherFailure``)."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.error: BaseException | None = None
         self.value: Any = None
         try:
             self.value = result_bytes(fn())
-        except REFUSALS as e:
+        except (*REFUSALS, MatcherFailure) as e:
             self.error = e
 
     def describe(self) -> str:
@@ -94,6 +100,7 @@ class HostileCalls(RuleBasedStateMachine):
     weights: MtpWeights
     candidate: Callable[[MtpWeights, int], Any]
     grammars: bool  # both drafters take grammars and report confidences (DESIGN.md §10, §12)
+    grammar_kinds: tuple[str, ...]  # the grammar arguments drawn (GRAMMAR_KINDS, or a test's few)
 
     def __init__(self) -> None:
         super().__init__()
@@ -105,6 +112,7 @@ class HostileCalls(RuleBasedStateMachine):
         """Run ``fn(prop, states_of_that_backend)`` on both backends and check the outcome."""
         self.calls.append(f"{call}({', '.join(f'{k}={short(v)}' for k, v in args.items())})")
         before = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(self.sides)]
+        was_poisoned = self.poisoned()
         outcomes = [Outcome(lambda s=s, p=p: fn(p, [pair[s] for pair in self.states]))
                     for s, p in enumerate(self.sides)]
         ref, cand = outcomes
@@ -114,21 +122,32 @@ class HostileCalls(RuleBasedStateMachine):
         if ref.error is not None:
             assert type(ref.error) is type(cand.error) and str(ref.error) == str(cand.error), \
                 f"different refusals: {context}"
+            if isinstance(ref.error, MatcherFailure):  # the matcher failed after the propose wrote rows (§4)
+                now = self.poisoned()
+                assert now[0] == now[1], f"the backends poisoned different states ({now}): {context}"
+                assert any(p is not None and w is None for p, w in zip(now[0], was_poisoned[0])), \
+                    f"a failure midway poisoned no state: {context}"
+                return
             if isinstance(ref.error, (ValueError, TypeError)):
                 names = [*args, "state", "token id", "temperature", "noise", "hidden"]
                 assert any(n in str(ref.error) for n in names), f"a refusal that names no argument: {context}"
             after = [[state_bytes(p, self.states[i][s]) for i in touched] for s, p in enumerate(self.sides)]
             assert after == before, f"a refused call changed a state: {context}"
-            for pair in self.states:
-                for st_ in pair:
-                    assert st_.poisoned is None, f"a refused call poisoned a state ({st_.poisoned}): {context}"
         else:
             assert ref.value == cand.value, f"different results: {context}"
+        assert self.poisoned() == was_poisoned, f"a call that refused or returned poisoned a state: {context}"
+
+    def poisoned(self) -> list[list[str | None]]:
+        """Each backend's states' poison (None: sound), state by state."""
+        return [[pair[s].poisoned for pair in self.states] for s in range(len(self.sides))]
 
     @invariant()
     def states_agree(self) -> None:
         for i, (r, c) in enumerate(self.states):
-            assert r.poisoned is None and c.poisoned is None, f"state {i} poisoned: {r.poisoned or c.poisoned}"
+            assert r.poisoned == c.poisoned, f"state {i} poisoned on one backend only, or otherwise: " \
+                                             f"{r.poisoned!r} / {c.poisoned!r}"
+            if r.poisoned is not None:  # rows and counters as the failure left them: unspecified (§4)
+                continue
             assert state_bytes(self.sides[0], r) == state_bytes(self.sides[1], c), \
                 f"state {i} differs after:\n  " + "\n  ".join(self.calls)
 
@@ -278,25 +297,23 @@ class HostileCalls(RuleBasedStateMachine):
     @precondition(lambda self: self.grammars)
     @rule(data=st.data())
     def propose_under_a_grammar(self, data: Any) -> None:
-        """A propose (greedy or sampled) whose ``grammar`` is a matcher (a walk that ends, one that
-        refuses an allowed token) or no matcher at all; each backend gets its own matcher, which
-        must be left as found whether the call drafts or refuses (§10)."""
-        i = data.draw(st.integers(0, STATES - 1))
+        """A propose (greedy or sampled) whose ``grammar`` is a drawn argument
+        (``grammar_factory``), or now and then a batch of them (``propose_batch_under_grammars``);
+        each backend gets its own matcher, which must be left as found whether the call drafts,
+        refuses or fails midway (§10)."""
         d = Draws(data, self.cfg, self.dtype)
+        if d.draw(st.integers(0, 3)) == 0:  # now and then a batch, one grammar argument per state
+            self.propose_batch_under_grammars(d)
+            return
+        i = data.draw(st.integers(0, STATES - 1))
         if d.draw(st.integers(0, 3)):  # mostly well-formed otherwise, so the grammar decides the outcome
             gen = torch.Generator().manual_seed(d.draw(st.integers(0, 2**31 - 1)))
             token, position, k = d.token_id(), self.seq_len(i), d.draw(st.integers(1, 4))
             hidden = torch.randn(self.cfg.hidden_size, generator=gen).to(self.dtype)
         else:
             token, hidden, position, k = self.propose_args(d, i)
-        kind = d.draw(st.sampled_from(["matcher", "matcher", "matcher", "liar", *FAULTS, "text", "int"]))
-        g = Grammar(d.draw(st.integers(0, 2**31 - 1)), d.draw(st.sampled_from([None, 0, 1, 3])), 0,
-                    d.draw(st.sampled_from(ENDS)), 0 if kind == "liar" else None, kind if kind in FAULTS else None)
         made: list[Any] = []
-
-        def grammar() -> Any:
-            made.append({"text": "[a-z]+", "int": 3}.get(kind) or g.matcher(self.cfg.vocab_size))
-            return made[-1]
+        grammar, kind = self.grammar_factory(d, made)
 
         if d.draw(st.booleans()):
             temperature, noise = d.temperature(), d.noise(k if isinstance(k, int) and not isinstance(k, bool) else 1)
@@ -305,10 +322,52 @@ class HostileCalls(RuleBasedStateMachine):
         else:
             fn = lambda p, s: p.propose(token, hidden, position, k, s[i], grammar=grammar())  # noqa: E731
         self.play("propose", {"state": i, "last_token": token, "target_hidden": hidden, "position": position,
-                              "num_drafts": k, "grammar": f"{kind} {g}"}, fn, [i])
-        assert all(m.as_found() for m in made if hasattr(m, "as_found")), "a matcher was not left as found"
+                              "num_drafts": k, "grammar": kind}, fn, [i])
+        assert all(m.as_found() for m in made if is_matcher(m)), "a matcher was not left as found"
         if self.live(i) and self.states[i][0].pending:  # the confidences of the propose just made
             self.play("draft_confidence", {"state": i}, lambda p, s: p.draft_confidence(s[i]), [i])
+
+    def grammar_factory(self, d: Draws, made: list[Any]) -> tuple[Callable[[], Any], str]:
+        """A drawn grammar argument: a function making a fresh one per backend (kept in ``made``)
+        and its description. ``breaks``: a matcher whose own code fails on its n-th fill or
+        accept (n = 1: among the checks, a refusal; later: midway, after rows were written)."""
+        kind = d.draw(st.sampled_from(self.grammar_kinds))
+        g = Grammar(d.draw(st.integers(0, 2**31 - 1)), d.draw(st.sampled_from([None, 0, 1, 3])), 0,
+                    d.draw(st.sampled_from(ENDS)), 0 if kind == "liar" else None, kind if kind in FAULTS else None)
+        at = d.draw(st.sampled_from((2, 3, 1, 4))) if kind == "breaks" else 0  # midway first: 1 is the refusal
+        V = self.cfg.vocab_size
+
+        def grammar() -> Any:
+            if kind == "breaks":
+                made.append(Breaks(g, V, at))
+            else:
+                made.append({"text": "[a-z]+", "int": 3}.get(kind) or g.matcher(V))
+            return made[-1]
+
+        return grammar, f"{kind}{f' at call {at}' if at else ''} {g}"
+
+    def propose_batch_under_grammars(self, d: Draws) -> None:
+        """``propose_batch`` with one drawn grammar argument (or None) per state, the batch
+        otherwise well-formed, so the grammars decide the outcome: the same drafts, refusals
+        (naming ``states[b]``, every state and matcher as found) or failure midway (every state
+        of the batch poisoned alike) on both backends (§4, §10). A part of
+        ``propose_under_a_grammar``, not a rule of its own: a rule more would change which rules
+        the derandomized runs of the tests draw."""
+        picked = list(d.draw(st.permutations(range(STATES))))[: d.draw(st.integers(1, STATES))]
+        gen = torch.Generator().manual_seed(d.draw(st.integers(0, 2**31 - 1)))
+        tokens = [d.token_id() for _ in picked]
+        hiddens = torch.randn(len(picked), self.cfg.hidden_size, generator=gen).to(self.dtype)
+        positions = [self.seq_len(i) for i in picked]
+        k = d.draw(st.integers(1, 3))
+        made: list[Any] = []
+        factories = [self.grammar_factory(d, made) if d.draw(st.integers(0, 3)) else None for _ in picked]
+        self.play("propose_batch", {"states": picked, "last_tokens": tokens, "target_hiddens": hiddens,
+                                    "positions": positions, "num_drafts": k,
+                                    "grammars": [f[1] if f else None for f in factories]},
+                  lambda p, s: p.propose_batch(tokens, hiddens, positions, k, [s[i] for i in picked],
+                                               grammars=[f[0]() if f else None for f in factories]),
+                  list(range(STATES)))
+        assert all(m.as_found() for m in made if is_matcher(m)), "a matcher was not left as found"
 
     @precondition(lambda self: self.grammars)
     @rule(data=st.data())
@@ -345,21 +404,34 @@ class HostileCalls(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def queries(self, data: Any) -> None:
+        """The queries, compared; on a poisoned pair (its counters unspecified, §4) they must
+        still answer, and only ``prefill_hidden_rows`` is compared."""
         i = data.draw(st.integers(0, STATES - 1))
         n = Draws(data, self.cfg, self.dtype).integer(st.integers(0, 2 * self.max_seq_len))
+        if self.states[i][0].poisoned is not None:
+            self.play("queries (poisoned)", {"state": i, "max_seq_len": n},
+                      lambda p, s: (type(p.drafter_rows(s[i])) is int, type(p.last_pair_key(s[i])) in (int, type(None)),
+                                    p.prefill_hidden_rows(n)), [i])
+            return
         self.play("queries", {"state": i, "max_seq_len": n},
                   lambda p, s: (p.drafter_rows(s[i]), p.last_pair_key(s[i]), p.prefill_hidden_rows(n)), [i])
 
 
 def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, dtype: torch.dtype = torch.bfloat16,
-                     max_seq_len: int = 32, weights_seed: int = 0) -> type[RuleBasedStateMachine]:
+                     max_seq_len: int = 32, weights_seed: int = 0,
+                     grammar_kinds: tuple[str, ...] = GRAMMAR_KINDS) -> type[RuleBasedStateMachine]:
     """A machine class playing hostile calls on ``candidate(weights, max_seq_len)`` (default: the
     optimized drafter, which takes its kernels' torch twins on CPU) and the reference.
 
     Args:
         candidate: a drafter factory; its states must be on the weights' device (the CPU here).
         dtype, max_seq_len, weights_seed: the tiny preset's weights and the drafters' length.
+        grammar_kinds: the grammar arguments a propose draws from (``GRAMMAR_KINDS``, each kind
+            as often as it is listed); a test aimed at one rule names the few that reach it.
     """
+    unknown = set(grammar_kinds) - set(GRAMMAR_KINDS)
+    if not grammar_kinds or unknown:
+        raise ValueError(f"grammar_kinds must be some of {sorted(set(GRAMMAR_KINDS))}, got {grammar_kinds!r}")
     if candidate is None:
         from glm_mtp.optimized import OptimizedProposer as candidate  # noqa: N813
     weights = MtpWeights.random(MtpConfig.preset("tiny"), seed=weights_seed, dtype=dtype)
@@ -368,7 +440,7 @@ def argument_machine(candidate: Callable[[MtpWeights, int], Any] | None = None, 
     return type("ArgumentMachine", (HostileCalls,),
                 {"sides": sides, "others": others, "cfg": weights.config, "dtype": dtype, "max_seq_len": max_seq_len,
                  "weights": weights, "candidate": staticmethod(candidate),
-                 "grammars": all(takes_grammars(p) for p in sides)})
+                 "grammars": all(takes_grammars(p) for p in sides), "grammar_kinds": tuple(grammar_kinds)})
 
 
 def short(value: Any) -> str:

@@ -5,8 +5,9 @@ these are the reference.
 
 Each swaps, for its own proposes only (single, sampled and batched: ``StepSwappingMutant``), how
 a propose walks its matcher (``proposer.walking``, a ``GrammarWalk`` of its own) or how a step
-compares the allowed tokens (``layers.restricted``, ``proposer.draft_margin``). Registered in
-``mutants.GROUPS``.
+compares the allowed tokens (``layers.restricted``, ``proposer.draft_margin``), or, for its
+proposes' checks, whether step 1's question is asked before any write
+(``contract.ask_first_step``). Registered in ``mutants.GROUPS``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
+from glm_mtp.reference import contract as _contract
 from glm_mtp.reference import layers as _layers
 from glm_mtp.reference import proposer as _proposer
-from glm_mtp.reference.grammar import GrammarWalk, allowed_tokens
+from glm_mtp.reference.grammar import FirstStep, GrammarWalk, allowed_tokens
 from glm_mtp.reference.numerics import up
 
 from .base import Mutant, swapped
@@ -44,11 +46,12 @@ def walking_with(walk_type: type[GrammarWalk]) -> Callable[..., Any]:
     """``grammar.walking`` with another kind of walk."""
 
     @contextmanager
-    def walking(matcher: object | None, vocab_size: int, device: torch.device) -> Iterator[GrammarWalk | None]:
+    def walking(matcher: object | None, vocab_size: int, device: torch.device,
+                first: FirstStep | None = None) -> Iterator[GrammarWalk | None]:
         if matcher is None:
             yield None
             return
-        walk = walk_type(matcher, vocab_size, device)
+        walk = walk_type(matcher, vocab_size, device, first)
         try:
             yield walk
         finally:
@@ -157,4 +160,28 @@ class FiniteSentinel(StepSwappingMutant):
         return [(_layers, "restricted_argmax", _sentinel_argmax), (_proposer, "draft_margin", _sentinel_margin)]
 
 
-MUTANTS: tuple[type[Mutant], ...] = (OneMaskEveryStep, MaskOneStepLate, NoRollback, FiniteSentinel, TerminatedDraftsOn)
+def _not_asked(name: str, matcher: object, vocab_size: int) -> None:
+    return None  # MUTATION: step 1's question is left to the walk, after the rewind has written
+
+
+class AsksMatcherAfterWriting(Mutant):
+    """The walk asks the matcher for step 1 itself, inside the propose's writes (as the walks
+    did before the rule): a matcher of another vocabulary fails there, poisoning the state with
+    the matcher's own error, instead of the refusal before any write."""
+
+    name = "grammar_asked_after_writing"
+    rule = ("§4, §10: a propose asks its matcher for step 1 among its checks, before any write: one that cannot "
+            "answer (another vocabulary's bitmask width) is a ValueError naming grammar, the state as found")
+    generators = ("adversarial",)  # the generator that draws broken grammar arguments
+
+    def _propose(self, *args, **kwargs):
+        with swapped(_contract, "ask_first_step", _not_asked):
+            return super()._propose(*args, **kwargs)
+
+    def propose_batch(self, *args, **kwargs):
+        with swapped(_contract, "ask_first_step", _not_asked):
+            return super().propose_batch(*args, **kwargs)
+
+
+MUTANTS: tuple[type[Mutant], ...] = (OneMaskEveryStep, MaskOneStepLate, NoRollback, FiniteSentinel, TerminatedDraftsOn,
+                                     AsksMatcherAfterWriting)
