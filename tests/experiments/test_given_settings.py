@@ -125,7 +125,7 @@ def test_record_refuses_every_key_it_does_not_read(tmp_path):
     other = {"num_drafts": 4, "policy": "refeed", "draft": "sampled", "feed_hidden": "pre_norm", "attention": "dense",
              "batch_size": 2, "backend.name": "optimized", "stop.rule": "prob", "stop.threshold": 0.5,
              "speedup.costs": "glm5", "speedup.repeats": 3, "run.check_lossless": True,
-             "model.weights_dtype": "fp8", "model.index_share": True, "grammar.drafts": "unmasked"}
+             "model.weights_dtype": "fp8", "model.index_share": True, "grammar.drafts": "unmasked", "verify": "match"}
     assert set(other) == set(RECORD_NOT_READ)
     for key, value in other.items():
         assert value_at(defaults, key) != value

@@ -76,7 +76,7 @@ from .settings.sampling import decoder_sampling
 from .loop.speculative import (SpecStats, SpeculativeDecoder, make_proposer, speculative_results, target_decode,
                                teacher_forced)
 from .targets.target import class_path
-from .settings.validate import (check_acceptance, check_attention, index_share,
+from .settings.validate import (check_acceptance_run, check_attention, index_share,
                                 weights_dtype)
 
 def fmt_ci(x: float, ci: list[float]) -> str:
@@ -469,6 +469,7 @@ def summarise(cfg: Any, m: Measurement) -> dict[str, Any]:
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
         **provenance(m.model.path),
         "group": cfg.get("group", None),
+        "run_name": cfg.run.get("name"),  # the experiment's label (run.name)
         "seed": cfg.seed,
         "samples": m.samples,
     }
@@ -613,7 +614,7 @@ def main() -> None:
             print(f"python -m glm_mtp.experiments.acceptance: error: {e}", file=sys.stderr)
             sys.exit(1)
 
-    hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance, body)
+    hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance_run, body)
 
 
 if __name__ == "__main__":

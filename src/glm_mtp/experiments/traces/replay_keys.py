@@ -94,7 +94,7 @@ def take_replay_settings(cfg: Any) -> dict[str, Any]:
 # the drafter's, the loop's and the speedup model's. Given, each is refused (it would be ignored).
 RECORD_NOT_READ = ("num_drafts", "policy", "draft", "feed_hidden", "attention", "batch_size", "backend.name",
                    "stop.rule", "stop.threshold", "speedup.costs", "speedup.repeats", "run.check_lossless",
-                   "model.weights_dtype", "model.index_share", "grammar.drafts")
+                   "model.weights_dtype", "model.index_share", "grammar.drafts", "verify")
 
 
 def check_recording_settings(cfg: Any) -> None:

@@ -21,7 +21,6 @@ runs once its checks (``finetune_checks``) pass.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, cast
@@ -33,11 +32,16 @@ from torch import Tensor
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.weights import MtpWeights
 
+from ..reporting.kept import write_json, write_text
 from ..traces.format import Trace, open_trace
 from . import finetune_dist as dp
 from .finetune_io import input_tensors, master_copies, tuned_tensors, write_checkpoint
 from .finetune_split import PromptSplit
 from .mtp_train_forward import VENDOR, drafter_forward
+
+
+# The run folder's record of the training's losses, written before the checkpoint and the judging.
+LOSS_FILE = "finetune_loss.json"
 
 
 def weights_of(cfg: MtpConfig, stored: dict[str, Tensor], masters: dict[str, Tensor]) -> MtpWeights:
@@ -217,6 +221,7 @@ def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], P
     dp.finish(started)
     if rank != 0:
         return None
+    write_json(os.path.join(run_dir, LOSS_FILE), {"steps": steps, "stopped_early": stopped, "loss": loss})  # kept
     write_checkpoint(model_dir, f.out, tuned_tensors(stored, masters), files)
     train_minutes = (time.perf_counter() - t0) / 60
 
@@ -243,10 +248,9 @@ def run(cfg: Any, run_dir: str, checked: tuple[str, MtpConfig, dict[str, Any], P
     log.summary({"replay/delta_tau": replay["delta"]["tau"][0], "replay/base_tau": replay["base"]["tau"],
                  "replay/tuned_tau": replay["tuned"]["tau"]})
     log.finish()
-    with open(os.path.join(f.out, "README.md"), "w") as fh:
-        fh.write(model_card(cfg, trace, split, steps, stopped, loss, replay, command, model_dir, world))
-    with open(os.path.join(f.out, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+    write_text(os.path.join(f.out, "README.md"),
+               model_card(cfg, trace, split, steps, stopped, loss, replay, command, model_dir, world))
+    write_json(os.path.join(f.out, "summary.json"), summary)  # last, whole or not at all (reporting.kept)
     b, t, d = replay["base"], replay["tuned"], replay["delta"]
     print(f"held-out replay (k={f.num_drafts}, {replay['prompts']} prompts): tau {b['tau']:.3f} -> {t['tau']:.3f}, "
           f"delta {d['tau'][0]:+.3f} [{d['tau'][1]:+.3f}, {d['tau'][2]:+.3f}]; checkpoint in {f.out}")
