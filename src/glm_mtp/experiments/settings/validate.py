@@ -385,6 +385,9 @@ def check_grammar(cfg: Any) -> None:
     except ImportError as e:
         raise ValueError(str(e)) from None
     if spec is None and not schemas:
+        if node.get("drafts", "masked") != "masked":  # how to draft under a grammar, and there is none
+            raise ValueError(f"grammar.drafts={node.get('drafts')}: it says how the drafter drafts under a grammar, "
+                             "and this run has none (grammar=none, no json_schema line): leave it unset")
         return
     what = f"grammar={spec.kind}" if spec is not None else "a source=jsonl json_schema"
     if spec is not None and schemas:
