@@ -148,7 +148,8 @@ def commands(root):
     from glm_mtp.experiments.training.finetune_run import run as finetune_run
 
     return {
-        "acceptance": ("config", [*TINY, "speedup.costs=glm5"], check_acceptance_run, lambda cfg, d: acceptance.run(cfg, str(d))),
+        "acceptance": ("config", [*TINY, "speedup.costs=glm5"], check_acceptance_run,
+                       lambda cfg, d: acceptance.run(cfg, str(d))),
         "record": ("config", [*TINY, f"trace.out={root / 'trace'}", "trace.max_drafts=2", "trace.cost_repeats=1"],
                    record.check_record, lambda cfg, d: record.record(cfg, str(d))),
         "stop_sweep": ("stop_sweep", [*TINY, *SWEEP], stop_sweep.check_sweep,
