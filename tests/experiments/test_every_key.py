@@ -119,7 +119,7 @@ GRID_EVAL = ["eval.common=[" + ",".join(f"'{o}'" for o in (
     "speedup.costs=glm5")) + "]", "eval.feed_prompts=1"]
 
 
-def finetune_inputs(root):
+def finetune_inputs(root, logger="wandb"):
     """A tiny checkpoint and a synthetic trace of it (tests/experiments/test_finetune.py's)."""
     import importlib.util
     import os
@@ -130,7 +130,7 @@ def finetune_inputs(root):
     w = ft._checkpoint(str(root / "ck"), "glm5next_tiny")
     ft._trace(str(root / "tr"), str(root / "ck"), w.config.vocab_size, w.config.hidden_size)
     return [f"model.path={root / 'ck'}", "model=shipped", f"trace.path={root / 'tr'}", "finetune.steps=2",
-            "finetune.eval_every=2", "finetune.batch_size=2", "logger=wandb"]
+            "finetune.eval_every=2", "finetune.batch_size=2", f"logger={logger}"]
 
 
 def fake_train_run(cfg, run_dir, command=""):

@@ -247,6 +247,7 @@ def sweep(cfg: Any, rows_log: RecordLog | None = None) -> dict[str, Any]:
             timings[f"{rule}>={t_value:g}"] = time.perf_counter() - t
             rows.append(entry(f"{rule} >= {float(t_value):g}", rule, float(t_value), K, per_prompt(stats), costs,
                               seed))
+            rows_log.append(rows[-1])
             progress(rows[-1], timings[f"{rule}>={t_value:g}"])
     best = max(r["predicted"] for r in rows)
     return {
