@@ -224,3 +224,14 @@ def test_bench_target_costs_refuses_the_flags_it_does_not_read(tmp_path, capsys)
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert e.value.code == 2 and flags[0] in err and "--target-costs does not read it" in err, err
     assert bench.parse_args(["--target-costs", "--dtype", "float32", "--out", str(tmp_path / "b")]).target_costs
+
+
+@pytest.mark.parametrize("override", ["num_drafts=3", "run.max_new_tokens=9", "sweep.fixed_k=false",
+                                      "model.dtype=float32", "run.name=other"])
+def test_a_rescore_refuses_what_it_would_not_read(override, tmp_path):
+    """sweep.rescore runs nothing: a key it would drop (the model's, the loop's, the sweep's) is refused."""
+    from glm_mtp.experiments import stop_sweep
+
+    cfg = compose(["model=tiny_random", "logger=none", "speedup.costs=glm5", f"sweep.rescore={tmp_path / 's.json'}",
+                   override], "stop_sweep")
+    refused(cfg, stop_sweep.check_sweep, override.split("=")[0] + "=", "runs nothing")

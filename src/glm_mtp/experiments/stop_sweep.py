@@ -78,6 +78,7 @@ def check_sweep(cfg: Any) -> None:
                              "glm_mtp.experiments.costs list) or a file, not measured")
         from .reporting.read_back import check_sweep_record, read_json_file
 
+        check_rescore_reads(cfg)
         check_sweep_record(read_json_file(path, "sweep.rescore"), f"sweep.rescore: {path}")
     thresholds = cfg.get("sweep", {}).get("thresholds")
     if thresholds is None or not hasattr(thresholds, "items"):
@@ -90,6 +91,35 @@ def check_sweep(cfg: Any) -> None:
             raise ValueError(f"sweep.thresholds.{rule} must be a non-empty list of numbers; got {values!r}")
         for t in values:
             check_stop_rule(rule, t, key=f"sweep.thresholds.{rule}")
+
+
+# What a rescore reads (it runs nothing): the finished sweep, the costs, the bootstrap's seed and
+# the logger; Hydra's task_name names its run folder.
+RESCORE_READS = ("sweep.rescore", "speedup.costs", "seed", "group", "task_name")
+
+
+def check_rescore_reads(cfg: Any) -> None:
+    """``sweep.rescore`` recomputes a finished sweep's rows from its counts: every key given
+    another value than conf/stop_sweep.yaml's but ``RESCORE_READS`` and ``logger.*`` (the
+    model, the prompts, the loop's keys, ``run.name``: the finished sweep's stand) is refused
+    naming it, since the rescore would drop it."""
+    from omegaconf import OmegaConf
+
+    from .settings.explicit import given_keys, plain, value_at
+
+    def leaves(node: Any, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for k, v in node.items():
+            name = f"{prefix}.{k}" if prefix else str(k)
+            out += leaves(v, name) if isinstance(v, dict) and v else [name]
+        return out
+
+    keys = [k for k in leaves(OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg)
+            if k not in RESCORE_READS and not k.startswith("logger.")]
+    for key in given_keys(cfg, keys):
+        raise ValueError(f"{key}={plain(value_at(cfg, key))!r}: sweep.rescore recomputes a finished sweep's rows "
+                         "from its counts and runs nothing, so it does not read it (it reads speedup.costs and "
+                         "seed): leave it unset")
 
 
 def check_sweep_reads(cfg: Any) -> None:
