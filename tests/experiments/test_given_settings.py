@@ -159,28 +159,18 @@ def test_stop_sweep_refuses_per_prompt_schemas(tmp_path):
 
 
 def test_record_logs_to_the_logger(tmp_path, monkeypatch):
-    """record honours logger=wandb (it was read and dropped): its run, named run.name, gets the
-    trace's summary."""
-    from glm_mtp.experiments.reporting import wandb_log
+    """record honours logger=wandb (it was read and dropped): an offline W&B run, named run.name,
+    holds the config and the trace's summary."""
+    from glm_mtp.experiments.reporting.wandb_log import read_offline_run
 
-    runs = []
-
-    class Captured(wandb_log.NoLogger):
-        def __init__(self, mode, project, run_dir, config, name=None, job_type=None, group=None):
-            self.args, self.data = (mode, project, name, job_type), {}
-            runs.append(self)
-
-        def summary(self, data):
-            self.data.update(data)
-
-    monkeypatch.setattr(wandb_log, "WandbLogger", Captured)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = compose([*TINY[:-1], "logger=wandb", "run.name=mine", "trace.max_drafts=2", "trace.cost_repeats=0",
                    f"trace.out={tmp_path / 't'}"])
     record.check_record(cfg)
     meta = record.record(cfg, str(tmp_path / "run"))
-    (run,) = runs
-    assert run.args == ("offline", "glm-mtp", "mine", "record")
-    assert run.data["trace/sha256"] == meta["sha256"] and run.data["trace/items"] == 2
+    run = read_offline_run(str(tmp_path / "run"))
+    assert run["summary"]["trace/sha256"] == meta["sha256"] and run["summary"]["trace/items"] == 2
+    assert run["config"]["trace"]["out"] == str(tmp_path / "t") and run["config"]["run"]["name"] == "mine"
 
 
 @pytest.mark.parametrize("name, overrides, words", [
