@@ -29,7 +29,7 @@ RUN = {
     "bash scripts/setup.sh && .venv/bin/python -m glm_mtp.experiments.acceptance": CHEAP,
     "python -m glm_mtp.experiments.acceptance grammar=regex \"grammar.pattern='[a-z ]*'\"": CHEAP,
     "python -m glm_mtp.experiments.record model.dtype=bfloat16 target_numerics=pinned trace.out=T":
-        ["run.num_prompts=2", "run.max_new_tokens=8", "trace.cost_repeats=1"],
+        ["run.num_prompts=2", "run.max_new_tokens=8", "trace.cost_repeats=1", "logger=none"],
     "python -m glm_mtp.experiments.traces check T": [],
     f"python -m glm_mtp.experiments.traces drafter-only {SHIPPED_NEXT} D": [],
     "python -m glm_mtp.experiments.acceptance trace.path=T model.path=D model.dtype=bfloat16 num_drafts=3 "
@@ -40,12 +40,12 @@ RUN = {
     "python -m glm_mtp.experiments.traces grid-report multirun/trace-grid/<time>": [],
     # docs/traces.md's sampled trace: record at T = 1, replay with seeded exact match
     "python -m glm_mtp.experiments.record target_numerics=pinned temperature=1 top_p=0.95 seed=0 trace.out=TS":
-        ["run.num_prompts=2", "run.max_new_tokens=8", "trace.cost_repeats=1"],
+        ["run.num_prompts=2", "run.max_new_tokens=8", "trace.cost_repeats=1", "logger=none"],
     "python -m glm_mtp.experiments.acceptance trace.path=TS verify=match temperature=1 top_p=0.95 seed=0 num_drafts=3":
         ["logger=none", "speedup.repeats=1"],
     # docs/finetune.md: record, tune, replay the tuned head (6 prompts, 2 steps)
     "python -m glm_mtp.experiments.record trace.out=TRACE run.num_prompts=64 trace.max_drafts=3 trace.cost_repeats=0":
-        ["run.num_prompts=6", "run.max_new_tokens=8"],
+        ["run.num_prompts=6", "run.max_new_tokens=8", "logger=none"],
     "python -m glm_mtp.experiments.finetune trace.path=TRACE finetune.out=OUT": ["finetune.steps=2", "logger=none"],
     "python -m glm_mtp.experiments.acceptance model.path=OUT trace.path=TRACE": ["logger=none", "speedup.repeats=1"],
     # docs/costs.md

@@ -59,7 +59,7 @@ from typing import Any
 
 from .acceptance_job.run import run
 from .reporting.measured import LateFailure
-from .settings.validate import check_acceptance
+from .settings.validate import check_acceptance_run
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
             print(f"python -m glm_mtp.experiments.acceptance: error: {e}", file=sys.stderr)
             sys.exit(1)
 
-    hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance, body)
+    hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance_run, body)
 
 
 if __name__ == "__main__":

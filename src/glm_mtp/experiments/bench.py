@@ -65,6 +65,8 @@ from glm_mtp.tools.counters import LaunchCounter
 from glm_mtp.tools.floor import H200_BYTES_PER_S, GRAPH_LAUNCH_S, floor_bytes_per_draft, project_step
 from glm_mtp.tools.timing import BENCH_DTYPES, copy_bandwidth, state_nbytes, timed
 
+from .reporting.kept import RecordLog, late_failure, replaced, write_json, write_text
+from .reporting.measured import LateFailure
 from .settings.validate import unwritable_dir
 
 # Presets whose draft step the launch counters measure by default (the interpreter is slow).
@@ -319,17 +321,43 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+# Each measured record, appended to ``--out`` as its preset finishes (``reporting.kept``).
+RECORDS_FILE = "records.jsonl"
+
+
 def run(bc: BenchConfig) -> list[dict[str, Any]]:
+    """Measure every preset, then write bench.json, bench.md and bench.png into ``bc.out``. Each
+    preset's records are in ``records.jsonl`` as it finishes; a failure after the first is a
+    ``LateFailure`` naming what was kept (``reporting.kept``)."""
     from tqdm import tqdm
 
     device = torch.device(bc.device)
     torch.manual_seed(bc.seed)
     bandwidth = copy_bandwidth(device, bc.copy_mib * 2**20)
     records: list[dict[str, Any]] = []
-    with tqdm(total=len(bc.presets) * len(bc.drafts) * bc.repeats, desc="bench", unit="round") as progress:
-        for preset in bc.presets:
-            progress.set_postfix(preset=preset)
-            records += bench_preset(bc, preset, bandwidth, progress)
+    kept = RecordLog(os.path.join(bc.out, RECORDS_FILE))
+    try:
+        with tqdm(total=len(bc.presets) * len(bc.drafts) * bc.repeats, desc="bench", unit="round") as progress:
+            for preset in bc.presets:
+                progress.set_postfix(preset=preset)
+                measured = bench_preset(bc, preset, bandwidth, progress)
+                for r in measured:
+                    kept.append(r)
+                records += measured
+    except Exception as e:
+        if not kept.count:
+            raise
+        raise late_failure(f"the bench, after {kept.count} record(s)", e, [kept.path]) from e
+    try:
+        write_bench(bc, records, bandwidth)
+    except Exception as e:
+        raise late_failure("writing the bench's files", e, [os.path.join(bc.out, "bench.json"), kept.path]) from e
+    return records
+
+
+def write_bench(bc: BenchConfig, records: list[dict[str, Any]], bandwidth: float) -> None:
+    """bench.json (first), bench.md and bench.png into ``bc.out``, each whole or not at all."""
+    device = torch.device(bc.device)
     out = Path(bc.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(
@@ -340,15 +368,14 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
     )
     capacity = ", ".join(dict.fromkeys(f"{r['preset']} {r['max_seq_len']}" for r in records))  # max_seq_len in effect
     projected = projections(records, parse_dtype(bc.dtype))
-    (out / "bench.json").write_text(json.dumps(dict(meta=meta, records=records, projection=projected), indent=1))
-    (out / "bench.md").write_text(
-        f"Device: {meta['device']} ({bc.device}, {bc.dtype}); copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} GB/s; "
-        f"{bc.context} context rows; capacity {capacity} rows; median of {bc.repeats} "
-        "runs.\n\n" + markdown_table(records)
-        + (f"\n{projection_table(projected)}" if projected else "")
-    )
-    plot(records, out / "bench.png")
-    return records
+    write_json(str(out / "bench.json"), dict(meta=meta, records=records, projection=projected))
+    write_text(str(out / "bench.md"),
+               f"Device: {meta['device']} ({bc.device}, {bc.dtype}); copy bandwidth {meta['copy_bandwidth_gb_s']:.1f} "
+               f"GB/s; {bc.context} context rows; capacity {capacity} rows; median of {bc.repeats} "
+               "runs.\n\n" + markdown_table(records)
+               + (f"\n{projection_table(projected)}" if projected else ""))
+    with replaced(str(out / "bench.png")) as tmp:
+        plot(records, Path(tmp))
 
 
 def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
@@ -367,9 +394,16 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
     context = torch.randint(model.target.config.vocab_size, (bc.context,), generator=gen).tolist()
     kmax = max(bc.drafts)
     per_backend = {}
-    for name in bc.backends:
-        proposer = make_proposer(name, model.mtp, max_seq_len)
-        per_backend[name] = {**measure_costs(target, proposer, kmax, context, bc.repeats), "backend": name}
+    kept = RecordLog(os.path.join(bc.out, RECORDS_FILE))
+    try:
+        for name in bc.backends:
+            proposer = make_proposer(name, model.mtp, max_seq_len)
+            per_backend[name] = {**measure_costs(target, proposer, kmax, context, bc.repeats), "backend": name}
+            kept.append(per_backend[name])
+    except Exception as e:
+        if not kept.count:
+            raise
+        raise late_failure(f"the target costs, after {kept.count} backend(s)", e, [kept.path]) from e
     first = per_backend[bc.backends[0]]
     glm5 = glm5_costs(kmax)
     meta = dict(device=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
@@ -378,7 +412,7 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
     costs = {**first, "per_backend": per_backend, "glm5": glm5, "meta": meta}
     out = Path(bc.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "costs.json").write_text(json.dumps(costs, indent=1))
+    write_json(str(out / "costs.json"), costs)  # whole or not at all: speedup.costs=PATH reads it
     ks = range(1, kmax + 1)
     lines = [f"Toy target ({model.path}, float32, {bc.context} context tokens, {meta['torch_threads']} thread(s), "
              f"median of {bc.repeats}); GLM-5 from the bytes each step reads (weights only; routing uniform and "
@@ -392,7 +426,7 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
     lines.append(f"| GLM-5 (bytes) | — | {glm5['target_step_params'] / 1e9:.2f} G params | "
                  f"{glm5['draft_step_params'] / 1e9:.2f} G params | "
                  f"{glm5['c']:.4f} | " + " | ".join(f"{x:.3f}" for x in glm5["v"]) + " |")
-    (out / "costs.md").write_text("\n".join(lines) + "\n")
+    write_text(str(out / "costs.md"), "\n".join(lines) + "\n")
     return costs
 
 
@@ -519,12 +553,25 @@ def check_lengths(p: argparse.ArgumentParser, a: argparse.Namespace, presets: li
                     "--max-position-embeddings")
 
 
+# The propose bench's flags that --target-costs does not read (it reads --backends, --drafts,
+# --context, --max-seq-len, --repeats, --seed, --out and --checkpoint).
+TARGET_COSTS_UNREAD = ("presets", "dtype", "max_position_embeddings", "warmup", "copy_mib", "counters")
+
+
 def check_target_costs(p: argparse.ArgumentParser, a: argparse.Namespace, device: torch.device) -> None:
-    """``--target-costs`` runs on the CPU; ``--checkpoint`` goes with it and is a checkpoint directory."""
+    """``--target-costs`` runs on the CPU and reads none of ``TARGET_COSTS_UNREAD``; ``--checkpoint``
+    goes with it and is a checkpoint directory."""
     if a.checkpoint is not None and not a.target_costs:
         p.error("--checkpoint is the toy target of --target-costs; pass --target-costs too")
     if a.target_costs and device.type != "cpu":
         p.error("--target-costs runs on the CPU (the experiments' target is eager torch)")
+    if a.target_costs:  # flags of the propose bench that --target-costs does not read: refused, never dropped
+        for name in TARGET_COSTS_UNREAD:
+            value = getattr(a, name)
+            if value != p.get_default(name) and not (name == "dtype" and value == "float32"):
+                p.error(f"--{name.replace('_', '-')} {value}: --target-costs does not read it (it times the toy "
+                        "target and the drafter in float32 at --context, --max-seq-len, --drafts, --repeats); "
+                        "leave it unset")
     if a.checkpoint is None:
         return
     from glm_mtp.reference.checkpoint import check_checkpoint_directory
@@ -543,8 +590,20 @@ def check_target_costs(p: argparse.ArgumentParser, a: argparse.Namespace, device
         p.error(str(e))
 
 
+PROG = "python -m glm_mtp.experiments.bench"
+
+
 def main(argv: list[str] | None = None) -> None:
     bc = parse_args(argv)
+    try:
+        measure_and_print(bc)
+    except LateFailure as e:  # one line: what was measured is on disk
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def measure_and_print(bc: BenchConfig) -> None:
+    """Run what ``bc`` asks (the bench, or ``--target-costs``) and print its tables."""
     if bc.target_costs:
         run_target_costs(bc)
         print((Path(bc.out) / "costs.md").read_text())

@@ -40,6 +40,8 @@ from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import parse_dtype
 from glm_mtp.tools.timing import BENCH_DTYPES, timed
 
+from .reporting.kept import RecordLog, late_failure, replaced, write_json, write_text
+from .reporting.measured import LateFailure
 from .settings.validate import unwritable_dir
 
 
@@ -215,33 +217,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+PROG = "python -m glm_mtp.experiments.bench_batch"
+# Each batch size's timings, appended to ``--out`` as it finishes (``reporting.kept``).
+RECORDS_FILE = "records.jsonl"
+
+
 def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    try:
+        run(a)
+    except LateFailure as e:  # one line: what was measured is on disk
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time every batch size, count them (``--counters``), write the files into ``a.out``. Each
+    batch size's timings are in ``records.jsonl`` as it finishes; a failure after the first
+    (another batch, the counters, the files) is a ``LateFailure`` naming what was kept."""
     from tqdm import tqdm
 
-    a = parse_args(argv)
     device = torch.device(a.device)
     weights = MtpWeights.random(MtpConfig.preset(a.preset), seed=a.seed, dtype=parse_dtype(a.dtype), device=device)
-    records = []
-    with tqdm(total=len(a.batch_sizes) * (a.warmup + a.repeats), desc="bench_batch", unit="round") as progress:
-        for B in a.batch_sizes:
-            progress.set_postfix(batch=B)
-            records.append(bench_batch(a, weights, B, progress))
-    if a.counters:
-        with tqdm(total=len(records), desc="counters (interpreter)", unit="batch") as progress:
-            counted = batch_counters(a, [r["batch"] for r in records], progress)
-        for r in records:
-            r.update(counted[r["batch"]])
+    records: list[dict[str, Any]] = []
+    kept = RecordLog(os.path.join(a.out, RECORDS_FILE))
+    try:
+        with tqdm(total=len(a.batch_sizes) * (a.warmup + a.repeats), desc="bench_batch", unit="round") as progress:
+            for B in a.batch_sizes:
+                progress.set_postfix(batch=B)
+                records.append(bench_batch(a, weights, B, progress))
+                kept.append(records[-1])
+        if a.counters:
+            with tqdm(total=len(records), desc="counters (interpreter)", unit="batch") as progress:
+                counted = batch_counters(a, [r["batch"] for r in records], progress)
+            for r in records:
+                r.update(counted[r["batch"]])
+        write_files(a, records)
+    except Exception as e:
+        if not kept.count:
+            raise
+        raise late_failure(f"bench_batch, after {kept.count} batch size(s)", e,
+                           [os.path.join(a.out, "bench_batch.json"), kept.path]) from e
+    return records
+
+
+def write_files(a: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """bench_batch.json (first), .md and .png into ``a.out``, each whole or not at all; the table printed."""
+    device = torch.device(a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=(torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or platform.machine()),
                 cpu_count=os.cpu_count(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                 config={k: v for k, v in vars(a).items()})
-    (out / "bench_batch.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
-    (out / "bench_batch.md").write_text(
-        f"Device: {meta['device']} ({a.device}, {a.dtype}); preset {a.preset}; {a.drafts} drafts per propose; state "
-        f"b holds {a.context} + 3b rows; median of {a.repeats} alternating rounds.\n\n" + markdown_table(records))
-    plot(records, out / "bench_batch.png")
+    write_json(str(out / "bench_batch.json"), dict(meta=meta, records=records))
+    write_text(str(out / "bench_batch.md"),
+               f"Device: {meta['device']} ({a.device}, {a.dtype}); preset {a.preset}; {a.drafts} drafts per propose; "
+               f"state b holds {a.context} + 3b rows; median of {a.repeats} alternating rounds.\n\n"
+               + markdown_table(records))
+    with replaced(str(out / "bench_batch.png")) as tmp:
+        plot(records, Path(tmp))
     print(markdown_table(records))
     print(f"wrote {out}/bench_batch.json, bench_batch.md, bench_batch.png")
 

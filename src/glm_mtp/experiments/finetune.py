@@ -16,7 +16,7 @@ def main() -> None:
     from .settings.entry import command_line, hydra_main
     from .settings.validate import exit_on_bad_config
     from .training.finetune_checks import check_finetune
-    from .training.finetune_run import Prepared, prepare, run
+    from .training.finetune_run import Prepared, prepare, run_keeping
 
     prog = "python -m glm_mtp.experiments.finetune"
 
@@ -29,7 +29,7 @@ def main() -> None:
         # What reading the trace's shards and the weights, and the forward's agreement with the
         # drafter, refuse is refused as a bad config is: one line, exit 2, nothing written.
         exit_on_bad_config(lambda c: ready.append(prepare(c, checked)), cfg, hc.runtime.output_dir, prog)
-        run(cfg, hc.runtime.output_dir, checked, command_line(prog, hc), ready[0])
+        run_keeping(cfg, hc.runtime.output_dir, checked, command_line(prog, hc), ready[0])
 
     hydra_main("finetune", prog, check, body)
 

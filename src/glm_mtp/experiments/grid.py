@@ -22,7 +22,7 @@ One job (``run``):
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 import time
 from typing import Any
@@ -55,27 +55,18 @@ def quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.grid") -> dict[str, Any]:
-    """One grid job (module docstring); returns what it writes to ``grid.json``."""
-    from omegaconf import OmegaConf, open_dict
+def evaluate_job(cfg: Any, run_dir: str, checkpoint: str, final: dict[str, Any],
+                 train_minutes: float) -> dict[str, Any]:
+    """A grid job's steps 2 and 3 on its trained ``checkpoint`` (module docstring): the
+    acceptance runs and the feed agreement; returns what ``grid.json`` records."""
+    from omegaconf import OmegaConf
 
     from .settings.model import load_model
     from .settings.windows import build_prompts
     from .targets.provenance import file_sha256, git_commit
     from .loop.speculative import make_proposer
     from .targets.target import Target
-    from .settings.validate import check_acceptance, trained_model_config
 
-    os.makedirs(run_dir, exist_ok=True)
-    checkpoint = os.path.join(run_dir, "checkpoint")
-    trained = trained_model_config(cfg)
-    for c in eval_configs(cfg, checkpoint).values():  # refuse a bad evaluation before the training
-        check_acceptance(c, trained)
-    with open_dict(cfg):
-        cfg.out = checkpoint
-    t0 = time.perf_counter()
-    final = run_training(cfg, os.path.join(run_dir, "train"), command)
-    train_minutes = (time.perf_counter() - t0) / 60
     t1 = time.perf_counter()
     evals = {}
     for name, acfg in eval_configs(cfg, checkpoint).items():
@@ -105,8 +96,36 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.gr
         "checkpoint_sha256": file_sha256(os.path.join(checkpoint, "model.safetensors")),
         "git_commit": git_commit(), "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    with open(os.path.join(run_dir, "grid.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    return result
+
+
+def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.grid") -> dict[str, Any]:
+    """One grid job (module docstring); returns what it writes to ``grid.json``."""
+    from omegaconf import open_dict
+
+    from .reporting.kept import late_failure, write_json
+    from .settings.validate import check_acceptance_run, trained_model_config
+
+    os.makedirs(run_dir, exist_ok=True)
+    checkpoint = os.path.join(run_dir, "checkpoint")
+    trained = trained_model_config(cfg)
+    for c in eval_configs(cfg, checkpoint).values():  # refuse a bad evaluation before the training
+        check_acceptance_run(c, trained)
+    with open_dict(cfg):
+        cfg.out = checkpoint
+    t0 = time.perf_counter()
+    final = run_training(cfg, os.path.join(run_dir, "train"), command)
+    train_minutes = (time.perf_counter() - t0) / 60
+    try:  # the head is trained and written: a later failure keeps it, and each evaluation's files
+        result = evaluate_job(cfg, run_dir, checkpoint, final, train_minutes)
+        write_json(os.path.join(run_dir, "grid.json"), result)  # whole or not at all: grid_report reads it
+    except Exception as e:
+        kept = [checkpoint, os.path.join(run_dir, "train", "final.json"),
+                *sorted(glob.glob(os.path.join(run_dir, "acceptance-*", "summary.json"))),
+                *sorted(glob.glob(os.path.join(run_dir, "acceptance-*", "measured.jsonl")))]
+        raise late_failure("the grid job's evaluation", e, kept) from e
+    t, evals, agreement = cfg.train, result["evals"], result["feed_agreement"]
+    train_minutes, eval_minutes = result["train_minutes"], result["eval_minutes"]
     same = ", ".join(f"{x:.3f}" for x in agreement["same_per_position"])
     print(f"depth {t.mtp_depth}, distill {t.mtp_distill}: trained {train_minutes:.1f} min, evaluated "
           f"{eval_minutes:.1f} min; "

@@ -24,8 +24,10 @@ import glob
 import json
 import math
 import os
+import sys
 from typing import Any
 
+from .reporting.kept import late_failure, replaced, write_text
 from .reporting.sweep_jobs import refuse_incomplete
 from .loop.stats import paired_difference
 
@@ -170,6 +172,16 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--partial", action="store_true",
                     help="report a sweep with failed or missing jobs anyway (they are listed first)")
     args = ap.parse_args(argv)
+    # Each mode's flags, refused in the other (they would be dropped): --feeds prints its line and
+    # writes nothing; a grid report reads its jobs' own prompts and k.
+    mine, theirs = (("--feeds", ("grid_dir", "out", "partial")) if args.feeds
+                    else ("a grid report", ("prompts", "num_drafts")))
+    for name in theirs:
+        value = getattr(args, name)
+        if value != ap.get_default(name):
+            flag = name if name == "grid_dir" else "--" + name.replace("_", "-")
+            ap.error(f"{flag} {value}: {mine} does not read it (--feeds CHECKPOINT reads --prompts and --num-drafts; "
+                     "a grid report reads grid_dir, --out and --partial)")
     if args.feeds and args.feeds != "shipped":
         from .targets.checkpoint import check_checkpoint_loads
 
@@ -213,9 +225,15 @@ def main(argv: list[str] | None = None) -> str:
     )
     minutes = sum(g["train_minutes"] for g in jobs), sum(g["eval_minutes"] for g in jobs)
     text += f"\n\nWall time: {minutes[0]:.1f} min training, {minutes[1]:.1f} min evaluation (all jobs)."
-    with open(os.path.join(out, "grid_report.md"), "w") as f:
-        f.write(f"# MTP training grid: {os.path.abspath(args.grid_dir)}\n\n{text}\n")
-    plot(jobs, os.path.join(out, "grid_report.png"))
+    md, png = os.path.join(out, "grid_report.md"), os.path.join(out, "grid_report.png")
+    try:  # each file whole or not at all (reporting.kept): the table first, then the plot
+        write_text(md, f"# MTP training grid: {os.path.abspath(args.grid_dir)}\n\n{text}\n")
+        with replaced(png) as tmp:
+            plot(jobs, tmp)
+    except Exception as e:
+        print(text)
+        print(f"{ap.prog}: error: {late_failure('writing the report', e, [md])}", file=sys.stderr)
+        sys.exit(1)
     print(text)
     return text
 

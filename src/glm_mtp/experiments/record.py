@@ -15,7 +15,14 @@ The speculative mode records two passes (the greedy continuation of ``run.max_ne
 max_drafts - 1`` tokens, then one teacher-forced forward per item); items are cut at the first
 near-tie of the two and counted. The teacher-forced mode (the package's target) records each
 window and the target's greedy chain of ``max_drafts + 1`` tokens at every scored position.
-Prints one line: items, truncations, target forwards, the trace's sha256.
+Prints one line: items, truncations, target forwards, the trace's sha256. Logs that record (and
+the config) to the ``logger`` (W&B offline by default, as every command does; ``logger=none``:
+none), its run named ``run.name``.
+
+Nothing recorded is lost (``reporting.kept``): the trace is written (``trace.json`` last) before
+the logger runs; when timing the target's costs fails after the items were recorded, the trace is
+written without costs (``costs: null``, as ``trace.cost_repeats=0`` writes it) and the failure is
+one line naming it.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ def check_record(cfg: Any) -> None:
     K = need_int(cfg, "trace.max_drafts", 1, MAX_DRAFTS)  # the format's bound: a trace the validator reads
     need_int(cfg, "trace.batch_size", 1)
     need_int(cfg, "trace.cost_repeats", 0)
+    check_record_reads(cfg)
     if _get(cfg, "mode") == "teacher_forced" and _get(cfg, "model.kind") == "hf":
         raise ValueError("mode=teacher_forced records the greedy chain at every position by rolling the target back "
                          "anywhere, which transformers' linear-attention caches cannot: record mode=speculative for "
@@ -70,6 +78,23 @@ def check_record(cfg: Any) -> None:
                          f"{longest} (the longest item and one verify after it) exceeds model.max_seq_len={cap}")
 
 
+def check_record_reads(cfg: Any) -> None:
+    """Keys a recording reads only in some settings, refused where it would ignore them:
+    ``trace.batch_size`` batches transformers' generation (``model=hf``; the package's target
+    records one prompt at a time), and ``run.name`` names the recording's logged run (with
+    ``logger=none`` nothing is logged). ``ValueError`` naming the key."""
+    from .settings.explicit import given_keys, plain, value_at
+
+    given = given_keys(cfg, ["trace.batch_size", "run.name"])
+    if "trace.batch_size" in given and cfg.model.kind != "hf":
+        raise ValueError(f"trace.batch_size={plain(value_at(cfg, 'trace.batch_size'))!r} batches transformers' "
+                         f"generation (model=hf); model.kind={cfg.model.kind} records one prompt at a time: leave it "
+                         "unset")
+    if "run.name" in given and (cfg.get("logger") or {}).get("name") == "none":
+        raise ValueError(f"run.name={cfg.run.name!r} names the recording's logged run, and logger=none logs none "
+                         "(leave run.name unset, or log: logger=wandb)")
+
+
 def progress_bar(total: int, desc: str) -> Any:
     """A tqdm bar over an iterable (to stderr), or the iterable itself without tqdm."""
     try:
@@ -80,8 +105,13 @@ def progress_bar(total: int, desc: str) -> Any:
                            leave=False)
 
 
-def record(cfg: Any) -> dict[str, Any]:
-    """Record the trace of ``cfg`` into ``cfg.trace.out``. Returns its metadata (with ``sha256``)."""
+def record(cfg: Any, run_dir: str | None = None) -> dict[str, Any]:
+    """Record the trace of ``cfg`` into ``cfg.trace.out``, then log it (``run_dir``: where the
+    logger writes, the Hydra run folder; None: the trace's parent folder). Returns its metadata
+    (with ``sha256``). A failure after the items were recorded is a ``LateFailure`` naming what
+    was kept (module docstring)."""
+    from .reporting.kept import late_failure
+
     from .settings.model import load_model
     from .settings.windows import run_prompts
     from .settings.prompts import path_sha256, prompts_path
@@ -128,9 +158,12 @@ def record(cfg: Any) -> dict[str, Any]:
                                           settings)
     if not items:
         raise RuntimeError("every item was cut at its first generated token (near-ties of the two passes): no trace")
-    costs = None
+    costs, costs_error = None, None
     if cfg.trace.cost_repeats:
-        costs = measure_target_costs(target, K, windows[0][: max(2, run.prompt_tokens)], cfg.trace.cost_repeats)
+        try:
+            costs = measure_target_costs(target, K, windows[0][: max(2, run.prompt_tokens)], cfg.trace.cost_repeats)
+        except Exception as e:  # the items are measured: written without costs below, then this is raised
+            costs_error = e
     hidden = items[0].hidden
     meta = {
         "mode": mode,
@@ -154,12 +187,38 @@ def record(cfg: Any) -> dict[str, Any]:
         "recorded_by": {"package": "glm_mtp", "git_commit": git_commit()},
     }
     sha = write_trace(cfg.trace.out, meta, items)
+    if costs_error is not None:
+        raise late_failure(f"timing the target's costs after {len(items)} items were recorded", costs_error,
+                           [os.path.join(cfg.trace.out, "trace.json")]) from costs_error
     t = stats.truncation()
     print(f"recorded {len(items)} items ({mode}, {source}, temperature {settings.temperature:g}) into {cfg.trace.out}: "
           f"{stats.forwards()['total']} target "
           f"forwards; {t['items']} items cut at a near-tie ({t['positions_dropped']} positions dropped, "
           f"{t['items_dropped']} items dropped whole); trace.json sha256 {sha}")
+    try:
+        log_record(cfg, run_dir or os.path.dirname(os.path.abspath(cfg.trace.out)), meta, sha)
+    except Exception as e:
+        raise late_failure("logging the recording", e, [os.path.join(cfg.trace.out, "trace.json")]) from e
     return {**meta, "sha256": sha}
+
+
+def log_record(cfg: Any, run_dir: str, meta: dict[str, Any], sha: str) -> None:
+    """The recording's run on the configured logger (W&B offline by default, ``logger=none``:
+    nothing): the config, and a summary of the trace (items, truncation, forwards, costs, its
+    ``trace.json``'s sha256 and path), the run named ``run.name``."""
+    from omegaconf import OmegaConf
+
+    from .reporting.wandb_log import make_logger
+
+    log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="record",
+                      name=cfg.run.name, group=cfg.get("group"))
+    p = meta["prompts"]
+    log.summary({"trace/path": os.path.abspath(cfg.trace.out), "trace/sha256": sha, "trace/mode": meta["mode"],
+                 "trace/max_drafts": meta["max_drafts"], "trace/items": p["recorded_items"],
+                 "trace/prompts": p["num_prompts"], "trace/truncation": meta["truncation"],
+                 "trace/forwards": meta["forwards"], "trace/costs": meta["costs"],
+                 "trace/target": meta["target"]})
+    log.finish()
 
 
 def generation_record(settings: Any) -> dict[str, Any]:
@@ -180,7 +239,8 @@ def _sha256_json(x: Any) -> str:
 def main() -> None:
     from .settings.entry import hydra_main
 
-    hydra_main("config", "python -m glm_mtp.experiments.record", check_record, lambda cfg, hc: record(cfg))
+    hydra_main("config", "python -m glm_mtp.experiments.record", check_record,
+               lambda cfg, hc: record(cfg, hc.runtime.output_dir))
 
 
 if __name__ == "__main__":

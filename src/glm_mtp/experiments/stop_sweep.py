@@ -30,7 +30,6 @@ directory and logs them to the logger.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -48,6 +47,7 @@ from .loop.oracle import oracle_per_prompt
 from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
 from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, speculative_results, teacher_forced
 from .settings.sampling import decoder_sampling
+from .reporting.kept import RecordLog, late_failure, replaced, write_json, write_text
 
 SWEPT_RULES = tuple(r for r in STOP_RULES if r != "none")
 # v(s) beside the run's costs, c kept: ``flat`` a verify of any width as cheap as a decode step
@@ -61,9 +61,9 @@ def check_sweep(cfg: Any) -> None:
     """The acceptance settings (``validate.check_acceptance``), ``stop.rule=none`` (the sweep
     sets each run's rule), ``sweep.fixed_k`` a bool and ``sweep.thresholds`` a mapping from rules
     to non-empty lists of finite numbers."""
-    from .settings.validate import check_acceptance, need_bool
+    from .settings.validate import check_acceptance_run, need_bool
 
-    check_acceptance(cfg)
+    check_acceptance_run(cfg)
     check_sweep_reads(cfg)
     stop = cfg.get("stop") or {}
     if stop.get("rule", "none") != "none":
@@ -78,6 +78,7 @@ def check_sweep(cfg: Any) -> None:
                              "glm_mtp.experiments.costs list) or a file, not measured")
         from .reporting.read_back import check_sweep_record, read_json_file
 
+        check_rescore_reads(cfg)
         check_sweep_record(read_json_file(path, "sweep.rescore"), f"sweep.rescore: {path}")
     thresholds = cfg.get("sweep", {}).get("thresholds")
     if thresholds is None or not hasattr(thresholds, "items"):
@@ -90,6 +91,35 @@ def check_sweep(cfg: Any) -> None:
             raise ValueError(f"sweep.thresholds.{rule} must be a non-empty list of numbers; got {values!r}")
         for t in values:
             check_stop_rule(rule, t, key=f"sweep.thresholds.{rule}")
+
+
+# What a rescore reads (it runs nothing): the finished sweep, the costs, the bootstrap's seed and
+# the logger; Hydra's task_name names its run folder.
+RESCORE_READS = ("sweep.rescore", "speedup.costs", "seed", "group", "task_name")
+
+
+def check_rescore_reads(cfg: Any) -> None:
+    """``sweep.rescore`` recomputes a finished sweep's rows from its counts: every key given
+    another value than conf/stop_sweep.yaml's but ``RESCORE_READS`` and ``logger.*`` (the
+    model, the prompts, the loop's keys, ``run.name``: the finished sweep's stand) is refused
+    naming it, since the rescore would drop it."""
+    from omegaconf import OmegaConf
+
+    from .settings.explicit import given_keys, plain, value_at
+
+    def leaves(node: Any, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for k, v in node.items():
+            name = f"{prefix}.{k}" if prefix else str(k)
+            out += leaves(v, name) if isinstance(v, dict) and v else [name]
+        return out
+
+    keys = [k for k in leaves(OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg)
+            if k not in RESCORE_READS and not k.startswith("logger.")]
+    for key in given_keys(cfg, keys):
+        raise ValueError(f"{key}={plain(value_at(cfg, key))!r}: sweep.rescore recomputes a finished sweep's rows "
+                         "from its counts and runs nothing, so it does not read it (it reads speedup.costs and "
+                         "seed): leave it unset")
 
 
 def check_sweep_reads(cfg: Any) -> None:
@@ -215,8 +245,10 @@ def rescore(cfg: Any) -> dict[str, Any]:
             "rescored_from": os.path.abspath(path)}
 
 
-def sweep(cfg: Any) -> dict[str, Any]:
-    """Run every entry (module docstring) and return the sweep's record."""
+def sweep(cfg: Any, rows_log: RecordLog | None = None) -> dict[str, Any]:
+    """Run every entry (module docstring) and return the sweep's record. Each row goes to
+    ``rows_log`` as it finishes (``reporting.kept``: a later failure keeps the rows before it)."""
+    rows_log = rows_log or RecordLog(None)
     t0 = time.perf_counter()
     runner = Runner(cfg)
     K, seed = cfg.num_drafts, cfg.seed
@@ -231,11 +263,13 @@ def sweep(cfg: Any) -> dict[str, Any]:
         stats = runner.run(k, NO_STOP, record_rounds=k == K)
         timings[f"k={k}"] = time.perf_counter() - t
         rows.append(entry(f"fixed k={k}", "none", None, k, per_prompt(stats), costs, seed))
+        rows_log.append(rows[-1])
         progress(rows[-1], timings[f"k={k}"])
         if k == K:
             full = stats
     rounds = [s.rounds or [] for s in full]
     rows.append(entry(f"oracle (K={K})", "oracle", None, K, oracle_per_prompt(rounds, K), costs, seed))
+    rows_log.append(rows[-1])
     for rule, values in cfg.sweep.thresholds.items():
         for t_value in values:
             t = time.perf_counter()
@@ -243,10 +277,12 @@ def sweep(cfg: Any) -> dict[str, Any]:
             timings[f"{rule}>={t_value:g}"] = time.perf_counter() - t
             rows.append(entry(f"{rule} >= {float(t_value):g}", rule, float(t_value), K, per_prompt(stats), costs,
                               seed))
+            rows_log.append(rows[-1])
             progress(rows[-1], timings[f"{rule}>={t_value:g}"])
     best = max(r["predicted"] for r in rows)
     return {
         "num_drafts": K, "mode": cfg.mode, "source": cfg.source, "backend": cfg.backend.name,
+        "run_name": cfg.run.name,
         "checkpoint": runner.model.path or f"random:{cfg.model.preset}", "model_shipped": cfg.model.get("shipped"),
         "trace": None if runner.trace is None else runner.trace.record(),
         "temperature": float(cfg.temperature), "draft": cfg.get("draft", "argmax"), "policy": cfg.policy,
@@ -392,12 +428,12 @@ def write(cfg: Any, record: dict[str, Any], run_dir: str) -> None:
     print(f"oracle = verify exactly the accepted drafts: best per round at these costs: {oc['holds']} (largest step of "
           f"v {oc['max_verify_step']:.3f} vs 1/S {oc['one_over_best_S']:.3f}); {record['wall_seconds']:.0f}s")
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "sweep.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    with open(os.path.join(run_dir, "sweep.md"), "w") as f:
-        f.write(table + "\n\n" + cal + "\n")
-    plot_calibration(record, os.path.join(run_dir, "calibration.png"))
-    plot_sweep(record, os.path.join(run_dir, "sweep.png"))
+    write_json(os.path.join(run_dir, "sweep.json"), record)  # first, and whole or not at all (reporting.kept)
+    write_text(os.path.join(run_dir, "sweep.md"), table + "\n\n" + cal + "\n")
+    with replaced(os.path.join(run_dir, "calibration.png")) as tmp:
+        plot_calibration(record, tmp)
+    with replaced(os.path.join(run_dir, "sweep.png")) as tmp:
+        plot_sweep(record, tmp)
     log = make_logger(cfg.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="stop_sweep",
                       name=f"stop-sweep-K{record['num_drafts']}-{cfg.mode}", group=cfg.get("group"))
     log.log({f"S/{r['name']}": r["predicted"] for r in record["rows"]})
@@ -407,11 +443,26 @@ def write(cfg: Any, record: dict[str, Any], run_dir: str) -> None:
     log.finish()
 
 
+ROWS_FILE = "rows.jsonl"
+
+
 def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     """Sweep (or rescore a finished sweep, ``sweep.rescore``), then write into ``run_dir``.
-    Returns the record."""
-    record = rescore(cfg) if cfg.sweep.get("rescore") is not None else sweep(cfg)
-    write(cfg, record, run_dir)
+    Returns the record. Each finished row is in ``run_dir/rows.jsonl`` as it finishes; a failure
+    after one is a ``LateFailure`` naming what was kept (``reporting.kept``)."""
+    rows_log = RecordLog(os.path.join(run_dir, ROWS_FILE))
+    try:
+        record = rescore(cfg) if cfg.sweep.get("rescore") is not None else sweep(cfg, rows_log)
+    except Exception as e:
+        if not rows_log.count:
+            raise
+        raise late_failure(f"the sweep, after {rows_log.count} row(s)", e, [rows_log.path]) from e
+    try:
+        write(cfg, record, run_dir)
+    except Exception as e:
+        raise late_failure("writing the sweep's files", e,
+                           [os.path.join(run_dir, "sweep.json"), os.path.join(run_dir, "sweep.md"),
+                            os.path.join(run_dir, ROWS_FILE)]) from e
     return record
 
 

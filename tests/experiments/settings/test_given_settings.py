@@ -11,7 +11,7 @@ import pytest
 from glm_mtp.experiments import record
 from glm_mtp.experiments.acceptance_job.measure import measure
 from glm_mtp.experiments.settings.explicit import config_defaults, given_keys, value_at
-from glm_mtp.experiments.settings.validate import check_acceptance
+from glm_mtp.experiments.settings.validate import check_acceptance, check_acceptance_run
 from glm_mtp.experiments.traces.replay_keys import FIXED, NOT_READ, RECORD_NOT_READ
 
 
@@ -126,7 +126,7 @@ def test_record_refuses_every_key_it_does_not_read(tmp_path):
     other = {"num_drafts": 4, "policy": "refeed", "draft": "sampled", "feed_hidden": "pre_norm", "attention": "dense",
              "batch_size": 2, "backend.name": "optimized", "stop.rule": "prob", "stop.threshold": 0.5,
              "speedup.costs": "glm5", "speedup.repeats": 3, "run.check_lossless": True,
-             "model.weights_dtype": "fp8", "model.index_share": True, "grammar.drafts": "unmasked"}
+             "model.weights_dtype": "fp8", "model.index_share": True, "grammar.drafts": "unmasked", "verify": "match"}
     assert set(other) == set(RECORD_NOT_READ)
     for key, value in other.items():
         assert value_at(defaults, key) != value
@@ -157,3 +157,72 @@ def test_stop_sweep_refuses_per_prompt_schemas(tmp_path):
     cfg = compose(["model=shipped", "source=jsonl", f"prompts.path={prompts}", "run.num_prompts=1",
                    "run.max_new_tokens=4", "num_drafts=2", "logger=none"], "stop_sweep")
     refused(cfg, stop_sweep.check_sweep, "prompt 0 carries a json_schema")
+
+
+def test_record_logs_to_the_logger(tmp_path, monkeypatch):
+    """record honours logger=wandb (it was read and dropped): an offline W&B run, named run.name,
+    holds the config and the trace's summary."""
+    from glm_mtp.experiments.reporting.wandb_log import read_offline_run
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = compose([*TINY[:-1], "logger=wandb", "run.name=mine", "trace.max_drafts=2", "trace.cost_repeats=0",
+                   f"trace.out={tmp_path / 't'}"])
+    record.check_record(cfg)
+    meta = record.record(cfg, str(tmp_path / "run"))
+    run = read_offline_run(str(tmp_path / "run"))
+    assert run["summary"]["trace/sha256"] == meta["sha256"] and run["summary"]["trace/items"] == 2
+    assert run["config"]["trace"]["out"] == str(tmp_path / "t") and run["config"]["run"]["name"] == "mine"
+
+
+@pytest.mark.parametrize("name, overrides, words", [
+    ("config", ["model=tiny_random", "trace.out=elsewhere"], ["trace.out='elsewhere'", "records nothing"]),
+    ("config", ["model=tiny_random", "trace.cost_repeats=2"], ["trace.cost_repeats=2"]),
+    ("config", ["model=tiny_random", "grammar.drafts=unmasked"], ["grammar.drafts=unmasked", "has none"]),
+    ("stop_sweep", ["model=tiny_random", "logger=none", "trace.max_drafts=2"], ["trace.max_drafts=2"]),
+])
+def test_a_live_run_refuses_what_it_would_ignore(name, overrides, words):
+    cfg = compose(overrides, name)
+    from glm_mtp.experiments import stop_sweep
+
+    refused(cfg, stop_sweep.check_sweep if name == "stop_sweep" else check_acceptance_run, *words)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.base=shipped", "arch.hidden_size=64"], ["arch.hidden_size=64", "whose hidden_size is 128"]),
+    (["training=next_stdlib", "train.base=shipped", "tokenizer.path=null"], ["arch.family='glm5_next'"]),
+    (["train.base=shipped", "tokenizer.sample_every=2"], ["tokenizer.sample_every=2", "train.base=shipped"]),
+    (["training=next_stdlib", "tokenizer.sample_every=1"], ["tokenizer.sample_every=1", "tokenizer.path=shipped"]),
+])
+def test_train_on_a_base_refuses_another_model(overrides, words):
+    from glm_mtp.experiments.settings.validate import check_train
+
+    refused(compose([*overrides, "logger=none"], "train"), check_train, *words)
+    check_train(compose(["train.base=shipped", "logger=none"], "train"))  # the base's own arch: taken
+
+
+def test_grid_refuses_out():
+    from glm_mtp.experiments.settings.validate import check_grid
+
+    refused(compose(["out=elsewhere"], "grid"), check_grid, "out='elsewhere'", "its own run folder")
+
+
+def test_bench_target_costs_refuses_the_flags_it_does_not_read(tmp_path, capsys):
+    from glm_mtp.experiments import bench
+
+    for flags in (["--dtype", "float16"], ["--warmup", "3"], ["--presets", "small"], ["--counters", "tiny"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--target-costs", *flags, "--out", str(tmp_path / "b")])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and flags[0] in err and "--target-costs does not read it" in err, err
+    assert bench.parse_args(["--target-costs", "--dtype", "float32", "--out", str(tmp_path / "b")]).target_costs
+
+
+@pytest.mark.parametrize("override", ["num_drafts=3", "run.max_new_tokens=9", "sweep.fixed_k=false",
+                                      "model.dtype=float32", "run.name=other"])
+def test_a_rescore_refuses_what_it_would_not_read(override, tmp_path):
+    """sweep.rescore runs nothing: a key it would drop (the model's, the loop's, the sweep's) is refused."""
+    from glm_mtp.experiments import stop_sweep
+
+    cfg = compose(["model=tiny_random", "logger=none", "speedup.costs=glm5", f"sweep.rescore={tmp_path / 's.json'}",
+                   override], "stop_sweep")
+    refused(cfg, stop_sweep.check_sweep, override.split("=")[0] + "=", "runs nothing")

@@ -247,5 +247,6 @@ def provenance_section(cfg: Any, m: Measurement) -> dict[str, Any]:
         "checkpoint": m.model.path or f"random:{cfg.model.preset}",
         **provenance(m.model.path),
         "group": cfg.get("group", None),
+        "run_name": cfg.run.get("name"),  # the experiment's label (run.name)
         "seed": cfg.seed,
     }

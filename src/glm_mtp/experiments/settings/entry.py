@@ -14,9 +14,15 @@ from .validate import exit_on_bad_config
 
 def hydra_main(config_name: str, prog: str, check: Callable[[Any], None], body: Callable[[Any, Any], None]) -> None:
     """Run ``body(cfg, hydra_config)`` as the Hydra app of ``conf/<config_name>.yaml`` (``prog``
-    names it in messages), after ``check(cfg)``; a ``ValueError`` from ``check`` exits 2."""
+    names it in messages), after ``check(cfg)``; a ``ValueError`` from ``check`` exits 2. A
+    ``LateFailure`` from ``body`` (it failed after it measured, ``reporting.kept``) is one line
+    naming what it kept, exit status 1."""
+    import sys
+
     import hydra
     from hydra.core.hydra_config import HydraConfig
+
+    from ..reporting.measured import LateFailure
 
     @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name=config_name)
     def _main(cfg: Any) -> None:
@@ -24,7 +30,11 @@ def hydra_main(config_name: str, prog: str, check: Callable[[Any], None], body: 
         exit_on_bad_config(check, cfg, hc.runtime.output_dir, prog)
         if first_job_of_sweep(hc):  # every later job is checked before the first one works
             exit_on_bad_config(lambda _: check_later_jobs(check, config_name, hc), cfg, hc.runtime.output_dir, prog)
-        body(cfg, hc)
+        try:
+            body(cfg, hc)
+        except LateFailure as e:  # one line: what was measured is on disk
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            sys.exit(1)
 
     _main()
 

@@ -15,7 +15,8 @@ import functools
 from typing import Any, cast
 
 # The config each task composes from (``task_name`` -> conf/<name>.yaml).
-CONFIGS = {"acceptance": "config", "stop_sweep": "stop_sweep", "record": "config"}
+CONFIGS = {"acceptance": "config", "stop_sweep": "stop_sweep", "record": "config", "train": "train", "grid": "grid",
+           "finetune": "finetune"}
 
 
 def compose_config(name: str, overrides: list[str]) -> Any:

@@ -239,6 +239,25 @@ def check_acceptance(cfg: Any, model: Any = None) -> None:
         open_for_replay(cfg, model)
 
 
+# The recording's keys (python -m glm_mtp.experiments.record): a live acceptance run records
+# nothing, so given, each is refused (a replay refuses them too: traces.replay_keys.NOT_READ).
+RECORDING_KEYS = ("trace.out", "trace.max_drafts", "trace.batch_size", "trace.cost_repeats")
+
+
+def check_acceptance_run(cfg: Any, model: Any = None) -> None:
+    """An acceptance run's settings (``check_acceptance``, which a recording shares), and none of
+    the recording's keys (``RECORDING_KEYS``) given to a live run, which would drop them.
+    ``ValueError`` naming the key."""
+    check_acceptance(cfg, model)
+    if (cfg.get("trace") or {}).get("path") is not None:
+        return  # a replay refused them already (traces.replay_keys)
+    from .explicit import given_keys, plain, value_at
+
+    for key in given_keys(cfg, RECORDING_KEYS):
+        raise ValueError(f"{key}={plain(value_at(cfg, key))!r} is a recording's setting and this run records nothing "
+                         "(record a trace with python -m glm_mtp.experiments.record ... trace.out=DIR): leave it unset")
+
+
 def check_stop(cfg: Any) -> None:
     """``stop.rule`` and ``stop.threshold`` (``loop/stop_rules.py``): a known rule, and a finite
     number for a rule that trims (null for none). A config without a ``stop`` node verifies every
@@ -366,6 +385,9 @@ def check_grammar(cfg: Any) -> None:
     except ImportError as e:
         raise ValueError(str(e)) from None
     if spec is None and not schemas:
+        if node.get("drafts", "masked") != "masked":  # how to draft under a grammar, and there is none
+            raise ValueError(f"grammar.drafts={node.get('drafts')}: it says how the drafter drafts under a grammar, "
+                             "and this run has none (grammar=none, no json_schema line): leave it unset")
         return
     what = f"grammar={spec.kind}" if spec is not None else "a source=jsonl json_schema"
     if spec is not None and schemas:
@@ -528,7 +550,7 @@ def check_train(cfg: Any) -> None:
         need_int(cfg, "tokenizer.limit_items", 1)
     check_logger(cfg)
     check_tokenizer_vocab(cfg)
-    trained_model_config(cfg)
+    check_base_reads(cfg, trained_model_config(cfg))
     out = _get(cfg, "out") if "out" in cfg else None
     if out is not None:
         check_out(out)
@@ -554,6 +576,46 @@ def check_tokenizer_vocab(cfg: Any) -> None:
     if asked != size:
         raise ValueError(f"tokenizer.vocab_size must be {size}, the size of the tokenizer {key}={source} reads (the "
                          f"run trains no tokenizer of its own, so it cannot honour another size), got {asked}")
+
+
+def check_base_reads(cfg: Any, base_config: Any) -> None:
+    """A run on a trained base (``train.base``) trains the base's model with the base's tokenizer
+    and split, so the keys that would build another are honoured only where they state the
+    base's: every ``arch.*`` must be the base's ``config.json`` value (``base_config``, an
+    ``MtpConfig``), ``tokenizer.path`` null or a tokenizer with the base's bytes; and a run that
+    trains no tokenizer (``train.base`` or ``tokenizer.path``) reads no ``tokenizer.sample_every``,
+    refused when given. ``ValueError`` naming the key (never taken and dropped)."""
+    from omegaconf import OmegaConf
+
+    from .explicit import given_keys, same
+
+    t, tok = _get(cfg, "train"), _get(cfg, "tokenizer")
+    base, tok_path = t.get("base"), tok.get("path")
+    if (base is not None or tok_path is not None) and given_keys(cfg, ["tokenizer.sample_every"]):
+        key, source = ("train.base", base) if base is not None else ("tokenizer.path", tok_path)
+        raise ValueError(f"tokenizer.sample_every={tok.sample_every!r} samples the texts a new BPE trains on, and "
+                         f"{key}={source} reads a trained tokenizer (none is trained): leave it unset")
+    if base is None:
+        return
+    arch = _get(cfg, "arch")
+    values = OmegaConf.to_container(arch) if OmegaConf.is_config(arch) else dict(arch)
+    for field, value in values.items():
+        want = getattr(base_config, str(field), None)
+        if not same(value, want):
+            raise ValueError(f"arch.{field}={value!r}: train.base={base} trains a fresh MTP layer on the base's model, "
+                             f"whose {field} is {want!r}; the run cannot honour another (set arch.{field}={want!r}, or "
+                             "leave train.base null to train a new model)")
+    if tok_path is not None:
+        from ..targets.checkpoint import shipped_checkpoint
+
+        def tokenizer_bytes(p: str) -> bytes:
+            directory = str(shipped_checkpoint()) if p == "shipped" else p
+            with open(os.path.join(directory, "tokenizer.json"), "rb") as f:
+                return f.read()
+
+        if tokenizer_bytes(str(tok_path)) != tokenizer_bytes(str(base)):
+            raise ValueError(f"tokenizer.path={tok_path}: train.base={base} trains with the base's own tokenizer, "
+                             "and this is another: leave tokenizer.path null")
 
 
 def trained_model_config(cfg: Any) -> Any:
@@ -623,7 +685,12 @@ def check_out(out: object) -> None:
 
 
 def check_grid(cfg: Any) -> None:
-    """The training grid's settings (conf/grid.yaml): the training's, and the evaluation's."""
+    """The training grid's settings (conf/grid.yaml): the training's, and the evaluation's. ``out``
+    is refused: each job writes its checkpoint into its own run folder (``<run dir>/checkpoint``),
+    so a given one would be dropped."""
+    if cfg.get("out") is not None:
+        raise ValueError(f"out={cfg.out!r}: each grid job writes its checkpoint into its own run folder "
+                         "(<run dir>/checkpoint), so the grid takes no out: leave it unset")
     check_train(cfg)
     runs = _get(cfg, "eval.runs")
     if not hasattr(runs, "items") or not len(runs):

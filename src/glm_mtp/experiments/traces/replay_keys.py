@@ -95,7 +95,7 @@ def take_replay_settings(cfg: Any) -> dict[str, Any]:
 # the drafter's, the loop's and the speedup model's. Given, each is refused (it would be ignored).
 RECORD_NOT_READ = ("num_drafts", "policy", "draft", "feed_hidden", "attention", "batch_size", "backend.name",
                    "stop.rule", "stop.threshold", "speedup.costs", "speedup.repeats", "run.check_lossless",
-                   "model.weights_dtype", "model.index_share", "grammar.drafts")
+                   "model.weights_dtype", "model.index_share", "grammar.drafts", "verify")
 
 
 def check_recording_settings(cfg: Any) -> None:
@@ -105,7 +105,10 @@ def check_recording_settings(cfg: Any) -> None:
     naming the key (or the file and line of a per-prompt schema)."""
     node = cfg.get("grammar") or {}
     if node.get("kind", "none") != "none" or node.get("path") is not None or node.get("pattern") is not None:
-        raise ValueError(f"grammar={node.get('kind')}: a trace records the target's unconstrained greedy path (every "
+        given = (f"grammar={node.get('kind')}" if node.get("kind", "none") != "none"
+                 else f"grammar.path={node.get('path')!r}" if node.get("path") is not None
+                 else f"grammar.pattern={node.get('pattern')!r}")
+        raise ValueError(f"{given}: a trace records the target's unconstrained greedy path (every "
                          "replay verifies against it), so a recording takes no grammar: run grammars live "
                          "(python -m glm_mtp.experiments.acceptance grammar=...)")
     for key in given_keys(cfg, RECORD_NOT_READ):

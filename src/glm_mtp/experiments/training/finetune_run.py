@@ -32,7 +32,6 @@ prints it as one line and exits 2, nothing written.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -46,12 +45,17 @@ from torch import Tensor
 from glm_mtp.reference.config import MtpConfig
 from glm_mtp.reference.weights import MtpWeights
 
+from ..reporting.kept import write_json, write_text
 from ..traces.shard_reader import TraceItems, open_items
 from . import finetune_dist as dp
 from .finetune_agree import check_forward_agrees
 from .finetune_io import input_tensors, master_copies, tuned_tensors, write_checkpoint
 from .finetune_split import PromptSplit
 from .mtp_train_forward import VENDOR, drafter_forward
+
+
+# The run folder's record of the training's losses, written before the checkpoint and the judging.
+LOSS_FILE = "finetune_loss.json"
 
 
 def weights_of(cfg: MtpConfig, stored: dict[str, Tensor], masters: dict[str, Tensor]) -> MtpWeights:
@@ -325,6 +329,7 @@ def run(cfg: Any, run_dir: str, checked: Checked, command: str, prepared: Prepar
     dp.finish(p.started)
     if rank != 0:
         return None
+    write_json(os.path.join(run_dir, LOSS_FILE), {"steps": steps, "stopped_early": stopped, "loss": loss})  # kept
     write_checkpoint(model_dir, f.out, tuned_tensors(stored, masters), files)
     train_minutes = (time.perf_counter() - p.t0) / 60
 
@@ -349,11 +354,26 @@ def run(cfg: Any, run_dir: str, checked: Checked, command: str, prepared: Prepar
     log.summary({"replay/delta_tau": replay["delta"]["tau"][0], "replay/base_tau": replay["base"]["tau"],
                  "replay/tuned_tau": replay["tuned"]["tau"]})
     log.finish()
-    with open(os.path.join(f.out, "README.md"), "w") as fh:
-        fh.write(model_card(cfg, trace, split, steps, stopped, loss, replay, command, model_dir, world))
-    with open(os.path.join(f.out, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+    write_text(os.path.join(f.out, "README.md"),
+               model_card(cfg, trace, split, steps, stopped, loss, replay, command, model_dir, world))
+    write_json(os.path.join(f.out, "summary.json"), summary)  # last, whole or not at all (reporting.kept)
     b, t, d = replay["base"], replay["tuned"], replay["delta"]
     print(f"held-out replay (k={f.num_drafts}, {replay['prompts']} prompts): tau {b['tau']:.3f} -> {t['tau']:.3f}, "
           f"delta {d['tau'][0]:+.3f} [{d['tau'][1]:+.3f}, {d['tau'][2]:+.3f}]; checkpoint in {f.out}")
     return summary
+
+
+def run_keeping(cfg: Any, run_dir: str, checked: Checked, command: str, prepared: Prepared | None = None
+                ) -> dict[str, Any] | None:
+    """``run``, with a failure after the training as one ``LateFailure`` naming what it kept: the
+    losses (``<run_dir>/finetune_loss.json``) and the tuned checkpoint in ``finetune.out`` (its
+    ``summary.json``, written last, is there only when the run finished)."""
+    from ..reporting.kept import late_failure
+
+    try:
+        return run(cfg, run_dir, checked, command, prepared)
+    except Exception as e:
+        losses = os.path.join(run_dir, LOSS_FILE)
+        if not os.path.exists(losses):  # failed before it trained: nothing measured
+            raise
+        raise late_failure("the fine-tuning run, after its training", e, [losses, cfg.finetune.out]) from e

@@ -38,6 +38,7 @@ from glm_mtp.reference.numerics import VENDOR
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
 
+from ..reporting.kept import RecordLog, late_failure, replaced, write_json
 from .bpe import BpeTokenizer
 from .corpus import Corpus, Split, corpus_split, read_item
 from .indexer_loss import IndexerDistill
@@ -433,20 +434,38 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     print(f"corpus: {m.corpus.train.numel()} train / {m.corpus.heldout.numel()} held-out tokens, vocab "
           f"{m.corpus.tokenizer.vocab_size}, setup {time.perf_counter() - t0:.0f}s, "
           f"{sum(p.numel() for p in m.params) / 1e6:.2f}M parameters")
-    history, evals, steps = train_loop(cfg, m, opt, eval_windows, log, t0)
+    # Every step's record and every held-out evaluation, on disk as it is made (reporting.kept):
+    # a failure later in the run (a step, the checkpoint, the plot, the logger) keeps them.
+    records = RecordLog(os.path.join(run_dir, TRAINING_LOG))
+    try:
+        history, evals, steps = train_loop(cfg, m, opt, eval_windows, log, t0, records)
+    except Exception as e:
+        if not records.count:
+            raise
+        raise late_failure(f"training, after {records.count} record(s)", e, [records.path]) from e
     minutes = (time.perf_counter() - t0) / 60
     recent = history[-t.log_every:]
     final = {**evals[-1], "train_target_loss": sum(h["target_loss"] for h in recent) / len(recent),
              "train_mtp1_loss": sum(h["mtp1_loss"] for h in recent) / len(recent), "minutes": minutes, "steps": steps}
-    write_outputs(cfg, run_dir, m, log, history, evals, final, command)
+    try:
+        write_outputs(cfg, run_dir, m, log, history, evals, final, command)
+    except Exception as e:
+        raise late_failure("writing the training's files", e,
+                           [os.path.join(run_dir, "final.json"), records.path, *([cfg.out] if cfg.out else [])]) from e
     return final
 
 
-def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Tensor, log: Any,
-               t0: float) -> tuple[list[dict[str, float]], list[dict[str, float]], int]:
+# The run folder's log of every step's record ({"kind": "train", ...}) and held-out evaluation
+# ({"kind": "heldout", ...}), one JSON object a line, appended as each is made.
+TRAINING_LOG = "training_log.jsonl"
+
+
+def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Tensor, log: Any, t0: float,
+               records: RecordLog | None = None) -> tuple[list[dict[str, float]], list[dict[str, float]], int]:
     """The steps, logged every ``log_every`` and evaluated every ``eval_every`` and at the end:
-    the step records, the evaluations and how many steps ran. The ``max_minutes`` budget covers
-    the whole run: training stops a minute early for the last eval and saving."""
+    the step records, the evaluations and how many steps ran; each record also goes to
+    ``records`` as it is made. The ``max_minutes`` budget covers the whole run: training stops a
+    minute early for the last eval and saving."""
     from tqdm import tqdm
 
     t = cfg.train
@@ -467,6 +486,8 @@ def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Te
         rec = {"step": step, "lr": lr, **train_step(t, m, opt, batch, moe, indexer_weight)}
         rebalance_experts(m, load, t.bias_update_rate, frozen_target=bool(t.get("base")))
         history.append(rec)
+        if records is not None:
+            records.append({"kind": "train", **rec})
         bar.set_postfix(loss=f"{rec['target_loss']:.3f}", mtp1=f"{rec['mtp1_loss']:.3f}", acc1=f"{rec['mtp1_acc']:.2f}")
         if step % t.log_every == 0:
             log.log({f"train/{k}": v for k, v in rec.items() if k != "step"}, step=step)
@@ -474,6 +495,8 @@ def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Te
         if step % t.eval_every == 0 or last:
             ev = {"step": step, **evaluate(m.target, m.mtp, eval_windows, t.mtp_depth)}
             evals.append(ev)
+            if records is not None:
+                records.append({"kind": "heldout", **ev})
             log.log({f"heldout/{k}": v for k, v in ev.items() if k != "step"}, step=step)
             tqdm.write(f"step {step}: held-out target {ev['target_loss']:.3f} mtp1 {ev['mtp1_loss']:.3f} acc1 "
                        f"{ev['mtp1_acc']:.3f}")
@@ -488,24 +511,27 @@ def train_loop(cfg: Any, m: Models, opt: torch.optim.Optimizer, eval_windows: Te
 def write_outputs(cfg: Any, run_dir: str, m: Models, log: Any, history: list[dict[str, float]],
                   evals: list[dict[str, float]],
                   final: dict[str, float], command: str) -> None:
-    """The run's files (loss curve, final.json), its W&B summary and, with ``out``, the checkpoint
-    and its model card."""
+    """The run's files (final.json, loss curve), its W&B summary and, with ``out``, the checkpoint
+    and its model card. What was measured is written first (final.json, then the checkpoint),
+    each whole or not at all (``reporting.kept``; ``save_pretrained`` replaces a checkpoint as a
+    whole); the plot and the logger come after them."""
     from ..targets.provenance import git_commit
 
-    png = os.path.join(run_dir, "loss_curve.png")
-    plot_curves(history, evals, png)
-    log.log_image("loss_curve", png)
-    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": m.corpus.split.digest(),
-                 "git_commit": git_commit()})
-    log.finish()
-    with open(os.path.join(run_dir, "final.json"), "w") as f:
-        json.dump(final, f, indent=1)
+    write_json(os.path.join(run_dir, "final.json"), final)
     print(json.dumps(final, indent=1))
     if cfg.out:
         card = model_card(cfg, m.config, m.corpus, final, final["minutes"], final["steps"], command)
         save_trained_model(cfg.out, m.target, m.mtp, m.corpus, card,
                            {"training_log.json": {"history": history, "evals": evals, "final": final}})
+        print(f"checkpoint written to {cfg.out}")
+    png = os.path.join(run_dir, "loss_curve.png")
+    with replaced(png) as tmp:
+        plot_curves(history, evals, tmp)
+    if cfg.out:
         import shutil
 
         shutil.copy(png, os.path.join(cfg.out, "loss_curve.png"))
-        print(f"checkpoint written to {cfg.out}")
+    log.log_image("loss_curve", png)
+    log.summary({**{f"final/{k}": v for k, v in final.items()}, "corpus_sha256": m.corpus.split.digest(),
+                 "git_commit": git_commit()})
+    log.finish()
