@@ -96,7 +96,7 @@ def test_stop_sweep_keeps_its_rows(tmp_path, monkeypatch):
 
 def test_record_keeps_its_trace(tmp_path, monkeypatch):
     from glm_mtp.experiments.traces import recorder
-    from glm_mtp.experiments.traces.format import open_trace
+    from glm_mtp.experiments.traces.validate import open_trace
 
     # the cost timing fails after the items: the trace is written without costs
     cfg = compose_config("config", [*TINY, "trace.max_drafts=2", "trace.cost_repeats=2",
@@ -207,7 +207,7 @@ def test_finetune_keeps_its_losses_and_head(tmp_path, monkeypatch):
     spec.loader.exec_module(walk)
     cfg = compose_config("finetune", [*walk.finetune_inputs(tmp_path, "none"), f"finetune.out={tmp_path / 'out'}"])
     checked = check_finetune(cfg)
-    monkeypatch.setattr(finetune_judge, "judge", fail)
+    monkeypatch.setattr(finetune_judge, "judge_counts", fail)  # the final judging, after the training
     run_dir = tmp_path / "run"
     late(lambda: run_keeping(cfg, str(run_dir), checked, "test"), run_dir / "finetune_loss.json", tmp_path / "out")
     losses = json.loads((run_dir / "finetune_loss.json").read_text())
