@@ -49,6 +49,8 @@ def ci(x: float, lo_hi: list[float], nd: int = 2, sign: bool = False) -> str:
 
 def main() -> None:
     for model in MODELS:
+        if not os.path.exists(os.path.join(HERE, model, "sweep.json")):
+            continue
         t1 = load(os.path.join(HERE, model, "sweep.json"))
         t0 = load(os.path.join(RESULTS, "stop-rules", model, "sweep.json"))
         w0, w1 = t0["trace"]["prompts"]["windows_sha256"], t1["trace"]["prompts"]["windows_sha256"]
