@@ -64,8 +64,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in t1["rows"]:
             o = rows0.get(r["name"])
-            cells = [r["name"], f"{r['mean_width']:.2f}", ci(r["tau"], r["tau_ci"]), ci(r["predicted"], r["predicted_ci"], 3),
-                     f"{r['regimes']['serial']['predicted']:.3f}"]
+            cells = [r["name"], f"{r['mean_width']:.2f}", ci(r["tau"], r["tau_ci"]),
+                     ci(r["predicted"], r["predicted_ci"], 3), f"{r['regimes']['serial']['predicted']:.3f}"]
             if o is None:
                 cells += ["—"] * 5
             else:
