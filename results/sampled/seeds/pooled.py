@@ -4,7 +4,8 @@ against rejection sampling at temperature 1").
 
     PYTHONPATH=src python results/sampled/seeds/pooled.py > results/sampled/seeds/pooled.md
 
-Seed 0 is results/sampled/{match,rejection}, seeds 1 and 2 results/sampled/seeds/s<seed>/<verify>.
+Seed 0 is results/sampled/{match,rejection}, seeds 1 and 2 results/sampled/seeds/s<seed>/<verify>;
+the last row is the seed-0 pair at top_p 0.95 (results/sampled/top-p-0.95/<verify>), the same prompts.
 Every run holds the same 32 prompts (checked: prompts_sha256). Pooled: per prompt, the counts
 (reached, accepted, steps, committed) summed over the three seeds, then the paired difference
 with the prompts resampled jointly: a prompt's three seeds stay together (they share its text),
@@ -28,10 +29,10 @@ def run_dir(seed: int, verify: str) -> str:
     return os.path.join(ROOT, verify) if seed == 0 else os.path.join(ROOT, "seeds", f"s{seed}", verify)
 
 
-def load(seed: int, verify: str) -> dict:
-    with open(os.path.join(run_dir(seed, verify), "summary.json")) as f:
+def load(seed: int, verify: str, folder: str | None = None, top_p: float | None = None) -> dict:
+    with open(os.path.join(folder or run_dir(seed, verify), "summary.json")) as f:
         s = json.load(f)
-    assert s["seed"] == seed and s["verify"] == verify and s["temperature"] == 1.0, (seed, verify)
+    assert (s["seed"], s["verify"], s["temperature"], s["top_p"]) == (seed, verify, 1.0, top_p), (seed, verify)
     return s
 
 
@@ -75,6 +76,18 @@ def main() -> None:
           f"{ci(d['tau'], d['tau_ci'])} | {ci(d['alpha'][0], d['alpha_ci'][0])} |")
     print(f"\npooled α_2, α_3: match − rejection {ci(d['alpha'][1], d['alpha_ci'][1])}, "
           f"{ci(d['alpha'][2], d['alpha_ci'][2])}")
+    tp = {v: load(0, v, os.path.join(ROOT, "top-p-0.95", v), 0.95) for v in ("match", "rejection")}
+    assert tp["match"]["prompts_sha256"] == tp["rejection"]["prompts_sha256"] == record["prompts_sha256"]
+    m, r = tp["match"], tp["rejection"]
+    d = paired_difference(m["counts_per_prompt"], r["counts_per_prompt"], seed=0)
+    record["top_p_0.95"] = {"tau": {"match": m["mean_accepted_length"], "rejection": r["mean_accepted_length"]},
+                            "rounds": {"match": m["counts"]["steps"], "rejection": r["counts"]["steps"]},
+                            "match_minus_rejection": d}
+    print(f"\ntop_p 0.95, seed 0: τ rejection {r['mean_accepted_length']:.3f} "
+          f"[{r['tau_ci'][0]:.3f}, {r['tau_ci'][1]:.3f}], "
+          f"match {m['mean_accepted_length']:.3f} [{m['tau_ci'][0]:.3f}, {m['tau_ci'][1]:.3f}], rounds "
+          f"{r['counts']['steps']} / {m['counts']['steps']}; match − rejection Δτ {ci(d['tau'], d['tau_ci'])}, "
+          f"Δα_1 {ci(d['alpha'][0], d['alpha_ci'][0])}")
     with open(os.path.join(ROOT, "seeds", "pooled.json"), "w") as f:
         json.dump(record, f, indent=1)
 
