@@ -1,11 +1,14 @@
-"""Seeded match against rejection on the glm5_next toy at T = 1 (k = 3, argmax drafts), over seeds
-0, 1, 2: each seed's paired difference, and the pooled one (RESULTS.md, "Seeded exact match
-against rejection sampling at temperature 1").
+"""Seeded match against rejection at T = 1 (k = 3, argmax drafts), over seeds 0, 1, 2: each seed's
+paired difference, and the pooled one (RESULTS.md, "Seeded exact match against rejection sampling
+at temperature 1").
 
     PYTHONPATH=src python results/sampled/seeds/pooled.py > results/sampled/seeds/pooled.md
+    PYTHONPATH=src python results/sampled/seeds/pooled.py glm5 > results/sampled/glm5-live/seeds/pooled.md
 
-Seed 0 is results/sampled/{match,rejection}, seeds 1 and 2 results/sampled/seeds/s<seed>/<verify>;
-the last row is the seed-0 pair at top_p 0.95 (results/sampled/top-p-0.95/<verify>), the same prompts.
+The glm5_next toy (default): seed 0 is results/sampled/{match,rejection}, seeds 1 and 2
+results/sampled/seeds/s<seed>/<verify>, and the last line the seed-0 pair at top_p 0.95
+(results/sampled/top-p-0.95/<verify>), the same prompts. ``glm5``: the GLM-5 toy's, under
+results/sampled/glm5-live/ (seed 0) and results/sampled/glm5-live/seeds/s<seed>/.
 Every run holds the same 32 prompts (checked: prompts_sha256). Pooled: per prompt, the counts
 (reached, accepted, steps, committed) summed over the three seeds, then the paired difference
 with the prompts resampled jointly: a prompt's three seeds stay together (they share its text),
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -25,8 +29,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # results/sa
 KEYS = ("reached", "accepted", "steps", "committed")
 
 
+BASE = {"next": (ROOT, os.path.join(ROOT, "seeds")),
+        "glm5": (os.path.join(ROOT, "glm5-live"), os.path.join(ROOT, "glm5-live", "seeds"))}
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "next"
+
+
 def run_dir(seed: int, verify: str) -> str:
-    return os.path.join(ROOT, verify) if seed == 0 else os.path.join(ROOT, "seeds", f"s{seed}", verify)
+    seed0, seeds = BASE[MODEL]
+    return os.path.join(seed0, verify) if seed == 0 else os.path.join(seeds, f"s{seed}", verify)
 
 
 def load(seed: int, verify: str, folder: str | None = None, top_p: float | None = None) -> dict:
@@ -76,6 +86,11 @@ def main() -> None:
           f"{ci(d['tau'], d['tau_ci'])} | {ci(d['alpha'][0], d['alpha_ci'][0])} |")
     print(f"\npooled α_2, α_3: match − rejection {ci(d['alpha'][1], d['alpha_ci'][1])}, "
           f"{ci(d['alpha'][2], d['alpha_ci'][2])}")
+    out = os.path.join(BASE[MODEL][1], "pooled.json")
+    if MODEL != "next":
+        with open(out, "w") as f:
+            json.dump(record, f, indent=1)
+        return
     tp = {v: load(0, v, os.path.join(ROOT, "top-p-0.95", v), 0.95) for v in ("match", "rejection")}
     assert tp["match"]["prompts_sha256"] == tp["rejection"]["prompts_sha256"] == record["prompts_sha256"]
     m, r = tp["match"], tp["rejection"]
@@ -88,7 +103,7 @@ def main() -> None:
           f"match {m['mean_accepted_length']:.3f} [{m['tau_ci'][0]:.3f}, {m['tau_ci'][1]:.3f}], rounds "
           f"{r['counts']['steps']} / {m['counts']['steps']}; match − rejection Δτ {ci(d['tau'], d['tau_ci'])}, "
           f"Δα_1 {ci(d['alpha'][0], d['alpha_ci'][0])}")
-    with open(os.path.join(ROOT, "seeds", "pooled.json"), "w") as f:
+    with open(out, "w") as f:
         json.dump(record, f, indent=1)
 
 
