@@ -124,3 +124,46 @@ def test_hf_sampled_record_counts_its_cuts(tmp_path, capsys):
     trace = open_trace(str(tmp_path / "trace"))
     assert len(trace.items) == 3 - t["items_dropped"] and meta["generation"]["sampler"]["name"] == NAME
     assert f"{t['items']} items cut" in capsys.readouterr().out
+
+
+def stop_sweep_rows(overrides):
+    """The stop sweep in-process (checked as its entry point checks it; its files and plots not
+    written): per row, its name and per-prompt counts (committed tokens and verify widths)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    from glm_mtp.experiments import stop_sweep
+
+    with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+        cfg = hydra_compose("stop_sweep", overrides=[*overrides, "logger=none", "speedup.costs=glm5"])
+    stop_sweep.check_sweep(cfg)
+    rec = stop_sweep.sweep(cfg)
+    return [(r["name"], r["counts"]) for r in rec["rows"]], rec
+
+
+def test_the_stop_sweep_replays_a_sampled_trace_as_live(sampled_tiny):
+    """The stop rules at T > 0 from a trace: the sweep's every row (fixed K, the oracle, each rule)
+    replayed under verify=match at the trace's settings equals the live sweep's, prompt by prompt;
+    the sampled trace refuses the sweep under verify=rejection, naming the key."""
+    from glm_mtp.experiments import stop_sweep
+
+    path, _ = sampled_tiny
+    sweep = ["num_drafts=2", "verify=match", *SAMPLING, "sweep.fixed_k=false",
+             "sweep.thresholds.prob=[0.05]",
+             "~sweep.thresholds.cumprob", "~sweep.thresholds.margin"]
+    live, _ = stop_sweep_rows([*TINY, *sweep])
+    replay, replay_rec = stop_sweep_rows(["model=tiny_random", "run.max_new_tokens=6", *sweep, f"trace.path={path}"])
+    assert replay == live
+    assert replay_rec["trace"]["generation"]["temperature"] == 1.0 and replay_rec["temperature"] == 1.0
+    rows = dict(live)
+    assert list(rows) == ["fixed k=2", "oracle (K=2)", "prob >= 0.05"]
+    assert any(w[0] for w in rows["prob >= 0.05"]["widths"])  # the rule trimmed somewhere (else says nothing)
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="glm_mtp.conf", version_base="1.3"):
+        cfg = hydra_compose("stop_sweep", overrides=["model=tiny_random", "run.max_new_tokens=6", "num_drafts=2",
+                                                     *SAMPLING, "verify=rejection", f"trace.path={path}",
+                                                     "logger=none"])
+    with pytest.raises(ValueError, match="verify"):
+        stop_sweep.check_sweep(cfg)
