@@ -9,9 +9,9 @@ summaries under results/finetune/:
   on the OOD judge half (the d1 head replayed there by ``acceptance``: ``domain/<model>/
   stdlib_tuned_on_judge/summary.json``) and on d1's 13 stdlib held-out prompts (the domain run's
   stdlib judge at those items); written to ``domain/<model>/vs_stdlib_tuned.json``.
-- ``depth/<model>/d1``, ``d3``: the same trace and seed tuned at ``finetune.depth`` 1 and 3; the
+- ``depth/<model>[/s<steps>]/d1``, ``d3``: the same trace and seed tuned at ``finetune.depth`` 1 and 3; the
   paired difference of the two tuned heads (d3 - d1) over the held-out prompts, by
-  ``loop.stats.paired_difference`` on their per-prompt counts, written to ``paired.json`` beside them (``DEPTH_DIRS``).
+  ``loop.stats.paired_difference`` on their per-prompt counts, written to ``paired.json`` beside them (``DEPTH_PAIRS``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from glm_mtp.experiments.loop.stats import paired_difference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("glm5next", "glm5")
-# Where each model's depth pair lies: the GLM-5 toy (index sharing off) tunes depth 3 in a loop
-# per proposal, ~33 s a step on the shared CPU, so its pair ran 30 steps (RESULTS.md says so).
-DEPTH_DIRS = {"glm5next": ("depth", "glm5next"), "glm5": ("depth", "glm5", "s30")}
+# Where each depth pair lies: the GLM-5 toy (index sharing off) tunes depth 3 in a loop per
+# proposal, 10-33 s a step on the shared CPU, so its pairs ran 30 and 100 steps (RESULTS.md says so).
+DEPTH_PAIRS = (("glm5next", ("depth", "glm5next")), ("glm5", ("depth", "glm5", "s30")),
+               ("glm5", ("depth", "glm5", "s100")))
 
 
 def load(*parts: str) -> dict[str, Any]:
@@ -101,13 +102,13 @@ def tau_of(counts: dict[str, Any]) -> float:
 def depth_table() -> list[str]:
     out = ["| model | steps | depth | loss train / held-out, last | tuned tau (alpha_1/2/3) | delta tau vs base [95%] "
            "| delta alpha_2 vs base | delta alpha_3 vs base |", "|---|---|---|---|---|---|---|---|"]
-    pairs = ["", "| model | d3 - d1: delta tau [95%] | delta alpha_1 | delta alpha_2 | delta alpha_3 |",
-             "|---|---|---|---|---|"]
-    for model in MODELS:
-        where = DEPTH_DIRS[model]
+    pairs = ["", "| model | steps | d3 - d1: delta tau [95%] | delta alpha_1 | delta alpha_2 | delta alpha_3 |",
+             "|---|---|---|---|---|---|"]
+    for model, where in DEPTH_PAIRS:
         s1, s3 = load(*where, "d1"), load(*where, "d3")
-        if s1["split"] != s3["split"] or s1["replay"]["counts"]["base"] != s3["replay"]["counts"]["base"]:
-            raise SystemExit(f"{model}: d1 and d3 were not judged on the same prompts with the same base")
+        same_base = s1["replay"]["counts"]["base"] == s3["replay"]["counts"]["base"]
+        if s1["steps"] != s3["steps"] or s1["split"] != s3["split"] or not same_base:
+            raise SystemExit(f"{model}: {where}'s d1 and d3 differ in steps, prompts or base")
         for depth, s in (("1", s1), ("3", s3)):
             r, last = s["replay"], s["loss"][-1]
             out.append(f"| {model} | {s['steps']} | {depth} | {last['train']:.3f} / {last['heldout']:.3f} "
@@ -117,7 +118,7 @@ def depth_table() -> list[str]:
         with open(os.path.join(HERE, *where, "paired.json"), "w") as f:
             json.dump({"d3_minus_d1": d, "prompts": s1["replay"]["prompts"], "seed": 0}, f, indent=1)
         alphas = " | ".join(ci([a, *c]) for a, c in zip(d["alpha"], d["alpha_ci"]))
-        pairs.append(f"| {model} | **{ci([d['tau'], *d['tau_ci']])}** | {alphas} |")
+        pairs.append(f"| {model} | {s1['steps']} | **{ci([d['tau'], *d['tau_ci']])}** | {alphas} |")
     return out + pairs
 
 
