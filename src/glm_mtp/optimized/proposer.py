@@ -305,7 +305,7 @@ class OptimizedProposer:
             constrained = grammar is not None and k > 0
             with writing(st, "propose"):
                 restore = self._keep_for_restore(st, position, k) if constrained else None
-                self.programs.run_draft(st, k)
+                self.programs.run_draft_steps(st, k)
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             if not constrained or values[0] != CHECK_OK:
                 drafts = self._finish_propose(st, values, position, k)
@@ -331,7 +331,7 @@ class OptimizedProposer:
             if grammar is not None and k > 0:
                 return self._propose_sampled_masked(st, grammar, position, k)
             with writing(st, "propose_sampled"):
-                self.programs.run_draft(st, k, sampled=True)
+                self.programs.run_sampled_draft_steps(st, k)
                 q = (
                     st.sample_buffers(k, self.config.vocab_size)[1].clone()
                     if k
@@ -377,14 +377,14 @@ class OptimizedProposer:
     def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
               restore) -> Walk:
         """Walk the matcher over the read-back ``drafts``; a forbidden draft redoes its step and
-        the later ones (``programs.draft`` with ``first``) and reads them back. A refusal by the
+        the later ones (``programs.redo_from``) and reads them back. A refusal by the
         matcher puts the state back as found (``restore``) before the ``ValueError``."""
         bufs = st.draft_buffers(k, self.config.vocab_size)
 
         def redo(i: int, masks: Tensor) -> list[int]:
             with writing(st, "propose"):
                 bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
-                self.programs.run_draft(st, k, first=i, masked=True)
+                self.programs.run_redo_from(st, k, i)
                 return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
         try:
@@ -406,7 +406,7 @@ class OptimizedProposer:
     def _propose_sampled_masked(self, st: OptimizedState, grammar: Matcher, position: int, k: int) -> SampledDrafts:
         """``propose_sampled`` under a grammar: before step i the host stops on a terminated
         matcher or an empty mask, else copies step i's mask to the device and runs the step
-        (``programs.draft``, sampled and masked), reads its draft back and accepts it."""
+        (``programs.masked_sampled_step``), reads its draft back and accepts it."""
         V = self.config.vocab_size
         bufs = st.draft_buffers(k, V)
         masks = host_masks(k, V)
@@ -426,7 +426,7 @@ class OptimizedProposer:
                     break
                 with writing(st, "propose_sampled"):
                     bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
-                    self.programs.run_draft(st, k, sampled=True, first=i, last=i + 1, masked=True)
+                    self.programs.run_masked_sampled_step(st, k, i)
                     values = read_back(st.out[: i + 2])  # the check code and the drafts so far
                 if i == 0 and values[0] != SAMPLED_CHECK_OK:
                     raise ValueError(self._refusal(values[0], st.tok_in))  # nothing was written
@@ -525,7 +525,7 @@ class OptimizedProposer:
             before = st.seq_len
             position, k = self._propose_inputs(st, "propose_device", last_token, target_hidden, position, num_drafts)
             with writing(st, "propose_device"):
-                self.programs.run_draft(st, k)
+                self.programs.run_draft_steps(st, k)
             commit(st, "propose_device", position, k, k)
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
             self._pending_confidence(st, k, k)
@@ -689,7 +689,7 @@ class OptimizedProposer:
                         st.ok.fill_(True)
                         handed[0] = True
                     bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
-                    self.programs.run_draft(st, k, first=i, masked=True)
+                    self.programs.run_redo_from(st, k, i)
                     return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
             try:
@@ -747,7 +747,7 @@ class OptimizedProposer:
                 self._fill_inputs(st, a)
                 restore = self._keep_for_restore(st, a.position, k) if constrained else None
                 restores.append(restore)
-                self.programs.run_draft(st, k)
+                self.programs.run_draft_steps(st, k)
                 values = read_back(st.out[: k + 1])
             if a.grammar is None or k == 0:
                 drafts.append(values[1:])

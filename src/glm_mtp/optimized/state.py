@@ -120,7 +120,8 @@ class OptimizedState(DrafterState):
         unfused_share: the per-primitive block's index-sharing selection of the last propose (a
             grammar's redo from step i >= 2 attends it, as the propose's later steps did).
         graphs: captured CUDA graphs by ``graphs.GraphKey``: one per ``num_drafts`` (argmax and
-            sampled apart) and one for the one-row catch-up.
+            sampled apart), one per redo step and masked sampled step of a grammar's proposes,
+            and one for the one-row catch-up.
         graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
         unsettled: a ``propose_device`` the host has not yet confirmed.
         deferred_error: the message of a discarded ``propose_device``, raised by the next
