@@ -179,6 +179,7 @@ class OptimizedState(DrafterState):
     def sample_buffers(self, k: int, vocab_size: int) -> tuple[Tensor, Tensor]:
         """The static ``(noise, q)`` of a sampled propose of ``k`` drafts, allocated on first use."""
         if k not in self.sample_bufs:
+            assert self.temp is not None, "sample_buffers: the state is freed"
             A = self.temp.dtype
             self.sample_bufs[k] = (torch.ones(k, vocab_size, dtype=A, device=self.device),
                                    torch.zeros(k, vocab_size, dtype=A, device=self.device))
@@ -198,7 +199,9 @@ class OptimizedState(DrafterState):
         """Every tensor the state holds (empty once freed)."""
         if self.released:
             return []
-        found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
+        assert self.row_table is not None, "a state holds its address table until released"
+        found: list[Tensor | None] = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x,
+                                      self.row_table.addresses]
         if self.cache.kpool is not None:
             found += [self.cache.kpool.gates, self.cache.kpool.keys, self.cache.kpool.complete]
         found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots,
