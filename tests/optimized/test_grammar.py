@@ -47,16 +47,15 @@ def _same_confidence(ref, rs, opt, os_):
 
 
 def _redos(monkeypatch):
-    """Counts the redo programs the optimized drafter runs (``draft`` with a first step > 0 or masked)."""
+    """Counts the redo programs the optimized drafter runs (``redo_from``), by their first step."""
     seen = []
-    real = programs_mod.DevicePrograms.run_draft
+    real = programs_mod.DevicePrograms.run_redo_from
 
-    def spy(self, st, k, sampled=False, first=0, last=None, masked=False):
-        if masked and not sampled:
-            seen.append(first)
-        return real(self, st, k, sampled, first, last, masked)
+    def spy(self, st, k, first):
+        seen.append(first)
+        return real(self, st, k, first)
 
-    monkeypatch.setattr(programs_mod.DevicePrograms, "run_draft", spy)
+    monkeypatch.setattr(programs_mod.DevicePrograms, "run_redo_from", spy)
     return seen
 
 

@@ -163,4 +163,4 @@ def test_lockstep_sampled_cuda(weights, make_inputs, lockstep, cuda_graphs):
     results = play(ls, make_inputs(w, seed=3), w, 8, 0.8, seed=11)
     assert all(r.q.is_cuda for r in results)
     if cuda_graphs:
-        assert set(ls.os.graphs) <= {GraphKey.draft(k, sampled=True) for k in range(1, 5)} and ls.os.graphs
+        assert set(ls.os.graphs) <= {GraphKey.sampled_draft(k) for k in range(1, 5)} and ls.os.graphs

@@ -1,5 +1,5 @@
 """CUDA-graph capture and replay of a state's static programs (the k draft steps, argmax or sampled,
-the one-row catch-up).
+a grammar's redo and masked sampled step, the one-row catch-up).
 
 A program reads only the state's static buffers and writes only into them, and running it twice
 on the same inputs gives the same bytes (each step rewrites the rows it later reads). So the
@@ -15,35 +15,48 @@ from typing import Any, Callable, Literal
 
 import torch
 
-Program = Literal["draft", "sampled", "catchup"]
+Program = Literal["draft", "sampled", "redo", "masked_sampled_step", "catchup"]
 
 
 @dataclass(frozen=True)
 class GraphKey:
     """Which captured program a graph is: ``program`` (``draft`` the k argmax draft steps,
-    ``sampled`` the k sampled ones, ``catchup`` one context row per state), its ``num_drafts``
-    (0 for a catch-up), the ``rows`` it runs (1 for one state; a batch's bucket), and for a
-    grammar's programs (DESIGN.md §10) the steps ``first`` .. ``last - 1`` it runs (a redo from a
-    forbidden step, or a sampled step drawn under its mask) and whether it reads the masks."""
+    ``sampled`` the k sampled ones, and a grammar's (DESIGN.md §10) ``redo`` from a forbidden
+    step and ``masked_sampled_step``, one sampled step drawn under its mask; ``catchup`` one
+    context row per state), its ``num_drafts`` (0 for a catch-up), the ``rows`` it runs (1 for
+    one state; a batch's bucket), and ``step``: the redo's first step, or the sampled step's
+    index (0-based; 0 for the others)."""
 
     program: Program
     num_drafts: int = 0
     rows: int = 1
-    first: int = 0
-    last: int | None = None
-    masked: bool = False
+    step: int = 0
 
     @classmethod
-    def draft(cls, num_drafts: int, *, sampled: bool = False, rows: int = 1, first: int = 0, last: int | None = None,
-              masked: bool = False) -> GraphKey:
-        """The k-draft propose's key (argmax, or ``sampled``; steps ``first`` .. ``last - 1``)."""
-        return cls("sampled" if sampled else "draft", num_drafts, rows, first,
-                   None if last is None or last == num_drafts else last, masked)
+    def draft(cls, num_drafts: int, *, rows: int = 1) -> GraphKey:
+        """The k argmax draft steps' key (of one state, or of a batch's ``rows``)."""
+        return cls("draft", num_drafts, rows)
+
+    @classmethod
+    def sampled_draft(cls, num_drafts: int) -> GraphKey:
+        """The k sampled draft steps' key."""
+        return cls("sampled", num_drafts)
+
+    @classmethod
+    def redo(cls, num_drafts: int, first: int) -> GraphKey:
+        """The key of a k-draft propose's redo from its forbidden step ``first``."""
+        return cls("redo", num_drafts, 1, first)
+
+    @classmethod
+    def masked_sampled_step(cls, num_drafts: int, step: int) -> GraphKey:
+        """The key of a k-draft propose's sampled step ``step`` under its mask."""
+        return cls("masked_sampled_step", num_drafts, 1, step)
 
     @classmethod
     def catchup(cls, rows: int = 1) -> GraphKey:
         """The one-row catch-up's key (one row for each of ``rows`` states)."""
         return cls("catchup", 0, rows)
+
 
 # One side stream per device for every warm-up and capture: cuBLAS keeps a workspace per stream
 # for the life of the process, so a fresh stream per state would grow memory with every state.

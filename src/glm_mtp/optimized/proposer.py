@@ -307,7 +307,7 @@ class OptimizedProposer:
             constrained = grammar is not None and k > 0
             with writing(st, "propose"):
                 restore = self._keep_for_restore(st, position, k) if constrained else None
-                self.programs.run_draft(st, k)
+                self.programs.run_draft_steps(st, k)
                 values = read_back(st.out[: k + 1])  # the one sync: the check code and the drafts
             if not constrained or values[0] != CHECK_OK:
                 drafts = self._finish_propose(st, values, position, k)
@@ -334,7 +334,7 @@ class OptimizedProposer:
                 assert first is not None  # asked with the checks of every propose that drafts under a grammar
                 return self._propose_sampled_masked(st, grammar, position, k, first)
             with writing(st, "propose_sampled"):
-                self.programs.run_draft(st, k, sampled=True)
+                self.programs.run_sampled_draft_steps(st, k)
                 q = (
                     st.sample_buffers(k, self.config.vocab_size)[1].clone()
                     if k
@@ -380,7 +380,7 @@ class OptimizedProposer:
     def _walk(self, st: OptimizedState, grammar: Matcher, drafts: list[int], position: int, k: int,
               restore, first: FirstStep | None, call: str = "propose") -> Walk:
         """Walk the matcher over the read-back ``drafts`` (step 1 answered by ``first``); a
-        forbidden draft redoes its step and the later ones (``programs.draft`` with ``first``) and
+        forbidden draft redoes its step and the later ones (``programs.redo_from``) and
         reads them back. A refusal by the matcher puts the state back as found (``restore``)
         before the ``ValueError``; any other failure of the matcher comes after the program wrote
         the rows, so it poisons the state (``writing``), as in the reference."""
@@ -389,7 +389,7 @@ class OptimizedProposer:
         def redo(i: int, masks: Tensor) -> list[int]:
             with writing(st, "propose"):
                 bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
-                self.programs.run_draft(st, k, first=i, masked=True)
+                self.programs.run_redo_from(st, k, i)
                 return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
         try:
@@ -413,9 +413,9 @@ class OptimizedProposer:
                                 first: FirstStep) -> SampledDrafts:
         """``propose_sampled`` under a grammar: before step i the host stops on a terminated
         matcher or an empty mask (step 1: ``first``, asked with the checks), else copies step i's
-        mask to the device and runs the step (``programs.draft``, sampled and masked), reads its
-        draft back and accepts it. The matcher is asked from step 2 on, after step 1 wrote its
-        row: a failure of it then poisons the state (``writing``), as in the reference."""
+        mask to the device and runs the step (``programs.masked_sampled_step``), reads its draft
+        back and accepts it. The matcher is asked from step 2 on, after step 1 wrote its row: a
+        failure of it then poisons the state (``writing``), as in the reference."""
         V = self.config.vocab_size
         bufs = st.draft_buffers(k, V)
         masks = host_masks(k, V)
@@ -437,7 +437,7 @@ class OptimizedProposer:
                     break
                 with writing(st, "propose_sampled"):
                     bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
-                    self.programs.run_draft(st, k, sampled=True, first=i, last=i + 1, masked=True)
+                    self.programs.run_masked_sampled_step(st, k, i)
                     values = read_back(st.out[: i + 2])  # the check code and the drafts so far
                 if i == 0 and values[0] != SAMPLED_CHECK_OK:
                     raise ValueError(self._refusal(values[0], st.tok_in))  # nothing was written
@@ -537,7 +537,7 @@ class OptimizedProposer:
             position, k, _ = self._propose_inputs(st, "propose_device", last_token, target_hidden, position,
                                                   num_drafts)
             with writing(st, "propose_device"):
-                self.programs.run_draft(st, k)
+                self.programs.run_draft_steps(st, k)
             commit(st, "propose_device", position, k, k)
             st.unsettled = Unsettled(seq_len=before, num_drafts=k)
             self._pending_confidence(st, k, k)
@@ -701,7 +701,7 @@ class OptimizedProposer:
                         st.ok.fill_(True)
                         handed[0] = True
                     bufs.masks[i : i + 1].copy_(masks[i : i + 1], non_blocking=True)
-                    self.programs.run_draft(st, k, first=i, masked=True)
+                    self.programs.run_redo_from(st, k, i)
                     return read_back(st.out[1 + i : k + 1])  # one more sync per forbidden step
 
             try:
@@ -760,7 +760,7 @@ class OptimizedProposer:
                 self._fill_inputs(st, a)
                 restore = self._keep_for_restore(st, a.position, k) if constrained else None
                 restores.append(restore)
-                self.programs.run_draft(st, k)
+                self.programs.run_draft_steps(st, k)
                 values = read_back(st.out[: k + 1])
             if a.grammar is None or k == 0:
                 drafts.append(values[1:])

@@ -120,7 +120,8 @@ class OptimizedState(DrafterState):
         unfused_share: the per-primitive block's index-sharing selection of the last propose (a
             grammar's redo from step i >= 2 attends it, as the propose's later steps did).
         graphs: captured CUDA graphs by ``graphs.GraphKey``: one per ``num_drafts`` (argmax and
-            sampled apart) and one for the one-row catch-up.
+            sampled apart), one per redo step and masked sampled step of a grammar's proposes,
+            and one for the one-row catch-up.
         graph_pool: the CUDA graphs' shared memory pool (its graphs replay one at a time).
         unsettled: a ``propose_device`` the host has not yet confirmed.
         deferred_error: the message of a discarded ``propose_device``, raised by the next
@@ -178,6 +179,7 @@ class OptimizedState(DrafterState):
     def sample_buffers(self, k: int, vocab_size: int) -> tuple[Tensor, Tensor]:
         """The static ``(noise, q)`` of a sampled propose of ``k`` drafts, allocated on first use."""
         if k not in self.sample_bufs:
+            assert self.temp is not None, "sample_buffers: the state is freed"
             A = self.temp.dtype
             self.sample_bufs[k] = (torch.ones(k, vocab_size, dtype=A, device=self.device),
                                    torch.zeros(k, vocab_size, dtype=A, device=self.device))
@@ -197,7 +199,9 @@ class OptimizedState(DrafterState):
         """Every tensor the state holds (empty once freed)."""
         if self.released:
             return []
-        found = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x, self.row_table.addresses]
+        assert self.row_table is not None, "a state holds its address table until released"
+        found: list[Tensor | None] = [self.cache.kv_pool, self.cache.index_pool, self.cache.block_table, self.x,
+                                      self.row_table.addresses]
         if self.cache.kpool is not None:
             found += [self.cache.kpool.gates, self.cache.kpool.keys, self.cache.kpool.complete]
         found += [self.tok_in, self.hid_in, self.pos, self.seq_dev, self.ok, self.always, self.out, self.slots,

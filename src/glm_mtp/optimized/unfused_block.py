@@ -242,12 +242,14 @@ none), and a list's values do not depend on its padded width.
     ``index_shared``: an index-shared draft step's kept selection (DESIGN.md §9): the writes, then
     ``index_shared`` returned, none of the query side run.
     Returns ``rows`` (T, K), ``count`` (T,)."""
+    kpc = cache.kpool
+    assert ix.kpool_gate is not None and kpc is not None, "a glm5_next layer has a KPool gate and cache"
     gated_pool_writes(ix, cfg, ops.linear(a, ix.kpool_gate), slots, cache, ok, kernel_set)
     if index_shared is not None:
         return index_shared
     # (T, Hi * D), (T, Hi): kpool_queries' GEMVs
     q_raw, w_raw = ops.linear(q_latent, ix.wq_b), ops.linear(a, ix.weights_proj)
-    keys = cache.kpool.keys
+    keys = kpc.keys
     if kernel_set is not None and kernel_set.use_triton(keys) and keys.dtype in KPOOL_DTYPES:
         scores = pool_scores_triton(cfg, q_raw, w_raw, cache, slots)  # (T, P): written at the visible pools only
         return select_pool_rows_triton(cfg, scores, slots)

@@ -319,7 +319,8 @@ def _storage_flags(dtype: torch.dtype, cuda: bool) -> dict[str, object]:
     return dict(S_BF16=dtype == torch.bfloat16, S_F16=dtype == torch.float16, NAN_BITS=0x7FFF if cuda else 0xFFFF)
 
 
-def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], *, pro: int, epi: int, K: int,
+def _fused_launch(x: Tensor, weights: Sequence[Tensor | BlockScaledWeight], outs: Sequence[Tensor], *, pro: int,
+                  epi: int, K: int,
                   s_dtype: torch.dtype, cuda: bool, eps: float = 0.0, norm_weight: Tensor | None = None,
                   emb: Tensor | None = None, tokens: Tensor | None = None, slots: Tensor | None = None,
                   hnorm: Tensor | None = None, residual: Tensor | None = None, normed: Tensor | None = None,
@@ -331,10 +332,13 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
     T = x.shape[0]
     nw = len(weights)
     Ns = [w.shape[0] for w in weights]
-    fp8 = isinstance(weights[0], BlockScaledWeight)
+    scaled = [w for w in weights if isinstance(w, BlockScaledWeight)]
+    mats = [w for w in weights if not isinstance(w, BlockScaledWeight)]  # plain: the matrices themselves
+    assert not (scaled and mats), "_fused_launch: block-scaled weights come all of them or none"
+    fp8 = bool(scaled)
     if fp8:
-        scales = [w.scale_inv for w in weights]
-        weights = [w.w8.view(torch.uint8) if w.w8.dtype != torch.uint8 else w.w8 for w in weights]
+        scales = [w.scale_inv for w in scaled]
+        mats = [w.w8.view(torch.uint8) if w.w8.dtype != torch.uint8 else w.w8 for w in scaled]
         block_t, block_n = fp8_linear_blocks(T, max(Ns))
         block_k = FP8_BLOCK[1]
         nchunk = numerics.next_pow2(-(-K // block_k))
@@ -345,7 +349,7 @@ def _fused_launch(x: Tensor, weights: Sequence[Tensor], outs: Sequence[Tensor], 
     starts = [sum(blocks[:i]) for i in range(MAX_WEIGHTS)]
     H = K // 2 if pro == PRO_HALVES else K
     pad = MAX_WEIGHTS - nw
-    ws = list(weights) + [weights[0]] * pad
+    ws = mats + [mats[0]] * pad
     os_ = list(outs) + [outs[0]] * pad
     ns = Ns + [Ns[0]] * pad
     sws = [w.stride(0) for w in ws]
