@@ -4,11 +4,11 @@ logged to the configured logger (W&B offline, or none)."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, cast
 
 from ..loop import speedup as spd
+from ..reporting.kept import replaced, write_json
 from .lines import run_lines
 from .plot import plot_acceptance
 
@@ -32,13 +32,14 @@ def write(cfg: Any, summary: dict[str, Any], run_dir: str) -> None:
     for line in printed:
         print(line)
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(run_dir, "summary.json"), summary)  # whole or not at all (reporting.kept)
     png = os.path.join(run_dir, "acceptance.png")
-    plot_acceptance(summary, png)
-    spd.plot_speedup(speedup, os.path.join(run_dir, "speedup.png"),
-                     f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs "
-                     f"{speedup['costs']}", released=speedup["released"])
+    with replaced(png) as tmp:
+        plot_acceptance(summary, tmp)
+    with replaced(os.path.join(run_dir, "speedup.png")) as tmp:
+        spd.plot_speedup(speedup, tmp,
+                         f"{mode}, {source}, k ≤ {k}: S(k) = τ(k) / (1 + k·{speedup['c']:.2f} + v(k)), costs "
+                         f"{speedup['costs']}", released=speedup["released"])
 
     config = cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))  # a composed config: str keys
     log = make_logger(cfg.logger, run_dir, config, job_type="acceptance",
