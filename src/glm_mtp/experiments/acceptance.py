@@ -54,11 +54,9 @@ write); this module only parses the config, checks it and calls it.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from .acceptance_job.run import run
-from .reporting.measured import LateFailure
 from .settings.validate import check_acceptance_run
 
 
@@ -71,11 +69,7 @@ def main() -> None:
         if cfg.get("group") is None and hc.mode is not None and hc.mode.name == "MULTIRUN":
             with open_dict(cfg):  # a sweep's runs share a W&B group: its directory's name
                 cfg.group = os.path.basename(os.path.normpath(hc.sweep.dir))
-        try:
-            run(cfg, hc.runtime.output_dir)
-        except LateFailure as e:  # one line: what was measured is on disk
-            print(f"python -m glm_mtp.experiments.acceptance: error: {e}", file=sys.stderr)
-            sys.exit(1)
+        run(cfg, hc.runtime.output_dir)  # a LateFailure is one line, exit 1 (hydra_main)
 
     hydra_main("config", "python -m glm_mtp.experiments.acceptance", check_acceptance_run, body)
 

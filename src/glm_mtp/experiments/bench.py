@@ -65,8 +65,8 @@ from glm_mtp.tools.counters import LaunchCounter
 from glm_mtp.tools.floor import H200_BYTES_PER_S, GRAPH_LAUNCH_S, floor_bytes_per_draft, project_step
 from glm_mtp.tools.timing import BENCH_DTYPES, copy_bandwidth, state_nbytes, timed
 
-from .reporting.kept import RecordLog, late_failure, replaced, write_json, write_text
-from .reporting.measured import LateFailure
+from .reporting.kept import RecordLog, keeping, late_failure, replaced, write_json, write_text
+from .settings.entry import exit_on_late_failure
 from .settings.validate import unwritable_dir
 
 # Presets whose draft step the launch counters measure by default (the interpreter is slow).
@@ -336,18 +336,14 @@ def run(bc: BenchConfig) -> list[dict[str, Any]]:
     bandwidth = copy_bandwidth(device, bc.copy_mib * 2**20)
     records: list[dict[str, Any]] = []
     kept = RecordLog(os.path.join(bc.out, RECORDS_FILE))
-    try:
-        with tqdm(total=len(bc.presets) * len(bc.drafts) * bc.repeats, desc="bench", unit="round") as progress:
-            for preset in bc.presets:
-                progress.set_postfix(preset=preset)
-                measured = bench_preset(bc, preset, bandwidth, progress)
-                for r in measured:
-                    kept.append(r)
-                records += measured
-    except Exception as e:
-        if not kept.count:
-            raise
-        raise late_failure(f"the bench, after {kept.count} record(s)", e, [kept.path]) from e
+    with keeping("the bench", kept), \
+            tqdm(total=len(bc.presets) * len(bc.drafts) * bc.repeats, desc="bench", unit="round") as progress:
+        for preset in bc.presets:
+            progress.set_postfix(preset=preset)
+            measured = bench_preset(bc, preset, bandwidth, progress)
+            for r in measured:
+                kept.append(r)
+            records += measured
     try:
         write_bench(bc, records, bandwidth)
     except Exception as e:
@@ -395,15 +391,11 @@ def run_target_costs(bc: BenchConfig) -> dict[str, Any]:
     kmax = max(bc.drafts)
     per_backend = {}
     kept = RecordLog(os.path.join(bc.out, RECORDS_FILE))
-    try:
+    with keeping("the target costs", kept, "backend(s)"):
         for name in bc.backends:
             proposer = make_proposer(name, model.mtp, max_seq_len)
             per_backend[name] = {**measure_costs(target, proposer, kmax, context, bc.repeats), "backend": name}
             kept.append(per_backend[name])
-    except Exception as e:
-        if not kept.count:
-            raise
-        raise late_failure(f"the target costs, after {kept.count} backend(s)", e, [kept.path]) from e
     first = per_backend[bc.backends[0]]
     glm5 = glm5_costs(kmax)
     meta = dict(device=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
@@ -595,11 +587,7 @@ PROG = "python -m glm_mtp.experiments.bench"
 
 def main(argv: list[str] | None = None) -> None:
     bc = parse_args(argv)
-    try:
-        measure_and_print(bc)
-    except LateFailure as e:  # one line: what was measured is on disk
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    exit_on_late_failure(PROG, lambda: measure_and_print(bc))
 
 
 def measure_and_print(bc: BenchConfig) -> None:

@@ -40,8 +40,8 @@ from glm_mtp.reference import MtpConfig, MtpWeights
 from glm_mtp.registry import parse_dtype
 from glm_mtp.tools.timing import BENCH_DTYPES, timed
 
-from .reporting.kept import RecordLog, late_failure, replaced, write_json, write_text
-from .reporting.measured import LateFailure
+from .reporting.kept import RecordLog, keeping, replaced, write_json, write_text
+from .settings.entry import exit_on_late_failure
 from .settings.validate import unwritable_dir
 
 
@@ -224,11 +224,7 @@ RECORDS_FILE = "records.jsonl"
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    try:
-        run(a)
-    except LateFailure as e:  # one line: what was measured is on disk
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    exit_on_late_failure(PROG, lambda: run(a))
 
 
 def run(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -241,7 +237,7 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
     weights = MtpWeights.random(MtpConfig.preset(a.preset), seed=a.seed, dtype=parse_dtype(a.dtype), device=device)
     records: list[dict[str, Any]] = []
     kept = RecordLog(os.path.join(a.out, RECORDS_FILE))
-    try:
+    with keeping("bench_batch", kept, "batch size(s)", also=[os.path.join(a.out, "bench_batch.json")]):
         with tqdm(total=len(a.batch_sizes) * (a.warmup + a.repeats), desc="bench_batch", unit="round") as progress:
             for B in a.batch_sizes:
                 progress.set_postfix(batch=B)
@@ -253,11 +249,6 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
             for r in records:
                 r.update(counted[r["batch"]])
         write_files(a, records)
-    except Exception as e:
-        if not kept.count:
-            raise
-        raise late_failure(f"bench_batch, after {kept.count} batch size(s)", e,
-                           [os.path.join(a.out, "bench_batch.json"), kept.path]) from e
     return records
 
 

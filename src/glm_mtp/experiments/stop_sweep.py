@@ -47,7 +47,7 @@ from .loop.oracle import oracle_per_prompt
 from .loop.stop_rules import NO_STOP, STOP_RULES, StopRule, check_stop_rule
 from .loop.speculative import SpecStats, SpeculativeDecoder, make_proposer, speculative_results, teacher_forced
 from .settings.sampling import decoder_sampling
-from .reporting.kept import RecordLog, late_failure, replaced, write_json, write_text
+from .reporting.kept import RecordLog, keeping, late_failure, replaced, write_json, write_text
 
 SWEPT_RULES = tuple(r for r in STOP_RULES if r != "none")
 # v(s) beside the run's costs, c kept: ``flat`` a verify of any width as cheap as a decode step
@@ -451,12 +451,8 @@ def run(cfg: Any, run_dir: str) -> dict[str, Any]:
     Returns the record. Each finished row is in ``run_dir/rows.jsonl`` as it finishes; a failure
     after one is a ``LateFailure`` naming what was kept (``reporting.kept``)."""
     rows_log = RecordLog(os.path.join(run_dir, ROWS_FILE))
-    try:
+    with keeping("the sweep", rows_log, "row(s)"):
         record = rescore(cfg) if cfg.sweep.get("rescore") is not None else sweep(cfg, rows_log)
-    except Exception as e:
-        if not rows_log.count:
-            raise
-        raise late_failure(f"the sweep, after {rows_log.count} row(s)", e, [rows_log.path]) from e
     try:
         write(cfg, record, run_dir)
     except Exception as e:

@@ -101,3 +101,17 @@ def late_failure(stage: str, error: BaseException, kept: list[str | None]) -> La
     there = [k for k in kept if k is not None and os.path.exists(k)]
     where = ("what it measured is in " + ", ".join(there)) if there else "nothing it measured was written"
     return LateFailure(f"{stage} failed ({type(error).__name__}: {why}); {where}")
+
+
+@contextlib.contextmanager
+def keeping(stage: str, log: RecordLog, unit: str = "record(s)", also: list[str | None] | None = None
+            ) -> Iterator[None]:
+    """The measuring ``stage``, appending to ``log``: a failure once ``log`` holds a record is one
+    ``LateFailure`` naming ``log``'s file (and ``also``, those that exist); a failure before the
+    first record measured nothing and is raised as it is."""
+    try:
+        yield
+    except Exception as e:
+        if not log.count:
+            raise
+        raise late_failure(f"{stage}, after {log.count} {unit}", e, [*(also or []), log.path]) from e

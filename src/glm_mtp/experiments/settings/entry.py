@@ -17,12 +17,8 @@ def hydra_main(config_name: str, prog: str, check: Callable[[Any], None], body: 
     names it in messages), after ``check(cfg)``; a ``ValueError`` from ``check`` exits 2. A
     ``LateFailure`` from ``body`` (it failed after it measured, ``reporting.kept``) is one line
     naming what it kept, exit status 1."""
-    import sys
-
     import hydra
     from hydra.core.hydra_config import HydraConfig
-
-    from ..reporting.measured import LateFailure
 
     @hydra.main(version_base="1.3", config_path="pkg://glm_mtp.conf", config_name=config_name)
     def _main(cfg: Any) -> None:
@@ -30,13 +26,23 @@ def hydra_main(config_name: str, prog: str, check: Callable[[Any], None], body: 
         exit_on_bad_config(check, cfg, hc.runtime.output_dir, prog)
         if first_job_of_sweep(hc):  # every later job is checked before the first one works
             exit_on_bad_config(lambda _: check_later_jobs(check, config_name, hc), cfg, hc.runtime.output_dir, prog)
-        try:
-            body(cfg, hc)
-        except LateFailure as e:  # one line: what was measured is on disk
-            print(f"{prog}: error: {e}", file=sys.stderr)
-            sys.exit(1)
+        exit_on_late_failure(prog, lambda: body(cfg, hc))
 
     _main()
+
+
+def exit_on_late_failure(prog: str, job: Callable[[], Any]) -> None:
+    """Run ``job``; a ``LateFailure`` (it failed after it measured; what it measured is on
+    disk) is one line on stderr and exit status 1, not a traceback."""
+    import sys
+
+    from ..reporting.measured import LateFailure
+
+    try:
+        job()
+    except LateFailure as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def first_job_of_sweep(hc: Any) -> bool:

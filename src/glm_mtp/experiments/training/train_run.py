@@ -38,7 +38,7 @@ from glm_mtp.reference.numerics import VENDOR
 from glm_mtp.reference.state import BLOCK_ROWS, LayerCache, num_blocks
 from glm_mtp.reference.weights import MoeWeights, MtpWeights, mtp_tensor_shapes, random_tensor
 
-from ..reporting.kept import RecordLog, late_failure, replaced, write_json
+from ..reporting.kept import RecordLog, keeping, late_failure, replaced, write_json
 from .bpe import BpeTokenizer
 from .corpus import Corpus, Split, corpus_split, read_item
 from .indexer_loss import IndexerDistill
@@ -437,12 +437,8 @@ def run(cfg: Any, run_dir: str, command: str = "python -m glm_mtp.experiments.tr
     # Every step's record and every held-out evaluation, on disk as it is made (reporting.kept):
     # a failure later in the run (a step, the checkpoint, the plot, the logger) keeps them.
     records = RecordLog(os.path.join(run_dir, TRAINING_LOG))
-    try:
+    with keeping("training", records):
         history, evals, steps = train_loop(cfg, m, opt, eval_windows, log, t0, records)
-    except Exception as e:
-        if not records.count:
-            raise
-        raise late_failure(f"training, after {records.count} record(s)", e, [records.path]) from e
     minutes = (time.perf_counter() - t0) / 60
     recent = history[-t.log_every:]
     final = {**evals[-1], "train_target_loss": sum(h["target_loss"] for h in recent) / len(recent),
